@@ -1,0 +1,48 @@
+"""Where things are on the device: one place for every path and unit name.
+
+Each can be moved for tests with an environment variable of the same name prefixed APPLIANCE_
+(e.g. APPLIANCE_RUN_DIR), so tests run the real code against a temporary tree.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _path(name: str, default: str) -> Path:
+    return Path(os.environ.get(f"APPLIANCE_{name}", default))
+
+
+# Read-only, in the verity-protected /usr
+LIB_DIR = _path("LIB_DIR", "/usr/lib/appliance")
+CONFIG_JSON = LIB_DIR / "appliance.json"  # Config.to_json() of the build
+MANIFEST = LIB_DIR / "manifest.json"  # the signed release manifest
+MANIFEST_SIG = LIB_DIR / "manifest.json.sig"  # detached Ed25519 signature
+TRUSTED_KEYS_DIR = LIB_DIR / "keys"  # *.pub: the public keys this version trusts
+ENGINE_FILES_DIR = LIB_DIR / "engine"  # overlays/ and tuning/ as bind-mounted into the engine
+
+# Runtime state (tmpfs): one JSON file per check, each {"ok": bool, "reason": str, ...}
+RUN_DIR = _path("RUN_DIR", "/run/appliance")
+STARTUP_REPORT = RUN_DIR / "startup-report.json"
+SHM_CHECK = RUN_DIR / "shm-check.json"
+VERIFY_RESULT = RUN_DIR / "verify.json"
+PREFLIGHT_RESULT = RUN_DIR / "preflight.json"
+
+# Persistent state on /var
+STATE_DIR = _path("STATE_DIR", "/var/lib/appliance")
+TLS_DIR = STATE_DIR / "tls"  # ca.crt, ca.key, server.crt, server.key
+
+SHM_DIR = _path("SHM_DIR", "/dev/shm")
+
+# The appliance's units, in the order status shows them.
+ENGINE_UNIT = "appliance-engine.service"
+UNITS = (
+    "appliance-verify.service",
+    "appliance-preflight.service",
+    "appliance-shm-clean.service",
+    ENGINE_UNIT,
+    "appliance-startup-report.service",
+    "appliance-tls.service",
+    "appliance-proxy.service",
+)
