@@ -23,6 +23,8 @@ COMMAND_MODULES = (
     "applianctl.shm",
     "applianctl.startup",
     "applianctl.units",
+    "applianctl.preflight",
+    "applianctl.bootcheck",
 )
 
 

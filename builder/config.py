@@ -98,6 +98,13 @@ def _is_env_value(value: str) -> str | None:
     return None
 
 
+def _is_volume(value: str) -> str | None:
+    parts = value.split(":")
+    if len(parts) != 2 or any(_is_abs_path(p) for p in parts):
+        return "HOST:CONTAINER, two absolute paths, e.g. /usr:/usr"
+    return None
+
+
 def _one_of(*choices: str) -> Check:
     return lambda value: None if value in choices else "one of " + ", ".join(repr(c) for c in choices)
 
@@ -181,6 +188,10 @@ class Engine:
     image: str = field(metadata=_check(_pattern(_IMAGE_NAME, "an image name without tag, e.g. vllm/vllm-openai-rocm")))
     digest: str = field(metadata=_check(_pattern(_DIGEST, "'sha256:' followed by 64 lower-case hex digits")))
     args: tuple[str, ...] = field(metadata=_each(_is_arg))
+    # What the image runs; the arguments follow `serve MODEL_PATH`.
+    entrypoint: tuple[str, ...] = field(default=("vllm",), metadata=_each(_is_arg))
+    # Extra read-only host mounts, HOST:CONTAINER (the demo's stand-in borrows the OS's Python).
+    volumes: tuple[str, ...] = field(default=(), metadata=_each(_is_volume))
     port: int = field(default=8000, metadata=_check(_port))
     init: bool = True
     ipc: str = field(default="host", metadata=_check(_one_of("host", "private")))

@@ -1,0 +1,45 @@
+# The two commands a fresh Debian 12 or 13 machine needs (as root): `make demo`, `make test`.
+# Each runs `make setup` first, which is idempotent.
+PY := .venv/bin/python
+BUILDER := $(PY) -m builder
+.DEFAULT_GOAL := help
+
+.PHONY: help setup demo build-demo qemu test lint unit integration bench clean
+
+help:
+	@echo "make demo   build the demo image, boot it in QEMU, print the guest's applianctl status"
+	@echo "make test   lint, type-check, unit tests, then build-and-boot integration tests"
+	@echo "make qemu   boot the demo image interactively (serial console; Ctrl-a x leaves)"
+	@echo "make bench  build-time and status-latency figures against baselines run alongside"
+	@echo "make setup  install what the host needs (run by demo and test)"
+
+setup:
+	@bash tools/setup-host
+
+build-demo: setup
+	$(BUILDER) --profile demo validate
+	$(BUILDER) --profile demo build
+
+demo: build-demo
+	$(BUILDER) --profile demo boot --status-json out/demo-status.json
+
+qemu: setup
+	$(BUILDER) --profile demo boot --interactive
+
+lint: setup
+	$(PY) -m ruff check builder applianctl standin tests
+	$(PY) -m mypy
+
+unit: setup
+	$(PY) -m pytest -q -m "not integration"
+
+integration: setup
+	$(PY) -m pytest -q -m integration tests/integration
+
+test: lint unit integration
+
+bench: setup
+	$(PY) -m builder.bench
+
+clean:
+	rm -rf build out

@@ -1,0 +1,264 @@
+"""The GPU as `amd-smi` (or, failing that, `rocm-smi`) reports it: VRAM, temperature, power, ECC.
+
+The tools' output changed shape between ROCm releases and this reads all of them:
+- `amd-smi static|metric --json` is a bare JSON list of GPUs on ROCm 6 and `{"gpu_data": [...]}`
+  on ROCm 7; values are `{"value": N, "unit": "MB"}` or plain (`"N/A"` when unsupported).
+  amd-smi's "MB" are MiB: an MI300X reports `vram.size` 196592 MB, which rocm-smi gives as
+  206141652992 B = 196592 x 2^20.
+- `rocm-smi --showmeminfo vram --showtemp --showpower --json` is `{"card0": {label: value}}`;
+  without JSON support the same labels come as text lines `GPU[0]  : label: value`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from applianctl.probes import COMMAND_TIMEOUT_S, DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Runner, ToolMissing
+
+AMD_SMI_STATIC = ("amd-smi", "static", "--json")
+AMD_SMI_METRIC = ("amd-smi", "metric", "--json")
+ROCM_SMI = ("rocm-smi", "--showmeminfo", "vram", "--showtemp", "--showpower", "--json")
+
+_UNIT_MIB = {"B": 1 / 2**20, "KB": 1 / 1024, "KIB": 1 / 1024, "MB": 1.0, "MIB": 1.0, "GB": 1024.0, "GIB": 1024.0}
+
+
+@dataclass
+class Reading:
+    gpu: int
+    vram_total_mib: float | None = None
+    vram_used_mib: float | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    ecc_correctable: int | None = None
+    ecc_uncorrectable: int | None = None
+
+    @property
+    def vram_free_mib(self) -> float | None:
+        if self.vram_total_mib is None or self.vram_used_mib is None:
+            return None
+        return self.vram_total_mib - self.vram_used_mib
+
+
+class NoGpu(Exception):
+    """No tool, or the tool found no GPU."""
+
+
+def number(value: Any) -> float | None:
+    """A plain number, a numeric string, or {"value": N, ...}; None for "N/A" and the like."""
+    if isinstance(value, Mapping):
+        value = value.get("value")
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def mib(value: Any, default_unit: str = "MB") -> float | None:
+    n = number(value)
+    if n is None:
+        return None
+    unit = value.get("unit", default_unit) if isinstance(value, Mapping) else default_unit
+    factor = _UNIT_MIB.get(str(unit).upper())
+    return None if factor is None else n * factor
+
+
+def gpu_list(doc: Any) -> list[dict[str, Any]]:
+    """The per-GPU records of an amd-smi JSON document in either shape."""
+    if isinstance(doc, Mapping) and "gpu_data" in doc:
+        doc = doc["gpu_data"]
+    if isinstance(doc, Mapping):
+        doc = [doc]
+    if not isinstance(doc, list):
+        raise ValueError("amd-smi JSON is neither a list nor {'gpu_data': [...]}")
+    return [g for g in doc if isinstance(g, Mapping)]
+
+
+def _first(record: Mapping[str, Any], *keys: str) -> Any:
+    for key in keys:
+        if key in record and number(record[key]) is not None:
+            return record[key]
+    return None
+
+
+def from_amd_smi(static: Any, metric: Any) -> list[Reading]:
+    """Readings from `amd-smi static --json` and `amd-smi metric --json` (either may be None)."""
+    readings: dict[int, Reading] = {}
+
+    def reading(i: int, record: Mapping[str, Any]) -> Reading:
+        n = number(record.get("gpu"))
+        index = i if n is None else int(n)
+        return readings.setdefault(index, Reading(gpu=index))
+
+    for i, rec in enumerate(gpu_list(static) if static is not None else []):
+        r = reading(i, rec)
+        vram = rec.get("vram") or {}
+        r.vram_total_mib = mib(vram.get("size")) if isinstance(vram, Mapping) else None
+    for i, rec in enumerate(gpu_list(metric) if metric is not None else []):
+        r = reading(i, rec)
+        mem = rec.get("mem_usage") or rec.get("fb_usage") or {}
+        if isinstance(mem, Mapping):
+            total = mib(_first(mem, "total_vram", "total"))
+            used = mib(_first(mem, "used_vram", "used"))
+            free = mib(_first(mem, "free_vram", "free"))
+            r.vram_total_mib = total if total is not None else r.vram_total_mib
+            if used is None and free is not None and r.vram_total_mib is not None:
+                used = r.vram_total_mib - free
+            r.vram_used_mib = used
+        temp = rec.get("temperature") or {}
+        if isinstance(temp, Mapping):
+            r.temperature_c = number(_first(temp, "hotspot", "junction", "edge"))
+        power = rec.get("power") or {}
+        if isinstance(power, Mapping):
+            r.power_w = number(_first(power, "socket_power", "average_socket_power", "current_socket_power"))
+        ecc = rec.get("ecc") or {}
+        if isinstance(ecc, Mapping):
+            ce = number(_first(ecc, "total_correctable_count", "total_correctable"))
+            ue = number(_first(ecc, "total_uncorrectable_count", "total_uncorrectable"))
+            r.ecc_correctable = None if ce is None else int(ce)
+            r.ecc_uncorrectable = None if ue is None else int(ue)
+    return [readings[k] for k in sorted(readings)]
+
+
+def _from_labels(index: int, labels: Mapping[str, Any]) -> Reading:
+    r = Reading(gpu=index)
+    r.vram_total_mib = mib(labels.get("VRAM Total Memory (B)"), "B")
+    r.vram_used_mib = mib(labels.get("VRAM Total Used Memory (B)"), "B")
+    for key in ("Temperature (Sensor junction) (C)", "Temperature (Sensor edge) (C)"):
+        if number(labels.get(key)) is not None:
+            r.temperature_c = number(labels[key])
+            break
+    for key in ("Current Socket Graphics Package Power (W)", "Average Graphics Package Power (W)"):
+        if number(labels.get(key)) is not None:
+            r.power_w = number(labels[key])
+            break
+    return r
+
+
+def from_rocm_smi_json(doc: Any) -> list[Reading]:
+    if not isinstance(doc, Mapping):
+        raise ValueError("rocm-smi JSON is not an object")
+    out = []
+    for card, labels in doc.items():
+        m = re.fullmatch(r"card(\d+)", str(card))
+        if m and isinstance(labels, Mapping):
+            out.append(_from_labels(int(m.group(1)), labels))
+    return sorted(out, key=lambda r: r.gpu)
+
+
+_TEXT_LINE = re.compile(r"^GPU\[(\d+)\]\s*:\s*([^:]+?)\s*:\s*(.*?)\s*$")
+
+
+def from_rocm_smi_text(text: str) -> list[Reading]:
+    per_gpu: dict[int, dict[str, str]] = {}
+    for line in text.splitlines():
+        m = _TEXT_LINE.match(line)
+        if m:
+            per_gpu.setdefault(int(m.group(1)), {})[m.group(2)] = m.group(3)
+    return [_from_labels(i, labels) for i, labels in sorted(per_gpu.items())]
+
+
+# ----------------------------------------------------------------------------------- reading
+
+
+def _run_json(run: Runner, argv: Sequence[str]) -> Any:
+    rc, out = run(argv, COMMAND_TIMEOUT_S)
+    if rc != 0:
+        raise NoGpu(f"{' '.join(argv[:2])} exited with status {rc}")
+    return json.loads(out)
+
+
+def read_amd_smi(run: Runner) -> list[Reading]:
+    """Both amd-smi calls side by side, so together they take one command timeout."""
+    results: dict[str, Any] = {}
+
+    def call(key: str, argv: Sequence[str]) -> None:
+        try:
+            results[key] = _run_json(run, argv)
+        except Exception as e:
+            results[key] = e
+
+    threads = [
+        threading.Thread(target=call, args=("static", AMD_SMI_STATIC), daemon=True),
+        threading.Thread(target=call, args=("metric", AMD_SMI_METRIC), daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(COMMAND_TIMEOUT_S + 0.2)
+    metric = results.get("metric")
+    static = results.get("static")
+    if isinstance(metric, BaseException) or metric is None:
+        raise metric if isinstance(metric, BaseException) else NoGpu("amd-smi metric did not answer")
+    readings = from_amd_smi(None if isinstance(static, BaseException) else static, metric)
+    if not readings:
+        raise NoGpu("amd-smi lists no GPU")
+    return readings
+
+
+def read_rocm_smi(run: Runner) -> list[Reading]:
+    rc, out = run(ROCM_SMI, COMMAND_TIMEOUT_S)
+    if rc != 0:
+        raise NoGpu(f"rocm-smi exited with status {rc}")
+    try:
+        readings = from_rocm_smi_json(json.loads(out))
+    except ValueError:
+        readings = from_rocm_smi_text(out)
+    if not readings:
+        raise NoGpu("rocm-smi lists no GPU")
+    return readings
+
+
+def read(run: Runner) -> tuple[str, list[Reading]]:
+    """(tool, readings) from amd-smi, else rocm-smi. Raise NoGpu when neither gives a GPU."""
+    problems = []
+    for tool, reader in (("amd-smi", read_amd_smi), ("rocm-smi", read_rocm_smi)):
+        try:
+            return tool, reader(run)
+        except ToolMissing:
+            problems.append(f"{tool} not installed")
+        except subprocess.TimeoutExpired:
+            problems.append(f"{tool} gave no answer within {COMMAND_TIMEOUT_S:g} s")
+        except (NoGpu, ValueError, TypeError, AttributeError) as e:
+            problems.append(f"{tool}: {e}".splitlines()[0])
+    raise NoGpu("; ".join(problems))
+
+
+def probe(config: Mapping[str, Any], run: Runner) -> Part:
+    gpu_cfg = config.get("gpu", {})
+    required = bool(gpu_cfg.get("required", True))
+    min_headroom = float(gpu_cfg.get("min_vram_headroom_mib", 1024))
+    try:
+        tool, readings = read(run)
+    except NoGpu as e:
+        reason = f"not present ({e})"
+        return Part(DOWN if required else NOT_CONFIGURED, reason, {"present": False, "required": required})
+    details: dict[str, Any] = {
+        "present": True,
+        "required": required,
+        "tool": tool,
+        "min_vram_headroom_mib": min_headroom,
+        "gpus": [{**asdict(r), "vram_free_mib": r.vram_free_mib} for r in readings],
+    }
+    problems = []
+    for r in readings:
+        free = r.vram_free_mib
+        if free is not None and free < min_headroom:
+            problems.append(
+                f"GPU {r.gpu}: only {free:.0f} MiB VRAM free (< {min_headroom:.0f} MiB): "
+                "the server may start but fail on the first request"
+            )
+        if r.ecc_uncorrectable:
+            problems.append(f"GPU {r.gpu}: {r.ecc_uncorrectable} uncorrectable ECC error(s)")
+    return Part(DEGRADED if problems else OK, "; ".join(problems), details)

@@ -1,0 +1,423 @@
+"""The signed release manifest: what a release contains and who vouched for it.
+
+This module runs on the device too, so it uses only the standard library and `cryptography`.
+
+The manifest is canonical JSON: keys sorted, no whitespace, UTF-8 (not ASCII-escaped), no
+floats (the schema has none, so none are allowed anywhere; NaN/Infinity likewise), no
+duplicate keys. The signed bytes must be exactly `canonical(manifest)`, so there is only one
+byte string for each manifest and nothing outside the signature can change its meaning.
+
+The signature is detached: `manifest.json.sig` holds the 64-byte Ed25519 signature in base64
+(standard alphabet, padded) followed by one newline. A key is trusted when its public key is a
+`*.pub` file (PEM SubjectPublicKeyInfo) in the trusted-keys directory; keys rotate by adding
+the new key in one release and removing the old one in a later one. A key's id is the first
+16 hex digits of the SHA-256 of its 32 raw public-key bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from applianctl.errors import UserError
+
+KINDS = ("overlay", "tuning", "firmware", "diff")
+PROFILES = ("production", "demo")
+# Where the image carries each kind of file on the device (under paths.ENGINE_FILES_DIR for
+# overlays and tuning tables; firmware goes to the kernel's firmware update directory). Diffs
+# document the overlays and are not installed.
+DEVICE_SUBDIRS = {"overlay": "overlays", "tuning": "tuning"}
+FIRMWARE_UPDATES_DIR = "/usr/lib/firmware/updates/amdgpu"
+
+SIGNATURE_BYTES = 64
+MAX_MANIFEST_BYTES = 1 << 20
+
+_VERSION = re.compile(r"^[0-9]+(\.[0-9]+){0,3}$")
+_TIME = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_KEY_ID = re.compile(r"^[0-9a-f]{16}$")
+_REVISION = re.compile(r"^[0-9a-f]{40}$")
+_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")
+_TEXT = re.compile(r"^[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?$")
+_SEGMENT = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]*$")
+
+
+class ManifestError(UserError):
+    """The manifest or its signature is not acceptable."""
+
+
+# ----------------------------------------------------------------------------- canonical JSON
+
+
+def canonical(value: Any) -> bytes:
+    """The one byte form of VALUE: sorted keys, no whitespace, UTF-8; floats are refused."""
+    _check_json(value, "manifest")
+    try:
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return text.encode("utf-8")
+    except (UnicodeEncodeError, ValueError) as e:
+        raise ManifestError(f"manifest cannot be written as canonical JSON: {e}", hint="use only valid text") from None
+
+
+def _check_json(value: Any, where: str) -> None:
+    if value is None or isinstance(value, bool | int | str):
+        return
+    if isinstance(value, float):
+        raise ManifestError(f"{where}: floats are not allowed in the manifest", hint="write the number as a string or an integer")
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_json(item, f"{where}[{i}]")
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ManifestError(f"{where}: key {key!r} is not a string", hint="manifest keys are strings")
+            _check_json(item, f"{where}.{key}")
+        return
+    raise ManifestError(f"{where}: {type(value).__name__} is not a JSON value", hint="use strings, integers, lists and objects")
+
+
+def parse_canonical(data: bytes) -> Any:
+    """Parse DATA, refusing anything that is not exactly the canonical form of what it holds."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"manifest is {len(data)} bytes, more than {MAX_MANIFEST_BYTES}", hint="the file is damaged")
+    try:
+        text = data.decode("utf-8")
+        value = json.loads(text, object_pairs_hook=_no_duplicates, parse_float=_no_float, parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise ManifestError("manifest is not UTF-8", hint="the file is damaged") from None
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"manifest is not valid JSON ({e})", hint="the file is damaged") from None
+    if canonical(value) != data:
+        raise ManifestError("manifest is not in canonical form", hint="the file was changed after it was written")
+    return value
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ManifestError(f"manifest repeats the key {key!r}", hint="the file is damaged")
+        out[key] = value
+    return out
+
+
+def _no_float(text: str) -> Any:
+    raise ManifestError(f"manifest holds the float {text}", hint="floats are not allowed in the manifest")
+
+
+def _no_constant(text: str) -> Any:
+    raise ManifestError(f"manifest holds {text}", hint="NaN and Infinity are not allowed in the manifest")
+
+
+# ----------------------------------------------------------------------------- schema
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """1.2 -> (1, 2, 0, 0): versions compare numerically, missing parts are 0."""
+    parts = tuple(int(p) for p in version.split("."))
+    return parts + (0,) * (4 - len(parts))
+
+
+def _fail(field: str, value: Any, expected: str) -> ManifestError:
+    shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ManifestError(f"manifest: {field} = {shown}: expected {expected}", hint="the manifest was not written by this builder")
+
+
+def _string(regex: re.Pattern[str], expected: str) -> Callable[[str, Any], None]:
+    def check(field: str, value: Any) -> None:
+        if not isinstance(value, str) or not regex.match(value):
+            raise _fail(field, value, expected)
+
+    return check
+
+
+def _one_of(*choices: str) -> Callable[[str, Any], None]:
+    def check(field: str, value: Any) -> None:
+        if value not in choices:
+            raise _fail(field, value, "one of " + ", ".join(choices))
+
+    return check
+
+
+def _object(fields: Mapping[str, Callable[[str, Any], None]]) -> Callable[[str, Any], None]:
+    def check(field: str, value: Any) -> None:
+        if not isinstance(value, dict):
+            raise _fail(field, value, "an object with " + ", ".join(sorted(fields)))
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise ManifestError(
+                f"manifest: unknown field {_join(field, unknown[0])!r}",
+                hint="known fields here: " + ", ".join(sorted(fields)),
+            )
+        for name, sub in fields.items():
+            if name not in value:
+                raise ManifestError(f"manifest: missing field {_join(field, name)!r}", hint="the manifest is incomplete")
+            sub(_join(field, name), value[name])
+
+    return check
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def is_repo_path(value: str) -> bool:
+    parts = value.split("/")
+    return all(_SEGMENT.match(p) and p not in (".", "..") for p in parts)
+
+
+def is_abs_path(value: str) -> bool:
+    if not value.startswith("/") or value == "/":
+        return False
+    return is_repo_path(value[1:])
+
+
+def _repo_path(field: str, value: Any) -> None:
+    if not isinstance(value, str) or not is_repo_path(value):
+        raise _fail(field, value, "a path relative to the project root, without '..'")
+
+
+def _target(field: str, value: Any) -> None:
+    if not isinstance(value, str) or not (value == "" or is_abs_path(value)):
+        raise _fail(field, value, "an absolute path without '..' (or \"\" for a diff)")
+
+
+_FILE = _object(
+    {
+        "kind": _one_of(*KINDS),
+        "path": _repo_path,
+        "target": _target,
+        "sha256": _string(_SHA256, "64 lower-case hex digits"),
+    }
+)
+
+
+def _files(field: str, value: Any) -> None:
+    if not isinstance(value, list):
+        raise _fail(field, value, "a list of files")
+    seen: set[tuple[str, str]] = set()
+    device_names: set[tuple[str, str]] = set()
+    targets: set[str] = set()
+    for i, entry in enumerate(value):
+        where = f"{field}[{i}]"
+        _FILE(where, entry)
+        kind, path, target = entry["kind"], entry["path"], entry["target"]
+        if (kind, path) in seen:
+            raise ManifestError(f"manifest: {where}: {kind} {path} is listed twice", hint="list each file once")
+        seen.add((kind, path))
+        if kind == "diff":
+            continue
+        if target == "":
+            raise _fail(f"{where}.target", target, "an absolute path")
+        name = PurePosixPath(path).name
+        if (kind, name) in device_names:
+            raise ManifestError(f"manifest: {where}: a second {kind} named {name}", hint="file names must be unique per kind")
+        device_names.add((kind, name))
+        if kind == "firmware" and target != f"{FIRMWARE_UPDATES_DIR}/{name}":
+            raise _fail(f"{where}.target", target, f"{FIRMWARE_UPDATES_DIR}/{name}")
+        if target in targets:
+            raise ManifestError(f"manifest: {where}: target {target} is used twice", hint="each file needs its own target")
+        targets.add(target)
+
+
+FIELDS: Mapping[str, Callable[[str, Any], None]] = {
+    "version": _string(_VERSION, "numbers joined by dots, e.g. 1.4.0"),
+    "min_version": _string(_VERSION, "numbers joined by dots, e.g. 1.0.0"),
+    "build_time": _string(_TIME, "a UTC time such as 2026-08-04T12:00:00Z"),
+    "profile": _one_of(*PROFILES),
+    "engine_image": _object(
+        {
+            "reference": _string(_REF, "an image reference such as vllm/vllm-openai-rocm@sha256:..."),
+            "digest": _string(_DIGEST, "'sha256:' and 64 lower-case hex digits"),
+        }
+    ),
+    "model": _object(
+        {
+            "id": _string(_MODEL_ID, "a model id such as org/name"),
+            "revision": _string(_REVISION, "40 lower-case hex digits"),
+        }
+    ),
+    "kernel_version": _string(_TEXT, "a kernel release such as 6.12.38+deb13-amd64"),
+    "files": _files,
+    "signer": _string(_KEY_ID, "a key id: 16 lower-case hex digits"),
+}
+_MANIFEST = _object(FIELDS)
+
+
+def validate(manifest: Any) -> dict[str, Any]:
+    """Check MANIFEST against the schema (unknown fields refused); return it."""
+    _MANIFEST("", manifest)
+    assert isinstance(manifest, dict)
+    if version_tuple(manifest["min_version"]) > version_tuple(manifest["version"]):
+        raise ManifestError(
+            f"manifest: min_version {manifest['min_version']} is newer than version {manifest['version']}",
+            hint="min_version is the oldest version this release may be installed over",
+        )
+    return manifest
+
+
+def dumps(manifest: Mapping[str, Any]) -> bytes:
+    """The bytes of manifest.json: the schema checked, in canonical form."""
+    validate(dict(manifest))
+    return canonical(manifest)
+
+
+def loads(data: bytes) -> dict[str, Any]:
+    """Parse and check manifest bytes (canonical form and schema). This does NOT check a signature."""
+    return validate(parse_canonical(data))
+
+
+def device_path(entry: Mapping[str, str], engine_files_dir: Path, firmware_dir: Path | None = None) -> Path | None:
+    """Where the device carries ENTRY; None for a diff (not installed)."""
+    kind = entry["kind"]
+    name = PurePosixPath(entry["path"]).name
+    if kind in DEVICE_SUBDIRS:
+        return engine_files_dir / DEVICE_SUBDIRS[kind] / name
+    if kind == "firmware":
+        return (firmware_dir or Path(FIRMWARE_UPDATES_DIR)) / name
+    return None
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def raw_public(key: Ed25519PublicKey) -> bytes:
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def key_id(key: Ed25519PublicKey) -> str:
+    """First 16 hex digits of the SHA-256 of the raw public key."""
+    return hashlib.sha256(raw_public(key)).hexdigest()[:16]
+
+
+def load_public_key(path: Path) -> Ed25519PublicKey:
+    try:
+        key = serialization.load_pem_public_key(path.read_bytes())
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot read public key ({e.strerror})", hint="check the trusted keys directory") from None
+    except ValueError:
+        raise ManifestError(f"{path}: not a PEM public key", hint="trusted keys are PEM Ed25519 public keys (*.pub)") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise ManifestError(f"{path}: not an Ed25519 public key", hint="release keys are Ed25519")
+    return key
+
+
+def load_private_key(path: Path) -> Ed25519PrivateKey:
+    try:
+        mode = path.stat().st_mode
+        data = path.read_bytes()
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot read private key ({e.strerror})", hint="create one with python3 -m builder keygen") from None
+    if mode & 0o077:
+        raise ManifestError(f"{path}: private key is readable by others (mode {mode & 0o777:o})", hint=f"chmod 600 {path}")
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError):
+        raise ManifestError(f"{path}: not an unencrypted PEM private key", hint="release keys are PEM PKCS#8 Ed25519 keys") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ManifestError(f"{path}: not an Ed25519 private key", hint="release keys are Ed25519")
+    return key
+
+
+def trusted_keys(directory: Path) -> dict[str, Ed25519PublicKey]:
+    """The keys in DIRECTORY/*.pub, by key id."""
+    try:
+        files = sorted(p for p in directory.iterdir() if p.name.endswith(".pub"))
+    except OSError as e:
+        raise ManifestError(f"{directory}: cannot list trusted keys ({e.strerror})", hint="the image is damaged") from None
+    keys: dict[str, Ed25519PublicKey] = {}
+    for path in files:
+        key = load_public_key(path)
+        keys[key_id(key)] = key
+    return keys
+
+
+# ----------------------------------------------------------------------------- signatures
+
+
+def encode_signature(signature: bytes) -> bytes:
+    return base64.b64encode(signature) + b"\n"
+
+
+def decode_signature(data: bytes) -> bytes:
+    """The 64 signature bytes of a signature file; anything but the exact written form is refused."""
+    text = data[:-1] if data.endswith(b"\n") else data
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ManifestError("signature is malformed (not base64)", hint="the signature file is damaged") from None
+    if len(raw) != SIGNATURE_BYTES:
+        raise ManifestError(
+            f"signature is truncated or malformed ({len(raw)} bytes, expected {SIGNATURE_BYTES})",
+            hint="the signature file is damaged",
+        )
+    if base64.b64encode(raw) != text:
+        raise ManifestError("signature is malformed (not in canonical base64)", hint="the signature file is damaged")
+    return raw
+
+
+def sign(manifest: Mapping[str, Any], private_key_path: Path) -> bytes:
+    """The detached signature file for MANIFEST (whose `signer` must be this key's id)."""
+    data = dumps(manifest)
+    key = load_private_key(private_key_path)
+    kid = key_id(key.public_key())
+    if manifest["signer"] != kid:
+        raise ManifestError(
+            f"manifest names signer {manifest['signer']} but {private_key_path} is key {kid}",
+            hint="set the manifest's signer to the id of the key that signs it",
+        )
+    return encode_signature(key.sign(data))
+
+
+def verify(manifest_bytes: bytes, sig_bytes: bytes, trusted_keys_dir: Path) -> dict[str, Any]:
+    """Check the signature against the trusted keys, then the manifest; return the manifest."""
+    signature = decode_signature(sig_bytes)
+    keys = trusted_keys(trusted_keys_dir)
+    if not keys:
+        raise ManifestError(f"{trusted_keys_dir}: no trusted keys (*.pub)", hint="the image is damaged")
+    signed_by = None
+    for kid, key in keys.items():
+        try:
+            key.verify(signature, manifest_bytes)
+        except InvalidSignature:
+            continue
+        signed_by = kid
+        break
+    if signed_by is None:
+        claimed = _claimed_signer(manifest_bytes)
+        if claimed is not None and claimed not in keys:
+            raise ManifestError(
+                f"manifest is signed by key {claimed}, which is not trusted",
+                hint=f"trusted keys: {', '.join(sorted(keys))}; add the new key's .pub in an earlier release first",
+            )
+        raise ManifestError("manifest signature does not match any trusted key", hint="the manifest or its signature was changed")
+    manifest = loads(manifest_bytes)
+    if manifest["signer"] != signed_by:
+        raise ManifestError(
+            f"manifest names signer {manifest['signer']} but was signed by key {signed_by}", hint="the manifest is inconsistent"
+        )
+    return manifest
+
+
+def _claimed_signer(manifest_bytes: bytes) -> str | None:
+    try:
+        value = json.loads(manifest_bytes.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    signer = value.get("signer") if isinstance(value, dict) else None
+    return signer if isinstance(signer, str) and _KEY_ID.match(signer) else None

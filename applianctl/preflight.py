@@ -1,0 +1,77 @@
+"""`applianctl preflight`: what the engine needs from the host, checked before every start.
+
+The model weights must be on /var; in a profile that needs a GPU, /dev/kfd must exist, the
+amdgpu driver must be loaded and the GPU must report its VRAM. A failure is one line naming
+what is missing, in the journal and in /run/appliance/preflight.json; the engine stays stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from applianctl import config as device_config
+from applianctl import paths
+
+SYS = Path(os.environ.get("APPLIANCE_SYSFS", "/sys"))
+DEV = Path(os.environ.get("APPLIANCE_DEVFS", "/dev"))
+
+
+def weights_dir(config: dict[str, Any]) -> Path:
+    """The snapshot directory on /var that the engine's first argument names inside the container."""
+    inside = config["model"]["snapshot_path"]
+    return Path(inside.replace("/root/.cache/huggingface", config["model"]["cache_dir"], 1))
+
+
+def vram_total_bytes() -> int | None:
+    """VRAM as the amdgpu driver reports it (sysfs), summed over GPUs."""
+    total = 0
+    for path in sorted(SYS.glob("class/drm/card*/device/mem_info_vram_total")):
+        try:
+            total += int(path.read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return total or None
+
+
+def check(config: dict[str, Any]) -> dict[str, Any]:
+    weights = weights_dir(config)
+    if not weights.is_dir() or not any(weights.iterdir()):
+        return {"ok": False, "reason": f"model weights not present at {weights} (fetch {config['model']['id']} "
+                f"revision {config['model']['revision']} into {config['model']['cache_dir']})"}
+    if not config["gpu"]["required"]:
+        return {"ok": True, "reason": "", "gpu": "not required"}
+    if not (DEV / "kfd").exists():
+        return {"ok": False, "reason": "/dev/kfd is missing: no AMD GPU compute device"}
+    if not (SYS / "module/amdgpu").exists():
+        return {"ok": False, "reason": "the amdgpu kernel module is not loaded"}
+    vram = vram_total_bytes()
+    if vram is None:
+        return {"ok": False, "reason": "the GPU reports no VRAM (mem_info_vram_total missing)"}
+    return {"ok": True, "reason": "", "vram_total_bytes": vram}
+
+
+def write_result(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def main(args: argparse.Namespace) -> int:
+    result = check(device_config.load())
+    write_result(result, paths.PREFLIGHT_RESULT)
+    if not result["ok"]:
+        print(f"preflight failed: {result['reason']}", file=sys.stderr)
+        return 1
+    print("preflight ok")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("preflight", help="check the GPU and the model weights before the engine starts")
+    p.set_defaults(func=main)

@@ -1,0 +1,180 @@
+"""`applianctl status`: every part of the appliance, each ok, degraded, down or not configured.
+
+All probes run side by side under one deadline (probes.DEADLINE_S), so the command answers
+within 2 seconds even when the engine hangs. The overall state is the worst part's; the exit
+status is 0 when healthy, 1 when degraded, 2 when down. `--json` prints the stable document
+described in docs/status-schema.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
+
+from applianctl import config as appliance_config
+from applianctl import gpu, paths, probes, systemd
+from applianctl.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
+
+SCHEMA = 1
+EXIT_STATUS = {OK: 0, NOT_CONFIGURED: 0, DEGRADED: 1, DOWN: 2}
+
+# The parts, in the order they are shown.
+PARTS = ("os", "units", "engine", "startup", "verify", "preflight", "shm-check", "gpu", "shm", "disk", "tls")
+
+
+def probe_table(config: Mapping[str, Any], src: Sources) -> dict[str, Callable[[], Part]]:
+    table: dict[str, Callable[[], Part]] = {
+        "os": lambda: probes.probe_os(config, src),
+        "units": lambda: systemd.probe(paths.UNITS, src.bus),
+        "engine": lambda: probes.probe_engine(config, src),
+        "startup": lambda: probes.probe_startup(config, paths.STARTUP_REPORT),
+        "verify": lambda: probes.probe_check(paths.VERIFY_RESULT, "image verification"),
+        "preflight": lambda: probes.probe_check(paths.PREFLIGHT_RESULT, "the preflight check"),
+        "shm-check": lambda: probes.probe_check(paths.SHM_CHECK, "the /dev/shm check"),
+        "gpu": lambda: gpu.probe(config, src.run),
+        "shm": lambda: probes.probe_shm(config, src, paths.SHM_DIR),
+        "disk": lambda: probes.probe_disk(config, paths.STATE_DIR),
+        "tls": lambda: probes.probe_tls(config, paths.TLS_DIR),
+    }
+    assert tuple(table) == PARTS
+    return table
+
+
+def _cross_check(parts: dict[str, Part]) -> None:
+    """Readings that only make sense together."""
+    engine, startup = parts["engine"], parts["startup"]
+    # While weights load and graphs are captured, vLLM's port refuses connections: that is a
+    # start in progress, not a dead engine.
+    if engine.state == DOWN and engine.details.get("refused") and startup.details.get("report_state") == "loading":
+        parts["engine"] = Part(DEGRADED, "starting: the port opens once the model is loaded", engine.details)
+
+
+def collect(config: Mapping[str, Any], src: Sources | None = None, deadline_s: float = probes.DEADLINE_S) -> dict[str, Any]:
+    """The status document (docs/status-schema.md)."""
+    src = src or Sources()
+    started = time.monotonic()
+    parts = probes.run_probes(probe_table(config, src), deadline_s)
+    _cross_check(parts)
+    ordered = [(name, parts[name]) for name in PARTS]
+    return {
+        "schema": SCHEMA,
+        "state": probes.worst([p.state for _, p in ordered]),
+        "reason": probes.first_reason(ordered),
+        "appliance": config.get("appliance", {}).get("name"),
+        "version": config.get("appliance", {}).get("version"),
+        "profile": config.get("profile"),
+        "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "elapsed_s": round(time.monotonic() - started, 3),
+        "parts": {name: part.to_json() for name, part in ordered},
+    }
+
+
+# ----------------------------------------------------------------------------------- output
+
+_COLOURS = {OK: "32", DEGRADED: "33", DOWN: "31", NOT_CONFIGURED: "2"}
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{100 * float(value):.1f}%"
+
+
+def summary(name: str, part: Mapping[str, Any]) -> str:
+    """One line of the most useful details of a part."""
+    d = part
+    if name == "os":
+        usr = d.get("usr") or {}
+        bc = d.get("boot_counting") or {}
+        boot = bc.get("state")
+        if bc.get("state") == "on trial":
+            boot = f"on trial, {bc['tries_left']} tries left"
+        return f"version {_fmt(d.get('version'))} (image {_fmt(d.get('image_version'))}), slot {_fmt(usr.get('slot'))}, boot counting: {boot}"
+    if name == "units":
+        units = d.get("units") or {}
+        return ", ".join(f"{n.removeprefix('appliance-').removesuffix('.service')} {u['active_state']}" for n, u in units.items())
+    if name == "engine":
+        m = d.get("metrics") or {}
+        models = ", ".join(d.get("models") or []) or "-"
+        return (
+            f"models {models}; running {_fmt(m.get('requests_running'))}, waiting {_fmt(m.get('requests_waiting'))}, "
+            f"KV {_pct(m.get('kv_cache_usage'))}, prefix hits {_pct(m.get('prefix_cache_hit_rate'))}, "
+            f"spec accept {_pct(m.get('spec_decode_acceptance_rate'))}, TTFT {_fmt(m.get('mean_ttft_s'), 3)} s"
+        )
+    if name == "startup":
+        figs = d.get("figures") or {}
+        shown = [f"{k} {_fmt(v.get('value'))}/{_fmt(v.get('expected'))}" for k, v in figs.items()]
+        return "; ".join(shown) + f"; graphs {_fmt(d.get('cuda_graphs'))}, ready {_fmt(d.get('ready'))}" if shown else ""
+    if name == "gpu":
+        out = []
+        for g in d.get("gpus") or []:
+            used, total = g.get("vram_used_mib"), g.get("vram_total_mib")
+            vram = f"{used / 1024:.1f}/{total / 1024:.1f} GiB" if used is not None and total is not None else "-"
+            out.append(
+                f"GPU {g['gpu']}: VRAM {vram}, {_fmt(g.get('temperature_c'), 0)} °C, {_fmt(g.get('power_w'), 0)} W, "
+                f"ECC {_fmt(g.get('ecc_correctable'))}/{_fmt(g.get('ecc_uncorrectable'))}"
+            )
+        return "; ".join(out)
+    if name == "shm" and "total_bytes" in d:
+        gib = 1024**3
+        return (
+            f"{d['used_bytes'] / gib:.1f}/{d['total_bytes'] / gib:.1f} GiB used, "
+            f"{len(d.get('offload_files') or [])} offload file(s), {len(d.get('stale_offload_files') or [])} stale"
+        )
+    if name == "disk":
+        gib = 1024**3
+        out = []
+        for key in ("var", "model_cache"):
+            fs = d.get(key) or {}
+            if "total_bytes" in fs:
+                out.append(f"{fs['path']} {fs['free_bytes'] / gib:.0f} GiB free of {fs['total_bytes'] / gib:.0f}")
+        return "; ".join(out)
+    if name == "tls" and "ca_sha256" in d:
+        return f"CA {d['ca_sha256'][:23]}..., expires {d['ca_not_after'][:10]}"
+    if name == "verify":
+        return " ".join(f"{k} {d[k]}" for k in ("version", "signer") if k in d)
+    return ""
+
+
+def render(doc: Mapping[str, Any], out: TextIO, colour: bool) -> None:
+    def paint(state: str, text: str) -> str:
+        return f"\033[{_COLOURS[state]}m{text}\033[0m" if colour else text
+
+    width = max(len(state) for state in _COLOURS)
+    head = f"{doc.get('appliance')} {doc.get('version')}: "
+    out.write(head + paint(doc["state"], doc["state"]) + (f" ({doc['reason']})" if doc["reason"] else "") + "\n")
+    for name, part in doc["parts"].items():
+        state = part["state"]
+        line = f"  {name:<10} {paint(state, state.ljust(width))}  "
+        text = part["reason"] or summary(name, part)
+        if part["reason"] and (extra := summary(name, part)):
+            text += f" [{extra}]"
+        out.write(line + text + "\n")
+
+
+def run(args: argparse.Namespace, src: Sources | None = None) -> int:
+    config = appliance_config.load()
+    doc = collect(config, src)
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render(doc, sys.stdout, colour=sys.stdout.isatty())
+    sys.stdout.flush()
+    return EXIT_STATUS[doc["state"]]
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("status", help="show the state of every part of the appliance")
+    p.add_argument("--json", action="store_true", help="print the JSON document of docs/status-schema.md")
+    p.set_defaults(func=run)

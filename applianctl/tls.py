@@ -1,0 +1,459 @@
+"""`applianctl tls`: the appliance CA and the proxy's certificate (proxy.tls = "internal").
+
+`applianctl tls generate` (appliance-tls.service, daily through appliance-tls.timer) creates an
+appliance CA (EC P-256, 10 years) on first run and a server certificate signed by it for the
+configured host name and the host's addresses (90 days). It renews the server certificate when
+fewer than 30 days remain, when the names changed or when it no longer matches the CA or its key;
+otherwise it changes nothing. After a renewal it asks systemd to reload the proxy if it runs.
+
+`applianctl tls [show] [--json]` prints what a client needs: the CA certificate's path and its
+SHA-256 fingerprint (as `openssl x509 -noout -fingerprint -sha256` prints it), the names in the
+server certificate and the expiry dates.
+
+Files in paths.TLS_DIR: ca.crt (0644), ca.key (0600 root), server.crt (0644), server.key (0640
+root:caddy, readable by the proxy's user only). Each is written to a temporary file and renamed.
+Runs on the device: standard library and cryptography only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import grp
+import ipaddress
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from applianctl import config, paths
+from applianctl.errors import UserError
+
+PROXY_UNIT = "appliance-proxy.service"
+PROXY_GROUP = "caddy"  # Debian's caddy package creates it; appliance-proxy.service runs as caddy
+
+CA_DAYS = 3650
+SERVER_DAYS = 90
+RENEW_DAYS = 30
+# Certificates start a little in the past: clocks of clients and a freshly booted device differ.
+BACKDATE = datetime.timedelta(hours=1)
+
+IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True)
+class Files:
+    dir: Path
+
+    @property
+    def ca_crt(self) -> Path:
+        return self.dir / "ca.crt"
+
+    @property
+    def ca_key(self) -> Path:
+        return self.dir / "ca.key"
+
+    @property
+    def server_crt(self) -> Path:
+        return self.dir / "server.crt"
+
+    @property
+    def server_key(self) -> Path:
+        return self.dir / "server.key"
+
+
+@dataclass(frozen=True)
+class Result:
+    """What `generate` did."""
+
+    created_ca: bool
+    renewed: bool
+    reason: str
+
+
+# ------------------------------------------------------------------------------ certificates
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def not_after(cert: x509.Certificate) -> datetime.datetime:
+    """The expiry as an aware UTC datetime (cryptography 38 on the host, 43 on the device)."""
+    value = getattr(cert, "not_valid_after_utc", None)
+    if isinstance(value, datetime.datetime):
+        return value
+    return cert.not_valid_after.replace(tzinfo=datetime.timezone.utc)
+
+
+def not_before(cert: x509.Certificate) -> datetime.datetime:
+    value = getattr(cert, "not_valid_before_utc", None)
+    if isinstance(value, datetime.datetime):
+        return value
+    return cert.not_valid_before.replace(tzinfo=datetime.timezone.utc)
+
+
+def fingerprint(cert: x509.Certificate) -> str:
+    """SHA-256 of the DER certificate as openssl prints it: AB:CD:..."""
+    return ":".join(f"{b:02X}" for b in cert.fingerprint(hashes.SHA256()))
+
+
+def san_names(cert: x509.Certificate) -> tuple[list[str], list[IpAddress]]:
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return [], []
+    dns = [str(v) for v in san.get_values_for_type(x509.DNSName)]
+    ips = [ip for ip in san.get_values_for_type(x509.IPAddress) if not isinstance(ip, ipaddress.IPv4Network | ipaddress.IPv6Network)]
+    return dns, ips
+
+
+def _new_key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+def make_ca(hostname: str, now: datetime.datetime) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = _new_key()
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Appliance"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"Appliance CA {hostname} {now:%Y-%m-%d}"),
+        ]
+    )
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(ski, critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return key, cert
+
+
+def make_server(
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    hostname: str,
+    addresses: Iterable[IpAddress],
+    now: datetime.datetime,
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = _new_key()
+    names: list[x509.GeneralName] = [x509.DNSName(hostname)]
+    names += [x509.IPAddress(ip) for ip in addresses]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostname)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(min(now + datetime.timedelta(days=SERVER_DAYS), not_after(ca_cert)))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    return key, cert
+
+
+# ------------------------------------------------------------------------------ host addresses
+
+
+def _sorted_ips(ips: Iterable[IpAddress]) -> list[IpAddress]:
+    return sorted(set(ips), key=lambda ip: (ip.version, int(ip)))
+
+
+def host_addresses() -> list[IpAddress]:
+    """127.0.0.1, ::1 and the host's addresses (`ip -j addr`), without IPv6 link-local ones."""
+    found: list[IpAddress] = [ipaddress.IPv4Address("127.0.0.1"), ipaddress.IPv6Address("::1")]
+    ip = shutil.which("ip") or "/usr/sbin/ip"
+    try:
+        out = subprocess.run([ip, "-j", "addr", "show"], capture_output=True, text=True, check=True, timeout=10).stdout
+        links = json.loads(out)
+    except (OSError, subprocess.SubprocessError, json.JSONDecodeError) as e:
+        print(f"applianctl tls: cannot read the host's addresses ({e}); loopback only", file=sys.stderr)
+        links = []
+    for link in links:
+        for info in link.get("addr_info", []):
+            try:
+                addr = ipaddress.ip_address(info.get("local", ""))
+            except ValueError:
+                continue
+            if addr.is_link_local or addr.is_multicast or addr.is_unspecified:
+                continue
+            found.append(addr)
+    return _sorted_ips(found)
+
+
+# ------------------------------------------------------------------------------ files
+
+
+def _write(path: Path, data: bytes, mode: int, group: int | None = None) -> None:
+    """Write DATA to PATH atomically: a temporary file in the same directory, then rename."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        os.fchmod(fd, mode)
+        if group is not None:
+            os.fchown(fd, -1, group)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def proxy_gid(group: str = PROXY_GROUP) -> int | None:
+    """The proxy's group, or None where it does not exist (tests, a build host): no chown then."""
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        return None
+
+
+def _load_cert(path: Path) -> x509.Certificate | None:
+    try:
+        return x509.load_pem_x509_certificate(path.read_bytes())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _load_key(path: Path) -> ec.EllipticCurvePrivateKey | None:
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (FileNotFoundError, ValueError, TypeError):
+        return None
+    return key if isinstance(key, ec.EllipticCurvePrivateKey) else None
+
+
+def _same_public_key(key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> bool:
+    fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return bool(key.public_key().public_bytes(*fmt) == cert.public_key().public_bytes(*fmt))
+
+
+def _signed_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    public = ca.public_key()
+    if cert.issuer != ca.subject or not isinstance(public, ec.EllipticCurvePublicKey):
+        return False
+    hash_algorithm = cert.signature_hash_algorithm
+    if hash_algorithm is None:
+        return False
+    try:
+        public.verify(cert.signature, cert.tbs_certificate_bytes, ec.ECDSA(hash_algorithm))
+    except Exception:
+        return False
+    return True
+
+
+def _renew_reason(
+    files: Files,
+    ca_cert: x509.Certificate,
+    hostname: str,
+    addresses: list[IpAddress],
+    now: datetime.datetime,
+) -> str | None:
+    cert = _load_cert(files.server_crt)
+    key = _load_key(files.server_key)
+    if cert is None or key is None:
+        return "no server certificate yet"
+    if not _same_public_key(key, cert):
+        return "server.key does not match server.crt"
+    if not _signed_by(cert, ca_cert):
+        return "server certificate not signed by the current CA"
+    left = not_after(cert) - now
+    if left < datetime.timedelta(days=RENEW_DAYS):
+        return f"server certificate expires in {max(left.days, 0)} days"
+    dns, ips = san_names(cert)
+    if dns != [hostname] or _sorted_ips(ips) != _sorted_ips(addresses):
+        shown = ", ".join([hostname, *map(str, _sorted_ips(addresses))])
+        return f"names changed to {shown}"
+    return None
+
+
+def generate(
+    tls_dir: Path,
+    hostname: str,
+    addresses: Iterable[IpAddress],
+    *,
+    now: datetime.datetime | None = None,
+    group: str = PROXY_GROUP,
+) -> Result:
+    """Make TLS_DIR hold a valid CA and server certificate for HOSTNAME and ADDRESSES; idempotent."""
+    now = _now() if now is None else now
+    files = Files(tls_dir)
+    addresses = _sorted_ips(addresses)
+    tls_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+    gid = proxy_gid(group)
+
+    created_ca = False
+    ca_cert = _load_cert(files.ca_crt)
+    ca_key = _load_key(files.ca_key)
+    if ca_cert is None or ca_key is None or not _same_public_key(ca_key, ca_cert) or not_after(ca_cert) <= now:
+        ca_key, ca_cert = make_ca(hostname, now)
+        _write(files.ca_key, _key_pem(ca_key), 0o600)
+        _write(files.ca_crt, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        created_ca = True
+
+    reason = _renew_reason(files, ca_cert, hostname, addresses, now)
+    if reason is None:
+        return Result(created_ca=created_ca, renewed=False, reason="server certificate is current")
+    key, cert = make_server(ca_key, ca_cert, hostname, addresses, now)
+    # The key first: Caddy reads both only when told to reload, after both are in place.
+    _write(files.server_key, _key_pem(key), 0o640 if gid is not None else 0o600, gid)
+    _write(files.server_crt, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return Result(created_ca=created_ca, renewed=True, reason=reason)
+
+
+def reload_proxy() -> None:
+    """Have a running proxy pick up the new certificate; nothing when it does not run."""
+    if not Path("/run/systemd/system").is_dir():
+        print("applianctl tls: not running under systemd; proxy not reloaded", file=sys.stderr)
+        return
+    done = subprocess.run(["systemctl", "--no-block", "try-reload-or-restart", PROXY_UNIT], check=False)
+    if done.returncode != 0:
+        raise UserError(f"systemctl try-reload-or-restart {PROXY_UNIT} failed", hint=f"journalctl -u {PROXY_UNIT}")
+
+
+# ------------------------------------------------------------------------------ show
+
+
+def describe(tls_dir: Path) -> dict[str, Any]:
+    files = Files(tls_dir)
+    ca = _load_cert(files.ca_crt)
+    server = _load_cert(files.server_crt)
+    if ca is None or server is None:
+        raise UserError(
+            f"{tls_dir}: no appliance CA or server certificate yet",
+            hint="systemctl start appliance-tls.service (or: applianctl tls generate)",
+        )
+    dns, ips = san_names(server)
+    return {
+        "ca_certificate": str(files.ca_crt),
+        "ca_fingerprint_sha256": fingerprint(ca),
+        "ca_subject": ca.subject.rfc4514_string(),
+        "ca_not_after": not_after(ca).isoformat(),
+        "server_certificate": str(files.server_crt),
+        "server_names": dns + [str(ip) for ip in ips],
+        "server_not_before": not_before(server).isoformat(),
+        "server_not_after": not_after(server).isoformat(),
+        "server_fingerprint_sha256": fingerprint(server),
+    }
+
+
+def _tls_mode() -> tuple[str, str]:
+    proxy = config.load().get("proxy", {})
+    return str(proxy.get("tls", "internal")), str(proxy.get("hostname", ""))
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    mode, hostname = _tls_mode()
+    if mode != "internal":
+        info: dict[str, Any] = {"mode": mode, "hostname": hostname}
+        if args.json:
+            print(json.dumps(info, indent=2))
+        else:
+            print(f"TLS mode {mode}: Caddy obtains the certificate for {hostname} by ACME; no appliance CA.")
+        return 0
+    info = {"mode": mode, **describe(paths.TLS_DIR)}
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"CA certificate (give this file to clients): {info['ca_certificate']}")
+    print(f"CA SHA-256 fingerprint: {info['ca_fingerprint_sha256']}")
+    print(f"CA valid until:         {info['ca_not_after']}")
+    print(f"Server names:           {', '.join(info['server_names'])}")
+    print(f"Server valid:           {info['server_not_before']} to {info['server_not_after']}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    mode, hostname = _tls_mode()
+    if mode != "internal":
+        print(f"applianctl tls: TLS mode {mode}: Caddy manages the certificate; nothing to do")
+        return 0
+    if not hostname:
+        raise UserError("the appliance configuration has no proxy.hostname", hint="the image is damaged; reinstall")
+    try:
+        result = generate(paths.TLS_DIR, hostname, host_addresses())
+    except PermissionError as e:
+        raise UserError(f"cannot write {paths.TLS_DIR}: {e.strerror}", hint="run as root (appliance-tls.service)") from None
+    if result.created_ca:
+        print(f"applianctl tls: created a new appliance CA in {paths.TLS_DIR}")
+    print(f"applianctl tls: {'renewed: ' if result.renewed else ''}{result.reason}")
+    if result.renewed and not args.no_reload:
+        reload_proxy()
+    return 0
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("tls", help="the appliance CA and the proxy's certificate")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_show)
+    sub = p.add_subparsers(dest="tls_command", metavar="ACTION")
+    show = sub.add_parser("show", help="CA fingerprint, server names and expiry (the default)")
+    show.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+    show.set_defaults(func=cmd_show)
+    gen = sub.add_parser("generate", help="create the CA and (re)new the server certificate when due")
+    gen.add_argument("--no-reload", action="store_true", help="do not reload appliance-proxy.service after a renewal")
+    gen.set_defaults(func=cmd_generate)

@@ -1,0 +1,121 @@
+"""python3 -m builder COMMAND: validate, build, boot and sign appliance images.
+
+Faults the user can fix are one line saying what is wrong and one saying what to do, exit
+status 2; a traceback only with --debug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from builder import config as config_model
+from builder.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(args: argparse.Namespace) -> config_model.Config:
+    return config_model.load(Path(args.config), args.profile)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    config = _load(args)
+    print(f"{args.config}: profile {config.profile} is valid (engine {config.engine.reference})")
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    """Print one generated file (e.g. the engine's quadlet) without building."""
+    from builder import render
+
+    config = _load(args)
+    names = sorted(p.name for p in render.UNITS_DIR.glob("*.j2"))
+    if args.template not in names:
+        raise UserError(f"no template {args.template!r}", hint="one of: " + ", ".join(names))
+    sys.stdout.write(render.render_template(args.template, config))
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from builder import build
+
+    config = _load(args)
+    result = build.build(config, tuple(args.mkosi_arg or ()))
+    print(f"built {result.disk_image} ({config.profile} {result.version}) in {result.seconds:.0f} s")
+    return 0
+
+
+def cmd_boot(args: argparse.Namespace) -> int:
+    from builder import build, qemu
+
+    config = _load(args)
+    disk = build.output_dir(config) / f"appliance_{config.appliance.version}.raw"
+    if not disk.is_file():
+        raise UserError(f"no image at {disk}", hint=f"build it first: python3 -m builder build --profile {config.profile}")
+    if args.interactive:
+        return qemu.interactive(disk)
+    report = qemu.boot_and_report(disk, timeout=args.timeout)
+    status = report.get("status", {})
+    if args.status_json:
+        out = Path(args.status_json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(status, indent=2) + "\n")
+        tmp.rename(out)
+    print(report.get("status_text", "").rstrip())
+    failed = report.get("failed_units", [])
+    if failed:
+        print(f"failed units in the guest: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0 if status.get("state") == "ok" else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python3 -m builder", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show commands and tracebacks")
+    parser.add_argument("--config", default=str(ROOT / "appliance.toml"), help="the configuration (appliance.toml)")
+    parser.add_argument("--profile", default="production", choices=config_model.PROFILES)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("validate", help="check appliance.toml without building")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("render", help="print one generated unit (a template in units/)")
+    p.add_argument("template", help="e.g. appliance-engine.container.j2")
+    p.set_defaults(func=cmd_render)
+
+    p = sub.add_parser("build", help="build the image into out/PROFILE/")
+    p.add_argument("--mkosi-arg", action="append", help="pass an extra option to mkosi")
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("boot", help="boot the built image in QEMU and print the guest's status")
+    p.add_argument("--interactive", action="store_true", help="serial console on this terminal")
+    p.add_argument("--timeout", type=float, default=900, help="seconds to wait for the guest's report")
+    p.add_argument("--status-json", help="write the guest's status as JSON here")
+    p.set_defaults(func=cmd_boot)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, format="%(message)s")
+    try:
+        return int(args.func(args))
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"error: {e.message}", file=sys.stderr)
+        if e.hint:
+            print(f"hint: {e.hint}", file=sys.stderr)
+        return e.exit_status
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Boot an image in QEMU (TCG with OVMF: KVM does not work on these build hosts).
+
+The guest's boot-check unit writes a JSON report to its second serial port and powers off;
+the host reads that report. The image itself is never modified: each boot runs on a sparse
+copy grown to a disk size where systemd-repart has room for slot B and /var.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from builder.errors import UserError
+
+OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
+OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
+DISK_SIZE = 12 * 1024**3
+REPORT_BEGIN = "APPLIANCE-REPORT-BEGIN"
+REPORT_END = "APPLIANCE-REPORT-END"
+
+
+def _qemu_command(disk: Path, vars_fd: Path, credentials: dict[str, str]) -> list[str]:
+    cmd = [
+        "qemu-system-x86_64",
+        "-machine", "q35", "-accel", "tcg", "-smp", str(min(4, os.cpu_count() or 2)), "-m", "4096",
+        "-drive", f"if=pflash,format=raw,readonly=on,file={OVMF_CODE}",
+        "-drive", f"if=pflash,format=raw,file={vars_fd}",
+        "-drive", f"if=virtio,format=raw,file={disk},cache=unsafe,discard=unmap",
+        "-nic", "user,model=virtio-net-pci",
+        "-device", "virtio-rng-pci",
+        "-display", "none", "-monitor", "none",
+    ]
+    for name, value in credentials.items():
+        cmd += ["-smbios", f"type=11,value=io.systemd.credential:{name}={value}"]
+    return cmd
+
+
+class Guest:
+    """One boot of a copy of DISK; the copy and its firmware variables live in a temporary directory."""
+
+    def __init__(self, disk: Path, workdir: Path | None = None) -> None:
+        if not OVMF_CODE.exists():
+            raise UserError(f"{OVMF_CODE} is missing", hint="run `make setup` (installs ovmf and qemu-system-x86)")
+        self.dir = Path(workdir or tempfile.mkdtemp(prefix="appliance-qemu-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.disk = self.dir / "disk.raw"
+        if not self.disk.exists():
+            subprocess.run(["cp", "--sparse=always", str(disk), str(self.disk)], check=True)
+            os.truncate(self.disk, max(DISK_SIZE, self.disk.stat().st_size))
+        self.vars = self.dir / "OVMF_VARS.fd"
+        if not self.vars.exists():
+            shutil.copyfile(OVMF_VARS, self.vars)
+        self.console_log = self.dir / "console.log"
+        self.report_log = self.dir / "report.log"
+
+    def boot(self, timeout: float, credentials: dict[str, str] | None = None) -> dict[str, Any]:
+        """Boot until the guest powers off (or TIMEOUT); return the guest's last report."""
+        for path in (self.console_log, self.report_log):
+            path.unlink(missing_ok=True)
+        creds = {"appliance.bootcheck": "poweroff", **(credentials or {})}
+        cmd = _qemu_command(self.disk, self.vars, creds) + [
+            "-serial", f"file:{self.console_log}", "-serial", f"file:{self.report_log}",
+        ]
+        started = time.monotonic()
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise UserError(
+                f"the guest did not report within {timeout:.0f} s (console log: {self.console_log})",
+                hint="boot it interactively with `make qemu` and look at the console",
+            ) from None
+        report = parse_report(self.report_log.read_text(errors="replace") if self.report_log.exists() else "")
+        if report is None:
+            raise UserError(
+                f"the guest powered off without a report (console log: {self.console_log})",
+                hint="boot it interactively with `make qemu` and look at the console",
+            )
+        report["boot_seconds"] = round(time.monotonic() - started, 1)
+        return report
+
+
+def parse_report(text: str) -> dict[str, Any] | None:
+    """The last complete report block written by `applianctl bootcheck`."""
+    end = text.rfind(REPORT_END)
+    begin = text.rfind(REPORT_BEGIN, 0, end if end >= 0 else None)
+    if begin < 0 or end < 0:
+        return None
+    try:
+        data: dict[str, Any] = json.loads(text[begin + len(REPORT_BEGIN) : end])
+    except json.JSONDecodeError:
+        return None
+    return data
+
+
+def boot_and_report(disk: Path, timeout: float = 900) -> dict[str, Any]:
+    return Guest(disk).boot(timeout)
+
+
+def interactive(disk: Path) -> int:
+    guest = Guest(disk)
+    cmd = _qemu_command(guest.disk, guest.vars, {}) + ["-serial", "mon:stdio", "-serial", f"file:{guest.report_log}"]
+    print(f"booting a copy of {disk} in {guest.dir}; leave with Ctrl-a x")
+    return subprocess.call(cmd)

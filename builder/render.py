@@ -1,0 +1,164 @@
+"""Derive the generated part of the image from the configuration.
+
+Everything that depends on appliance.toml is written here into one tree that mkosi copies into
+the image (ExtraTrees): the device's configuration JSON, the units and the quadlet rendered
+from units/*.j2, the preset, the engine's overlay and tuning files, applianctl itself, and
+the trusted keys and signed manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from builder.config import Config, PinnedFile
+
+ROOT = Path(__file__).resolve().parents[1]
+UNITS_DIR = ROOT / "units"
+LIB = Path("usr/lib/appliance")
+SYSTEMD_DIR = Path("usr/lib/systemd/system")
+QUADLET_DIR = Path("usr/share/containers/systemd")
+
+
+@dataclass(frozen=True)
+class Mount:
+    """An overlay or tuning file as the engine unit mounts it: device path -> container path."""
+
+    source: str
+    target: str
+
+
+def device_path(kind: str, pinned: PinnedFile) -> str:
+    """Where a pinned engine file lives on the device (under the verity-protected /usr)."""
+    return f"/{LIB}/engine/{kind}/{Path(pinned.file).name}"
+
+
+def shm_size_mib(config: Config) -> int:
+    """/dev/shm holds the offload file plus the margin (and never less than 64 MiB)."""
+    return max(64, math.ceil((config.engine.offload_gib + config.engine.shm.margin_gib) * 1024))
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(UNITS_DIR),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def render_template(name: str, config: Config) -> str:
+    context = {
+        "config": config,
+        "overlays": [Mount(device_path("overlays", f), f.target) for f in config.engine.overlays],
+        "tuning": [Mount(device_path("tuning", f), f.target) for f in config.engine.tuning],
+        "shm_size_mib": shm_size_mib(config),
+    }
+    return _environment().get_template(name).render(context)
+
+
+def _write(path: Path, text: str | bytes, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(text, str):
+        path.write_text(text)
+    else:
+        path.write_bytes(text)
+    path.chmod(mode)
+
+
+def _rendered_name(template: Path) -> Path:
+    name = template.name.removesuffix(".j2")
+    if name.endswith(".container"):
+        return QUADLET_DIR / name
+    if name.endswith(".preset"):
+        return Path("usr/lib/systemd/system-preset") / f"10-{name}"
+    if name == "Caddyfile":
+        return LIB / name
+    return SYSTEMD_DIR / name
+
+
+def render_units(config: Config, tree: Path) -> list[Path]:
+    """Every unit in units/: templates rendered, static units copied."""
+    written = []
+    for source in sorted(UNITS_DIR.iterdir()):
+        if source.name.startswith(".") or not source.is_file():
+            continue
+        if source.suffix == ".j2":
+            text = render_template(source.name, config)
+        else:
+            text = source.read_text()
+        target = tree / _rendered_name(source)
+        _write(target, text)
+        written.append(target)
+    return written
+
+
+def install_applianctl(tree: Path) -> None:
+    """applianctl as a command, run by the image's own python3 (Debian's pydbus, requests, cryptography)."""
+    package = tree / "usr/lib/python3/dist-packages/applianctl"
+    shutil.copytree(ROOT / "applianctl", package, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+    _write(
+        tree / "usr/bin/applianctl",
+        "#!/usr/bin/python3\nimport sys\n\nfrom applianctl.__main__ import main\n\nsys.exit(main())\n",
+        0o755,
+    )
+
+
+def install_engine_files(config: Config, tree: Path) -> None:
+    for kind, files in (("overlays", config.engine.overlays), ("tuning", config.engine.tuning)):
+        for pinned in files:
+            target = tree / device_path(kind, pinned).lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ROOT / pinned.file, target)
+            target.chmod(0o444)
+
+
+def install_os_settings(config: Config, tree: Path) -> None:
+    _write(tree / "etc/hostname", config.os.hostname + "\n")
+    keys = "".join(key + "\n" for key in config.os.ssh_authorized_keys)
+    _write(tree / LIB / "ssh/authorized_keys", keys)
+    _write(
+        tree / "etc/ssh/sshd_config.d/50-appliance.conf",
+        "# Keys from appliance.toml only; no passwords, ever.\n"
+        f"AuthorizedKeysFile /{LIB}/ssh/authorized_keys\n"
+        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n",
+    )
+    # Bounded engine logs: the compose stack kept log_max_size x log_max_files.
+    size = int(config.engine.log_max_size[:-1]) * config.engine.log_max_files
+    _write(
+        tree / "usr/lib/systemd/journald.conf.d/50-appliance.conf",
+        f"[Journal]\nStorage=persistent\nSystemMaxUse={size}{config.engine.log_max_size[-1].upper()}\n",
+    )
+    if config.profile == "demo":
+        # The stand-in's "weights": the snapshot directory the engine's first argument names.
+        snapshot = config.model.snapshot_path.replace("/root/.cache/huggingface", config.model.cache_dir)
+        _write(
+            tree / "usr/lib/tmpfiles.d/appliance-demo-model.conf",
+            f"d {config.model.cache_dir} 0755 root root -\n"
+            f"d {snapshot} 0755 root root -\n"
+            f"f {snapshot}/config.json 0644 root root - {{}}\n",
+        )
+    _write(
+        tree / "usr/lib/tmpfiles.d/appliance.conf",
+        f"d {config.model.cache_dir} 0755 root root -\n"
+        f"d {config.engine.aiter_cache_dir} 0755 root root -\n"
+        f"d {config.engine.crash_dir} 0700 root root -\n"
+        "d /var/lib/appliance 0755 root root -\n",
+    )
+
+
+def generate_tree(config: Config, tree: Path) -> None:
+    """The whole generated tree for CONFIG at TREE (which must not exist yet)."""
+    tree.mkdir(parents=True)
+    _write(tree / LIB / "appliance.json", json.dumps(config.to_json(), indent=2, sort_keys=True) + "\n")
+    render_units(config, tree)
+    install_applianctl(tree)
+    install_engine_files(config, tree)
+    install_os_settings(config, tree)

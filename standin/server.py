@@ -1,0 +1,324 @@
+"""The OpenAI-compatible HTTP API of the stand-in, on http.server.
+
+Routes as vLLM serves them: GET /health, /ping, /version, /v1/models, /metrics; POST
+/v1/completions and /v1/chat/completions (both also as server-sent events with "stream": true).
+Every response carries X-Standin-Answers: the VARIANT of the answers module in effect.
+"""
+
+from __future__ import annotations
+
+import http
+import json
+import re
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, cast
+
+from standin import __version__, answers, vlog
+from standin.metrics import Stats
+
+_TOKEN = re.compile(r"\s*\S+")
+
+
+def tokens(text: str) -> list[str]:
+    """The stand-in's 'tokenizer': words with their leading white space; joined, they give TEXT back."""
+    return _TOKEN.findall(text)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.param = param
+
+
+@dataclass
+class Engine:
+    """What the request handlers share."""
+
+    served_names: list[str]
+    root: str
+    max_model_len: int
+    stats: Stats
+    hang_after_s: float | None = None
+    token_seconds: float = 0.0
+    serving_since: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def hung(self) -> bool:
+        return self.hang_after_s is not None and time.monotonic() - self.serving_since >= self.hang_after_s
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, host: str, port: int, engine: Engine) -> None:
+        self.engine = engine
+        if ":" in host:
+            self.address_family = socket.AF_INET6
+        super().__init__((host, port), Handler)
+
+
+@dataclass
+class Generation:
+    prompt: str
+    prompt_tokens: int
+    pieces: list[str]
+    finish_reason: str
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def usage(self) -> dict[str, Any]:
+        completion = len(self.pieces)
+        return {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens + completion,
+                "completion_tokens": completion, "prompt_tokens_details": None}
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def version_string(self) -> str:
+        return "uvicorn"
+
+    @property
+    def engine(self) -> Engine:
+        return cast(Server, self.server).engine
+
+    # ----------------------------------------------------------------------------- plumbing
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if ok and self.engine.hung():
+            # The hang fault: the connection was accepted and the request read, but no answer ever comes.
+            threading.Event().wait()
+        return ok
+
+    def end_headers(self) -> None:
+        self.send_header("X-Standin-Answers", answers.VARIANT)
+        super().end_headers()
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        try:
+            phrase = http.HTTPStatus(int(code)).phrase
+        except ValueError:
+            phrase = ""
+        host, port = self.client_address[:2]
+        vlog.uvicorn(f'{host}:{port} - "{self.requestline}" {code} {phrase}')
+
+    def log_message(self, format: str, *args: Any) -> None:
+        vlog.log("launcher.py:99", format % args, level="WARNING", proc=vlog.API)
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, data: Any) -> None:
+        self._send(status, json.dumps(data).encode(), "application/json")
+
+    def _error(self, e: ApiError) -> None:
+        self._json(e.status, {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}})
+
+    def _body(self) -> dict[str, Any]:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            data = json.loads(raw or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return data
+
+    # ----------------------------------------------------------------------------- routes
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path in ("/health", "/ping"):
+            self._send(200, b"", "application/json")
+        elif path == "/version":
+            self._json(200, {"version": f"{__version__}+standin"})
+        elif path == "/v1/models":
+            self._json(200, self._models())
+        elif path == "/metrics":
+            self._send(200, self.engine.stats.render().encode(), "text/plain; version=0.0.4; charset=utf-8")
+        elif path in ("/v1/completions", "/v1/chat/completions"):
+            self._json(405, {"detail": "Method Not Allowed"})
+        else:
+            self._json(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path not in ("/v1/completions", "/v1/chat/completions"):
+            self.close_connection = True  # the body was not read
+            if path in ("/health", "/ping", "/version", "/v1/models", "/metrics"):
+                self._json(405, {"detail": "Method Not Allowed"})
+            else:
+                self._json(404, {"detail": "Not Found"})
+            return
+        try:
+            body = self._body()
+            model = self._model(body)
+            if path == "/v1/completions":
+                self._completions(body, model)
+            else:
+                self._chat(body, model)
+        except ApiError as e:
+            self._error(e)
+
+    def _models(self) -> dict[str, Any]:
+        data: list[dict[str, Any]] = [
+            {"id": name, "object": "model", "created": self.engine.created, "owned_by": "vllm",
+             "root": self.engine.root, "parent": None, "max_model_len": self.engine.max_model_len,
+             "permission": [], "standin_answers": answers.VARIANT}
+            for name in self.engine.served_names
+        ]
+        return {"object": "list", "data": data}
+
+    def _model(self, body: dict[str, Any]) -> str:
+        model = body.get("model")
+        if model is None:
+            return self.engine.served_names[0]
+        if model not in self.engine.served_names:
+            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        return str(model)
+
+    # ----------------------------------------------------------------------------- generation
+
+    def _generate(self, prompt: str, prompt_tokens: int, body: dict[str, Any]) -> Generation:
+        limit = self.engine.max_model_len
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is None:
+            max_tokens = max(1, limit - prompt_tokens)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens!r}.", param="max_tokens")
+        if prompt_tokens + max_tokens > limit:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} "
+                                "in the completion). Please reduce the length of the messages or completion.")
+        pieces = tokens(answers.answer(prompt))
+        finish = "stop"
+        if len(pieces) > max_tokens:
+            pieces, finish = pieces[:max_tokens], "length"
+        return Generation(prompt, prompt_tokens, pieces, finish)
+
+    def _run(self, gen: Generation, emit: Any) -> None:
+        """Produce GEN's pieces through EMIT(piece) while the metrics see the request in the batch."""
+        stats = self.engine.stats
+        started = time.monotonic()
+        stats.start(gen.prompt, gen.prompt_tokens)
+        reason = "abort"
+        try:
+            for i, piece in enumerate(gen.pieces):
+                if self.engine.token_seconds:
+                    time.sleep(self.engine.token_seconds)
+                if i == 0:
+                    stats.first_token(time.monotonic() - started)
+                emit(piece)
+            if not gen.pieces:
+                stats.first_token(time.monotonic() - started)
+            reason = gen.finish_reason
+        finally:
+            stats.finish(gen.prompt_tokens, len(gen.pieces), reason)
+
+    def _start_stream(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def _event(self, data: Any) -> None:
+        payload = b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n"
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+        self.wfile.flush()
+
+    def _end_stream(self) -> None:
+        self._event(b"[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def _completions(self, body: dict[str, Any], model: str) -> None:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            prompt = " ".join(str(t) for t in prompt)
+        if not isinstance(prompt, str):
+            raise ApiError(400, "prompt must be a string", param="prompt")
+        gen = self._generate(prompt, max(1, len(tokens(prompt))), body)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model}
+        if body.get("stream"):
+            self._start_stream()
+
+            def emit(piece: str) -> None:
+                choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None, "stop_reason": None}
+                self._event({**head, "choices": [choice]})
+
+            try:
+                self._run(gen, emit)
+                last = {"index": 0, "text": "", "logprobs": None, "finish_reason": gen.finish_reason,
+                        "stop_reason": None}
+                self._event({**head, "choices": [last]})
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    self._event({**head, "choices": [], "usage": gen.usage()})
+                self._end_stream()
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+            return
+        self._run(gen, lambda piece: None)
+        choice = {"index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason,
+                  "stop_reason": None, "prompt_logprobs": None}
+        self._json(200, {**head, "choices": [choice], "usage": gen.usage()})
+
+    def _chat(self, body: dict[str, Any], model: str) -> None:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list", param="messages")
+        texts: list[str] = []
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+            texts.append(content if isinstance(content, str) else "")
+        users = [t for m, t in zip(messages, texts, strict=True) if isinstance(m, dict) and m.get("role") == "user"]
+        prompt = users[-1] if users else ""
+        # Every message adds a few template tokens, as a chat template would.
+        prompt_tokens = sum(len(tokens(t)) + 4 for t in texts) + 1
+        gen = self._generate(prompt, prompt_tokens, body)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": model}
+        if body.get("stream"):
+            self._start_stream()
+
+            def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+                return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                                             **({"stop_reason": None} if finish else {})}]}
+
+            try:
+                self._event(chunk({"role": "assistant", "content": ""}))
+                self._run(gen, lambda piece: self._event(chunk({"content": piece})))
+                self._event(chunk({"content": ""}, gen.finish_reason))
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    self._event({**head, "choices": [], "usage": gen.usage()})
+                self._end_stream()
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+            return
+        self._run(gen, lambda piece: None)
+        message = {"role": "assistant", "content": gen.text, "reasoning_content": None, "tool_calls": []}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": gen.finish_reason,
+                  "stop_reason": None}
+        self._json(200, {**head, "object": "chat.completion", "choices": [choice], "usage": gen.usage()})

@@ -1,0 +1,158 @@
+"""The configuration model: the real appliance.toml, and every kind of bad input refused in one line."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from builder import config
+from builder.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+APPLIANCE_TOML = ROOT / "appliance.toml"
+REFERENCE = ROOT.parent / "shared" / "REFERENCE-STACK.md"
+
+
+def test_production_profile_carries_the_reference_stack() -> None:
+    c = config.load(APPLIANCE_TOML, "production")
+    reference = REFERENCE.read_text()
+    assert c.model.id == "deepseek-ai/DeepSeek-V4-Flash-0731"
+    assert c.model.revision == "7872f01b1d1fe23eabc4c98b48bffcef5a386062"
+    assert f"`{c.engine.reference}`" in reference
+    assert c.model.snapshot_path in reference
+    # Every argument, in the reference's order.
+    args_text = reference.split("Arguments, in order:")[1].split("- Health check")[0]
+    quoted = re.findall(r"`([^`]*)`", args_text)
+    reference_args = " ".join(quoted[1:]).split()  # quoted[0] is the model path
+    assert quoted[0] == c.model.snapshot_path
+    assert list(c.engine.args) == reference_args
+    for name, value in c.engine.env.items():
+        assert f"`{name}={value}`" in reference
+    for pinned in (*c.engine.overlays, *c.engine.tuning):
+        assert pinned.sha256 in reference
+        assert Path(pinned.file).name in reference
+        assert pinned.target.removeprefix("/usr/local/lib/python3.12/dist-packages/") in reference
+    assert c.engine.capabilities == ("SYS_PTRACE", "IPC_LOCK")
+    assert c.engine.devices == ("/dev/kfd", "/dev/dri")
+    assert c.engine.offload_gib == 96.0
+    assert c.engine.stop_timeout_s == 120
+    assert (c.engine.health.interval_s, c.engine.health.timeout_s, c.engine.health.retries) == (30, 5, 5)
+    assert c.expected.kv_cache_tokens == 1927444 and c.expected.model_memory_gib == 156.67
+    assert set(c.proxy.allowed_paths) == {
+        "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/generate"
+    }
+    assert c.gpu.required
+
+
+def test_demo_profile_overrides_only_what_it_names() -> None:
+    prod = config.load(APPLIANCE_TOML, "production")
+    demo = config.load(APPLIANCE_TOML, "demo")
+    assert not demo.gpu.required
+    assert demo.engine.image != prod.engine.image
+    assert demo.proxy.tls == "internal"
+    # untouched settings are inherited
+    assert demo.os == prod.os
+    assert demo.engine.stop_timeout_s == prod.engine.stop_timeout_s
+    assert demo.engine.health.timeout_s == prod.engine.health.timeout_s
+
+
+def _with(tmp_path: Path, old: str, new: str) -> Path:
+    text = APPLIANCE_TOML.read_text()
+    assert old in text, old
+    path = tmp_path / "appliance.toml"
+    path.write_text(text.replace(old, new, 1))
+    return path
+
+
+BAD = [
+    ('digest = "sha256:e68d', 'digest = "sha256:E68d', "engine.digest"),
+    ('digest = "sha256:e68d18b2ba50298661bfc49baf01158fbf036645c2362cccf3e8a7a79fe6c69a"', 'digest = "sha256:abc"', "engine.digest"),
+    ('revision = "7872f01b1d1fe23eabc4c98b48bffcef5a386062"', 'revision = "7872f01b"', "model.revision"),
+    ('allowed_cidrs = ["192.0.2.0/24"]', 'allowed_cidrs = ["192.0.2.1/24"]', "proxy.allowed_cidrs[0]"),
+    ('allowed_cidrs = ["192.0.2.0/24"]', 'allowed_cidrs = ["10.0.0.0/33"]', "proxy.allowed_cidrs[0]"),
+    ('hostname = "dsv4.example.net"', 'hostname = "dsv4_example.net"', "proxy.hostname"),
+    ('hostname = "dsv4.example.net"', 'hostname = "a.example.net { }"', "proxy.hostname"),
+    ('acme_email = "ops@example.net"', 'acme_email = "ops@example.net}\\nimport x"', "proxy.acme_email"),
+    ('port = 8000', 'port = "8000"', "engine.port"),
+    ('port = 8000', 'port = 70000', "engine.port"),
+    ('init = true', 'init = "yes"', "engine.init"),
+    ('[engine.health]', '[engine.health]\nbogus = 1', "unknown key 'engine.health.bogus'"),
+    ('[appliance]', '[appliance]\ncolour = "red"', "unknown key 'appliance.colour'"),
+    ('target = "/opt/aiter-configs/dsv4', 'target = "../opt/aiter-configs/dsv4', "engine.tuning[0].target"),
+    ('target = "/opt/aiter-configs/dsv4', 'target = "/opt/../etc/dsv4', "engine.tuning[0].target"),
+    ('VLLM_ROCM_USE_AITER = "1"', 'VLLM_ROCM_USE_AITER = "1\\nExecStartPre=/bin/evil"', "engine.env.VLLM_ROCM_USE_AITER"),
+    ('"--trust-remote-code",', '"--trust-remote-code; rm -rf /",', "engine.args"),
+    ('version = "1.0.0"', 'version = "one"', "appliance.version"),
+    ('allowed_paths = ["/v1/chat/completions"', 'allowed_paths = ["/v1/chat completions"', "proxy.allowed_paths[0]"),
+]
+
+
+@pytest.mark.parametrize(("old", "new", "key"), BAD)
+def test_bad_value_is_one_line_naming_file_key_and_value(tmp_path: Path, old: str, new: str, key: str) -> None:
+    path = _with(tmp_path, old, new)
+    with pytest.raises(ConfigError) as err:
+        config.load(path, "production")
+    assert str(path) in err.value.message
+    assert key in err.value.message
+    assert "\n" not in err.value.message.replace("\\n", "")
+    assert err.value.hint
+
+
+def test_demo_profile_errors_are_checked_too(tmp_path: Path) -> None:
+    path = _with(tmp_path, 'allowed_cidrs = ["127.0.0.0/8", "10.0.2.0/24"]', 'allowed_cidrs = ["not-a-net"]')
+    config.load(path, "production")  # the production profile does not use that value
+    with pytest.raises(ConfigError, match=r"proxy\.allowed_cidrs\[0\]"):
+        config.load(path, "demo")
+
+
+def test_acme_needs_an_email(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="acme_email"):
+        config.load(_with(tmp_path, 'acme_email = "ops@example.net"', 'acme_email = ""'), "production")
+
+
+def test_to_json_round_trips_through_json() -> None:
+    import json
+
+    data = json.loads(json.dumps(config.load(APPLIANCE_TOML, "demo").to_json()))
+    assert data["engine"]["reference"].startswith("localhost/appliance-standin-engine@sha256:")
+    assert data["engine"]["offload_gib"] == 0.0625
+    assert data["profile"] == "demo"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "builder", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_validate_command_ok() -> None:
+    for profile in config.PROFILES:
+        result = _cli("--profile", profile, "validate")
+        assert result.returncode == 0, result.stderr
+        assert "is valid" in result.stdout
+
+
+def test_validate_command_bad_input_exit_2_two_lines_no_traceback(tmp_path: Path) -> None:
+    path = _with(tmp_path, 'revision = "7872f01b1d1fe23eabc4c98b48bffcef5a386062"', 'revision = "main"')
+    result = _cli("--config", str(path), "validate")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2, result.stderr
+    assert lines[0].startswith("error: ") and "model.revision" in lines[0] and "'main'" in lines[0]
+    assert lines[1].startswith("hint: ")
+    assert "Traceback" not in result.stderr
+
+
+def test_validate_debug_shows_traceback(tmp_path: Path) -> None:
+    path = _with(tmp_path, 'revision = "7872f01b1d1fe23eabc4c98b48bffcef5a386062"', 'revision = "main"')
+    result = _cli("--debug", "--config", str(path), "validate")
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_broken_toml_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "appliance.toml"
+    path.write_text("[engine\n")
+    result = _cli("--config", str(path), "validate")
+    assert result.returncode == 2 and "not valid TOML" in result.stderr and "Traceback" not in result.stderr
