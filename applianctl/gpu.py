@@ -74,7 +74,7 @@ def mib(value: Any, default_unit: str = "MB") -> float | None:
     return None if factor is None else n * factor
 
 
-def gpu_list(doc: Any) -> list[dict[str, Any]]:
+def gpu_list(doc: Any) -> list[Mapping[str, Any]]:
     """The per-GPU records of an amd-smi JSON document in either shape."""
     if isinstance(doc, Mapping) and "gpu_data" in doc:
         doc = doc["gpu_data"]

@@ -134,9 +134,7 @@ def run_probes(probes: Mapping[str, Callable[[], Part]], deadline_s: float = DEA
     for _, t in threads:
         t.join(max(0.0, end - time.monotonic()))
     with lock:
-        return {
-            name: results.get(name, Part(DOWN, f"no answer within {deadline_s:g} s")) for name in probes
-        }
+        return {name: results.get(name, Part(DOWN, f"no answer within {deadline_s:g} s")) for name in probes}
 
 
 def _read_json(path: Path) -> Any:
@@ -473,7 +471,12 @@ def probe_disk(config: Mapping[str, Any], state_dir: Path | None = None) -> Part
         return Part(DOWN, f"{state_dir}: {e.strerror}", details)
     if cache.is_dir():
         used, complete = tree_bytes(cache)
-        details["model_cache"] = {"path": str(cache), **_fs(cache), "cache_bytes": used, "cache_bytes_complete": complete}
+        details["model_cache"] = {
+            "path": str(cache),
+            **_fs(cache),
+            "cache_bytes": used,
+            "cache_bytes_complete": complete,
+        }
     else:
         details["model_cache"] = {"path": str(cache), "present": False}
     for key in ("var", "model_cache"):

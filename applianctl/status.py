@@ -53,7 +53,9 @@ def _cross_check(parts: dict[str, Part]) -> None:
         parts["engine"] = Part(DEGRADED, "starting: the port opens once the model is loaded", engine.details)
 
 
-def collect(config: Mapping[str, Any], src: Sources | None = None, deadline_s: float = probes.DEADLINE_S) -> dict[str, Any]:
+def collect(
+    config: Mapping[str, Any], src: Sources | None = None, deadline_s: float = probes.DEADLINE_S
+) -> dict[str, Any]:
     """The status document (docs/status-schema.md)."""
     src = src or Sources()
     started = time.monotonic()
@@ -99,10 +101,15 @@ def summary(name: str, part: Mapping[str, Any]) -> str:
         boot = bc.get("state")
         if bc.get("state") == "on trial":
             boot = f"on trial, {bc['tries_left']} tries left"
-        return f"version {_fmt(d.get('version'))} (image {_fmt(d.get('image_version'))}), slot {_fmt(usr.get('slot'))}, boot counting: {boot}"
+        return (
+            f"version {_fmt(d.get('version'))} (image {_fmt(d.get('image_version'))}), "
+            f"slot {_fmt(usr.get('slot'))}, boot counting: {boot}"
+        )
     if name == "units":
         units = d.get("units") or {}
-        return ", ".join(f"{n.removeprefix('appliance-').removesuffix('.service')} {u['active_state']}" for n, u in units.items())
+        return ", ".join(
+            f"{n.removeprefix('appliance-').removesuffix('.service')} {u['active_state']}" for n, u in units.items()
+        )
     if name == "engine":
         m = d.get("metrics") or {}
         models = ", ".join(d.get("models") or []) or "-"
@@ -114,7 +121,9 @@ def summary(name: str, part: Mapping[str, Any]) -> str:
     if name == "startup":
         figs = d.get("figures") or {}
         shown = [f"{k} {_fmt(v.get('value'))}/{_fmt(v.get('expected'))}" for k, v in figs.items()]
-        return "; ".join(shown) + f"; graphs {_fmt(d.get('cuda_graphs'))}, ready {_fmt(d.get('ready'))}" if shown else ""
+        if not shown:
+            return ""
+        return "; ".join(shown) + f"; graphs {_fmt(d.get('cuda_graphs'))}, ready {_fmt(d.get('ready'))}"
     if name == "gpu":
         out = []
         for g in d.get("gpus") or []:

@@ -7,6 +7,7 @@ StateChangeTimestamp and, for services, NRestarts and Result.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -89,10 +90,8 @@ def read_unit(bus: Any, manager: Any, name: str) -> Unit:
     obj = bus.get(BUS_NAME, path)
     props: dict[str, Any] = dict(obj[PROPERTIES_IFACE].GetAll(UNIT_IFACE, timeout=CALL_TIMEOUT_S))
     if name.endswith(".service"):
-        try:
+        with contextlib.suppress(GLib.Error):
             props.update(obj[PROPERTIES_IFACE].GetAll(SERVICE_IFACE, timeout=CALL_TIMEOUT_S))
-        except GLib.Error:
-            pass
     restarts = props.get("NRestarts")
     return Unit(
         name=name,

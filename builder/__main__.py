@@ -44,7 +44,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     from builder import build
 
     config = _load(args)
-    result = build.build(config, tuple(args.mkosi_arg or ()))
+    source = Path(args.engine_image) if args.engine_image else None
+    result = build.build(config, tuple(args.mkosi_arg or ()), source)
     print(f"built {result.disk_image} ({config.profile} {result.version}) in {result.seconds:.0f} s")
     return 0
 
@@ -74,6 +75,29 @@ def cmd_boot(args: argparse.Namespace) -> int:
     return 0 if status.get("state") == "ok" else 1
 
 
+def cmd_pin(args: argparse.Namespace) -> int:
+    """Re-pin on purpose: the demo's stand-in engine digest (in appliance.toml) and SHA256SUMS."""
+    import re
+    import tempfile
+
+    from builder import engine_image, pins
+
+    config = config_model.load(Path(args.config), "demo")
+    digest = engine_image.build_standin_layout(Path(tempfile.mkdtemp()), config.engine.entrypoint)
+    path = Path(args.config)
+    text = path.read_text()
+    head, sep, demo = text.partition("[profiles.demo.engine]")
+    new_demo = re.sub(r'(?m)^digest = "sha256:[0-9a-f]{64}"', f'digest = "{digest}"', demo, count=1)
+    if new_demo != demo:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(head + sep + new_demo)
+        tmp.replace(path)
+        print(f"{path}: demo engine digest pinned to {digest}")
+    for line in pins.pin(ROOT):
+        print(line)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python3 -m builder", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show commands and tracebacks")
@@ -90,7 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("build", help="build the image into out/PROFILE/")
     p.add_argument("--mkosi-arg", action="append", help="pass an extra option to mkosi")
+    p.add_argument("--engine-image", help="the engine image as an OCI layout directory or OCI archive")
     p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("pin", help="rewrite SHA256SUMS and the demo engine digest on purpose")
+    p.set_defaults(func=cmd_pin)
 
     p = sub.add_parser("boot", help="boot the built image in QEMU and print the guest's status")
     p.add_argument("--interactive", action="store_true", help="serial console on this terminal")

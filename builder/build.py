@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder import mirror, render
+from builder import engine_image, mirror, render
 from builder.config import Config
 from builder.errors import UserError
 from builder.run import HOST_CACHE, mkosi_command, run
@@ -81,20 +81,23 @@ def _replace_dir(new: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def prepare(config: Config) -> tuple[Path, Path]:
+def prepare(config: Config, engine_source: Path | None = None) -> tuple[Path, Path]:
     """Check the inputs and generate the tree and sandbox; nothing outside build/ is touched."""
+    layout = engine_image.obtain(config, engine_source)
     work = work_dir(config)
     generated, sandbox = work / "generated", work / "sandbox"
     for path in (generated, sandbox):
         shutil.rmtree(path, ignore_errors=True)
     render.generate_tree(config, generated)
+    # The engine image, preloaded read-only; the engine-image unit hands it to podman.
+    shutil.copytree(layout, generated / render.LIB / "engine-image")
     write_sandbox(config, sandbox)
     return generated, sandbox
 
 
-def build(config: Config, extra_mkosi_args: tuple[str, ...] = ()) -> BuildResult:
+def build(config: Config, extra_mkosi_args: tuple[str, ...] = (), engine_source: Path | None = None) -> BuildResult:
     started = time.monotonic()
-    generated, sandbox = prepare(config)
+    generated, sandbox = prepare(config, engine_source)
     final = output_dir(config)
     staging = final.with_name(final.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)

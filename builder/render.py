@@ -90,7 +90,11 @@ def render_units(config: Config, tree: Path) -> list[Path]:
     for source in sorted(UNITS_DIR.iterdir()):
         if source.name.startswith(".") or not source.is_file():
             continue
-        if source.suffix == ".j2":
+        if source.name == "Caddyfile.j2":
+            from builder.proxy import render_caddyfile  # checks every value again before it enters
+
+            text = render_caddyfile(config)
+        elif source.suffix == ".j2":
             text = render_template(source.name, config)
         else:
             text = source.read_text()

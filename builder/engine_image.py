@@ -1,0 +1,159 @@
+"""The engine's container image: obtained by the digest pinned in appliance.toml, cached by digest.
+
+Sources, in order: an OCI layout directory or OCI archive given on the command line; for the
+demo profile, the stand-in engine built from this repository (deterministically, so its digest
+can be pinned); otherwise a registry through skopeo, where one is reachable. Whatever the
+source, an image whose manifest digest differs from the pin is refused, and an image already
+in the cache is never copied again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
+from typing import Any
+
+from builder.config import Config
+from builder.errors import UserError
+from builder.run import HOST_CACHE, run
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = HOST_CACHE / "engine-images"
+REF_NAME = "appliance"
+MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
+
+
+def _sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _blob_path(layout: Path, digest: str) -> Path:
+    algo, _, hexdigest = digest.partition(":")
+    return layout / "blobs" / algo / hexdigest
+
+
+def _write_blob(layout: Path, data: bytes) -> dict[str, Any]:
+    digest = _sha256(data)
+    path = _blob_path(layout, digest)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return {"digest": digest, "size": len(data)}
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+# ------------------------------------------------------------------------- the stand-in image
+
+
+def _standin_layer() -> bytes:
+    """One layer: the stand-in's code under /opt/standin, and the usr-merge symlinks so that the
+    appliance's own /usr (mounted read-only by the demo profile) provides python3."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+
+        def add(name: str, kind: bytes, mode: int, data: bytes = b"", link: str = "") -> None:
+            info = tarfile.TarInfo(name)
+            info.type, info.mode, info.mtime, info.uid, info.gid = kind, mode, 0, 0, 0
+            info.uname = info.gname = "root"
+            info.linkname, info.size = link, len(data)
+            tar.addfile(info, io.BytesIO(data) if data else None)
+
+        for d in ("dev", "etc", "opt", "opt/standin", "opt/standin/standin", "proc", "root", "run", "sys", "usr", "var"):
+            add(d, tarfile.DIRTYPE, 0o755)
+        add("tmp", tarfile.DIRTYPE, 0o1777)
+        for link, target in (("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64"), ("sbin", "usr/sbin")):
+            add(link, tarfile.SYMTYPE, 0o777, link=target)
+        add("etc/passwd", tarfile.REGTYPE, 0o644, b"root:x:0:0:root:/root:/bin/sh\n")
+        add("etc/group", tarfile.REGTYPE, 0o644, b"root:x:0:\n")
+        for source in sorted((ROOT / "standin").glob("*.py")):
+            add(f"opt/standin/standin/{source.name}", tarfile.REGTYPE, 0o644, source.read_bytes())
+    return buf.getvalue()
+
+
+def build_standin_layout(layout: Path, entrypoint: tuple[str, ...]) -> str:
+    """Write the stand-in engine as an OCI layout at LAYOUT; return its manifest digest.
+    Byte-for-byte reproducible: same sources, same digest."""
+    layer = _standin_layer()
+    layer_desc = {"mediaType": "application/vnd.oci.image.layer.v1.tar", **_write_blob(layout, layer)}
+    image_config = {
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {
+            "Entrypoint": list(entrypoint),
+            "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin", "PYTHONPATH=/opt/standin"],
+            "WorkingDir": "/",
+        },
+        "rootfs": {"type": "layers", "diff_ids": [_sha256(layer)]},
+    }
+    config_desc = {"mediaType": "application/vnd.oci.image.config.v1+json", **_write_blob(layout, _canonical(image_config))}
+    manifest = {"schemaVersion": 2, "mediaType": MANIFEST_TYPE, "config": config_desc, "layers": [layer_desc]}
+    manifest_desc = {"mediaType": MANIFEST_TYPE, **_write_blob(layout, _canonical(manifest))}
+    manifest_desc["annotations"] = {"org.opencontainers.image.ref.name": REF_NAME}
+    (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [manifest_desc]}))
+    (layout / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
+    return str(manifest_desc["digest"])
+
+
+# ------------------------------------------------------------------------- any OCI layout
+
+
+def layout_digest(layout: Path) -> str:
+    """The manifest digest of the single image in an OCI layout, checked against its blob."""
+    try:
+        index = json.loads((layout / "index.json").read_text())
+        (desc,) = [m for m in index["manifests"] if m.get("mediaType", MANIFEST_TYPE) == MANIFEST_TYPE]
+        digest = str(desc["digest"])
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"{layout}: not an OCI layout with one image ({e})", hint="pass an OCI layout directory or archive") from None
+    if _sha256(_blob_path(layout, digest).read_bytes()) != digest:
+        raise UserError(f"{layout}: manifest blob does not match its digest {digest}", hint="the layout is damaged")
+    return digest
+
+
+def _check_pin(config: Config, got: str, source: str) -> None:
+    if got != config.engine.digest:
+        raise UserError(
+            f"engine image from {source}: expected {config.engine.digest}, got {got}",
+            hint="use the image pinned in appliance.toml (engine.digest), or change the pin on purpose",
+        )
+
+
+def obtain(config: Config, source: Path | None = None) -> Path:
+    """The engine image pinned by CONFIG as an OCI layout in the build host's cache."""
+    cached = CACHE / config.engine.digest.replace(":", "-")
+    if (cached / "index.json").is_file():
+        return cached  # verified when it entered the cache; never copied twice
+    staging = cached.with_name(cached.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        if source is not None:
+            if source.is_dir():
+                shutil.copytree(source, staging, dirs_exist_ok=True)
+            elif source.is_file():
+                with tarfile.open(source) as tar:
+                    tar.extractall(staging, filter="data")
+            else:
+                raise UserError(f"{source}: no such OCI layout or archive", hint="check the --engine-image path")
+            got, where = layout_digest(staging), str(source)
+        elif config.profile == "demo":
+            got, where = build_standin_layout(staging, config.engine.entrypoint), "the stand-in engine (standin/)"
+        else:
+            run(
+                ["skopeo", "copy", "--quiet", f"docker://{config.engine.reference}", f"oci:{staging}:{REF_NAME}"],
+                what=f"skopeo copy {config.engine.reference}",
+                hint="no registry is reachable: pass the image as an OCI layout or archive with --engine-image PATH",
+            )
+            got, where = layout_digest(staging), "the registry"
+        _check_pin(config, got, where)
+        staging.rename(cached)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return cached

@@ -1,0 +1,439 @@
+"""SHA256SUMS: the pins of every overlay, diff, tuning table and firmware blob.
+
+`SHA256SUMS` at the project root is read exactly as GNU `sha256sum -c` (coreutils 9) reads it:
+
+* `HASH  NAME` (text mode) and `HASH *NAME` (binary mode); the hash is 64 hex digits, either
+  case; everything after the mode character is the name, spaces included;
+* blanks and tabs before the hash are skipped (the reference stack's file indents some lines);
+* a line that starts with `\\` has an escaped name: `\\\\`, `\\n` and `\\r` only;
+* the BSD forms `SHA256 (NAME) = HASH` and `HASH NAME` (one space, as `sha256sum` never
+  writes it) are accepted like GNU does, without mixing the two-space and one-space forms;
+* a trailing CR is dropped; lines that start with `#` are comments.
+
+Where GNU only warns, this reads strictly: a malformed line is an error naming its line
+number, and so is a name listed twice or a name that leaves the project. Blank lines are
+skipped (GNU counts them as malformed but still checks the rest).
+
+`check(config, root)` verifies every file the profile uses and refuses, with one line naming
+the file: a changed file (expected and actual hash), a missing file, a file under the pinned
+directories that SHA256SUMS does not list, a symlink that leaves its directory, and an
+appliance.toml pin that disagrees with SHA256SUMS. Files listed for the other profile need
+not be present. `pin(root)` rewrites SHA256SUMS on purpose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import stat
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from builder.config import PROFILES, Config, load
+from builder.errors import UserError
+
+SUMS_FILE = "SHA256SUMS"
+# Everything under these directories must be listed in SHA256SUMS (README.md files aside).
+PINNED_DIRS = ("overlays", "tuning", "firmware/amdgpu")
+DIFFS_DIR = "overlays/diffs"
+FIRMWARE_DIR = "firmware/amdgpu"
+FIRMWARE_PINS = "firmware/amdgpu.sha256"
+FIRMWARE_TARGET_DIR = "/usr/lib/firmware/updates/amdgpu"
+NOT_PINNED = frozenset({"README.md", ".gitkeep"})
+SKIPPED_DIRS = frozenset({"__pycache__"})
+
+KINDS = ("overlay", "diff", "tuning", "firmware")
+_HEX = re.compile(r"^[0-9A-Fa-f]{64}$")
+_FIRMWARE_NAME = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]*$")
+PIN_HINT = "if the change is intended: python3 -m builder pin (and update the sha256 in appliance.toml)"
+
+
+@dataclass(frozen=True)
+class SumEntry:
+    name: str
+    sha256: str  # lower case
+    binary: bool
+    line: int
+
+
+@dataclass(frozen=True)
+class PinnedArtifact:
+    """A verified file: its project path, its hash, where it goes, and what it is."""
+
+    path: str
+    sha256: str
+    target: str
+    kind: str
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _unescape(name: str) -> str:
+    out = []
+    i = 0
+    while i < len(name):
+        c = name[i]
+        if c == "\\":
+            if i + 1 >= len(name):
+                raise _Malformed
+            nxt = name[i + 1]
+            if nxt == "n":
+                out.append("\n")
+            elif nxt == "r":
+                out.append("\r")
+            elif nxt == "\\":
+                out.append("\\")
+            else:
+                raise _Malformed
+            i += 2
+            continue
+        if c == "\0":
+            raise _Malformed
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+class _Reader:
+    """coreutils md5sum.c `split_3`, line by line (with its one-space 'BSD reversed' state)."""
+
+    def __init__(self) -> None:
+        self.bsd_reversed: int | None = None
+
+    def split(self, s: str) -> tuple[str, str, bool]:
+        i = 0
+        while i < len(s) and s[i] in " \t":
+            i += 1
+        escaped = False
+        if s[i : i + 1] == "\\":
+            i += 1
+            escaped = True
+        if s.startswith("SHA256", i):
+            return self._tagged(s[i + 6 :], escaped)
+        if len(s) - i < 64 + 2:
+            raise _Malformed
+        digest = s[i : i + 64]
+        i += 64
+        if s[i : i + 1] not in (" ", "\t"):
+            raise _Malformed
+        i += 1
+        if not _HEX.match(digest):
+            raise _Malformed
+        binary = False
+        if len(s) - i == 1 or s[i] not in (" ", "*"):
+            if self.bsd_reversed == 0:
+                raise _Malformed
+            self.bsd_reversed = 1
+        elif self.bsd_reversed != 1:
+            self.bsd_reversed = 0
+            binary = s[i] == "*"
+            i += 1
+        name = s[i:]
+        if escaped:
+            name = _unescape(name)
+        return digest.lower(), name, binary
+
+    @staticmethod
+    def _tagged(s: str, escaped: bool) -> tuple[str, str, bool]:
+        i = 0
+        if s[i : i + 1] == " ":
+            i += 1
+        if s[i : i + 1] != "(":
+            raise _Malformed
+        s = s[i + 1 :]
+        end = s.rfind(")")
+        if end < 0:
+            raise _Malformed
+        name = _unescape(s[:end]) if escaped else s[:end]
+        rest = s[end + 1 :].lstrip(" \t")
+        if not rest.startswith("="):
+            raise _Malformed
+        digest = rest[1:].lstrip(" \t")
+        if not _HEX.match(digest):
+            raise _Malformed
+        return digest.lower(), name, False
+
+
+def parse_sums(data: bytes, source: str = SUMS_FILE) -> dict[str, SumEntry]:
+    """The entries of a SHA256SUMS file, by name; UserError on the first bad line."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{source}: not UTF-8 (byte {e.start})", hint="regenerate it with python3 -m builder pin") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    reader = _Reader()
+    entries: dict[str, SumEntry] = {}
+    for number, line in enumerate(lines, start=1):
+        if line.endswith("\r"):
+            line = line[:-1]
+        if line.startswith("#") or line.strip(" \t") == "":
+            continue
+        try:
+            digest, name, binary = reader.split(line)
+        except _Malformed:
+            raise UserError(
+                f"{source}:{number}: improperly formatted SHA256 checksum line",
+                hint="each line is 'HASH  NAME' as sha256sum writes it; regenerate with python3 -m builder pin",
+            ) from None
+        if not is_safe_name(name):
+            raise UserError(
+                f"{source}:{number}: {name!r} is not a path inside the project",
+                hint="names are relative to the project root, without '..', e.g. overlays/demo/file.py",
+            )
+        if name in entries:
+            raise UserError(
+                f"{source}:{number}: {name} is listed again (first on line {entries[name].line})", hint="list each file once"
+            )
+        entries[name] = SumEntry(name, digest, binary, number)
+    return entries
+
+
+def is_safe_name(name: str) -> bool:
+    if not name or name.startswith("/") or "\0" in name:
+        return False
+    return all(part not in ("", ".", "..") for part in name.split("/"))
+
+
+def read_sums(root: Path) -> dict[str, SumEntry]:
+    path = root / SUMS_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing", hint="create it with python3 -m builder pin") from None
+    return parse_sums(data, str(path))
+
+
+def format_line(name: str, sha256: str) -> str:
+    """One line as GNU sha256sum writes it (text mode; names with \\, LF or CR escaped)."""
+    if any(c in name for c in "\\\n\r"):
+        escaped = name.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+        return f"\\{sha256}  {escaped}"
+    return f"{sha256}  {name}"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------- the tree
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    return path == directory or directory in path.parents
+
+
+def _safe_file(root: Path, rel: str) -> Path | None:
+    """ROOT/REL if it is a regular file that stays in its directory; None if it is missing."""
+    path = root / rel
+    real_root = root.resolve()
+    parent = path.parent.resolve()
+    if not _inside(parent, real_root):
+        raise UserError(f"{rel}: its directory is a symlink that leaves the project", hint="copy the files in instead of linking")
+    if not os.path.lexists(path):
+        return None
+    if path.is_symlink():
+        real = path.resolve()
+        if not _inside(real, parent):
+            raise UserError(
+                f"{rel}: symlink to {os.readlink(path)} leaves its directory", hint="copy the file in instead of linking to it"
+            )
+        if not real.exists():
+            return None
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise UserError(f"{rel}: not a regular file", hint="pinned files are plain files")
+    return path
+
+
+def tree_files(root: Path) -> Iterator[str]:
+    """Every file under the pinned directories (as project paths), symlinks checked."""
+    real_root = root.resolve()
+    for top in PINNED_DIRS:
+        base = root / top
+        if not base.exists() and not base.is_symlink():
+            continue
+        if not _inside(base.resolve(), real_root):
+            raise UserError(f"{top}: symlink to a directory outside the project", hint="copy the files in instead of linking")
+        for dirpath, dirnames, filenames in os.walk(base):
+            here = Path(dirpath)
+            dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
+            for name in list(dirnames):
+                sub = here / name
+                if sub.is_symlink():
+                    dirnames.remove(name)
+                    rel = sub.relative_to(root).as_posix()
+                    if not _inside(sub.resolve(), here.resolve()):
+                        raise UserError(f"{rel}: symlink to {os.readlink(sub)} leaves its directory", hint="copy the files in instead of linking")
+                    raise UserError(f"{rel}: a symlinked directory", hint="pinned directories hold plain files")
+            for name in sorted(filenames):
+                if name in NOT_PINNED:
+                    continue
+                rel = (here / name).relative_to(root).as_posix()
+                _safe_file(root, rel)
+                yield rel
+
+
+# ----------------------------------------------------------------------------- what a profile uses
+
+
+@dataclass(frozen=True)
+class _Use:
+    kind: str
+    path: str
+    target: str
+    pin: str  # from appliance.toml or the firmware pin list; "" if none
+
+
+def read_firmware_pins(root: Path) -> list[tuple[str, str]]:
+    """(name, sha256) of each blob in firmware/amdgpu.sha256 (the same format as SHA256SUMS)."""
+    path = root / FIRMWARE_PINS
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    out = []
+    for entry in parse_sums(data, str(path)).values():
+        if not _FIRMWARE_NAME.match(entry.name):
+            raise UserError(
+                f"{path}:{entry.line}: {entry.name!r} is not a plain file name",
+                hint=f"name the blob as it goes into {FIRMWARE_TARGET_DIR}/, e.g. psp_13_0_6_sos.bin",
+            )
+        out.append((entry.name, entry.sha256))
+    return out
+
+
+def _uses(config: Config, root: Path) -> list[_Use]:
+    uses: list[_Use] = []
+    for kind, files in (("overlay", config.engine.overlays), ("tuning", config.engine.tuning)):
+        for f in files:
+            uses.append(_Use(kind, f.file, f.target, f.sha256))
+    for f in config.engine.overlays:
+        diff = diff_for(f.file)
+        if os.path.lexists(root / diff) or diff in _listed(root):
+            uses.append(_Use("diff", diff, f.target, ""))
+    for name, sha in read_firmware_pins(root):
+        uses.append(_Use("firmware", f"{FIRMWARE_DIR}/{name}", f"{FIRMWARE_TARGET_DIR}/{name}", sha))
+    return uses
+
+
+def diff_for(overlay_file: str) -> str:
+    """overlays/demo/standin_answers.py -> overlays/diffs/standin_answers.patch"""
+    return f"{DIFFS_DIR}/{PurePosixPath(overlay_file).stem}.patch"
+
+
+def _listed(root: Path) -> set[str]:
+    try:
+        return set(read_sums(root))
+    except UserError:
+        return set()
+
+
+# ----------------------------------------------------------------------------- check
+
+
+def check(config: Config, root: Path) -> list[PinnedArtifact]:
+    """Verify every file CONFIG's profile uses against SHA256SUMS; return what was verified."""
+    sums = read_sums(root)
+    for rel in tree_files(root):
+        if rel not in sums:
+            raise UserError(f"{rel}: unlisted: not in {SUMS_FILE}", hint="remove it, or pin it with python3 -m builder pin")
+    verified: list[PinnedArtifact] = []
+    for use in _uses(config, root):
+        entry = sums.get(use.path)
+        if entry is None:
+            raise UserError(f"{use.path}: unlisted: not in {SUMS_FILE}", hint="pin it with python3 -m builder pin")
+        if use.pin and use.pin != entry.sha256:
+            source = "appliance.toml" if use.kind != "firmware" else FIRMWARE_PINS
+            raise UserError(
+                f"{use.path}: {source} pins sha256 {use.pin} but {SUMS_FILE} line {entry.line} has {entry.sha256}",
+                hint=f"make {source} and {SUMS_FILE} agree",
+            )
+        path = _safe_file(root, use.path)
+        if path is None:
+            raise UserError(
+                f"{use.path}: missing: expected sha256 {entry.sha256}, actual none",
+                hint=_supply_hint(use),
+            )
+        actual = sha256_file(path)
+        if actual != entry.sha256:
+            raise UserError(f"{use.path}: changed: expected sha256 {entry.sha256}, actual {actual}", hint=PIN_HINT)
+        verified.append(PinnedArtifact(use.path, actual, use.target, use.kind))
+    return verified
+
+
+def _supply_hint(use: _Use) -> str:
+    if use.path.startswith(("overlays/production/", "tuning/production/")):
+        return f"the operator supplies this third-party file: copy it to {use.path}"
+    if use.kind == "firmware":
+        return f"copy the blob to {use.path} (see firmware/README.md)"
+    return "restore it from git"
+
+
+# ----------------------------------------------------------------------------- pin
+
+
+def pin(root: Path) -> list[str]:
+    """Rewrite SHA256SUMS from the files present (and the pins of absent ones); return its lines."""
+    return write_sums(root)
+
+
+def _all_uses(root: Path) -> list[_Use]:
+    uses: list[_Use] = []
+    for profile in PROFILES:
+        uses.extend(_uses(load(root / "appliance.toml", profile), root))
+    return uses
+
+
+def compute_sums(root: Path) -> dict[str, str]:
+    hashes: dict[str, str] = {rel: sha256_file(root / rel) for rel in tree_files(root)}
+    for use in _all_uses(root):
+        path = _safe_file(root, use.path)
+        if path is not None:
+            hashes.setdefault(use.path, sha256_file(path))
+            if use.pin and use.pin != hashes[use.path]:
+                source = "appliance.toml" if use.kind != "firmware" else FIRMWARE_PINS
+                raise UserError(
+                    f"{use.path}: sha256 {hashes[use.path]} but {source} pins {use.pin}",
+                    hint=f"if the new file is intended, put its sha256 in {source} first; else restore the file",
+                )
+        elif use.pin:
+            hashes.setdefault(use.path, use.pin)
+    return hashes
+
+
+def write_sums(root: Path) -> list[str]:
+    """Write SHA256SUMS atomically (a temporary file renamed over it)."""
+    lines = [format_line(name, sha) for name, sha in sorted(compute_sums(root).items())]
+    _atomic_write(root / SUMS_FILE, "".join(line + "\n" for line in lines).encode("utf-8"))
+    return lines
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def by_kind(artifacts: Iterable[PinnedArtifact], kind: str) -> list[PinnedArtifact]:
+    return [a for a in artifacts if a.kind == kind]

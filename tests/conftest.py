@@ -1,0 +1,49 @@
+"""Shared pytest fixtures. Each engineer's fixtures live in their own marked block."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+# ---- BEGIN standin / shm / startup fixtures ------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_FIXTURES = REPO.parent / "shared" / "fixtures"
+
+
+@pytest.fixture
+def shared_fixtures() -> Path:
+    """../shared/fixtures: the recorded real tool outputs (read in place, never copied)."""
+    return SHARED_FIXTURES
+
+
+@pytest.fixture
+def appliance_json(tmp_path: Path) -> Callable[[str], Path]:
+    """Write the device configuration (Config.to_json() of appliance.toml) for PROFILE; returns its path."""
+    from builder.config import load
+
+    def write(profile: str = "demo") -> Path:
+        path = tmp_path / f"appliance-{profile}.json"
+        path.write_text(json.dumps(load(REPO / "appliance.toml", profile).to_json()))
+        return path
+
+    return write
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A private directory on the real /dev/shm tmpfs, removed afterwards."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="pytest-shm-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- END standin / shm / startup fixtures --------------------------------------------------------------

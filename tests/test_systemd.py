@@ -1,0 +1,146 @@
+"""Units read through real pydbus from python-dbusmock's systemd template on a private bus."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+dbus = pytest.importorskip("dbus")
+dbusmock = pytest.importorskip("dbusmock")
+pydbus = pytest.importorskip("pydbus")
+
+from applianctl import probes, systemd  # noqa: E402
+
+UNIT_IFACE = "org.freedesktop.systemd1.Unit"
+SERVICE_IFACE = "org.freedesktop.systemd1.Service"
+T0 = 1_795_000_000_000_000  # µs since the epoch
+
+
+@dataclass
+class MockSystemd:
+    address: str
+    main: Any  # dbus-python proxy of the manager, with the mock interface
+
+    def add(self, name: str, active: str = "active", sub: str = "running", **service: Any) -> None:
+        """Add NAME to the mock with the given states and Service properties."""
+        self.main.AddMockUnit(name, dbus_interface=dbusmock.MOCK_IFACE)
+        path = self.main.GetUnit(name, dbus_interface=systemd.BUS_NAME + ".Manager")
+        obj = dbusmock.DBusTestCase.get_dbus(system_bus=True).get_object(systemd.BUS_NAME, path)
+        enter = T0 if active not in ("inactive",) or service.pop("ran", False) else 0
+        obj.UpdateProperties(UNIT_IFACE, {"ActiveState": active}, dbus_interface=dbusmock.MOCK_IFACE)
+        obj.AddProperties(
+            UNIT_IFACE,
+            {
+                "SubState": sub,
+                "ActiveEnterTimestamp": dbus.UInt64(enter),
+                "StateChangeTimestamp": dbus.UInt64(T0 + 5_000_000),
+            },
+            dbus_interface=dbusmock.MOCK_IFACE,
+        )
+        if service:
+            obj.AddProperties(
+                SERVICE_IFACE,
+                {"NRestarts": dbus.UInt32(service.get("restarts", 0)), "Result": service.get("result", "success")},
+                dbus_interface=dbusmock.MOCK_IFACE,
+            )
+
+    def bus(self) -> Any:
+        return pydbus.connect(self.address)
+
+
+def start_mock_systemd() -> tuple[subprocess.Popen[bytes], MockSystemd]:
+    """A private system bus with the systemd template on it; stop with stop_mock_systemd()."""
+    dbusmock.DBusTestCase.start_system_bus()
+    address = os.environ["DBUS_SYSTEM_BUS_ADDRESS"]
+    proc, main = dbusmock.DBusTestCase.spawn_server_template("systemd", {}, stdout=subprocess.DEVNULL)
+    return proc, MockSystemd(address, main)
+
+
+def stop_mock_systemd(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(5)
+    dbusmock.DBusTestCase.tearDownClass()
+
+
+@pytest.fixture(scope="module")
+def mock() -> Iterator[MockSystemd]:
+    proc, m = start_mock_systemd()
+    try:
+        yield m
+    finally:
+        stop_mock_systemd(proc)
+
+
+def test_running_units_are_ok(mock: MockSystemd) -> None:
+    mock.add("ok0.service", restarts=0, result="success")
+    mock.add("b.service", "active", "exited", restarts=0, result="success")
+    part = systemd.probe(["ok0.service", "b.service"], mock.bus)
+    assert part.state == probes.OK, part.reason
+    a = part.details["units"]["ok0.service"]
+    assert (a["active_state"], a["sub_state"], a["restarts"], a["result"]) == ("active", "running", 0, "success")
+    assert a["active_since"] == "2026-11-18T11:06:40+00:00"
+
+
+def test_activating_and_restarted_units_are_degraded(mock: MockSystemd) -> None:
+    mock.add("ok1.service", restarts=0, result="success")
+    mock.add("engine.service", "activating", "start", restarts=0, result="success")
+    part = systemd.probe(["ok1.service", "engine.service"], mock.bus)
+    assert part.state == probes.DEGRADED
+    assert part.reason == "engine.service: activating (start)"
+
+    mock.add("flappy.service", restarts=3, result="success")
+    part = systemd.probe(["ok1.service", "flappy.service"], mock.bus)
+    assert (part.state, part.reason) == (probes.DEGRADED, "flappy.service: restarted 3 time(s) since boot")
+
+
+def test_failed_unit_is_down(mock: MockSystemd) -> None:
+    mock.add("ok2.service", restarts=0, result="success")
+    mock.add("verify.service", "failed", "failed", restarts=0, result="exit-code")
+    part = systemd.probe(["ok2.service", "verify.service"], mock.bus)
+    assert (part.state, part.reason) == (probes.DOWN, "verify.service: failed (exit-code)")
+
+
+def test_oneshot_that_ran_is_ok_one_that_never_ran_is_degraded(mock: MockSystemd) -> None:
+    mock.add("ran.service", "inactive", "dead", restarts=0, result="success", ran=True)
+    assert systemd.probe(["ran.service"], mock.bus).state == probes.OK
+    mock.add("never.service", "inactive", "dead", restarts=0, result="success")
+    part = systemd.probe(["ran.service", "never.service"], mock.bus)
+    assert (part.state, part.reason) == (probes.DEGRADED, "never.service: never started")
+
+
+def test_units_that_do_not_exist(mock: MockSystemd) -> None:
+    # The template has no LoadUnit: GetUnit fails and the unit is "not installed".
+    part = systemd.probe(["appliance-engine.service"], mock.bus)
+    assert part.state == probes.NOT_CONFIGURED
+    mock.add("ok4.service", restarts=0, result="success")
+    part = systemd.probe(["ok4.service", "appliance-engine.service"], mock.bus)
+    assert (part.state, part.reason) == (probes.DEGRADED, "appliance-engine.service: not installed")
+
+
+def test_load_unit_is_asked_when_get_unit_fails(mock: MockSystemd) -> None:
+    # Real systemd loads an unloaded unit on LoadUnit; give the mock that method too.
+    mock.add("loaded-late.service", restarts=0, result="success")
+    mock.main.AddMethod(
+        systemd.BUS_NAME + ".Manager",
+        "LoadUnit",
+        "s",
+        "o",
+        "ret = self.units[args[0].replace('alias-', '')]",
+        dbus_interface=dbusmock.MOCK_IFACE,
+    )
+    part = systemd.probe(["alias-loaded-late.service"], mock.bus)
+    assert part.state == probes.OK, part.reason
+
+
+def test_no_bus_is_down() -> None:
+    def no_bus() -> Any:
+        return pydbus.connect("unix:path=/nonexistent/bus")
+
+    part = systemd.probe(["ok6.service"], no_bus)
+    assert part.state == probes.DOWN
+    assert part.reason.startswith("cannot ask systemd")
