@@ -14,32 +14,41 @@ import sys
 from applianctl import __version__
 from applianctl.errors import UserError
 
-# One module per concern; each registers its own subcommand(s).
-COMMAND_MODULES = (
-    "applianctl.status",
-    "applianctl.smoke",
-    "applianctl.verify",
-    "applianctl.tls",
-    "applianctl.shm",
-    "applianctl.startup",
-    "applianctl.units",
-    "applianctl.preflight",
-    "applianctl.bootcheck",
-)
+# One module per concern; each registers its own subcommand(s). Only the module of the command
+# being run is imported: on a slow machine, importing cryptography or pydbus for `applianctl
+# verify` or `shm-clean` would cost seconds before every engine start.
+COMMAND_MODULES = {
+    "status": "applianctl.status",
+    "smoke": "applianctl.smoke",
+    "verify": "applianctl.verify",
+    "tls": "applianctl.tls",
+    "shm-clean": "applianctl.shm",
+    "startup-report": "applianctl.startup",
+    "logs": "applianctl.units",
+    "restart": "applianctl.units",
+    "preflight": "applianctl.preflight",
+    "bootcheck": "applianctl.bootcheck",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="applianctl", description="Inspect and operate the appliance.")
     parser.add_argument("--version", action="version", version=f"applianctl {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    wanted = [COMMAND_MODULES[command]] if command in COMMAND_MODULES else COMMAND_MODULES.values()
+    for name in dict.fromkeys(wanted):
         importlib.import_module(name).add_parser(sub)
     return parser
 
 
+def _command(argv: list[str]) -> str | None:
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(_command(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -75,7 +75,9 @@ def _check_json(value: Any, where: str) -> None:
     if value is None or isinstance(value, bool | int | str):
         return
     if isinstance(value, float):
-        raise ManifestError(f"{where}: floats are not allowed in the manifest", hint="write the number as a string or an integer")
+        raise ManifestError(
+            f"{where}: floats are not allowed in the manifest", hint="write the number as a string or an integer"
+        )
     if isinstance(value, list | tuple):
         for i, item in enumerate(value):
             _check_json(item, f"{where}[{i}]")
@@ -86,13 +88,17 @@ def _check_json(value: Any, where: str) -> None:
                 raise ManifestError(f"{where}: key {key!r} is not a string", hint="manifest keys are strings")
             _check_json(item, f"{where}.{key}")
         return
-    raise ManifestError(f"{where}: {type(value).__name__} is not a JSON value", hint="use strings, integers, lists and objects")
+    raise ManifestError(
+        f"{where}: {type(value).__name__} is not a JSON value", hint="use strings, integers, lists and objects"
+    )
 
 
 def parse_canonical(data: bytes) -> Any:
     """Parse DATA, refusing anything that is not exactly the canonical form of what it holds."""
     if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"manifest is {len(data)} bytes, more than {MAX_MANIFEST_BYTES}", hint="the file is damaged")
+        raise ManifestError(
+            f"manifest is {len(data)} bytes, more than {MAX_MANIFEST_BYTES}", hint="the file is damaged"
+        )
     try:
         text = data.decode("utf-8")
         value = json.loads(text, object_pairs_hook=_no_duplicates, parse_float=_no_float, parse_constant=_no_constant)
@@ -135,7 +141,9 @@ def _fail(field: str, value: Any, expected: str) -> ManifestError:
     shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
     if len(shown) > 80:
         shown = shown[:77] + "..."
-    return ManifestError(f"manifest: {field} = {shown}: expected {expected}", hint="the manifest was not written by this builder")
+    return ManifestError(
+        f"manifest: {field} = {shown}: expected {expected}", hint="the manifest was not written by this builder"
+    )
 
 
 def _string(regex: re.Pattern[str], expected: str) -> Callable[[str, Any], None]:
@@ -166,7 +174,9 @@ def _object(fields: Mapping[str, Callable[[str, Any], None]]) -> Callable[[str, 
             )
         for name, sub in fields.items():
             if name not in value:
-                raise ManifestError(f"manifest: missing field {_join(field, name)!r}", hint="the manifest is incomplete")
+                raise ManifestError(
+                    f"manifest: missing field {_join(field, name)!r}", hint="the manifest is incomplete"
+                )
             sub(_join(field, name), value[name])
 
     return check
@@ -226,12 +236,16 @@ def _files(field: str, value: Any) -> None:
             raise _fail(f"{where}.target", target, "an absolute path")
         name = PurePosixPath(path).name
         if (kind, name) in device_names:
-            raise ManifestError(f"manifest: {where}: a second {kind} named {name}", hint="file names must be unique per kind")
+            raise ManifestError(
+                f"manifest: {where}: a second {kind} named {name}", hint="file names must be unique per kind"
+            )
         device_names.add((kind, name))
         if kind == "firmware" and target != f"{FIRMWARE_UPDATES_DIR}/{name}":
             raise _fail(f"{where}.target", target, f"{FIRMWARE_UPDATES_DIR}/{name}")
         if target in targets:
-            raise ManifestError(f"manifest: {where}: target {target} is used twice", hint="each file needs its own target")
+            raise ManifestError(
+                f"manifest: {where}: target {target} is used twice", hint="each file needs its own target"
+            )
         targets.add(target)
 
 
@@ -309,9 +323,13 @@ def load_public_key(path: Path) -> Ed25519PublicKey:
     try:
         key = serialization.load_pem_public_key(path.read_bytes())
     except OSError as e:
-        raise ManifestError(f"{path}: cannot read public key ({e.strerror})", hint="check the trusted keys directory") from None
+        raise ManifestError(
+            f"{path}: cannot read public key ({e.strerror})", hint="check the trusted keys directory"
+        ) from None
     except ValueError:
-        raise ManifestError(f"{path}: not a PEM public key", hint="trusted keys are PEM Ed25519 public keys (*.pub)") from None
+        raise ManifestError(
+            f"{path}: not a PEM public key", hint="trusted keys are PEM Ed25519 public keys (*.pub)"
+        ) from None
     if not isinstance(key, Ed25519PublicKey):
         raise ManifestError(f"{path}: not an Ed25519 public key", hint="release keys are Ed25519")
     return key
@@ -322,13 +340,19 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
         mode = path.stat().st_mode
         data = path.read_bytes()
     except OSError as e:
-        raise ManifestError(f"{path}: cannot read private key ({e.strerror})", hint="create one with python3 -m builder keygen") from None
+        raise ManifestError(
+            f"{path}: cannot read private key ({e.strerror})", hint="create one with python3 -m builder keygen"
+        ) from None
     if mode & 0o077:
-        raise ManifestError(f"{path}: private key is readable by others (mode {mode & 0o777:o})", hint=f"chmod 600 {path}")
+        raise ManifestError(
+            f"{path}: private key is readable by others (mode {mode & 0o777:o})", hint=f"chmod 600 {path}"
+        )
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError):
-        raise ManifestError(f"{path}: not an unencrypted PEM private key", hint="release keys are PEM PKCS#8 Ed25519 keys") from None
+        raise ManifestError(
+            f"{path}: not an unencrypted PEM private key", hint="release keys are PEM PKCS#8 Ed25519 keys"
+        ) from None
     if not isinstance(key, Ed25519PrivateKey):
         raise ManifestError(f"{path}: not an Ed25519 private key", hint="release keys are Ed25519")
     return key
@@ -339,7 +363,9 @@ def trusted_keys(directory: Path) -> dict[str, Ed25519PublicKey]:
     try:
         files = sorted(p for p in directory.iterdir() if p.name.endswith(".pub"))
     except OSError as e:
-        raise ManifestError(f"{directory}: cannot list trusted keys ({e.strerror})", hint="the image is damaged") from None
+        raise ManifestError(
+            f"{directory}: cannot list trusted keys ({e.strerror})", hint="the image is damaged"
+        ) from None
     keys: dict[str, Ed25519PublicKey] = {}
     for path in files:
         key = load_public_key(path)
@@ -405,11 +431,14 @@ def verify(manifest_bytes: bytes, sig_bytes: bytes, trusted_keys_dir: Path) -> d
                 f"manifest is signed by key {claimed}, which is not trusted",
                 hint=f"trusted keys: {', '.join(sorted(keys))}; add the new key's .pub in an earlier release first",
             )
-        raise ManifestError("manifest signature does not match any trusted key", hint="the manifest or its signature was changed")
+        raise ManifestError(
+            "manifest signature does not match any trusted key", hint="the manifest or its signature was changed"
+        )
     manifest = loads(manifest_bytes)
     if manifest["signer"] != signed_by:
         raise ManifestError(
-            f"manifest names signer {manifest['signer']} but was signed by key {signed_by}", hint="the manifest is inconsistent"
+            f"manifest names signer {manifest['signer']} but was signed by key {signed_by}",
+            hint="the manifest is inconsistent",
         )
     return manifest
 

@@ -372,9 +372,10 @@ def _fs(path: Path) -> dict[str, int]:
     return {"total_bytes": total, "used_bytes": total - st.f_bfree * st.f_frsize, "free_bytes": free}
 
 
-def mapped_inodes(proc: Path) -> tuple[set[int], int]:
-    """Inode numbers of files some process has mapped, and how many processes could not be read."""
-    inodes: set[int] = set()
+def mapped_files(proc: Path) -> tuple[set[tuple[int, int, int]], int]:
+    """(major, minor, inode) of every file some process has mapped, and how many processes could
+    not be read (their maps hidden from this user)."""
+    mapped: set[tuple[int, int, int]] = set()
     unreadable = 0
     for pid_dir in proc.iterdir():
         if not pid_dir.name.isdigit():
@@ -389,8 +390,12 @@ def mapped_inodes(proc: Path) -> tuple[set[int], int]:
         for line in text.splitlines():
             fields = line.split(maxsplit=5)
             if len(fields) >= 6 and fields[4] != "0":
-                inodes.add(int(fields[4]))
-    return inodes, unreadable
+                major, _, minor = fields[3].partition(":")
+                try:
+                    mapped.add((int(major, 16), int(minor, 16), int(fields[4])))
+                except ValueError:
+                    continue
+    return mapped, unreadable
 
 
 def probe_shm(config: Mapping[str, Any], src: Sources, shm_dir: Path | None = None) -> Part:
@@ -407,19 +412,19 @@ def probe_shm(config: Mapping[str, Any], src: Sources, shm_dir: Path | None = No
     listed: list[dict[str, Any]] = []
     stale: list[str] = []
     if files:
-        inodes, unreadable = mapped_inodes(src.proc)
+        mapped, unreadable = mapped_files(src.proc)
         for f in files:
             try:
                 st = f.stat()
             except FileNotFoundError:
                 continue
-            if st.st_ino in inodes:
-                in_use: bool | None = True
-            else:
-                in_use = False if unreadable == 0 else None  # unknown when some process hides its maps
+            # Stale: mapped by no process whose maps could be read (root reads all of them on the
+            # appliance; the count of unreadable ones is kept in the details).
+            in_use = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in mapped
             listed.append({"name": f.name, "bytes": st.st_size, "in_use": in_use})
-            if in_use is False:
+            if not in_use:
                 stale.append(f.name)
+        details["unreadable_maps"] = unreadable
     details["offload_files"] = listed
     details["stale_offload_files"] = stale
     if stale:

@@ -111,6 +111,8 @@ def summary(name: str, part: Mapping[str, Any]) -> str:
             f"{n.removeprefix('appliance-').removesuffix('.service')} {u['active_state']}" for n, u in units.items()
         )
     if name == "engine":
+        if d.get("models") is None and d.get("metrics") is None:
+            return ""
         m = d.get("metrics") or {}
         models = ", ".join(d.get("models") or []) or "-"
         return (

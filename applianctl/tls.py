@@ -86,7 +86,7 @@ class Result:
 
 
 def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 def not_after(cert: x509.Certificate) -> datetime.datetime:
@@ -94,14 +94,14 @@ def not_after(cert: x509.Certificate) -> datetime.datetime:
     value = getattr(cert, "not_valid_after_utc", None)
     if isinstance(value, datetime.datetime):
         return value
-    return cert.not_valid_after.replace(tzinfo=datetime.timezone.utc)
+    return cert.not_valid_after.replace(tzinfo=datetime.UTC)
 
 
 def not_before(cert: x509.Certificate) -> datetime.datetime:
     value = getattr(cert, "not_valid_before_utc", None)
     if isinstance(value, datetime.datetime):
         return value
-    return cert.not_valid_before.replace(tzinfo=datetime.timezone.utc)
+    return cert.not_valid_before.replace(tzinfo=datetime.UTC)
 
 
 def fingerprint(cert: x509.Certificate) -> str:
@@ -115,7 +115,11 @@ def san_names(cert: x509.Certificate) -> tuple[list[str], list[IpAddress]]:
     except x509.ExtensionNotFound:
         return [], []
     dns = [str(v) for v in san.get_values_for_type(x509.DNSName)]
-    ips = [ip for ip in san.get_values_for_type(x509.IPAddress) if not isinstance(ip, ipaddress.IPv4Network | ipaddress.IPv6Network)]
+    ips = [
+        ip
+        for ip in san.get_values_for_type(x509.IPAddress)
+        if not isinstance(ip, ipaddress.IPv4Network | ipaddress.IPv6Network)
+    ]
     return dns, ips
 
 
@@ -124,7 +128,9 @@ def _new_key() -> ec.EllipticCurvePrivateKey:
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def make_ca(hostname: str, now: datetime.datetime) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
@@ -437,7 +443,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         result = generate(paths.TLS_DIR, hostname, host_addresses())
     except PermissionError as e:
-        raise UserError(f"cannot write {paths.TLS_DIR}: {e.strerror}", hint="run as root (appliance-tls.service)") from None
+        raise UserError(
+            f"cannot write {paths.TLS_DIR}: {e.strerror}", hint="run as root (appliance-tls.service)"
+        ) from None
     if result.created_ca:
         print(f"applianctl tls: created a new appliance CA in {paths.TLS_DIR}")
     print(f"applianctl tls: {'renewed: ' if result.renewed else ''}{result.reason}")

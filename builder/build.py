@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder import engine_image, mirror, render
+from builder import engine_image, keys, mirror, pins, render, tuning
 from builder.config import Config
 from builder.errors import UserError
 from builder.run import HOST_CACHE, mkosi_command, run
@@ -56,10 +56,14 @@ def write_sandbox(config: Config, sandbox: Path) -> None:
     sources.write_text(mirror.sources_deb822(mirrors, config.os.release, ("main", "non-free-firmware")))
 
 
-def mkosi_arguments(config: Config, generated: Path, sandbox: Path, out: Path) -> list[str]:
+def mkosi_arguments(config: Config, generated: Path, sandbox: Path, out: Path, signing_key: Path) -> list[str]:
     """The options the builder adds to image/mkosi.conf; `make bench` runs plain mkosi with the same."""
     MKOSI_CACHE.mkdir(parents=True, exist_ok=True)
     return [
+        # the project (for builder/finalize.py) and the signing key's directory, mounted only
+        # while mkosi's scripts run
+        f"--build-sources={ROOT}:appliance,{signing_key.parent}:signing-key",
+        f"--environment=APPLIANCE_SIGNING_KEY_NAME={signing_key.name}",
         "-C", str(IMAGE_DIR),
         f"--extra-tree={generated}",
         f"--sandbox-tree={sandbox}",
@@ -81,8 +85,38 @@ def _replace_dir(new: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def prepare(config: Config, engine_source: Path | None = None) -> tuple[Path, Path]:
+def signing_key_for(config: Config, given: Path | None) -> Path:
+    """The release signing key: given, or keys/release.key; the demo makes one on the fly."""
+    if given is not None:
+        key = given
+    elif config.profile == "demo":
+        key = work_dir(config) / "keys" / "release.key"
+        if not key.exists():
+            keys.generate(key.parent)
+    else:
+        key = keys.DEFAULT_DIR / "release.key"
+    if not key.is_file():
+        raise UserError(f"no signing key at {key}", hint="make one with: python3 -m builder keys generate")
+    return key.resolve()
+
+
+def release_plan(config: Config, artifacts: list[pins.PinnedArtifact]) -> dict[str, object]:
+    """What finalize.py puts in the signed manifest, besides what only the finished tree knows."""
+    return {
+        "version": config.appliance.version,
+        "min_version": config.appliance.min_version,
+        "profile": config.profile,
+        "engine_image": {"reference": config.engine.reference, "digest": config.engine.digest},
+        "model": {"id": config.model.id, "revision": config.model.revision},
+        "files": [{"kind": a.kind, "path": a.path, "sha256": a.sha256, "target": a.target} for a in artifacts],
+        "gpu_required": config.gpu.required,
+    }
+
+
+def prepare(config: Config, engine_source: Path | None, signing_key: Path) -> tuple[Path, Path]:
     """Check the inputs and generate the tree and sandbox; nothing outside build/ is touched."""
+    artifacts = pins.check(config, ROOT)  # every pinned file exactly as pinned, before anything is written
+    tuning.validate_all((a.path, ROOT / a.path) for a in artifacts if a.kind == "tuning")
     layout = engine_image.obtain(config, engine_source)
     work = work_dir(config)
     generated, sandbox = work / "generated", work / "sandbox"
@@ -91,20 +125,31 @@ def prepare(config: Config, engine_source: Path | None = None) -> tuple[Path, Pa
     render.generate_tree(config, generated)
     # The engine image, preloaded read-only; the engine-image unit hands it to podman.
     shutil.copytree(layout, generated / render.LIB / "engine-image")
+    public = signing_key.with_suffix(".pub")
+    trusted = generated / render.LIB / "keys" / keys.trusted_name(public)
+    trusted.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(public, trusted)
+    (generated / render.LIB / "release-plan.json").write_text(json.dumps(release_plan(config, artifacts)))
     write_sandbox(config, sandbox)
     return generated, sandbox
 
 
-def build(config: Config, extra_mkosi_args: tuple[str, ...] = (), engine_source: Path | None = None) -> BuildResult:
+def build(
+    config: Config,
+    extra_mkosi_args: tuple[str, ...] = (),
+    engine_source: Path | None = None,
+    signing_key: Path | None = None,
+) -> BuildResult:
     started = time.monotonic()
-    generated, sandbox = prepare(config, engine_source)
+    key = signing_key_for(config, signing_key)
+    generated, sandbox = prepare(config, engine_source, key)
     final = output_dir(config)
     staging = final.with_name(final.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         run(
-            [*mkosi_command(), *mkosi_arguments(config, generated, sandbox, staging), *extra_mkosi_args, "build"],
+            [*mkosi_command(), *mkosi_arguments(config, generated, sandbox, staging, key), *extra_mkosi_args, "build"],
             what="mkosi build",
             hint="see mkosi's output above; run again with --debug for the full command",
         )

@@ -34,7 +34,7 @@ _REVISION = re.compile(r"^[0-9a-f]{40}$")
 _VERSION = re.compile(r"^[0-9]+(\.[0-9]+){0,3}$")
 _IMAGE_NAME = re.compile(r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-_EMAIL = re.compile(r"^[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$")
+_EMAIL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _CAPABILITY = re.compile(r"^[A-Z_]+$")
 _SIZE = re.compile(r"^[0-9]+[kmg]$")
@@ -47,18 +47,20 @@ _UNSAFE = re.compile(r"[\x00-\x1f\x7f{}\"'`$\\;]")
 
 def is_dns_name(value: str) -> str | None:
     labels = value.split(".")
-    if len(value) > 253 or not all(_DNS_LABEL.match(label) for label in labels):
+    if len(value) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in labels):
         return "a DNS name: lower-case letters, digits and '-', labels joined by '.', e.g. appliance.example.net"
     return None
 
 
 def _pattern(regex: re.Pattern[str], hint: str) -> Check:
-    return lambda value: None if regex.match(value) else hint
+    return lambda value: None if regex.fullmatch(value) else hint
 
 
 def _is_cidr(value: str) -> str | None:
     try:
-        ipaddress.ip_network(value, strict=True)
+        # Written back exactly as parsed: no scope ids (which may carry any text), no padding.
+        if "%" in value or str(ipaddress.ip_network(value, strict=True)) != value:
+            raise ValueError(value)
     except ValueError:
         return "a network in CIDR notation with no host bits set, e.g. 10.0.0.0/8 or 192.0.2.7/32"
     return None
@@ -81,7 +83,7 @@ def _is_repo_file(value: str) -> str | None:
 def _is_url(value: str) -> str | None:
     if value == "":
         return None
-    if not re.match(r"^https?://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._~/%-]*)?$", value):
+    if not re.fullmatch(r"https?://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._~/-]*)?", value):
         return "an http(s) URL such as https://updates.example.net/appliance/, or \"\""
     return None
 
@@ -133,6 +135,8 @@ def _each(fn: Check) -> dict[str, Check]:
 class Appliance:
     name: str = field(metadata=_check(is_dns_name))
     version: str = field(metadata=_check(_pattern(_VERSION, "numbers joined by dots, e.g. 1.4.0")))
+    # The oldest version a release bundle of this build may be installed over.
+    min_version: str = field(default="0", metadata=_check(_pattern(_VERSION, "numbers joined by dots, e.g. 1.0.0")))
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,7 @@ class PinnedFile:
     file: str = field(metadata=_check(_is_repo_file))
     target: str = field(metadata=_check(_is_abs_path))
     sha256: str = field(
-        default="", metadata=_check(lambda v: None if v == "" or _SHA256.match(v) else "64 lower-case hex digits")
+        default="", metadata=_check(lambda v: None if v == "" or _SHA256.fullmatch(v) else "64 lower-case hex digits")
     )
 
 
@@ -259,7 +263,7 @@ class Proxy:
     hostname: str = field(metadata=_check(is_dns_name))
     tls: str = field(default="internal", metadata=_check(_one_of("internal", "acme")))
     acme_email: str = field(
-        default="", metadata=_check(lambda v: None if v == "" or _EMAIL.match(v) else "an e-mail address such as ops@example.net")
+        default="", metadata=_check(lambda v: None if v == "" or _EMAIL.fullmatch(v) else "an e-mail address such as ops@example.net")
     )
     https_port: int = field(default=443, metadata=_check(_port))
     http: str = field(default="redirect", metadata=_check(_one_of("redirect", "close")))

@@ -75,7 +75,9 @@ def _zstd(path: Path) -> bytes:
     proc = subprocess.run([exe, "-q", "-d", "-c", "--", str(path)], capture_output=True, check=False)
     if proc.returncode != 0:
         message = proc.stderr.decode(errors="replace").strip().splitlines()
-        raise UserError(f"{path}: zstd failed ({message[-1] if message else proc.returncode})", hint="the module file is damaged")
+        raise UserError(
+            f"{path}: zstd failed ({message[-1] if message else proc.returncode})", hint="the module file is damaged"
+        )
     return proc.stdout
 
 
@@ -113,11 +115,11 @@ def elf_section(elf: bytes, wanted: str, name: str = "module") -> bytes | None:
     e = "<" if order == 1 else ">"
     try:
         if cls == 2:
-            shoff, = struct.unpack_from(e + "Q", elf, 0x28)
+            (shoff,) = struct.unpack_from(e + "Q", elf, 0x28)
             shentsize, shnum, shstrndx = struct.unpack_from(e + "HHH", elf, 0x3A)
             sh_format, sh_min = e + "IIQQQQIIQQ", 64
         else:
-            shoff, = struct.unpack_from(e + "I", elf, 0x20)
+            (shoff,) = struct.unpack_from(e + "I", elf, 0x20)
             shentsize, shnum, shstrndx = struct.unpack_from(e + "HHH", elf, 0x2E)
             sh_format, sh_min = e + "IIIIIIIIII", 40
         if shoff == 0:
@@ -202,12 +204,15 @@ def check_image(image_root: Path) -> list[KernelFirmware]:
         declared = declared_firmware(read_module(path), shown)
         wanted = [n for n in declared if MI300X_FIRMWARE.match(n)]
         if not wanted:
-            raise UserError(f"{shown}: declares no MI300X (gfx942) firmware", hint="the kernel is too old for MI300X; use 6.8 or later")
+            raise UserError(
+                f"{shown}: declares no MI300X (gfx942) firmware",
+                hint="the kernel is too old for MI300X; use 6.8 or later",
+            )
         missing = [n for n in wanted if find_firmware(image_root, n, kver) is None]
         if missing:
             raise UserError(
                 f"{FIRMWARE_ROOT} lacks MI300X firmware that {shown} needs: {' '.join(missing)}",
-                hint="install firmware-amd-graphics (non-free-firmware), or supply the blobs in firmware/amdgpu (see firmware/README.md)",
+                hint="install firmware-amd-graphics (non-free-firmware) or supply the blobs (see firmware/README.md)",
             )
         out.append(KernelFirmware(kver, shown, tuple(declared), tuple(wanted)))
     return out
@@ -221,9 +226,14 @@ def check_pinned_blobs(image_root: Path, repo_root: Path) -> list[str]:
         path = target_dir / name
         shown = f"{FIRMWARE_TARGET_DIR}/{name}"
         if path.is_symlink() or not path.is_file():
-            raise UserError(f"{shown}: missing from the image (pinned sha256 {sha})", hint="the build must copy firmware/amdgpu/ there")
+            raise UserError(
+                f"{shown}: missing from the image (pinned sha256 {sha})",
+                hint="the build must copy firmware/amdgpu/ there",
+            )
         actual = sha256_file(path)
         if actual != sha:
-            raise UserError(f"{shown}: expected sha256 {sha}, actual {actual}", hint="the image carries a different blob")
+            raise UserError(
+                f"{shown}: expected sha256 {sha}, actual {actual}", hint="the image carries a different blob"
+            )
         names.append(name)
     return names

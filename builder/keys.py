@@ -32,7 +32,8 @@ def generate(directory: Path | None = None, name: str = DEFAULT_NAME) -> tuple[P
     for path in (private_path, public_path):
         if path.exists() or path.is_symlink():
             raise UserError(
-                f"{path}: a key already exists", hint="keep it, or move it away first to make a new one (rotate: add the new .pub before removing the old)"
+                f"{path}: a key already exists",
+                hint="keep it, or move it away to make a new one (rotate: trust the new .pub before dropping the old)",
             )
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     key = Ed25519PrivateKey.generate()

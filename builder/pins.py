@@ -167,7 +167,9 @@ def parse_sums(data: bytes, source: str = SUMS_FILE) -> dict[str, SumEntry]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"{source}: not UTF-8 (byte {e.start})", hint="regenerate it with python3 -m builder pin") from None
+        raise UserError(
+            f"{source}: not UTF-8 (byte {e.start})", hint="regenerate it with python3 -m builder pin"
+        ) from None
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
@@ -192,7 +194,8 @@ def parse_sums(data: bytes, source: str = SUMS_FILE) -> dict[str, SumEntry]:
             )
         if name in entries:
             raise UserError(
-                f"{source}:{number}: {name} is listed again (first on line {entries[name].line})", hint="list each file once"
+                f"{source}:{number}: {name} is listed again (first on line {entries[name].line})",
+                hint="list each file once",
             )
         entries[name] = SumEntry(name, digest, binary, number)
     return entries
@@ -242,14 +245,17 @@ def _safe_file(root: Path, rel: str) -> Path | None:
     real_root = root.resolve()
     parent = path.parent.resolve()
     if not _inside(parent, real_root):
-        raise UserError(f"{rel}: its directory is a symlink that leaves the project", hint="copy the files in instead of linking")
+        raise UserError(
+            f"{rel}: its directory is a symlink that leaves the project", hint="copy the files in instead of linking"
+        )
     if not os.path.lexists(path):
         return None
     if path.is_symlink():
         real = path.resolve()
         if not _inside(real, parent):
             raise UserError(
-                f"{rel}: symlink to {os.readlink(path)} leaves its directory", hint="copy the file in instead of linking to it"
+                f"{rel}: symlink to {os.readlink(path)} leaves its directory",
+                hint="copy the file in instead of linking to it",
             )
         if not real.exists():
             return None
@@ -266,7 +272,9 @@ def tree_files(root: Path) -> Iterator[str]:
         if not base.exists() and not base.is_symlink():
             continue
         if not _inside(base.resolve(), real_root):
-            raise UserError(f"{top}: symlink to a directory outside the project", hint="copy the files in instead of linking")
+            raise UserError(
+                f"{top}: symlink to a directory outside the project", hint="copy the files in instead of linking"
+            )
         for dirpath, dirnames, filenames in os.walk(base):
             here = Path(dirpath)
             dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
@@ -276,7 +284,10 @@ def tree_files(root: Path) -> Iterator[str]:
                     dirnames.remove(name)
                     rel = sub.relative_to(root).as_posix()
                     if not _inside(sub.resolve(), here.resolve()):
-                        raise UserError(f"{rel}: symlink to {os.readlink(sub)} leaves its directory", hint="copy the files in instead of linking")
+                        raise UserError(
+                            f"{rel}: symlink to {os.readlink(sub)} leaves its directory",
+                            hint="copy the files in instead of linking",
+                        )
                     raise UserError(f"{rel}: a symlinked directory", hint="pinned directories hold plain files")
             for name in sorted(filenames):
                 if name in NOT_PINNED:
@@ -349,7 +360,9 @@ def check(config: Config, root: Path) -> list[PinnedArtifact]:
     sums = read_sums(root)
     for rel in tree_files(root):
         if rel not in sums:
-            raise UserError(f"{rel}: unlisted: not in {SUMS_FILE}", hint="remove it, or pin it with python3 -m builder pin")
+            raise UserError(
+                f"{rel}: unlisted: not in {SUMS_FILE}", hint="remove it, or pin it with python3 -m builder pin"
+            )
     verified: list[PinnedArtifact] = []
     for use in _uses(config, root):
         entry = sums.get(use.path)

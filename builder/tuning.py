@@ -29,11 +29,47 @@ from pathlib import Path
 from builder.errors import UserError
 
 HEADERS: dict[tuple[str, ...], str] = {
-    tuple("gfx,cu_num,M,N,K,libtype,kernelId,splitK,us,kernelName,tflops,bw,errRatio".split(",")): "current",
-    tuple("gfx,cu_num,M,N,K,kernelId,splitK,us,kernelName,tflops,bw,errRatio".split(",")): "with gfx",
-    tuple("gfx,cu_num,M,N,K,q_dtype_w,kernelId,splitK,us,kernelName,tflops,bw,errRatio".split(",")): "a8w8 rowwise",
-    tuple("cu_num,M,N,K,kernelId,splitK,us,kernelName,tflops,bw,errRatio".split(",")): "with metrics",
-    tuple("cu_num,M,N,K,kernelId,splitK,us,kernelName".split(",")): "older",
+    tuple(
+        [
+            "gfx",
+            "cu_num",
+            "M",
+            "N",
+            "K",
+            "libtype",
+            "kernelId",
+            "splitK",
+            "us",
+            "kernelName",
+            "tflops",
+            "bw",
+            "errRatio",
+        ]
+    ): "current",
+    tuple(
+        ["gfx", "cu_num", "M", "N", "K", "kernelId", "splitK", "us", "kernelName", "tflops", "bw", "errRatio"]
+    ): "with gfx",
+    tuple(
+        [
+            "gfx",
+            "cu_num",
+            "M",
+            "N",
+            "K",
+            "q_dtype_w",
+            "kernelId",
+            "splitK",
+            "us",
+            "kernelName",
+            "tflops",
+            "bw",
+            "errRatio",
+        ]
+    ): "a8w8 rowwise",
+    tuple(
+        ["cu_num", "M", "N", "K", "kernelId", "splitK", "us", "kernelName", "tflops", "bw", "errRatio"]
+    ): "with metrics",
+    tuple(["cu_num", "M", "N", "K", "kernelId", "splitK", "us", "kernelName"]): "older",
 }
 KEY = ("cu_num", "M", "N", "K")
 EXTRA_KEY = ("q_dtype_w",)
@@ -77,7 +113,11 @@ def validate_bytes(data: bytes, name: str) -> TuningTable:
     if len(data) > MAX_BYTES:
         raise _err(name, f"{len(data)} bytes, more than a tuning table can be", "check the file")
     if data.startswith(b"\xef\xbb\xbf"):
-        raise _err(f"{name}:1", "starts with a byte order mark", "save it as UTF-8 without a BOM (AITER would misread the first column)")
+        raise _err(
+            f"{name}:1",
+            "starts with a byte order mark",
+            "save it as UTF-8 without a BOM (AITER would misread the first column)",
+        )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -106,7 +146,9 @@ def validate_bytes(data: bytes, name: str) -> TuningTable:
                 kind = HEADERS[header]
                 continue
             if len(record) != len(header):
-                raise _err(f"{name}:{line}", f"{len(record)} fields, the header has {len(header)}", "one value per column")
+                raise _err(
+                    f"{name}:{line}", f"{len(record)} fields, the header has {len(header)}", "one value per column"
+                )
             row = dict(zip(header, record, strict=True))
             _check_row(row, f"{name}:{line}")
             key_columns = [c for c in KEY + EXTRA_KEY if c in row]
@@ -143,7 +185,11 @@ def _check_row(row: dict[str, str], where: str) -> None:
     for column in INTS:
         value = row[column]
         if not _INT.match(value) or int(value) < -1:
-            raise _err(where, f"{column} = {value!r} is not an integer", f"{column} is a whole number (kernelId -1: none found)")
+            raise _err(
+                where,
+                f"{column} = {value!r} is not an integer",
+                f"{column} is a whole number (kernelId -1: none found)",
+            )
     for column in FLOATS:
         if column not in row:
             continue
@@ -156,9 +202,13 @@ def _check_row(row: dict[str, str], where: str) -> None:
         raise _err(where, f"gfx = {row['gfx']!r} is not a GPU target", "e.g. gfx942 (MI300X) or gfx950")
     for column in ("libtype", "q_dtype_w"):
         if column in row and not _WORD.match(row[column]):
-            raise _err(where, f"{column} = {row[column]!r} is not valid", f"{column} is a word such as ck, asm or torch.int8")
+            raise _err(
+                where, f"{column} = {row[column]!r} is not valid", f"{column} is a word such as ck, asm or torch.int8"
+            )
     if not _KERNEL.match(row["kernelName"]):
-        raise _err(where, f"kernelName = {row['kernelName']!r} is not a kernel name", "the tuner writes the kernel's name here")
+        raise _err(
+            where, f"kernelName = {row['kernelName']!r} is not a kernel name", "the tuner writes the kernel's name here"
+        )
 
 
 def validate_all(paths: Iterable[tuple[str, Path]]) -> list[TuningTable]:

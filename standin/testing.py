@@ -40,7 +40,7 @@ class StandinProcess:
         self.proc = subprocess.Popen(
             # --host/--port last: they win over any in ARGS, as argparse keeps the last value
             [sys.executable, "-m", "standin", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)],
-            env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=full_env, cwd=pythonpath, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
         self.lines: list[str] = []
         self._changed = threading.Condition()

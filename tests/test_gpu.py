@@ -23,7 +23,8 @@ from applianctl import gpu, probes
 FIXTURES = Path(__file__).parents[1].parent / "shared" / "fixtures" / "gpu"
 STATIC_VRAM = json.loads((FIXTURES / "amd-smi-static-json-vram-fragment-rocm6-mi300x.json").read_text())
 METRIC_P = json.loads((FIXTURES / "amd-smi-metric-p-json-rocm61-changelog-example.json").read_text())
-ROCM_SMI_TEXT = (FIXTURES / "rocm-smi-concise-and-showmeminfo-vram-mi300x-x8-spx-rocm633.txt").read_text()
+ROCM_SMI_FILE = FIXTURES / "rocm-smi-concise-and-showmeminfo-vram-mi300x-x8-spx-rocm633.txt"
+ROCM_SMI_TEXT = ROCM_SMI_FILE.read_text()
 
 # `amd-smi static --json | jq '.[0]["vram"]'`: the blog's fragment is element 0's "vram" of a bare list.
 STATIC_ROCM6 = [{"gpu": 0, "vram": STATIC_VRAM}]
@@ -154,7 +155,7 @@ def test_real_programs_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     """The real subprocess path: amd-smi fails as it does without a GPU, rocm-smi prints the recording."""
     for name, script in {
         "amd-smi": "#!/bin/sh\necho 'AMDSMI: no GPUs' >&2\nexit 1\n",
-        "rocm-smi": f"#!/bin/sh\ncat '{FIXTURES / 'rocm-smi-concise-and-showmeminfo-vram-mi300x-x8-spx-rocm633.txt'}'\n",
+        "rocm-smi": f"#!/bin/sh\ncat '{ROCM_SMI_FILE}'\n",
     }.items():
         path = tmp_path / name
         path.write_text(script)

@@ -64,10 +64,30 @@ def make_manifest(signer: str) -> dict[str, Any]:
         "model": {"id": "standin/tiny-demo", "revision": "0" * 39 + "1"},
         "kernel_version": "6.12.38+deb13-amd64",
         "files": [
-            {"kind": "overlay", "path": "overlays/demo/standin_answers.py", "target": "/opt/standin/standin/answers.py", "sha256": sha(OVERLAY)},
-            {"kind": "diff", "path": "overlays/diffs/standin_answers.patch", "target": "/opt/standin/standin/answers.py", "sha256": "1" * 64},
-            {"kind": "tuning", "path": "tuning/demo/demo.csv", "target": "/opt/aiter-configs/demo.csv", "sha256": sha(TABLE)},
-            {"kind": "firmware", "path": "firmware/amdgpu/psp_13_0_6_sos.bin", "target": "/usr/lib/firmware/updates/amdgpu/psp_13_0_6_sos.bin", "sha256": sha(FIRMWARE)},
+            {
+                "kind": "overlay",
+                "path": "overlays/demo/standin_answers.py",
+                "target": "/opt/standin/standin/answers.py",
+                "sha256": sha(OVERLAY),
+            },
+            {
+                "kind": "diff",
+                "path": "overlays/diffs/standin_answers.patch",
+                "target": "/opt/standin/standin/answers.py",
+                "sha256": "1" * 64,
+            },
+            {
+                "kind": "tuning",
+                "path": "tuning/demo/demo.csv",
+                "target": "/opt/aiter-configs/demo.csv",
+                "sha256": sha(TABLE),
+            },
+            {
+                "kind": "firmware",
+                "path": "firmware/amdgpu/psp_13_0_6_sos.bin",
+                "target": "/usr/lib/firmware/updates/amdgpu/psp_13_0_6_sos.bin",
+                "sha256": sha(FIRMWARE),
+            },
         ],
         "signer": signer,
     }
@@ -88,6 +108,7 @@ json_values = st.recursive(
 )
 
 
+@settings(max_examples=60)
 @given(json_values)
 def test_canonical_round_trip(value: Any) -> None:
     data = manifest.canonical(value)
@@ -96,6 +117,7 @@ def test_canonical_round_trip(value: Any) -> None:
     assert manifest.canonical(manifest.parse_canonical(data)) == data
 
 
+@settings(max_examples=60)
 @given(st.dictionaries(st.text(max_size=8), json_values, max_size=6), st.randoms())
 def test_canonical_ignores_key_order(value: dict[str, Any], rnd: Any) -> None:
     items = list(value.items())
@@ -198,7 +220,7 @@ def test_generate_refuses_to_overwrite(tmp_path: Path) -> None:
 
 
 def test_default_key_directory_is_gitignored() -> None:
-    assert keys.DEFAULT_DIR == Path(__file__).resolve().parents[1] / "keys"
+    assert Path(__file__).resolve().parents[1] / "keys" == keys.DEFAULT_DIR
     ignore = (Path(__file__).resolve().parents[1] / ".gitignore").read_text().splitlines()
     assert "/keys/" in ignore and "*.key" in ignore
 
@@ -243,9 +265,7 @@ def test_any_single_byte_change_is_detected(
             manifest.verify(changed, sig, trusted)
 
 
-def test_untrusted_key_is_refused(
-    trusted: Path, other_keypair: tuple[Path, Path]
-) -> None:
+def test_untrusted_key_is_refused(trusted: Path, other_keypair: tuple[Path, Path]) -> None:
     m = make_manifest(keys.public_key_id(other_keypair[1]))
     sig = manifest.sign(m, other_keypair[0])
     with pytest.raises(manifest.ManifestError, match="not trusted"):
@@ -259,7 +279,9 @@ def test_rotation_trusts_both_keys(
         (tmp_path / keys.trusted_name(pub)).write_bytes(pub.read_bytes())
     for private, pub in (keypair, other_keypair):
         m = make_manifest(keys.public_key_id(pub))
-        assert manifest.verify(manifest.dumps(m), manifest.sign(m, private), tmp_path)["signer"] == keys.public_key_id(pub)
+        assert manifest.verify(manifest.dumps(m), manifest.sign(m, private), tmp_path)["signer"] == keys.public_key_id(
+            pub
+        )
 
 
 @pytest.mark.parametrize(
@@ -283,9 +305,7 @@ def test_malformed_signature_is_refused(
         manifest.verify(data, mangle(sig), trusted)
 
 
-def test_unknown_field_refused_even_when_signed(
-    keypair: tuple[Path, Path], trusted: Path
-) -> None:
+def test_unknown_field_refused_even_when_signed(keypair: tuple[Path, Path], trusted: Path) -> None:
     m = make_manifest(keys.public_key_id(keypair[1]))
     m["surprise"] = "x"
     data = manifest.canonical(m)

@@ -55,7 +55,7 @@ def test_spec_decode_acceptance_and_multiple_engines() -> None:
     # follow the stand-in's and vLLM's naming, two data-parallel engines summed.
     text = "\n".join(
         [
-            '# TYPE vllm:spec_decode_num_draft_tokens counter',
+            "# TYPE vllm:spec_decode_num_draft_tokens counter",
             'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 700.0',
             'vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="m"} 300.0',
             'vllm:spec_decode_num_draft_tokens_created{engine="0",model_name="m"} 1.7e+09',

@@ -4,6 +4,7 @@ mocked on a private bus, recorded GPU output, and a temporary tree for every fil
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import io
 import json
@@ -155,7 +156,7 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: dict[str, Any]
         "SHM_DIR": shm,
     }.items():
         monkeypatch.setattr(paths, name, value)
-    (tmp_path / "os-release").write_text(f'ID=debian\nIMAGE_VERSION={config["appliance"]["version"]}\n')
+    (tmp_path / "os-release").write_text(f"ID=debian\nIMAGE_VERSION={config['appliance']['version']}\n")
     return tmp_path
 
 
@@ -250,11 +251,14 @@ def test_a_probe_that_hangs_or_raises_is_down_and_costs_only_the_deadline() -> N
     assert parts["c"].state == probes.OK
 
 
-@pytest.mark.parametrize(("states", "overall", "code"), [
-    ([probes.OK, probes.NOT_CONFIGURED], probes.OK, 0),
-    ([probes.OK, probes.DEGRADED, probes.NOT_CONFIGURED], probes.DEGRADED, 1),
-    ([probes.DEGRADED, probes.DOWN, probes.OK], probes.DOWN, 2),
-])
+@pytest.mark.parametrize(
+    ("states", "overall", "code"),
+    [
+        ([probes.OK, probes.NOT_CONFIGURED], probes.OK, 0),
+        ([probes.OK, probes.DEGRADED, probes.NOT_CONFIGURED], probes.DEGRADED, 1),
+        ([probes.DEGRADED, probes.DOWN, probes.OK], probes.DOWN, 2),
+    ],
+)
 def test_overall_state_and_exit_status(states: list[str], overall: str, code: int) -> None:
     assert probes.worst(states) == overall
     assert status.EXIT_STATUS[overall] == code
@@ -285,7 +289,7 @@ def test_engine_refused_is_down_unless_it_is_loading(tree: Path, config: dict[st
     part = probes.probe_engine(config, sources(tree, url))
     assert (part.state, part.reason) == (probes.DOWN, f"{url}/health: connection refused")
     paths.STARTUP_REPORT.write_text(json.dumps({"state": "loading"}))
-    doc = status.collect(config, sources(tree, url, bus=lambda: None))
+    doc = status.collect(config, dataclasses.replace(sources(tree, url), bus=lambda: None))
     assert doc["parts"]["engine"]["state"] == probes.DEGRADED
     assert doc["parts"]["engine"]["reason"].startswith("starting")
 
@@ -321,7 +325,9 @@ def _efivar(tree: Path, entry: str) -> None:
 
 
 @pytest.mark.parametrize(("booted_hash", "slot", "version"), [("a" * 64, "A", "1.0.0"), ("b" * 64, "B", "1.1.0")])
-def test_booted_slot_from_usrhash(tree: Path, config: dict[str, Any], booted_hash: str, slot: str, version: str) -> None:
+def test_booted_slot_from_usrhash(
+    tree: Path, config: dict[str, Any], booted_hash: str, slot: str, version: str
+) -> None:
     _partition(tree, "vda2", 2, "appliance_1.0.0", "aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa")
     _partition(tree, "vda3", 3, "appliance_1.0.0_verity", "cccccccc-cccc-cccc-cccc-cccccccccccc")
     _partition(tree, "vda5", 5, "appliance_1.1.0", "bbbbbbbb-bbbb-bbbb-bbbb-bbbbbbbbbbbb")
@@ -339,7 +345,10 @@ def test_boot_counting_states(tree: Path, config: dict[str, Any]) -> None:
     part = probes.probe_os(config, src)
     assert part.state == probes.OK
     assert part.details["boot_counting"] == {
-        "entry": "appliance_1.0.0+2-1.efi", "state": "on trial", "tries_left": 2, "tries_done": 1
+        "entry": "appliance_1.0.0+2-1.efi",
+        "state": "on trial",
+        "tries_left": 2,
+        "tries_done": 1,
     }
     _efivar(tree, "appliance_1.0.0+0-3.efi")
     part = probes.probe_os(config, src)
@@ -382,7 +391,8 @@ def test_check_files(tree: Path, name: str) -> None:
     assert (part.state, part.details) == (probes.OK, {"version": "1.0.0"})
     path.write_text(json.dumps({"ok": False, "reason": "signature does not match any trusted key"}))
     assert probes.probe_check(path, "x").to_json() == {
-        "state": probes.DOWN, "reason": "signature does not match any trusted key"
+        "state": probes.DOWN,
+        "reason": "signature does not match any trusted key",
     }
     path.write_text("[]")
     assert probes.probe_check(path, "x").state == probes.DEGRADED
@@ -426,7 +436,10 @@ def test_disk(tree: Path, config: dict[str, Any], monkeypatch: pytest.MonkeyPatc
 
 def test_tls(tree: Path, config: dict[str, Any]) -> None:
     part = probes.probe_tls(config)
-    assert (part.state, part.reason) == (probes.NOT_CONFIGURED, f"{paths.TLS_DIR / 'ca.crt'} absent: no appliance CA yet")
+    assert (part.state, part.reason) == (
+        probes.NOT_CONFIGURED,
+        f"{paths.TLS_DIR / 'ca.crt'} absent: no appliance CA yet",
+    )
     make_ca(paths.TLS_DIR / "ca.crt", days=365)
     part = probes.probe_tls(config)
     assert part.state == probes.OK

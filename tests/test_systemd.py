@@ -144,3 +144,34 @@ def test_no_bus_is_down() -> None:
     part = systemd.probe(["ok6.service"], no_bus)
     assert part.state == probes.DOWN
     assert part.reason.startswith("cannot ask systemd")
+
+
+# ----------------------------------------------------------------------------------- logs, restart
+
+
+def test_logs_and_restart_command_lines() -> None:
+    import argparse
+
+    from applianctl import units
+    from applianctl.errors import UserError
+
+    parser = argparse.ArgumentParser()
+    units.add_parser(parser.add_subparsers())
+    a = parser.parse_args(["logs", "startup", "-f", "-n", "50"])
+    assert units.logs_argv(a) == [
+        "journalctl",
+        "--no-pager",
+        "-u",
+        "appliance-startup-report.service",
+        "-f",
+        "-n",
+        "50",
+    ]
+    assert units.logs_argv(parser.parse_args(["logs"]))[3] == "appliance-engine.service"
+    assert units.restart_argv("proxy") == ["systemctl", "restart", "appliance-proxy.service"]
+    with pytest.raises(UserError) as e:
+        units.restart_argv("verify")
+    assert e.value.exit_status == 2
+    assert e.value.message == "cannot restart 'verify': only engine or proxy"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["logs", "sshd"])

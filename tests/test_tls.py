@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from applianctl import tls
 from applianctl import __main__ as applianctl_main
+from applianctl import paths, tls
 from applianctl.errors import UserError
 
 HOST = "appliance.local"
@@ -26,7 +26,7 @@ ADDRS: list[tls.IpAddress] = [
     ipaddress.IPv6Address("::1"),
     ipaddress.IPv4Address("10.0.2.15"),
 ]
-NOW = datetime.datetime(2030, 1, 1, tzinfo=datetime.timezone.utc)
+NOW = datetime.datetime(2030, 1, 1, tzinfo=datetime.UTC)
 NO_GROUP = "appliance-no-such-group"
 
 
@@ -76,9 +76,17 @@ def test_first_run_creates_ca_and_server_certificate(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 def test_chain_verifies_with_openssl(tmp_path: Path) -> None:
-    tls.generate(tmp_path, HOST, ADDRS, now=datetime.datetime.now(datetime.timezone.utc), group=NO_GROUP)
+    tls.generate(tmp_path, HOST, ADDRS, now=datetime.datetime.now(datetime.UTC), group=NO_GROUP)
     out = subprocess.run(
-        ["openssl", "verify", "-CAfile", str(tmp_path / "ca.crt"), "-purpose", "sslserver", str(tmp_path / "server.crt")],
+        [
+            "openssl",
+            "verify",
+            "-CAfile",
+            str(tmp_path / "ca.crt"),
+            "-purpose",
+            "sslserver",
+            str(tmp_path / "server.crt"),
+        ],
         capture_output=True,
         text=True,
     )
@@ -162,7 +170,7 @@ def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     cfg.write_text(json.dumps({"proxy": {"tls": "internal", "hostname": HOST}}))
     monkeypatch.setenv("APPLIANCE_CONFIG", str(cfg))
     tls_dir = tmp_path / "state" / "tls"
-    monkeypatch.setattr(tls.paths, "TLS_DIR", tls_dir)
+    monkeypatch.setattr(paths, "TLS_DIR", tls_dir)
     monkeypatch.setattr(tls, "PROXY_GROUP", NO_GROUP)
     return tls_dir
 
@@ -191,7 +199,7 @@ def test_cli_generate_then_show_prints_openssl_fingerprint(device: Path, capsys:
         assert info["ca_fingerprint_sha256"] == expected
         assert info["ca_certificate"] == str(device / "ca.crt")
         assert HOST in info["server_names"] and "::1" in info["server_names"]
-        assert datetime.datetime.fromisoformat(info["server_not_after"]) > datetime.datetime.now(datetime.timezone.utc)
+        assert datetime.datetime.fromisoformat(info["server_not_after"]) > datetime.datetime.now(datetime.UTC)
 
 
 def test_cli_show_before_generate_says_what_to_do(device: Path, capsys: pytest.CaptureFixture[str]) -> None:

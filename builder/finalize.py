@@ -1,0 +1,71 @@
+"""Runs inside mkosi (image/mkosi.finalize) once the image tree is complete, before /usr is sealed.
+
+Checks what only the finished tree can show (the MI300X firmware that amdgpu.ko declares is
+there; the pinned firmware blobs are installed), then writes the release manifest and its
+detached Ed25519 signature into /usr/lib/appliance and beside the build output. The private key
+is only mounted for this step (mkosi build sources); it never enters the image.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from applianctl import manifest
+from builder import firmware
+from builder.errors import UserError
+
+LIB = Path("usr/lib/appliance")
+
+
+def kernel_version(root: Path) -> str:
+    versions = sorted(p.name for p in (root / "usr/lib/modules").iterdir() if (p / "modules.dep").exists() or p.is_dir())
+    if len(versions) != 1:
+        raise UserError(f"expected one kernel in the image, found {versions}", hint="install exactly one kernel package")
+    return versions[0]
+
+
+def release_manifest(root: Path, plan: dict[str, Any], signer: str) -> dict[str, Any]:
+    return {
+        "version": plan["version"],
+        "min_version": plan["min_version"],
+        "build_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(os.environ.get("SOURCE_DATE_EPOCH", time.time())))),
+        "profile": plan["profile"],
+        "engine_image": plan["engine_image"],
+        "model": plan["model"],
+        "kernel_version": kernel_version(root),
+        "files": plan["files"],
+        "signer": signer,
+    }
+
+
+def main() -> int:
+    root = Path(os.environ["BUILDROOT"])
+    plan = json.loads((root / LIB / "release-plan.json").read_text())
+    if plan["gpu_required"]:
+        firmware.check_image(root)
+    key = Path(os.environ["APPLIANCE_SIGNING_KEY"])
+    public = manifest.key_id(manifest.load_private_key(key).public_key())
+    body = release_manifest(root, plan, public)
+    data = manifest.dumps(body)
+    signature = manifest.sign(body, key)
+    (root / LIB / "release-plan.json").unlink()
+    for directory in (root / LIB, Path(os.environ["OUTPUTDIR"])):
+        (directory / "manifest.json").write_bytes(data)
+        (directory / "manifest.json.sig").write_bytes(signature)
+    # the image trusts the keys installed under /usr/lib/appliance/keys by the builder
+    manifest.verify(data, signature, root / LIB / "keys")
+    print(f"release manifest {body['version']} signed by {public}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UserError as e:
+        print(f"error: {e.message}\nhint: {e.hint}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,176 @@
+"""/dev/shm hygiene: real files on the real tmpfs, real processes holding them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from applianctl import shm
+from standin.testing import ROOT, StandinProcess
+
+pytestmark = pytest.mark.timeout(60)
+
+GIB = 2**30
+MEMINFO = "MemTotal:       247000000 kB\nMemFree:         1000000 kB\nMemAvailable:   {} kB\n"
+
+HOLD = """
+import mmap, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+if sys.argv[2] == "map":
+    m = mmap.mmap(fd, 0)
+    os.close(fd)  # held by the mapping alone
+print("holding", flush=True)
+time.sleep(60)
+"""
+
+
+def _leak(directory: Path, name: str, size: int = 1 << 20) -> Path:
+    path = directory / f"vllm_offload_{name}_dp0.mmap"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, size)
+    os.write(fd, b"x" * 8192)  # some pages really in memory
+    os.close(fd)
+    return path
+
+
+@pytest.fixture
+def holder() -> Iterator[Callable[[Path, str], subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+
+    def hold(path: Path, how: str = "fd") -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path), how], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline() == "holding\n"
+        procs.append(proc)
+        return proc
+
+    yield hold
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _cfg(offload_gib: float, margin_gib: float = 8) -> dict[str, object]:
+    return {"engine": {"offload_gib": offload_gib, "shm": {"margin_gib": margin_gib}}}
+
+
+def _fs(free_gib: float, size_gib: float = 128) -> Callable[[Path], shm.FsUsage]:
+    return lambda path: shm.FsUsage(int(size_gib * GIB), int((size_gib - free_gib) * GIB), int(free_gib * GIB))
+
+
+def _mem(available_gib: float) -> Callable[[], str]:
+    return lambda: MEMINFO.format(int(available_gib * GIB / 1024))
+
+
+def test_removes_unheld_and_keeps_held_files(shm_dir: Path, holder: Callable[..., object],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    leaked = _leak(shm_dir, "1")
+    by_fd = _leak(shm_dir, "2")
+    by_map = _leak(shm_dir, "3")
+    other = shm_dir / "not_vllm.mmap"
+    other.write_bytes(b"keep")
+    holder(by_fd, "fd")
+    holder(by_map, "map")
+    result = shm.check(_cfg(1, 1), shm_dir, statvfs=_fs(100), meminfo=_mem(100))
+    assert not leaked.exists()
+    assert by_fd.exists() and by_map.exists() and other.exists()
+    assert result["ok"] is True
+    assert result["removed"] == [{"path": str(leaked), "bytes": 1 << 20, "allocated_bytes": 8192}]
+    out = capsys.readouterr().out
+    assert f"removed {leaked} (0.00 GB" in out
+    assert f"kept {by_fd}" in out and f"kept {by_map}" in out
+
+
+def test_lease_protects_a_holder_that_proc_does_not_show(shm_dir: Path, tmp_path: Path,
+                                                         holder: Callable[..., object]) -> None:
+    """With an empty /proc (as if every process were unreadable) the kernel lease still sees the holder."""
+    held = _leak(shm_dir, "held")
+    free = _leak(shm_dir, "free")
+    holder(held, "map")
+    (tmp_path / "proc").mkdir()
+    removed, _ = shm.clean(shm_dir, proc=tmp_path / "proc")
+    assert held.exists() and not free.exists()
+    assert [r["path"] for r in removed] == [str(free)]
+
+
+def test_dry_run_removes_nothing(shm_dir: Path) -> None:
+    leaked = _leak(shm_dir, "1")
+    removed, _ = shm.clean(shm_dir, dry_run=True)
+    assert leaked.exists() and removed[0]["path"] == str(leaked)
+
+
+def test_capacity_check_fails_when_shm_is_too_small(shm_dir: Path) -> None:
+    result = shm.check(_cfg(96, 8), shm_dir, statvfs=_fs(free_gib=100, size_gib=117), meminfo=_mem(200))
+    assert result["ok"] is False
+    assert result["required_bytes"] == 104 * GIB
+    assert result["shm_size_bytes"] == 117 * GIB and result["shm_used_bytes"] == 17 * GIB
+    assert "100.00 GiB free" in result["reason"] and "104.00 GiB" in result["reason"]
+    assert "\n" not in result["reason"]
+
+
+def test_capacity_check_fails_when_memory_is_short(shm_dir: Path) -> None:
+    result = shm.check(_cfg(96, 8), shm_dir, statvfs=_fs(150), meminfo=_mem(100))
+    assert result["ok"] is False and "memory available" in result["reason"]
+
+
+def test_removed_files_count_towards_memory(shm_dir: Path) -> None:
+    _leak(shm_dir, "big", size=4 * GIB)  # sparse apart from 8 KiB, so it frees 8 KiB
+    need = 1 + 1  # GiB
+    just_short = need - 8192 / GIB / 2
+    assert shm.check(_cfg(1, 1), shm_dir, statvfs=_fs(50), meminfo=_mem(just_short))["ok"] is True
+    _leak(shm_dir, "big2", size=GIB)
+    assert shm.check(_cfg(1, 1), shm_dir, statvfs=_fs(50), meminfo=_mem(need - 1 / 1024))["ok"] is False
+
+
+def test_capacity_check_passes(shm_dir: Path) -> None:
+    result = shm.check(_cfg(96, 8), shm_dir, statvfs=_fs(150), meminfo=_mem(200))
+    assert result["ok"] is True and result["removed"] == []
+
+
+def _cli(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "applianctl", "shm-clean"], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore", **env}, timeout=30)
+
+
+def test_cli_writes_the_check_and_keeps_a_live_engines_file(shm_dir: Path, tmp_path: Path) -> None:
+    """A live stand-in's offload file survives; one left by a crashed stand-in is removed."""
+    args = ["--kv-offloading-size", "0.0625"]
+    crashed = StandinProcess(args, env={"STANDIN_SHM_DIR": str(shm_dir), "STANDIN_CRASH_AFTER_S": "0",
+                                        "STANDIN_CRASH_LEAVE_MMAP": "1"})
+    assert crashed.proc.wait(15) == 1
+    crashed.stop()
+    (leaked,) = shm_dir.glob("vllm_offload_*.mmap")
+    live = StandinProcess(args, env={"STANDIN_SHM_DIR": str(shm_dir)}).wait_ready()
+    try:
+        (live_file,) = set(shm_dir.glob("vllm_offload_*.mmap")) - {leaked}
+        config = tmp_path / "appliance.json"
+        config.write_text(json.dumps(_cfg(0.0625, 0.5)))
+        env = {"APPLIANCE_CONFIG": str(config), "APPLIANCE_SHM_DIR": str(shm_dir),
+               "APPLIANCE_RUN_DIR": str(tmp_path / "run")}
+        done = _cli(env)
+        assert done.returncode == 0, done.stderr
+        assert f"removed {leaked} (0.07 GB" in done.stdout
+        assert f"kept {live_file} (0.07 GB): held open by pid {live.proc.pid}" in done.stdout
+        assert not leaked.exists() and live_file.exists()
+        report = json.loads((tmp_path / "run" / "shm-check.json").read_text())
+        assert report["ok"] is True and [r["path"] for r in report["removed"]] == [str(leaked)]
+        assert set(report) >= {"ok", "reason", "removed", "shm_size_bytes", "shm_used_bytes", "required_bytes"}
+        assert not list((tmp_path / "run").glob(".*.tmp"))
+
+        config.write_text(json.dumps(_cfg(1_000_000, 8)))
+        failed = _cli(env)
+        assert failed.returncode == 1
+        assert len(failed.stderr.strip().splitlines()) == 1 and "1000008.00 GiB" in failed.stderr
+        assert json.loads((tmp_path / "run" / "shm-check.json").read_text())["ok"] is False
+    finally:
+        live.stop()
+
+
+def test_cli_without_configuration_says_what_to_do(tmp_path: Path) -> None:
+    done = _cli({"APPLIANCE_CONFIG": str(tmp_path / "absent.json"), "APPLIANCE_RUN_DIR": str(tmp_path)})
+    assert done.returncode == 2 and "no appliance configuration" in done.stderr and "hint:" in done.stderr
