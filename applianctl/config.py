@@ -25,7 +25,10 @@ def load() -> dict[str, Any]:
     try:
         data: dict[str, Any] = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UserError(f"{path}: no appliance configuration", hint="this command runs on the appliance; set APPLIANCE_CONFIG to test elsewhere") from None
+        raise UserError(
+            f"{path}: no appliance configuration",
+            hint="this command runs on the appliance; set APPLIANCE_CONFIG to test elsewhere",
+        ) from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON ({e})", hint="the image is damaged; reinstall or roll back") from None
     return data

@@ -25,7 +25,7 @@ PROMPT = "Calculate 17 * 23. Answer with the number only."
 EXPECTED = "391"
 
 
-class _Sni(HTTPAdapter):
+class _Sni(HTTPAdapter):  # type: ignore[misc]  # requests has no stubs here
     """Connect to one address, but speak TLS (SNI, certificate name) for HOSTNAME."""
 
     def __init__(self, hostname: str) -> None:

@@ -203,7 +203,10 @@ class Engine:
     capabilities: tuple[str, ...] = field(
         default=(), metadata=_each(_pattern(_CAPABILITY, "a capability name without CAP_, e.g. SYS_PTRACE"))
     )
-    memlock: str = field(default="unlimited", metadata=_check(lambda v: None if v == "unlimited" or v.isdigit() else "'unlimited' or a number of bytes"))
+    memlock: str = field(
+        default="unlimited",
+        metadata=_check(lambda v: None if v == "unlimited" or v.isdigit() else "'unlimited' or a number of bytes"),
+    )
     security_opt: tuple[str, ...] = field(
         default=(), metadata=_each(_one_of("seccomp=unconfined", "label=disable", "no-new-privileges"))
     )

@@ -23,7 +23,7 @@ class Mirrors:
 def _deb822_entries(text: str) -> list[dict[str, str]]:
     entries: list[dict[str, str]] = []
     current: dict[str, str] = {}
-    for raw in text.splitlines() + [""]:
+    for raw in [*text.splitlines(), ""]:
         line = raw.rstrip()
         if line.startswith("#"):
             continue

@@ -64,7 +64,8 @@ class Guest:
         for path in (self.console_log, self.report_log):
             path.unlink(missing_ok=True)
         creds = {"appliance.bootcheck": "poweroff", **(credentials or {})}
-        cmd = _qemu_command(self.disk, self.vars, creds) + [
+        cmd = [
+            *_qemu_command(self.disk, self.vars, creds),
             "-serial", f"file:{self.console_log}", "-serial", f"file:{self.report_log}",
         ]
         started = time.monotonic()
@@ -107,6 +108,6 @@ def boot_and_report(disk: Path, timeout: float = 900) -> dict[str, Any]:
 
 def interactive(disk: Path) -> int:
     guest = Guest(disk)
-    cmd = _qemu_command(guest.disk, guest.vars, {}) + ["-serial", "mon:stdio", "-serial", f"file:{guest.report_log}"]
+    cmd = [*_qemu_command(guest.disk, guest.vars, {}), "-serial", "mon:stdio", "-serial", f"file:{guest.report_log}"]
     print(f"booting a copy of {disk} in {guest.dir}; leave with Ctrl-a x")
     return subprocess.call(cmd)

@@ -411,7 +411,7 @@ def test_verify_parser() -> None:
     assert parser.parse_args(["verify"]).func is verify.run
     from applianctl.__main__ import COMMAND_MODULES
 
-    assert "applianctl.verify" in COMMAND_MODULES
+    assert COMMAND_MODULES["verify"] == "applianctl.verify"
 
 
 def test_manifest_copy_is_not_mutated_by_dumps(keypair: tuple[Path, Path]) -> None:

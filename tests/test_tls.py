@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
 
 
 def test_registered_with_applianctl() -> None:
-    assert "applianctl.tls" in applianctl_main.COMMAND_MODULES
+    assert applianctl_main.COMMAND_MODULES["tls"] == "applianctl.tls"
 
 
 def _cert(path: Path) -> x509.Certificate:
