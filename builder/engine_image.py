@@ -79,7 +79,15 @@ def _standin_layer() -> bytes:
 def build_standin_layout(layout: Path, entrypoint: tuple[str, ...]) -> str:
     """Write the stand-in engine as an OCI layout at LAYOUT; return its manifest digest.
     Byte-for-byte reproducible: same sources, same digest."""
-    layer = _standin_layer()
+    return _single_layer_layout(layout, _standin_layer(), entrypoint)
+
+
+def write_layout(layout: Path, layer_file: Path) -> str:
+    """An OCI layout of one (uncompressed tar) layer read from LAYER_FILE; for benchmarks."""
+    return _single_layer_layout(layout, layer_file.read_bytes(), ("/bin/true",))
+
+
+def _single_layer_layout(layout: Path, layer: bytes, entrypoint: tuple[str, ...]) -> str:
     layer_desc = {"mediaType": "application/vnd.oci.image.layer.v1.tar", **_write_blob(layout, layer)}
     image_config = {
         "architecture": "amd64",
