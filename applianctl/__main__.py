@@ -28,6 +28,9 @@ COMMAND_MODULES = {
     "restart": "applianctl.units",
     "preflight": "applianctl.preflight",
     "bootcheck": "applianctl.bootcheck",
+    "update": "applianctl.update",
+    "assess": "applianctl.assess",
+    "rollback": "applianctl.rollback",
 }
 
 

@@ -258,6 +258,9 @@ FIELDS: Mapping[str, Callable[[str, Any], None]] = {
         {
             "reference": _string(_REF, "an image reference such as vllm/vllm-openai-rocm@sha256:..."),
             "digest": _string(_DIGEST, "'sha256:' and 64 lower-case hex digits"),
+            # the read-only image store on its own partition (builder/engine_store.py)
+            "store_label": _string(re.compile(r"^engine_[0-9a-f]{12}$"), "engine_ and 12 hex digits"),
+            "store_roothash": _string(_SHA256, "the store's dm-verity root hash: 64 lower-case hex digits"),
         }
     ),
     "model": _object(

@@ -41,6 +41,7 @@ UNITS = (
     "appliance-verify.service",
     "appliance-preflight.service",
     "appliance-shm-clean.service",
+    "appliance-engine-store.service",
     ENGINE_UNIT,
     "appliance-startup-report.service",
     "appliance-tls.service",

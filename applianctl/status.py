@@ -23,12 +23,13 @@ SCHEMA = 1
 EXIT_STATUS = {OK: 0, NOT_CONFIGURED: 0, DEGRADED: 1, DOWN: 2}
 
 # The parts, in the order they are shown.
-PARTS = ("os", "units", "engine", "startup", "verify", "preflight", "shm-check", "gpu", "shm", "disk", "tls")
+PARTS = ("os", "slots", "units", "engine", "startup", "verify", "preflight", "shm-check", "gpu", "shm", "disk", "tls")
 
 
 def probe_table(config: Mapping[str, Any], src: Sources) -> dict[str, Callable[[], Part]]:
     table: dict[str, Callable[[], Part]] = {
         "os": lambda: probes.probe_os(config, src),
+        "slots": lambda: probe_slots(config, src),
         "units": lambda: systemd.probe(paths.UNITS, src.bus),
         "engine": lambda: probes.probe_engine(config, src),
         "startup": lambda: probes.probe_startup(config, paths.STARTUP_REPORT),
@@ -42,6 +43,19 @@ def probe_table(config: Mapping[str, Any], src: Sources) -> dict[str, Callable[[
     }
     assert tuple(table) == PARTS
     return table
+
+
+def probe_slots(config: Mapping[str, Any], src: Sources) -> Part:
+    """Both A/B slots, their versions and boot entries, and whether the last upgrade rolled back."""
+    from applianctl import slots
+
+    summary = slots.slots_summary(slots.Host(efivars=src.efivars, cmdline=src.cmdline), config["appliance"]["version"])
+    if summary["rolled_back"]:
+        return Part(probes.DEGRADED, f"last upgrade rolled back: {summary['rollback_reason']}", summary)
+    if not summary["slots"]:
+        reason = "; ".join(summary["errors"]) or "no A/B slots found"
+        return Part(probes.NOT_CONFIGURED, reason.splitlines()[0], summary)
+    return Part(probes.OK, "", summary)
 
 
 def _cross_check(parts: dict[str, Part]) -> None:
@@ -175,7 +189,9 @@ def render(doc: Mapping[str, Any], out: TextIO, colour: bool) -> None:
 
 def run(args: argparse.Namespace, src: Sources | None = None) -> int:
     config = appliance_config.load()
-    doc = collect(config, src)
+    if getattr(args, "timeout_scale", 1.0) != 1:
+        probes.scale_timeouts(args.timeout_scale)
+    doc = collect(config, src, probes.DEADLINE_S)
     if args.json:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -188,4 +204,6 @@ def run(args: argparse.Namespace, src: Sources | None = None) -> int:
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("status", help="show the state of every part of the appliance")
     p.add_argument("--json", action="store_true", help="print the JSON document of docs/status-schema.md")
+    p.add_argument("--timeout-scale", type=float, default=1.0, metavar="N",
+                   help="multiply every probe's timeout by N (slow hosts, e.g. emulated test VMs)")
     p.set_defaults(func=run)

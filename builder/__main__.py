@@ -98,6 +98,15 @@ def cmd_pin(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    from builder import keys
+
+    private, public = keys.generate(Path(args.directory) if args.directory else None)
+    print(f"private key {private} (mode 0600: keep it off the appliance and out of git)")
+    print(f"public key  {public} (trusted as {keys.trusted_name(public)} by images built with this key)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python3 -m builder", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show commands and tracebacks")
@@ -116,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mkosi-arg", action="append", help="pass an extra option to mkosi")
     p.add_argument("--engine-image", help="the engine image as an OCI layout directory or OCI archive")
     p.set_defaults(func=cmd_build)
+
+    from builder import release
+
+    release.add_parser(sub)
+
+    p = sub.add_parser("keys", help="make a release signing key pair (Ed25519)")
+    p.add_argument("action", choices=["generate"])
+    p.add_argument("--directory", help="where to write release.key and release.pub (default: keys/, never committed)")
+    p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("pin", help="rewrite SHA256SUMS and the demo engine digest on purpose")
     p.set_defaults(func=cmd_pin)

@@ -41,9 +41,9 @@ def bench_rebuild(demo: config.Config) -> None:
     build.build(demo)  # warm caches so that both sides rebuild
     ours = _time(lambda: build.build(demo))
     key = build.signing_key_for(demo, None)
-    generated, sandbox = build.prepare(demo, None, key)
+    generated, sandbox, repart = build.prepare(demo, None, key)
     out = Path(tempfile.mkdtemp(prefix="bench-mkosi-"))
-    args = build.mkosi_arguments(demo, generated, sandbox, out, key)
+    args = build.mkosi_arguments(demo, generated, sandbox, repart, out, key)
     cmd = [*mkosi_command(), *args, "build"]
     plain = _time(lambda: subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     shutil.rmtree(out, ignore_errors=True)

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder import engine_image, keys, mirror, pins, render, tuning
+from builder import engine_image, engine_store, keys, mirror, pins, render, tuning
 from builder.config import Config
 from builder.errors import UserError
 from builder.run import HOST_CACHE, mkosi_command, run
@@ -56,7 +56,7 @@ def write_sandbox(config: Config, sandbox: Path) -> None:
     sources.write_text(mirror.sources_deb822(mirrors, config.os.release, ("main", "non-free-firmware")))
 
 
-def mkosi_arguments(config: Config, generated: Path, sandbox: Path, out: Path, signing_key: Path) -> list[str]:
+def mkosi_arguments(config: Config, generated: Path, sandbox: Path, repart: Path, out: Path, signing_key: Path) -> list[str]:
     """The options the builder adds to image/mkosi.conf; `make bench` runs plain mkosi with the same."""
     MKOSI_CACHE.mkdir(parents=True, exist_ok=True)
     return [
@@ -66,6 +66,8 @@ def mkosi_arguments(config: Config, generated: Path, sandbox: Path, out: Path, s
         f"--environment=APPLIANCE_SIGNING_KEY_NAME={signing_key.name}",
         "-C", str(IMAGE_DIR),
         f"--extra-tree={generated}",
+        f"--repart-directory={IMAGE_DIR / 'mkosi.repart'}",
+        f"--repart-directory={repart}",
         f"--sandbox-tree={sandbox}",
         f"--tools-tree-sandbox-tree={sandbox}",
         f"--cache-directory={MKOSI_CACHE}",
@@ -100,38 +102,43 @@ def signing_key_for(config: Config, given: Path | None) -> Path:
     return key.resolve()
 
 
-def release_plan(config: Config, artifacts: list[pins.PinnedArtifact]) -> dict[str, object]:
+def release_plan(config: Config, artifacts: list[pins.PinnedArtifact], store: engine_store.EngineStore) -> dict[str, object]:
     """What finalize.py puts in the signed manifest, besides what only the finished tree knows."""
     return {
         "version": config.appliance.version,
         "min_version": config.appliance.min_version,
         "profile": config.profile,
-        "engine_image": {"reference": config.engine.reference, "digest": config.engine.digest},
+        "engine_image": {
+            "reference": config.engine.reference,
+            "digest": config.engine.digest,
+            "store_label": store.label,
+            "store_roothash": store.roothash,
+        },
         "model": {"id": config.model.id, "revision": config.model.revision},
         "files": [{"kind": a.kind, "path": a.path, "sha256": a.sha256, "target": a.target} for a in artifacts],
         "gpu_required": config.gpu.required,
     }
 
 
-def prepare(config: Config, engine_source: Path | None, signing_key: Path) -> tuple[Path, Path]:
+def prepare(config: Config, engine_source: Path | None, signing_key: Path) -> tuple[Path, Path, Path]:
     """Check the inputs and generate the tree and sandbox; nothing outside build/ is touched."""
     artifacts = pins.check(config, ROOT)  # every pinned file exactly as pinned, before anything is written
     tuning.validate_all((a.path, ROOT / a.path) for a in artifacts if a.kind == "tuning")
     layout = engine_image.obtain(config, engine_source)
+    store = engine_store.make(config, layout)
     work = work_dir(config)
-    generated, sandbox = work / "generated", work / "sandbox"
-    for path in (generated, sandbox):
+    generated, sandbox, repart = work / "generated", work / "sandbox", work / "repart"
+    for path in (generated, sandbox, repart):
         shutil.rmtree(path, ignore_errors=True)
-    render.generate_tree(config, generated)
-    # The engine image, preloaded read-only; the engine-image unit hands it to podman.
-    shutil.copytree(layout, generated / render.LIB / "engine-image")
+    render.generate_tree(config, generated, store)
+    render.repart_definitions(store, repart)
     public = signing_key.with_suffix(".pub")
     trusted = generated / render.LIB / "keys" / keys.trusted_name(public)
     trusted.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(public, trusted)
-    (generated / render.LIB / "release-plan.json").write_text(json.dumps(release_plan(config, artifacts)))
+    (generated / render.LIB / "release-plan.json").write_text(json.dumps(release_plan(config, artifacts, store)))
     write_sandbox(config, sandbox)
-    return generated, sandbox
+    return generated, sandbox, repart
 
 
 def build(
@@ -142,14 +149,14 @@ def build(
 ) -> BuildResult:
     started = time.monotonic()
     key = signing_key_for(config, signing_key)
-    generated, sandbox = prepare(config, engine_source, key)
+    generated, sandbox, repart = prepare(config, engine_source, key)
     final = output_dir(config)
     staging = final.with_name(final.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         run(
-            [*mkosi_command(), *mkosi_arguments(config, generated, sandbox, staging, key), *extra_mkosi_args, "build"],
+            [*mkosi_command(), *mkosi_arguments(config, generated, sandbox, repart, staging, key), *extra_mkosi_args, "build"],
             what="mkosi build",
             hint="see mkosi's output above; run again with --debug for the full command",
         )

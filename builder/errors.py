@@ -1,17 +1,14 @@
-"""Errors a user sees: one line that says what is wrong, one that says what to do."""
+"""Errors a user sees: one line that says what is wrong, one that says what to do.
+
+The builder and applianctl share one error type (applianctl's, which ships in the image), so a
+fault raised by shared code such as the manifest module reads the same on both sides.
+"""
 
 from __future__ import annotations
 
+from applianctl.errors import UserError
 
-class UserError(Exception):
-    """A fault in the user's input or environment; reported without a traceback (exit status 2)."""
-
-    exit_status = 2
-
-    def __init__(self, message: str, hint: str = "") -> None:
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
+__all__ = ["ConfigError", "UserError"]
 
 
 class ConfigError(UserError):

@@ -60,6 +60,8 @@ def make_manifest(signer: str) -> dict[str, Any]:
         "engine_image": {
             "reference": "localhost/appliance-standin-engine@sha256:" + "0" * 64,
             "digest": "sha256:" + "0" * 64,
+            "store_label": "engine_000000000000",
+            "store_roothash": "1" * 64,
         },
         "model": {"id": "standin/tiny-demo", "revision": "0" * 39 + "1"},
         "kernel_version": "6.12.38+deb13-amd64",

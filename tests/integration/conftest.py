@@ -26,6 +26,13 @@ def demo_image(demo_config: config.Config) -> Path:
 
 @pytest.fixture(scope="session")
 def first_boot(demo_image: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The report of the demo image's first boot (systemd-repart runs, the engine starts)."""
+    """The report of the demo image's first boot (systemd-repart runs, the engine starts); after
+    that first look, the boot check drives the stand-in's fault switches through the production
+    unit (slow start, crash leaving its offload file, hang) and reports what systemd did."""
     guest = qemu.Guest(demo_image, tmp_path_factory.mktemp("first-boot"))
-    yield guest.boot(timeout=1500)
+    yield guest.boot(timeout=2400, credentials={"appliance.scenario": "faults"})
+
+
+@pytest.fixture(scope="session")
+def faults_boot(first_boot: dict[str, Any]) -> dict[str, Any]:
+    return first_boot

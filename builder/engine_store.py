@@ -1,0 +1,116 @@
+"""The engine image as a read-only podman image store on a partition of its own.
+
+The pinned engine image (an OCI layout from builder/engine_image.py) is copied into a podman
+image store (overlay driver) with skopeo, packed into a reproducible erofs file system, and
+protected by dm-verity. The partition is labelled by the image digest, so a release that keeps
+the engine digest ships no engine bytes. The root hash is computed here, before mkosi runs, so
+that it goes into the signed release manifest and into the unit that opens the partition (both
+in the verity-protected /usr). Results are cached by digest on the build host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from builder.config import Config
+from builder.errors import UserError
+from builder.run import HOST_CACHE, run
+
+CACHE = HOST_CACHE / "engine-stores"
+# Where the guest mounts the store; podman's storage.conf names it in additionalimagestores.
+MOUNT_POINT = "/run/appliance/engine-store"
+
+
+@dataclass(frozen=True)
+class EngineStore:
+    erofs: Path
+    verity: Path
+    roothash: str
+    label: str
+
+    @property
+    def verity_label(self) -> str:
+        return self.label + "-verity"
+
+
+def label_for(digest: str) -> str:
+    """GPT partition label of the engine store: the image digest's first 12 hex digits."""
+    return "engine_" + digest.removeprefix("sha256:")[:12]
+
+
+def _stable_uuid(digest: str, purpose: str) -> str:
+    return str(uuid.UUID(bytes=hashlib.sha256(f"{purpose}:{digest}".encode()).digest()[:16]))
+
+
+def _salt(digest: str) -> str:
+    return hashlib.sha256(f"appliance-engine-store-salt:{digest}".encode()).hexdigest()
+
+
+def _load(cached: Path, digest: str) -> EngineStore | None:
+    meta = cached / "store.json"
+    if not meta.is_file():
+        return None
+    data = json.loads(meta.read_text())
+    return EngineStore(cached / "engine.erofs", cached / "engine.verity", data["roothash"], label_for(digest))
+
+
+def make(config: Config, layout: Path) -> EngineStore:
+    """The engine store for CONFIG's pinned image (OCI layout LAYOUT), built once per digest."""
+    digest = config.engine.digest
+    cached = CACHE / digest.replace(":", "-")
+    found = _load(cached, digest)
+    if found is not None:
+        return found
+    staging = cached.with_name(cached.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="engine-store-", dir="/var/tmp") as tmp:
+            store, runroot = Path(tmp) / "store", Path(tmp) / "run"
+            run(
+                [
+                    "skopeo", "copy", "--quiet", "--preserve-digests", f"oci:{layout}:appliance",
+                    f"containers-storage:[overlay@{store}+{runroot}]{config.engine.image}:appliance",
+                ],
+                what="skopeo copy into the engine store",
+                hint="run `make setup` (skopeo); the store is written with podman's overlay driver",
+            )
+            # containers/storage leaves its driver directory bind-mounted onto itself.
+            run(["umount", "--recursive", "--quiet", store / "overlay"], what="umount the store")
+            # Lock files and scratch space are recreated by podman as needed; keep the store minimal.
+            for transient in ("tmp", "mounts", "storage.lock", "userns.lock"):
+                target = store / transient
+                if target.is_dir():
+                    shutil.rmtree(target)
+                else:
+                    target.unlink(missing_ok=True)
+            run(
+                ["mkfs.erofs", "-T0", f"-U{_stable_uuid(digest, 'erofs')}", "--all-root", "-zlz4hc",
+                 staging / "engine.erofs", store],
+                capture=True, what="mkfs.erofs", hint="run `make setup` (erofs-utils)",
+            )
+        result = run(
+            ["veritysetup", "format", f"--salt={_salt(digest)}", f"--uuid={_stable_uuid(digest, 'verity')}",
+             staging / "engine.erofs", staging / "engine.verity"],
+            capture=True, what="veritysetup format", hint="run `make setup` (cryptsetup-bin)",
+        )
+        roothash = next(
+            (line.split(":", 1)[1].strip() for line in result.stdout.splitlines() if line.startswith("Root hash:")), ""
+        )
+        if len(roothash) != 64:
+            raise UserError("veritysetup printed no root hash for the engine store", hint="run again with --debug")
+        (staging / "store.json").write_text(json.dumps({"digest": digest, "roothash": roothash}) + "\n")
+        shutil.rmtree(cached, ignore_errors=True)
+        staging.rename(cached)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    store_found = _load(cached, digest)
+    assert store_found is not None
+    return store_found

@@ -1,0 +1,220 @@
+"""`python3 -m builder release`: a signed release bundle from a finished build.
+
+A bundle is a directory any static web server can serve:
+
+    appliance_VERSION.usr.raw           the /usr partition image (erofs), as mkosi names it
+    appliance_VERSION.usr-verity.raw    its dm-verity hash partition image
+    appliance_VERSION.efi               the unified kernel image (its command line carries usrhash=)
+    engine_DIGEST12.raw, engine_DIGEST12.verity.raw
+                                        the engine partition image, only when the target lacks its digest
+    manifest.json, manifest.json.sig    the signed release manifest of the build
+    SHA256SUMS                          sha256sum(1) lines over all of the above
+    bundle.json, bundle.json.sig        the signed index: version, min_version, profile, engine_digest,
+                                        usrhash, files [{name, sha256, size}], manifest_sha256, signer
+
+Nothing in a bundle is trusted before bundle.json's signature (Ed25519, canonical JSON, the same
+key and signature encoding as the release manifest) is checked; every other file is bound to it
+by size and SHA-256. The directory is written under a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from applianctl import manifest
+from applianctl import update as device_update
+from builder.config import Config
+from builder.errors import UserError
+
+
+def _sha256(path: Path) -> str:
+    return device_update.sha256_file(path)
+
+
+def _copy(src: Path, dst: Path) -> None:
+    """Copy keeping holes (the /usr image is a sparse 3 GiB file); reflink where the file system can."""
+    if shutil.which("cp"):
+        proc = subprocess.run(["cp", "--reflink=auto", "--sparse=always", str(src), str(dst)], capture_output=True, text=True, check=False)
+        if proc.returncode == 0:
+            return
+    shutil.copyfile(src, dst)
+
+
+def _known_engine_digests(previous: Path | Iterable[str] | None) -> tuple[set[str], str | None]:
+    """The engine digests the target already has, and the previous bundle's version (if a bundle
+    directory was given)."""
+    if previous is None:
+        return set(), None
+    if isinstance(previous, str | os.PathLike):
+        index_path = Path(previous) / device_update.BUNDLE_INDEX
+        try:
+            index = device_update.validate_index(manifest.parse_canonical(index_path.read_bytes()))
+        except FileNotFoundError:
+            raise UserError(f"{index_path}: no such file", hint="--previous takes a bundle directory or a version") from None
+        except manifest.ManifestError as e:
+            raise UserError(f"{index_path}: {e.message}", hint=e.hint) from None
+        return {index["engine_digest"]}, index["version"]
+    return {str(d) for d in previous}, None
+
+
+def make_bundle(
+    config: Config,
+    build_output_dir: Path,
+    bundle_dir: Path,
+    signing_key: Path,
+    previous_bundle_or_engine_digests: Path | Iterable[str] | None = None,
+    previous_version: str | None = None,
+) -> dict[str, Any]:
+    """Write the bundle for CONFIG's build in BUILD_OUTPUT_DIR to BUNDLE_DIR; return bundle.json's content.
+
+    PREVIOUS_BUNDLE_OR_ENGINE_DIGESTS: the bundle the target runs (a directory) or the engine
+    digests it has; the engine image is left out when its digest is among them.
+    PREVIOUS_VERSION (or the previous bundle's version): the new version must be greater."""
+    version = config.appliance.version
+    known_digests, prev_bundle_version = _known_engine_digests(previous_bundle_or_engine_digests)
+    for prev in (previous_version, prev_bundle_version):
+        if prev is not None and manifest.version_tuple(version) <= manifest.version_tuple(prev):
+            raise UserError(
+                f"version {version} is not greater than the previous release {prev}",
+                hint="raise appliance.version in appliance.toml and build again",
+            )
+    out = build_output_dir
+    manifest_data = _read(out / "manifest.json")
+    manifest_sig = _read(out / "manifest.json.sig")
+    signer = manifest.key_id(manifest.load_private_key(signing_key).public_key())
+    try:
+        release = manifest.loads(manifest_data)
+        manifest.decode_signature(manifest_sig)
+    except manifest.ManifestError as e:
+        raise UserError(f"{out / 'manifest.json'}: {e.message}", hint=e.hint) from None
+    for key, want in (("version", version), ("profile", config.profile), ("min_version", config.appliance.min_version)):
+        if release[key] != want:
+            raise UserError(
+                f"{out}: the build is {key} {release[key]}, the configuration says {want}",
+                hint=f"build it again: python3 -m builder --profile {config.profile} build",
+            )
+    if release["engine_image"]["digest"] != config.engine.digest:
+        raise UserError(f"{out}: the build's engine image is not {config.engine.digest}", hint="build it again")
+
+    names = device_update.payload_names(version, config.engine.digest, with_engine=False)
+    sources = {names[r]: out / names[r] for r in ("usr", "usr-verity", "uki")}
+    engine_names = device_update.payload_names(version, config.engine.digest, with_engine=True)
+    engine_files = {engine_names[r]: out / engine_names[r] for r in ("engine", "engine-verity")}
+    if config.engine.digest not in known_digests and all(p.is_file() for p in engine_files.values()):
+        sources.update(engine_files)
+    for path in sources.values():
+        if not path.is_file():
+            hint = f"build first: python3 -m builder --profile {config.profile} build"
+            raise UserError(f"{path}: missing from the build output", hint=hint)
+    usrhash = device_update.uki_facts(sources[names["uki"]])["usrhash"]
+    if not usrhash:
+        raise UserError(f"{sources[names['uki']]}: its command line has no usrhash=", hint="the image must boot a verity-protected /usr")
+
+    bundle_dir = bundle_dir.resolve()
+    bundle_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{bundle_dir.name}.", suffix=".tmp", dir=bundle_dir.parent))
+    try:
+        tmp.chmod(0o755)
+        for name, src in sources.items():
+            _copy(src, tmp / name)
+        (tmp / "manifest.json").write_bytes(manifest_data)
+        (tmp / "manifest.json.sig").write_bytes(manifest_sig)
+        listed = sorted([*sources, "manifest.json", "manifest.json.sig"])
+        sums = {name: _sha256(tmp / name) for name in listed}
+        (tmp / "SHA256SUMS").write_text("".join(f"{sums[n]}  {n}\n" for n in listed))
+        listed.append("SHA256SUMS")
+        sums["SHA256SUMS"] = _sha256(tmp / "SHA256SUMS")
+        index = {
+            "format": device_update.BUNDLE_FORMAT,
+            "version": version,
+            "min_version": config.appliance.min_version,
+            "profile": config.profile,
+            "engine_digest": config.engine.digest,
+            "usrhash": usrhash,
+            "files": [{"name": n, "sha256": sums[n], "size": (tmp / n).stat().st_size} for n in sorted(listed)],
+            "manifest_sha256": hashlib.sha256(manifest_data).hexdigest(),
+            "signer": signer,
+        }
+        device_update.validate_index(index)
+        data = manifest.canonical(index)
+        signature = manifest.encode_signature(manifest.load_private_key(signing_key).sign(data))
+        (tmp / device_update.BUNDLE_INDEX).write_bytes(data)
+        (tmp / device_update.BUNDLE_SIG).write_bytes(signature)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        _replace_dir(tmp, bundle_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return index
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file", hint="build the image first: python3 -m builder build") from None
+
+
+def _replace_dir(new: Path, final: Path) -> None:
+    """Swap NEW into FINAL's place; the old FINAL is removed only after the swap."""
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    new.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------- CLI glue
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    from builder import build
+    from builder import config as config_model
+
+    config = config_model.load(Path(args.config), args.profile)
+    out = Path(args.build_output) if args.build_output else build.output_dir(config)
+    bundle = Path(args.output) if args.output else build.ROOT / "out" / "bundles" / f"{config.profile}-{config.appliance.version}"
+    key = build.signing_key_for(config, Path(args.signing_key) if args.signing_key else None)
+    previous: Path | list[str] | None = None
+    previous_version = None
+    if args.previous:
+        if Path(args.previous).is_dir():
+            previous = Path(args.previous)
+        else:
+            previous_version = args.previous
+    if args.engine_digest:
+        previous = [*(previous if isinstance(previous, list) else []), *args.engine_digest]
+        if args.previous and Path(args.previous).is_dir():
+            raise UserError("--engine-digest and a --previous bundle directory exclude each other", hint="give one of them")
+    index = make_bundle(config, out, bundle, key, previous, previous_version)
+    total = sum(f["size"] for f in index["files"])
+    engine = "with" if any(f["name"].startswith("engine_") for f in index["files"]) else "without"
+    print(f"bundle {index['version']} ({config.profile}) at {bundle}: {len(index['files'])} files, {total} bytes, {engine} an engine image")
+    return 0
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register `release` on the builder's subparsers (builder/__main__.py: release.add_parser(sub))."""
+    p: argparse.ArgumentParser = sub.add_parser("release", help="write a signed release bundle from the last build")
+    p.add_argument("--output", help="the bundle directory (default: out/bundles/PROFILE-VERSION)")
+    p.add_argument("--build-output", help="the build's output directory (default: out/PROFILE)")
+    p.add_argument("--signing-key", help="the release signing key (default: as for build)")
+    p.add_argument("--previous", help="the previous release: its bundle directory or its version; the new one must be greater")
+    p.add_argument("--engine-digest", action="append", help="an engine digest the target has already (repeatable): no engine image then")
+    p.set_defaults(func=cmd_release)
+    return p
+
+
+def describe(index: dict[str, Any]) -> str:
+    return json.dumps(index, indent=2, sort_keys=True)

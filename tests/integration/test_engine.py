@@ -1,0 +1,57 @@
+"""The engine, supervised by systemd through the production quadlet, in the booted demo image."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def test_engine_reaches_healthy_through_the_production_unit(first_boot: dict[str, Any]) -> None:
+    assert first_boot["engine_became_healthy"]
+    engine = first_boot["status"]["parts"]["engine"]
+    assert engine["state"] == "ok", engine
+    assert engine["models"] == ["standin/tiny-demo"] or "standin/tiny-demo" in str(engine)
+
+
+def test_smoke_prompt_answers_391_on_the_engine_port(first_boot: dict[str, Any]) -> None:
+    assert first_boot["smoke_engine"]["answer"].strip() == "391", first_boot["smoke_engine"]
+
+
+def test_demo_overlay_is_mounted_and_in_effect(first_boot: dict[str, Any]) -> None:
+    # standin/answers.py says "upstream"; the signed overlay mounted over it says "overlay-demo".
+    assert first_boot["smoke_engine"]["answers_variant"] == "overlay-demo"
+
+
+def test_startup_report_matches_expected_figures(first_boot: dict[str, Any]) -> None:
+    startup = first_boot["status"]["parts"]["startup"]
+    assert startup["state"] == "ok", startup
+
+
+def test_verified_manifest_and_signer_in_status(first_boot: dict[str, Any]) -> None:
+    verify = first_boot["status"]["parts"]["verify"]
+    assert verify["state"] == "ok", verify
+    assert verify["version"] == "1.0.0" and len(verify["signer"]) == 16
+
+
+def test_slow_start_inside_the_start_period_is_not_killed(faults_boot: dict[str, Any]) -> None:
+    slow = faults_boot["scenarios"]["slow_start"]
+    assert slow["active"] and slow["automatic_restarts"] == 0, slow
+    assert slow["seconds_to_healthy"] >= 60  # the engine loaded for 60 s and was left alone
+
+
+def test_crash_is_restarted_and_its_stale_offload_file_removed(faults_boot: dict[str, Any]) -> None:
+    crash = faults_boot["scenarios"]["crash"]
+    assert crash["restarted"], crash
+    (stale,) = crash["offload_files_before"]
+    assert stale not in crash["offload_files_after"]
+    assert len(crash["offload_files_after"]) == 1  # the new engine's own
+    assert f"removed {stale}" in crash["cleaner_log"] or Path(stale).name in crash["cleaner_log"]
+
+
+def test_hang_is_detected_and_restarted(faults_boot: dict[str, Any]) -> None:
+    hang = faults_boot["scenarios"]["hang"]
+    assert hang["restarted"], hang["engine_log"]

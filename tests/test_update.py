@@ -1,0 +1,431 @@
+"""`applianctl update` and `rollback` against a fake device: a temporary ESP, EFI variables and
+kernel command line, a fake `sfdisk -J` with two /usr slots, and fakes of systemd-sysupdate,
+bootctl and systemctl on PATH that only record how they were called."""
+
+from __future__ import annotations
+
+import configparser
+import http.server
+import json
+import os
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_release import bundle, make_signing, usrhash_for
+
+from applianctl import paths, rollback, slots
+from applianctl import update as up
+from applianctl.errors import UserError
+
+GIB = 1024**3
+TRANSFERS = Path(__file__).resolve().parents[1] / "image/mkosi.extra/usr/lib/sysupdate.d"
+
+FAKE = """#!/bin/sh
+name=$(basename "$0")
+echo "$name $*" >> "$FAKE_LOG"
+if [ "$name" = systemd-sysupdate ]; then ls "$FAKE_SOURCE" | sed 's/^/  source: /' >> "$FAKE_LOG"; fi
+if [ "$name" = sfdisk ] && [ "$1" = -J ]; then cat "$FAKE_GPT"; fi
+exit 0
+"""
+
+
+def efi_var(directory: Path, name: str, value: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}-{slots.EFI_LOADER_GUID}").write_bytes(b"\x06\0\0\0" + (value + "\0").encode("utf-16-le"))
+
+
+class Device:
+    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.root = root
+        self.log = root / "calls.log"
+        self.gpt = root / "gpt.json"
+        bin_dir = root / "bin"
+        bin_dir.mkdir()
+        for name in ("systemd-sysupdate", "bootctl", "systemctl", "sfdisk"):
+            (bin_dir / name).write_text(FAKE)
+            (bin_dir / name).chmod(0o755)
+        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+        monkeypatch.setenv("FAKE_LOG", str(self.log))
+        monkeypatch.setenv("FAKE_GPT", str(self.gpt))
+        monkeypatch.setattr(paths, "STATE_DIR", root / "state")
+        monkeypatch.setenv("FAKE_SOURCE", str(slots.source_dir()))
+        self.esp = root / "esp"
+        (self.esp / "EFI/Linux").mkdir(parents=True)
+        (self.esp / "EFI/Linux/appliance_1.0.0.efi").write_bytes(b"uki 1")
+        self.cmdline = root / "cmdline"
+        self.cmdline.write_text(f"usrhash={usrhash_for('1.0.0')} rw\n")
+        self.host = slots.Host(efivars=root / "efivars", cmdline=self.cmdline, esp=self.esp, disk="/dev/vda", sfdisk="sfdisk")
+        self.set_gpt("appliance_1.0.0", "_empty")
+
+    def set_gpt(self, label_a: str, label_b: str, b_bytes: int = 3 * GIB, b_uuid: str = "11111111-2222-3333-4444-555555555555") -> None:
+        a_usr, a_verity = slots.partuuids_from_usrhash(usrhash_for("1.0.0"))
+        parts = [
+            {"node": "/dev/vda1", "size": 1048576, "type": "C12A7328-F81F-11D2-BA4B-00A0C93EC93B", "uuid": "X", "name": "esp"},
+            {"node": "/dev/vda2", "size": 3 * GIB // 512, "type": slots.USR_TYPE, "uuid": a_usr.upper(), "name": label_a},
+            {"node": "/dev/vda3", "size": 131072, "type": slots.USR_VERITY_TYPE, "uuid": a_verity.upper(), "name": label_a + "_verity"},
+            {"node": "/dev/vda5", "size": b_bytes // 512, "type": slots.USR_TYPE, "uuid": b_uuid, "name": label_b},
+            {
+                "node": "/dev/vda6", "size": 131072, "type": slots.USR_VERITY_TYPE, "uuid": "66666666-2222-3333-4444-555555555555",
+                "name": label_b + ("_verity" if label_b != "_empty" else ""),
+            },
+        ]
+        self.gpt.write_text(json.dumps({"partitiontable": {"label": "gpt", "sectorsize": 512, "partitions": parts}}))
+
+    def calls(self, program: str | None = None) -> list[str]:
+        if not self.log.exists():
+            return []
+        lines = self.log.read_text().splitlines()
+        return [line for line in lines if program is None or line.startswith(program + " ") or line.startswith("  ")]
+
+    def sysupdate_calls(self) -> list[str]:
+        return [line for line in self.calls() if line.startswith("systemd-sysupdate")]
+
+
+@pytest.fixture
+def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Device:
+    root = tmp_path / "device"
+    root.mkdir()
+    return Device(root, monkeypatch)
+
+
+@pytest.fixture(name="signing")
+def signing_fixture(tmp_path: Path) -> tuple[Path, Path]:
+    return make_signing(tmp_path)
+
+
+RUNNING = {"version": "1.0.0", "profile": "demo", "min_version": "0"}
+
+
+def run_update(device: Device, source: str, trusted: Path, **kw: Any) -> int:
+    return up.update(source, host=device.host, keys_dir=trusted, running=kw.pop("running", RUNNING), say=lambda s: None, **kw)
+
+
+# ----------------------------------------------------------------------------------- the good path
+
+
+def test_update_from_directory_writes_the_inactive_slot_through_sysupdate(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    assert run_update(device, str(b), trusted) == 0
+    usr_uuid, verity_uuid = slots.partuuids_from_usrhash(usrhash_for("2.0.0"))
+    calls = device.calls()
+    sysupdate = [i for i, c in enumerate(calls) if c.startswith("systemd-sysupdate")]
+    assert len(sysupdate) == 1
+    assert calls[sysupdate[0]] == "systemd-sysupdate --no-pager update 2.0.0"
+    listed = sorted(c.removeprefix("  source: ") for c in calls if c.startswith("  source: "))
+    assert listed == sorted(["appliance_2.0.0.efi", f"appliance_2.0.0_{usr_uuid}.usr.raw", f"appliance_2.0.0_{verity_uuid}.usr-verity.raw"])
+    assert not any(c.startswith("systemctl") or c.startswith("bootctl") for c in calls)  # no reboot asked, not a downgrade
+    last = json.loads(slots.last_update_path().read_text())
+    assert last["version"] == "2.0.0" and last["slot"] == "B" and last["downgrade"] is False
+    assert not slots.source_dir().exists()  # cleaned after the write
+
+
+def test_engine_component_is_written_first_when_the_bundle_carries_one(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0", engine=True)
+    assert run_update(device, str(b), trusted, reboot=True) == 0
+    calls = [c for c in device.calls() if not c.startswith(("  ", "sfdisk"))]
+    assert calls[0].startswith("systemd-sysupdate --no-pager --component=engine update ")
+    assert calls[1] == "systemd-sysupdate --no-pager update 2.0.0"
+    assert calls[2] == "systemctl reboot"
+
+
+# ----------------------------------------------------------------------------------- refusals
+
+
+def _refused(device: Device, source: str, trusted: Path, match: str, **kw: Any) -> None:
+    with pytest.raises(up.Refused, match=match) as e:
+        run_update(device, source, trusted, **kw)
+    assert e.value.exit_status == 1
+    assert device.sysupdate_calls() == [], "nothing may be written when verification fails"
+    assert "\n" not in e.value.message
+
+
+@pytest.mark.parametrize(
+    "victim",
+    ["appliance_2.0.0.usr.raw", "appliance_2.0.0.usr-verity.raw", "appliance_2.0.0.efi", "manifest.json", "manifest.json.sig", "SHA256SUMS",
+     "bundle.json", "bundle.json.sig"],
+)
+def test_a_flipped_byte_in_any_file_is_refused(tmp_path: Path, device: Device, signing: Any, victim: str) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    path = b / victim
+    data = bytearray(path.read_bytes())
+    where = len(data) // 2 if victim != "bundle.json.sig" else 10
+    data[where] ^= 0x01
+    path.write_bytes(bytes(data))
+    _refused(device, str(b), trusted, ".")
+
+
+def test_a_bundle_signed_by_an_untrusted_key_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
+    from builder import keys
+
+    _, trusted = signing
+    other, _ = keys.generate(tmp_path / "other-keys")
+    b = bundle(tmp_path, other, "2.0.0")
+    _refused(device, str(b), trusted, "not trust")
+
+
+def test_a_truncated_signature_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    sig = b / "bundle.json.sig"
+    sig.write_bytes(sig.read_bytes()[:40] + b"\n")
+    _refused(device, str(b), trusted, "truncated|malformed")
+
+
+def test_a_downgrade_is_refused_unless_asked_for(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "0.9.0")
+    _refused(device, str(b), trusted, "older than the running version 1.0.0")
+    assert run_update(device, str(b), trusted, allow_downgrade=True) == 0
+    assert "bootctl set-oneshot appliance_0.9.0.efi" in device.calls()
+    assert json.loads(slots.last_update_path().read_text())["downgrade"] is True
+
+
+def test_the_running_version_again_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "1.0.0")
+    _refused(device, str(b), trusted, "is the running version", allow_downgrade=True)
+
+
+def test_min_version_is_enforced(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "3.0.0", min_version="2.0.0")
+    _refused(device, str(b), trusted, "only be installed over 2.0.0")
+    assert run_update(device, str(b), trusted, running={**RUNNING, "version": "2.0.0"}) == 0
+
+
+def test_a_bundle_of_another_profile_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    _refused(device, str(b), trusted, "profile", running={**RUNNING, "profile": "production"})
+
+
+def test_a_bundle_larger_than_the_inactive_slot_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0", usr_bytes=8192)
+    device.set_gpt("appliance_1.0.0", "_empty", b_bytes=4096)
+    _refused(device, str(b), trusted, "larger than slot B")
+
+
+def test_an_unknown_file_in_the_index_is_refused_before_any_download(tmp_path: Path, device: Device, signing: Any) -> None:
+    from applianctl import manifest
+
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    index = json.loads((b / "bundle.json").read_text())
+    index["files"].append({"name": "evil.sh", "sha256": "0" * 64, "size": 1})
+    data = manifest.canonical(index)
+    (b / "bundle.json").write_bytes(data)
+    (b / "bundle.json.sig").write_bytes(manifest.encode_signature(manifest.load_private_key(key).sign(data)))
+    _refused(device, str(b), trusted, "not that of a release bundle")
+
+
+def test_a_half_written_slot_is_relabelled_and_written_again(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    device.set_gpt("appliance_1.0.0", "appliance_2.0.0")  # labelled, but no boot entry: interrupted
+    assert run_update(device, str(b), trusted) == 0
+    calls = device.calls()
+    relabel = [i for i, c in enumerate(calls) if c.startswith("sfdisk --part-label /dev/vda 5 _empty")]
+    write = [i for i, c in enumerate(calls) if c.startswith("systemd-sysupdate")]
+    assert relabel and write and relabel[0] < write[0]
+
+
+def test_an_installed_version_is_not_written_twice(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    device.set_gpt("appliance_1.0.0", "appliance_2.0.0")
+    (device.esp / "EFI/Linux/appliance_2.0.0+3-0.efi").write_bytes(b"uki 2")
+    assert run_update(device, str(b), trusted) == 0
+    assert device.sysupdate_calls() == []
+
+
+# ----------------------------------------------------------------------------------- HTTP, resumed
+
+
+class _Server:
+    """A static file server on loopback with HTTP Range support; `cut` files are sent only
+    halfway on a request without a Range header (the connection drops mid-file)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.cut, self.requests = root, set[str](), list[tuple[str, str | None]]()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                name = self.path.rsplit("/", 1)[-1]
+                rng = self.headers.get("Range")
+                server.requests.append((name, rng))
+                path = server.root / name
+                if not path.is_file():
+                    self.send_error(404)
+                    return
+                data = path.read_bytes()
+                start = 0
+                if rng and rng.startswith("bytes="):
+                    start = int(rng[6:].split("-")[0])
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                else:
+                    self.send_response(200)
+                self.send_header("Content-Length", str(len(data) - start))
+                self.end_headers()
+                if name in server.cut and not rng:
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                self.wfile.write(data[start:])
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/bundle/"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[_Server]:
+    s = _Server(tmp_path)
+    yield s
+    s.close()
+
+
+def test_a_download_interrupted_mid_file_is_resumed_with_a_range_request(
+    tmp_path: Path, device: Device, signing: Any, server: _Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0", usr_bytes=300_000)
+    server.root = b
+    usr = "appliance_2.0.0.usr.raw"
+    server.cut.add(usr)
+    # first run: only one attempt, the connection drops halfway: the update stops, the part stays
+    monkeypatch.setattr(up, "FETCH_ATTEMPTS", 1)
+    with pytest.raises(UserError, match="download"):
+        run_update(device, server.url, trusted)
+    part = slots.staging_dir() / "2.0.0" / (usr + ".part")
+    half = (b / usr).stat().st_size // 2
+    assert part.stat().st_size == half
+    assert device.sysupdate_calls() == []
+    # second run: resumes from the half with Range, does not fetch the first half again
+    server.requests.clear()
+    assert run_update(device, server.url, trusted) == 0
+    assert (usr, f"bytes={half}-") in server.requests
+    assert (usr, None) not in server.requests
+    assert len(device.sysupdate_calls()) == 1
+
+
+def test_a_drop_mid_file_is_retried_within_one_run(tmp_path: Path, device: Device, signing: Any, server: _Server) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0", usr_bytes=300_000)
+    server.root = b
+    server.cut.add("appliance_2.0.0.usr.raw")
+    assert run_update(device, server.url, trusted) == 0
+    ranges = [r for n, r in server.requests if n == "appliance_2.0.0.usr.raw"]
+    assert ranges[0] is None and ranges[1] is not None and ranges[1].startswith("bytes=")
+
+
+def test_a_tampered_file_on_the_server_is_refused(tmp_path: Path, device: Device, signing: Any, server: _Server) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    efi = b / "appliance_2.0.0.efi"
+    efi.write_bytes(efi.read_bytes()[:-1] + b"X")
+    server.root = b
+    _refused(device, server.url, trusted, "SHA-256")
+
+
+# ----------------------------------------------------------------------------------- transfer definitions
+
+
+def _transfer(name: str) -> configparser.ConfigParser:
+    parser = configparser.ConfigParser(interpolation=None, strict=True)
+    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    parser.read_string((TRANSFERS / name).read_text())
+    return parser
+
+
+def test_transfer_definitions_parse_and_match_what_update_stages(tmp_path: Path, signing: Any) -> None:
+    import fnmatch
+
+    key, trusted = signing
+    assert sorted(p.name for p in TRANSFERS.glob("*.transfer")) == ["10-usr.transfer", "20-usr-verity.transfer", "90-uki.transfer"]
+    for name in ("10-usr.transfer", "20-usr-verity.transfer", "90-uki.transfer"):
+        t = _transfer(name)
+        assert set(t.sections()) == {"Transfer", "Source", "Target"}
+        assert t["Source"]["Type"] == "regular-file"
+        assert t["Source"]["Path"] == "/var/lib/appliance/update/source"
+        assert t["Transfer"]["ProtectVersion"] == "%A"
+        assert t["Target"]["InstancesMax"] == "2"
+    usr, verity, uki = _transfer("10-usr.transfer"), _transfer("20-usr-verity.transfer"), _transfer("90-uki.transfer")
+    assert (usr["Target"]["Type"], usr["Target"]["MatchPartitionType"]) == ("partition", "usr")
+    assert usr["Target"]["MatchPattern"] == "appliance_@v"
+    assert verity["Target"]["MatchPartitionType"] == "usr-verity" and verity["Target"]["MatchPattern"] == "appliance_@v_verity"
+    assert uki["Target"]["Type"] == "regular-file" and uki["Target"]["Path"] == "/EFI/Linux"
+    assert uki["Target"]["PathRelativeTo"] == "boot" and uki["Target"]["TriesLeft"] == "3" and uki["Target"]["TriesDone"] == "0"
+    assert "appliance_@v+@l-@d.efi" in uki["Target"]["MatchPattern"].split()
+    # the kernel image is the last transfer (sysupdate orders transfers by file name)
+    assert sorted(p.name for p in TRANSFERS.glob("*.transfer"))[-1] == "90-uki.transfer"
+    # the staged names match the source patterns (@v -> version, @u -> a UUID)
+    b = bundle(tmp_path, key, "2.0.0")
+    index = up.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    staged = set(up.source_names(index).values())
+    for t in (usr, verity, uki):
+        glob = t["Source"]["MatchPattern"].replace("@v", "2.0.0").replace("@u", "*")
+        assert len([n for n in staged if fnmatch.fnmatch(n, glob)]) == 1, glob
+
+
+# ----------------------------------------------------------------------------------- slots & rollback
+
+
+def test_slots_summary_and_rollback(device: Device) -> None:
+    device.set_gpt("appliance_1.0.0", "appliance_2.0.0")
+    (device.esp / "EFI/Linux/appliance_2.0.0+0-3.efi").write_bytes(b"uki 2")
+    slots.write_json(slots.last_update_path(), {"version": "2.0.0", "from_version": "1.0.0"})
+    failed = {"version": "2.0.0", "ok": False, "reason": "rolled back: engine not healthy within 600 s"}
+    slots.write_json(slots.last_assessment_path(), failed)
+    summary = slots.slots_summary(device.host, running_version="1.0.0")
+    assert summary["booted_slot"] == "A"
+    assert [(s["slot"], s["version"], s["state"]) for s in summary["slots"]] == [("A", "1.0.0", "good"), ("B", "2.0.0", "bad")]
+    assert summary["slots"][1]["tries_left"] == 0
+    assert summary["rolled_back"] is True and "not healthy" in summary["rollback_reason"]
+    # the other slot failed its assessment: refused without --force
+    with pytest.raises(up.Refused, match="used up its tries"):
+        rollback.rollback(device.host, running_version="1.0.0")
+    message = rollback.rollback(device.host, running_version="1.0.0", force=True)
+    assert "slot B (2.0.0) boots next" in message
+    names = sorted(p.name for p in (device.esp / "EFI/Linux").iterdir())
+    assert names == ["appliance_1.0.0+0.efi", "appliance_2.0.0.efi"]
+
+
+def test_rollback_to_an_empty_slot_is_refused(device: Device) -> None:
+    with pytest.raises(up.Refused, match="holds no version"):
+        rollback.rollback(device.host, running_version="1.0.0")
+
+
+def test_boot_counting_is_read_from_the_efi_variables(device: Device) -> None:
+    assert slots.boot_counting(device.host) is None
+    efi_var(device.host.efivars, "LoaderEntrySelected", "appliance_2.0.0+2-1.efi")
+    efi_var(device.host.efivars, "LoaderBootCountPath", "\\EFI\\Linux\\appliance_2.0.0+2-1.efi")
+    counting = slots.boot_counting(device.host)
+    assert counting is not None and counting["tries_left"] == 2 and counting["tries_done"] == 1
+
+
+def test_cli_registry_has_the_commands() -> None:
+    from applianctl.__main__ import COMMAND_MODULES, build_parser
+
+    for command in ("update", "assess", "rollback"):
+        assert command in COMMAND_MODULES
+        build_parser(command)
+    assert stat.S_IMODE(0o755) == 0o755
