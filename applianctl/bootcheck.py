@@ -54,13 +54,21 @@ def _status() -> tuple[dict[str, Any], str]:
     return status, _run(["/usr/bin/applianctl", "status", "--timeout-scale", "20"], timeout=90)
 
 
+# The units the engine Requires=: when one of them failed, the engine will not start.
+ENGINE_REQUIREMENTS = ("appliance-verify.service", "appliance-preflight.service", "appliance-shm-clean.service",
+                       "appliance-engine-store.service")
+
+
 def wait_for_engine(deadline_s: float) -> bool:
-    """Until the engine unit is active (podman's health check passed, Notify=healthy) or the deadline."""
+    """Until the engine unit is active (podman's health check passed, Notify=healthy), a unit it
+    requires failed, or the deadline."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         state = _run(["systemctl", "is-active", "appliance-engine.service"]).strip()
         if state == "active":
             return True
+        if _run(["systemctl", "is-failed", *ENGINE_REQUIREMENTS]).split().count("failed"):
+            return False
         if state == "failed" and _run(["systemctl", "show", "-P", "NRestarts", "appliance-engine.service"]).strip() == "5":
             return False
         time.sleep(3)
@@ -101,6 +109,11 @@ def collect() -> dict[str, Any]:
         "partitions": _json(["sfdisk", "-J", f"/dev/{root_disk}"]) if root_disk else None,
         "filesystems": _json(["findmnt", "-J", "-b", "-o", "TARGET,SOURCE,FSTYPE,SIZE,OPTIONS", "/", "/var", "/usr"]),
         "cmdline": Path("/proc/cmdline").read_text().strip(),
+        # the last lines of each appliance unit's journal, for whoever reads a failed test
+        "journal": {
+            unit: _run(["journalctl", "-o", "cat", "-u", unit, "-n", "30", "--no-pager"])[-3000:]
+            for unit in (*ENGINE_REQUIREMENTS, ENGINE, "appliance-proxy.service", "appliance-tls.service")
+        },
         "smoke_engine": smoke,
         "smoke_proxy": proxy_smoke,
         "status": status,

@@ -19,7 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load(args: argparse.Namespace) -> config_model.Config:
-    return config_model.load(Path(args.config), args.profile)
+    config = config_model.load(Path(args.config), args.profile)
+    if getattr(args, "version", None):
+        config = config_model.with_version(config, args.version)
+    return config
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -45,7 +48,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     config = _load(args)
     source = Path(args.engine_image) if args.engine_image else None
-    result = build.build(config, tuple(args.mkosi_arg or ()), source)
+    result = build.build(config, tuple(args.mkosi_arg or ()), source, output=Path(args.output) if args.output else None)
     print(f"built {result.disk_image} ({config.profile} {result.version}) in {result.seconds:.0f} s")
     return 0
 
@@ -124,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build", help="build the image into out/PROFILE/")
     p.add_argument("--mkosi-arg", action="append", help="pass an extra option to mkosi")
     p.add_argument("--engine-image", help="the engine image as an OCI layout directory or OCI archive")
+    p.add_argument("--version", help="build as this release version instead of appliance.version")
+    p.add_argument("--output", help="the output directory (default: out/PROFILE)")
     p.set_defaults(func=cmd_build)
 
     from builder import release

@@ -146,11 +146,12 @@ def build(
     extra_mkosi_args: tuple[str, ...] = (),
     engine_source: Path | None = None,
     signing_key: Path | None = None,
+    output: Path | None = None,
 ) -> BuildResult:
     started = time.monotonic()
     key = signing_key_for(config, signing_key)
     generated, sandbox, repart = prepare(config, engine_source, key)
-    final = output_dir(config)
+    final = (output or output_dir(config)).resolve()
     staging = final.with_name(final.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

@@ -433,6 +433,13 @@ def load(path: Path, profile: str = "production") -> Config:
     return config
 
 
+def with_version(config: Config, version: str) -> Config:
+    """CONFIG as release VERSION (`build --version`), checked like appliance.version."""
+    if not _VERSION.fullmatch(version):
+        raise ConfigError(f"--version {version!r}: invalid", hint="expected numbers joined by dots, e.g. 1.4.0")
+    return dataclasses.replace(config, appliance=dataclasses.replace(config.appliance, version=version))
+
+
 def _cross_checks(path: Path, config: Config) -> None:
     """Rules that tie settings together."""
     targets = [f.target for f in (*config.engine.overlays, *config.engine.tuning)]

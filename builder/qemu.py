@@ -52,7 +52,8 @@ class Guest:
         self.disk = self.dir / "disk.raw"
         if not self.disk.exists():
             subprocess.run(["cp", "--sparse=always", str(disk), str(self.disk)], check=True)
-            os.truncate(self.disk, max(DISK_SIZE, self.disk.stat().st_size))
+        if self.disk.stat().st_size < DISK_SIZE:
+            os.truncate(self.disk, DISK_SIZE)
         self.vars = self.dir / "OVMF_VARS.fd"
         if not self.vars.exists():
             shutil.copyfile(OVMF_VARS, self.vars)

@@ -36,3 +36,33 @@ def first_boot(demo_image: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 @pytest.fixture(scope="session")
 def faults_boot(first_boot: dict[str, Any]) -> dict[str, Any]:
     return first_boot
+
+
+def flip_byte_in_partition(disk: Path, partition_name: str, needle: bytes) -> int:
+    """Flip one byte of NEEDLE inside the named GPT partition of DISK; return the disk offset."""
+    import json
+    import mmap
+    import subprocess
+
+    table = json.loads(subprocess.run(["sfdisk", "-J", str(disk)], capture_output=True, text=True, check=True).stdout)
+    sector = table["partitiontable"].get("sectorsize", 512)
+    (part,) = [p for p in table["partitiontable"]["partitions"] if p.get("name") == partition_name]
+    start, size = part["start"] * sector, part["size"] * sector
+    with open(disk, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        found = m.find(needle, start, start + size)
+        assert found >= 0, f"{needle!r} not found in partition {partition_name}"
+        m[found] ^= 0x01
+        m.flush()
+    return found
+
+
+@pytest.fixture(scope="session")
+def tampered_boot(demo_image: Path, demo_config: config.Config, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A copy of the demo image with one byte of the demo overlay flipped inside the /usr partition."""
+    import subprocess
+
+    work = tmp_path_factory.mktemp("tampered-boot")
+    disk = work / "disk.raw"
+    subprocess.run(["cp", "--sparse=always", str(demo_image), str(disk)], check=True)
+    flip_byte_in_partition(disk, f"appliance_{demo_config.appliance.version}", b'VARIANT = "overlay-demo"')
+    return qemu.Guest(disk, work).boot(timeout=1500)

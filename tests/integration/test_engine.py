@@ -55,3 +55,12 @@ def test_crash_is_restarted_and_its_stale_offload_file_removed(faults_boot: dict
 def test_hang_is_detected_and_restarted(faults_boot: dict[str, Any]) -> None:
     hang = faults_boot["scenarios"]["hang"]
     assert hang["restarted"], hang["engine_log"]
+
+
+def test_tampered_overlay_keeps_the_engine_stopped_and_is_named(tampered_boot: dict[str, Any]) -> None:
+    assert not tampered_boot["engine_became_healthy"]
+    verify = tampered_boot["status"]["parts"]["verify"]
+    assert verify["state"] == "down", verify
+    assert "standin_answers.py" in verify["reason"], verify
+    engine_unit = tampered_boot["status"]["parts"]["units"]["units"]["appliance-engine.service"]
+    assert engine_unit["active_state"] != "active", engine_unit
