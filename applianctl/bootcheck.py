@@ -9,6 +9,7 @@ appliance.bootcheck=poweroff, the machine then powers off so the host can read t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -186,6 +187,30 @@ def run_fault_scenarios() -> dict[str, Any]:
     return results
 
 
+# ------------------------------------------------------------------------- update scenario
+# With appliance.scenario=update, appliance.update_url and appliance.update_ca (PEM), the boot
+# check installs the bundle at that URL once (`applianctl update --reboot`), then reports again
+# on the next boot, whichever version that is.
+
+UPDATE_MARKER_DIR = Path("/var/lib/appliance/bootcheck")
+
+
+def run_update_scenario() -> dict[str, Any] | None:
+    url = credential("appliance.update_url")
+    if not url:
+        return None
+    marker = UPDATE_MARKER_DIR / ("update-" + hashlib.sha256(url.encode()).hexdigest()[:16])
+    if marker.exists():
+        return {"url": url, "attempted": True, "this_boot": False, "output": marker.read_text()}
+    UPDATE_MARKER_DIR.mkdir(parents=True, exist_ok=True)
+    ca = Path(os.environ.get("CREDENTIALS_DIRECTORY", "/nonexistent")) / "appliance.update_ca"
+    cmd = ["/usr/bin/applianctl", "update", url, "--yes"] + (["--ca", str(ca)] if ca.exists() else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    output = f"exit {proc.returncode}\n{proc.stdout}{proc.stderr}"
+    marker.write_text(output)
+    return {"url": url, "attempted": True, "this_boot": True, "exit": proc.returncode, "output": output}
+
+
 def main(args: argparse.Namespace) -> int:
     engine_healthy = wait_for_engine(float(credential("appliance.wait") or args.wait))
     report = collect()
@@ -193,12 +218,16 @@ def main(args: argparse.Namespace) -> int:
     # The fault scenarios come after the first look, which shows the appliance as it booted.
     wanted = credential("appliance.scenario") == "faults"
     report["scenarios"] = run_fault_scenarios() if engine_healthy and wanted else None
+    update = run_update_scenario() if credential("appliance.scenario") == "update" else None
+    report["update"] = update
     text = f"\n{BEGIN}\n{json.dumps(report)}\n{END}\n"
     with open(args.report, "w") as port:
         port.write(text)
         port.flush()
     print(report["status_text"])
-    if credential("appliance.bootcheck") == "poweroff":
+    if update and update.get("this_boot") and update.get("exit") == 0:
+        subprocess.run(["systemctl", "--no-block", "reboot"], check=False)  # into the new version
+    elif credential("appliance.bootcheck") == "poweroff":
         subprocess.run(["systemctl", "--no-block", "poweroff"], check=False)
     return 0
 

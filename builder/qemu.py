@@ -7,6 +7,7 @@ copy grown to a disk size where systemd-repart has room for slot B and /var.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -37,7 +38,9 @@ def _qemu_command(disk: Path, vars_fd: Path, credentials: dict[str, str]) -> lis
         "-display", "none", "-monitor", "none",
     ]
     for name, value in credentials.items():
-        cmd += ["-smbios", f"type=11,value=io.systemd.credential:{name}={value}"]
+        # binary form: values such as a PEM certificate carry newlines
+        encoded = base64.b64encode(value.encode()).decode()
+        cmd += ["-smbios", f"type=11,value=io.systemd.credential.binary:{name}={encoded}"]
     return cmd
 
 
@@ -87,20 +90,28 @@ class Guest:
                 hint="boot it interactively with `make qemu` and look at the console",
             )
         report["boot_seconds"] = round(time.monotonic() - started, 1)
+        report["earlier_boots"] = parse_reports(self.report_log.read_text(errors="replace"))[:-1]
         return report
 
 
+def parse_reports(text: str) -> list[dict[str, Any]]:
+    """Every complete report block written by `applianctl bootcheck`, in order (one per boot)."""
+    reports = []
+    for block in text.split(REPORT_BEGIN)[1:]:
+        body, end, _ = block.partition(REPORT_END)
+        if not end:
+            continue
+        try:
+            reports.append(json.loads(body))
+        except json.JSONDecodeError:
+            continue
+    return reports
+
+
 def parse_report(text: str) -> dict[str, Any] | None:
-    """The last complete report block written by `applianctl bootcheck`."""
-    end = text.rfind(REPORT_END)
-    begin = text.rfind(REPORT_BEGIN, 0, end if end >= 0 else None)
-    if begin < 0 or end < 0:
-        return None
-    try:
-        data: dict[str, Any] = json.loads(text[begin + len(REPORT_BEGIN) : end])
-    except json.JSONDecodeError:
-        return None
-    return data
+    """The last complete report (the boot the guest powered off from)."""
+    reports = parse_reports(text)
+    return reports[-1] if reports else None
 
 
 def boot_and_report(disk: Path, timeout: float = 900) -> dict[str, Any]:
