@@ -8,7 +8,6 @@ what is missing, in the journal and in /run/appliance/preflight.json; the engine
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 from applianctl import config as device_config
 from applianctl import paths
+from applianctl.state import write_json_atomic
 
 SYS = Path(os.environ.get("APPLIANCE_SYSFS", "/sys"))
 DEV = Path(os.environ.get("APPLIANCE_DEVFS", "/dev"))
@@ -55,16 +55,10 @@ def check(config: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "reason": "", "vram_total_bytes": vram}
 
 
-def write_result(result: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, sort_keys=True) + "\n")
-    tmp.replace(path)
-
 
 def main(args: argparse.Namespace) -> int:
     result = check(device_config.load())
-    write_result(result, paths.PREFLIGHT_RESULT)
+    write_json_atomic(paths.PREFLIGHT_RESULT, result)
     if not result["ok"]:
         print(f"preflight failed: {result['reason']}", file=sys.stderr)
         return 1

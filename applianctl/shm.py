@@ -17,16 +17,15 @@ from __future__ import annotations
 import argparse
 import errno
 import fcntl
-import json
 import os
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from applianctl import config, paths
+from applianctl.state import write_json_atomic
 
 GIB = 2**30
 PATTERN = "vllm_offload_*.mmap"
@@ -227,19 +226,6 @@ def check(
         "mem_available_bytes": memory,
     }
 
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Any
 
 from applianctl import config, paths
 from applianctl.errors import UserError
+from applianctl.state import write_json_atomic
 
 JOURNAL_FOLLOW = ["journalctl", "-u", paths.ENGINE_UNIT, "-f", "-o", "cat", "--since", "now"]
 JOURNAL_BOOT = ["journalctl", "-u", paths.ENGINE_UNIT, "-o", "cat", "-b", "--no-pager"]
@@ -178,19 +175,6 @@ def parse(lines: Iterable[str], expected: dict[str, Any], clock: Callable[[], fl
         report.feed(line)
     return report
 
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _follow_file(f: IO[str], poll_s: float = 0.5) -> Iterator[str]:

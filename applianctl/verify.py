@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import stat
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from applianctl import manifest, paths
+from applianctl.state import write_json_atomic
 
 
 def firmware_dir() -> Path:
@@ -129,18 +128,5 @@ def _one_line(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_result(result: dict[str, Any]) -> None:
-    """Write paths.VERIFY_RESULT atomically (a temporary file in the same directory, renamed)."""
-    target = paths.VERIFY_RESULT
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(result, f, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write paths.VERIFY_RESULT atomically."""
+    write_json_atomic(paths.VERIFY_RESULT, result)
