@@ -1,0 +1,98 @@
+"""The generated units: the production engine quadlet line by line against the compose stack,
+every unit's sandbox exposure, and the generated tree."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from builder import config, engine_store, render
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = (ROOT.parent / "shared" / "REFERENCE-STACK.md").read_text()
+
+
+def _store(c: config.Config) -> engine_store.EngineStore:
+    return engine_store.EngineStore(Path("/x"), Path("/y"), "ab" * 32, engine_store.label_for(c.engine.digest))
+
+
+@pytest.fixture(scope="module")
+def production() -> config.Config:
+    return config.load(ROOT / "appliance.toml", "production")
+
+
+@pytest.fixture(scope="module")
+def quadlet(production: config.Config) -> dict[str, list[str]]:
+    text = render.render_template("appliance-engine.container.j2", production, _store(production))
+    keys: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            keys.setdefault(key, []).append(value)
+    return keys
+
+
+def test_engine_runs_the_pinned_image_by_digest_never_pulled(quadlet: dict[str, list[str]]) -> None:
+    image = re.search(r"`(vllm/vllm-openai-rocm@sha256:[0-9a-f]{64})`", REFERENCE)
+    assert image and quadlet["Image"] == [image.group(1)]
+    assert quadlet["Pull"] == ["never"]
+
+
+def test_engine_arguments_are_the_reference_in_order(quadlet: dict[str, list[str]], production: config.Config) -> None:
+    (exec_line,) = quadlet["Exec"]
+    words = exec_line.split()
+    assert words[:2] == ["serve", production.model.snapshot_path]
+    quoted = re.findall(r"`([^`]*)`", REFERENCE.split("Arguments, in order:")[1].split("- Health check")[0])
+    assert words[2:] == " ".join(quoted[1:]).split()
+    assert quadlet["Entrypoint"] == ['["vllm"]']
+
+
+def test_engine_container_has_everything_the_compose_service_had(quadlet: dict[str, list[str]]) -> None:
+    assert quadlet["RunInit"] == ["true"]
+    assert "--ipc=host" in quadlet["PodmanArgs"]
+    assert quadlet["AddDevice"] == ["/dev/kfd", "/dev/dri"]
+    assert quadlet["AddCapability"] == ["SYS_PTRACE IPC_LOCK"]
+    assert quadlet["Ulimit"] == ["memlock=-1:-1"]
+    assert quadlet["SeccompProfile"] == ["unconfined"]
+    assert quadlet["SecurityLabelDisable"] == ["true"]
+    assert quadlet["StopTimeout"] == ["120"]
+    for env in re.findall(r"`([A-Z_]+=[^`]+)`", REFERENCE.split("- Environment:")[1].split("- Mounts:")[0]):
+        assert env in quadlet["Environment"]
+    # health check timings: every 30 s, 5 s timeout, 5 retries (start period: 20 min, not 6)
+    assert quadlet["HealthCmd"] == ["curl -fsS http://127.0.0.1:8000/health"]
+    assert (quadlet["HealthInterval"], quadlet["HealthTimeout"], quadlet["HealthRetries"]) == (["30s"], ["5s"], ["5"])
+    assert quadlet["HealthStartPeriod"] == ["1200s"] and quadlet["Notify"] == ["healthy"]
+    assert quadlet["HealthOnFailure"] == ["kill"]
+
+
+def test_engine_mounts(quadlet: dict[str, list[str]], production: config.Config) -> None:
+    volumes = quadlet["Volume"]
+    assert f"{production.model.cache_dir}:/root/.cache/huggingface:ro" in volumes
+    assert any(v.endswith(":/root/.aiter") for v in volumes)
+    assert any(v.endswith(":/var/crash/vllm") for v in volumes)
+    for pinned in (*production.engine.overlays, *production.engine.tuning):
+        assert any(v.endswith(f":{pinned.target}:ro") for v in volumes), pinned.target
+    assert len(volumes) == 3 + len(production.engine.overlays) + len(production.engine.tuning)
+
+
+def test_engine_port_only_on_loopback(quadlet: dict[str, list[str]]) -> None:
+    assert quadlet["PublishPort"] == ["127.0.0.1:8000:8000"]
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+def test_every_service_is_sandboxed(tmp_path: Path, production: config.Config) -> None:
+    render.render_units(production, tmp_path, _store(production))
+    # The services that must act on the host itself: the boot check (tests only) and the
+    # updater (writes partitions and the ESP). The engine store must mount in the host's
+    # namespace (4.0); every other service is held to 3.0.
+    exempt = {"appliance-bootcheck.service", "appliance-update.service"}
+    for unit in sorted((tmp_path / "usr/lib/systemd/system").glob("*.service")):
+        out = subprocess.run(["systemd-analyze", "security", "--offline=true", str(unit)],
+                             capture_output=True, text=True).stdout
+        exposure = float(re.findall(r"Overall exposure level for \S+: ([0-9.]+)", out)[0])
+        if unit.name not in exempt:
+            assert exposure <= (4.0 if unit.name == "appliance-engine-store.service" else 3.0), (unit.name, exposure)
