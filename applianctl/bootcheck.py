@@ -108,7 +108,15 @@ def collect() -> dict[str, Any]:
         "usr_mount": usr_source,
         "usr_verity": _run(["veritysetup", "status", "usr"]),
         "partitions": _json(["sfdisk", "-J", f"/dev/{root_disk}"]) if root_disk else None,
-        "filesystems": _json(["findmnt", "-J", "-b", "-o", "TARGET,SOURCE,FSTYPE,SIZE,OPTIONS", "/", "/var", "/usr"]),
+        "filesystems": {
+            "filesystems": [
+                fs
+                for target in ("/", "/var", "/usr")
+                for fs in (_json(["findmnt", "-J", "-b", "-o", "TARGET,SOURCE,FSTYPE,SIZE,OPTIONS", target]) or {}).get(
+                    "filesystems", []
+                )
+            ]
+        },
         "cmdline": Path("/proc/cmdline").read_text().strip(),
         # the last lines of each appliance unit's journal, for whoever reads a failed test
         "journal": {

@@ -33,6 +33,7 @@ class Unit:
     restarts: int | None = None
     active_since: str | None = None
     changed: str | None = None
+    started: str | None = None  # when it last left "inactive": a oneshot that ran never becomes "active"
 
     def judge(self) -> tuple[str, str]:
         """(state, reason) of this unit."""
@@ -47,7 +48,7 @@ class Unit:
         if self.active_state == "inactive":
             if self.result not in (None, "success"):
                 return DOWN, f"stopped: {self.result}"
-            if self.active_since is None:
+            if self.active_since is None and self.started is None:
                 return DEGRADED, "never started"
             # a oneshot that ran and exited successfully
         if self.restarts:
@@ -102,6 +103,7 @@ def read_unit(bus: Any, manager: Any, name: str) -> Unit:
         restarts=int(restarts) if isinstance(restarts, int) else None,
         active_since=_timestamp(props.get("ActiveEnterTimestamp")),
         changed=_timestamp(props.get("StateChangeTimestamp")),
+        started=_timestamp(props.get("InactiveExitTimestamp")),
     )
 
 
