@@ -189,7 +189,7 @@ def run_fault_scenarios() -> dict[str, Any]:
     _restart_with({"hang_after_s": 45})
     restarts = int(_engine_prop("NRestarts") or 0)
     FAULTS_FILE.unlink()
-    restarted = _wait(lambda: int(_engine_prop("NRestarts") or 0) > restarts and _engine_prop("ActiveState") == "active", 600)
+    restarted = _wait(lambda: int(_engine_prop("NRestarts") or 0) > restarts and _engine_prop("ActiveState") == "active", 300)
     log = _run(["journalctl", "-o", "cat", "-u", ENGINE, "-n", "40", "--no-pager"])
     results["hang"] = {"restarted": restarted, "engine_log": log[-4000:]}
     return results
