@@ -38,7 +38,7 @@ def https_bundles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pa
     port = _free_port()
     caddyfile = work / "Caddyfile"
     caddyfile.write_text(
-        "{\n\tadmin off\n\tauto_https disable_redirects\n\tpersist_config off\n}\n"
+        "{\n\tadmin off\n\tauto_https disable_redirects\n}\n"
         f"https://:{port} {{\n\ttls {work}/tls/server.crt {work}/tls/server.key\n"
         f"\troot * {root}\n\tfile_server\n}}\n"
     )
@@ -51,7 +51,10 @@ def https_bundles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pa
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     break
+            assert proc.poll() is None, "caddy exited: check the test's Caddyfile with `caddy validate`"
             time.sleep(0.1)
+        else:
+            raise AssertionError(f"caddy does not listen on {port}")
         yield root, f"https://10.0.2.2:{port}", (work / "tls/ca.crt").read_text()
     finally:
         proc.terminate()
