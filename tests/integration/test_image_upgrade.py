@@ -18,7 +18,9 @@ import pytest
 from applianctl import tls
 from builder import build, config, qemu, release
 
-pytestmark = pytest.mark.integration
+# Opt-in (`make test-upgrade`): not yet proven end to end in QEMU, and slow under TCG (the bundle
+# carries the whole 3 GiB /usr partition image, downloaded and hashed in the emulated guest).
+pytestmark = [pytest.mark.integration, pytest.mark.upgrade]
 
 
 def _free_port() -> int:
