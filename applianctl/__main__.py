@@ -12,7 +12,7 @@ import importlib
 import sys
 
 from applianctl import __version__
-from applianctl.errors import UserError
+from applianctl.errors import run_reporting
 
 # One module per concern; each registers its own subcommand(s). Only the module of the command
 # being run is imported: on a slow machine, importing cryptography or pydbus for `applianctl
@@ -56,17 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    try:
-        return int(args.func(args))
-    except UserError as e:
-        if args.debug:
-            raise
-        print(f"applianctl: {e.message}", file=sys.stderr)
-        if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr)
-        return e.exit_status
-    except KeyboardInterrupt:
-        return 130
+    return run_reporting(lambda: args.func(args), prefix="applianctl: ", debug=args.debug)
 
 
 if __name__ == "__main__":

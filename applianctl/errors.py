@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 
 class UserError(Exception):
     exit_status = 2
@@ -10,3 +13,19 @@ class UserError(Exception):
         super().__init__(message)
         self.message = message
         self.hint = hint
+
+
+def run_reporting(func: Callable[[], int], *, prefix: str, debug: bool) -> int:
+    """Run FUNC; a UserError becomes two lines on stderr (what is wrong, what to do) and its
+    exit status, with the traceback only under --debug. Shared by applianctl and the builder."""
+    try:
+        return int(func())
+    except UserError as e:
+        if debug:
+            raise
+        print(f"{prefix}{e.message}", file=sys.stderr)
+        if e.hint:
+            print(f"hint: {e.hint}", file=sys.stderr)
+        return e.exit_status
+    except KeyboardInterrupt:
+        return 130

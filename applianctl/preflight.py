@@ -23,8 +23,7 @@ DEV = Path(os.environ.get("APPLIANCE_DEVFS", "/dev"))
 
 def weights_dir(config: dict[str, Any]) -> Path:
     """The snapshot directory on /var that the engine's first argument names inside the container."""
-    inside = config["model"]["snapshot_path"]
-    return Path(inside.replace("/root/.cache/huggingface", config["model"]["cache_dir"], 1))
+    return Path(config["model"]["weights_dir"])
 
 
 def vram_total_bytes() -> int | None:

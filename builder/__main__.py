@@ -12,6 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
+from applianctl.errors import run_reporting
 from builder import config as config_model
 from builder.errors import UserError
 
@@ -155,17 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, format="%(message)s")
-    try:
-        return int(args.func(args))
-    except UserError as e:
-        if args.debug:
-            raise
-        print(f"error: {e.message}", file=sys.stderr)
-        if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr)
-        return e.exit_status
-    except KeyboardInterrupt:
-        return 130
+    return run_reporting(lambda: args.func(args), prefix="error: ", debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -156,10 +156,22 @@ class Model:
     revision: str = field(metadata=_check(_pattern(_REVISION, "a full commit hash: 40 lower-case hex digits")))
     cache_dir: str = field(default="/var/lib/appliance/huggingface", metadata=_check(_is_abs_path))
 
+    # Where the engine container sees cache_dir (the compose stack's Hugging Face cache mount).
+    container_cache: typing.ClassVar[str] = "/root/.cache/huggingface"
+
+    @property
+    def _snapshot(self) -> str:
+        return f"hub/models--{self.id.replace('/', '--')}/snapshots/{self.revision}"
+
     @property
     def snapshot_path(self) -> str:
         """Where the engine finds the weights inside its container (the compose stack's first argument)."""
-        return f"/root/.cache/huggingface/hub/models--{self.id.replace('/', '--')}/snapshots/{self.revision}"
+        return f"{self.container_cache}/{self._snapshot}"
+
+    @property
+    def weights_dir(self) -> str:
+        """The same snapshot directory on the appliance's /var."""
+        return f"{self.cache_dir}/{self._snapshot}"
 
 
 @dataclass(frozen=True)
@@ -304,6 +316,7 @@ class Config:
         data["engine"]["offload_gib"] = self.engine.offload_gib
         data["engine"]["served_model_name"] = self.engine.served_model_name
         data["model"]["snapshot_path"] = self.model.snapshot_path
+        data["model"]["weights_dir"] = self.model.weights_dir
         return data
 
 

@@ -145,7 +145,7 @@ def install_os_settings(config: Config, tree: Path) -> None:
     )
     if config.profile == "demo":
         # The stand-in's "weights": the snapshot directory the engine's first argument names.
-        snapshot = config.model.snapshot_path.replace("/root/.cache/huggingface", config.model.cache_dir)
+        snapshot = config.model.weights_dir
         _write(
             tree / "usr/lib/tmpfiles.d/appliance-demo-model.conf",
             f"d {config.model.cache_dir} 0755 root root -\n"
