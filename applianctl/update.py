@@ -13,7 +13,8 @@ every byte is proven:
    and its SHA-256 and size checked against bundle.json; the release manifest inside is verified
    on its own (signature, version, profile) and the kernel image's command line must carry the
    bundle's usrhash.
-4. Only then systemd-sysupdate writes the inactive slot from /var/lib/appliance/update/source,
+4. Only then the inactive slot is blanked (its old boot entry removed, labels emptied, zeroed)
+   and systemd-sysupdate writes it from /var/lib/appliance/update/source,
    where the verified files are hard-linked under the names the shipped transfer definitions
    (/usr/lib/sysupdate.d/*.transfer) match: the partitions first, the kernel image last, with
    boot counting (three tries).
@@ -105,7 +106,9 @@ def _bad(field: str, value: Any, expected: str) -> Refused:
 
 def validate_index(index: Any) -> dict[str, Any]:
     """Check the schema of a parsed bundle.json (unknown fields refused); return it."""
-    fields = {"format", "version", "min_version", "profile", "engine_digest", "usrhash", "files", "manifest_sha256", "signer"}
+    fields = {
+        "format", "version", "min_version", "profile", "engine_digest", "usrhash", "files", "partition_sizes", "manifest_sha256", "signer",
+    }
     if not isinstance(index, dict):
         raise _bad("bundle", index, "an object")
     if set(index) != fields:
@@ -153,6 +156,15 @@ def validate_index(index: Any) -> dict[str, Any]:
             f"bundle.json: the file list is not that of a release bundle (differs in {', '.join(odd) or 'duplicates'})",
             hint=NOT_OURS,
         )
+    # the /usr images are shipped without their trailing zeros; these are their full sizes
+    sizes, os_names = index["partition_sizes"], payload_names(index["version"], index["engine_digest"], False)
+    trimmed = {os_names["usr"], os_names["usr-verity"]}
+    if not isinstance(sizes, dict) or set(sizes) != trimmed:
+        raise _bad("partition_sizes", sizes, f"the full sizes of {' and '.join(sorted(trimmed))}")
+    by_name = {f["name"]: f["size"] for f in files}
+    for name, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < by_name[name]:
+            raise _bad(f"partition_sizes.{name}", size, f"a size of at least the file's {by_name[name]} bytes")
     return index
 
 
@@ -215,7 +227,7 @@ def check_policy(index: dict[str, Any], running: dict[str, Any], allow_downgrade
 
 
 def check_fits(index: dict[str, Any], inactive: slots.Slot) -> None:
-    sizes = {f["name"]: f["size"] for f in index["files"]}
+    sizes = index["partition_sizes"]
     names = payload_names(index["version"], index["engine_digest"], False)
     targets = [("usr", inactive.usr), ("usr-verity", inactive.verity)]
     for role, part in targets:
@@ -528,16 +540,26 @@ def link_sources(index: dict[str, Any], staging: Path) -> None:
         slots.fsync_dir(directory)
 
 
-def reset_half_written(host: slots.Host, inactive: slots.Slot, version: str) -> None:
-    """A slot labelled VERSION with no boot entry for it is left from an interrupted install:
-    label it empty again so that systemd-sysupdate rewrites it."""
-    if inactive.version != version or any(e.version == version for e in slots.entries(host)):
-        return
+def prepare_slot(host: slots.Host, inactive: slots.Slot, running_version: str) -> None:
+    """Make the inactive slot blank before systemd-sysupdate writes it: the boot entry of the
+    version it held goes first (it would boot a slot about to be erased), then the partitions are
+    labelled empty, then zeroed (the bundle's images stop at their last non-zero block). Each
+    step leaves a state the next run starts from again, so a power cut anywhere is harmless."""
+    old = inactive.version
+    if old is not None and old != running_version:
+        for entry in slots.entries(host):
+            if entry.version == old:
+                entry.path.unlink()
+        if host.esp is not None:
+            slots.fsync_dir(host.esp / "EFI" / "Linux")
     disk = slots.usr_disk(host)
-    for part in (inactive.usr, inactive.verity):
-        if part is not None and part.label != "_empty":
+    parts = [p for p in (inactive.usr, inactive.verity) if p is not None]
+    for part in parts:
+        if part.label != "_empty":
             argv = [host.sfdisk, "--part-label", disk, str(part.number), "_empty"]
             slots.run(argv, "sfdisk --part-label", "the partition table cannot be written")
+    for part in parts:
+        slots.run(["blkdiscard", "--zeroout", part.node], f"blkdiscard --zeroout {part.node}", "the inactive slot cannot be written", timeout=None)
 
 
 @contextmanager
@@ -593,7 +615,7 @@ def update(
         check_staged(index, staging, keys_dir)
         say(f"bundle {version} verified ({len(index['files'])} files, signed by {index['signer']})")
         # 4. only now: the inactive slot
-        reset_half_written(host, inactive, version)
+        prepare_slot(host, inactive, running["version"])
         link_sources(index, staging)
         for command in sysupdate_commands(index):
             hint = "see journalctl -t systemd-sysupdate; run the same command again to start over"

@@ -2,15 +2,22 @@
 
 A bundle is a directory any static web server can serve:
 
-    appliance_VERSION.usr.raw           the /usr partition image (erofs), as mkosi names it
-    appliance_VERSION.usr-verity.raw    its dm-verity hash partition image
+    appliance_VERSION.usr.raw           the /usr partition image (erofs), as mkosi names it, without
+                                        its trailing zeros (the updater zeroes the slot first)
+    appliance_VERSION.usr-verity.raw    its dm-verity hash partition image, likewise
     appliance_VERSION.efi               the unified kernel image (its command line carries usrhash=)
     engine_DIGEST12.raw, engine_DIGEST12.verity.raw
                                         the engine partition image, only when the target lacks its digest
     manifest.json, manifest.json.sig    the signed release manifest of the build
     SHA256SUMS                          sha256sum(1) lines over all of the above
     bundle.json, bundle.json.sig        the signed index: version, min_version, profile, engine_digest,
-                                        usrhash, files [{name, sha256, size}], manifest_sha256, signer
+                                        usrhash, files [{name, sha256, size}], partition_sizes (the
+                                        full size of each trimmed image), manifest_sha256, signer
+
+A /usr slot is a few GiB of which the file system fills a fraction; the rest is zeros that the
+dm-verity tree covers. Shipping them would make an emulated or slow-linked appliance download
+and hash gigabytes of nothing, so the images stop at their last non-zero block and the updater
+zeroes the slot (BLKZEROOUT) before writing: the bytes on disk are the signed ones either way.
 
 Nothing in a bundle is trusted before bundle.json's signature (Ed25519, canonical JSON, the same
 key and signature encoding as the release manifest) is checked; every other file is bound to it
@@ -47,6 +54,35 @@ def _copy(src: Path, dst: Path) -> None:
         if proc.returncode == 0:
             return
     shutil.copyfile(src, dst)
+
+
+def data_end(path: Path) -> int:
+    """The length of PATH without its trailing zeros, rounded up to a 4 KiB block. Holes are
+    skipped with SEEK_DATA/SEEK_HOLE, so a sparse 3 GiB image costs a read of its last extent."""
+    with open(path, "rb") as f:
+        fd, size = f.fileno(), os.fstat(f.fileno()).st_size
+        end, pos = 0, 0
+        try:
+            while pos < size:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+                pos = end = os.lseek(fd, start, os.SEEK_HOLE)
+        except OSError:  # ENXIO: no data after POS
+            pass
+        while end > 0:
+            begin = max(0, end - device_update.CHUNK)
+            f.seek(begin)
+            kept = f.read(end - begin).rstrip(b"\0")
+            if kept:
+                return min(size, -(-(begin + len(kept)) // 4096) * 4096)
+            end = begin
+        return 0
+
+
+def _copy_trimmed(src: Path, dst: Path) -> int:
+    """Copy SRC to DST without its trailing zeros; return SRC's full size."""
+    _copy(src, dst)
+    os.truncate(dst, data_end(src))
+    return src.stat().st_size
 
 
 def _known_engine_digests(previous: Path | Iterable[str] | None) -> tuple[set[str], str | None]:
@@ -124,8 +160,12 @@ def make_bundle(
     tmp = Path(tempfile.mkdtemp(prefix=f".{bundle_dir.name}.", suffix=".tmp", dir=bundle_dir.parent))
     try:
         tmp.chmod(0o755)
+        partition_sizes = {}
         for name, src in sources.items():
-            _copy(src, tmp / name)
+            if name in (names["usr"], names["usr-verity"]):
+                partition_sizes[name] = _copy_trimmed(src, tmp / name)
+            else:
+                _copy(src, tmp / name)
         (tmp / "manifest.json").write_bytes(manifest_data)
         (tmp / "manifest.json.sig").write_bytes(manifest_sig)
         listed = sorted([*sources, "manifest.json", "manifest.json.sig"])
@@ -141,6 +181,7 @@ def make_bundle(
             "engine_digest": config.engine.digest,
             "usrhash": usrhash,
             "files": [{"name": n, "sha256": sums[n], "size": (tmp / n).stat().st_size} for n in sorted(listed)],
+            "partition_sizes": partition_sizes,
             "manifest_sha256": hashlib.sha256(manifest_data).hexdigest(),
             "signer": signer,
         }

@@ -62,11 +62,15 @@ def test_engine_container_has_everything_the_compose_service_had(quadlet: dict[s
     assert quadlet["StopTimeout"] == ["120"]
     for env in re.findall(r"`([A-Z_]+=[^`]+)`", REFERENCE.split("- Environment:")[1].split("- Mounts:")[0]):
         assert env in quadlet["Environment"]
-    # health check timings: every 30 s, 5 s timeout, 5 retries (start period: 20 min, not 6)
-    assert quadlet["HealthCmd"] == ["curl -fsS http://127.0.0.1:8000/health"]
+    # health check timings: every 30 s, 5 s timeout, 5 retries; the reference command, bounded
+    # by curl itself so that a hung engine fails its checks instead of stalling them
+    assert quadlet["HealthCmd"] == ["curl -fsS --max-time 5 http://127.0.0.1:8000/health"]
     assert (quadlet["HealthInterval"], quadlet["HealthTimeout"], quadlet["HealthRetries"]) == (["30s"], ["5s"], ["5"])
-    assert quadlet["HealthStartPeriod"] == ["1200s"] and quadlet["Notify"] == ["healthy"]
-    assert quadlet["HealthOnFailure"] == ["kill"]
+    assert quadlet["HealthOnFailure"] == ["kill"] and quadlet["Notify"] == ["healthy"]
+    # the start period (20 min, not 6) is a startup check bounded by systemd, not podman's
+    # HealthStartPeriod, which would ignore a hang for the whole period after a healthy start
+    assert quadlet["HealthStartupCmd"] == quadlet["HealthCmd"] and "HealthStartPeriod" not in quadlet
+    assert quadlet["TimeoutStartSec"] == ["1200"]
 
 
 def test_engine_mounts(quadlet: dict[str, list[str]], production: config.Config) -> None:

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_release import bundle, make_signing, usrhash_for
+from test_release import bundle, demo_config, fake_build, make_signing, usrhash_for
 
 from applianctl import paths, rollback, slots
 from applianctl import update as up
 from applianctl.errors import UserError
+from builder import release as rel
 
 GIB = 1024**3
 TRANSFERS = Path(__file__).resolve().parents[1] / "image/mkosi.extra/usr/lib/sysupdate.d"
@@ -45,7 +46,7 @@ class Device:
         self.gpt = root / "gpt.json"
         bin_dir = root / "bin"
         bin_dir.mkdir()
-        for name in ("systemd-sysupdate", "bootctl", "systemctl", "sfdisk"):
+        for name in ("systemd-sysupdate", "bootctl", "systemctl", "sfdisk", "blkdiscard"):
             (bin_dir / name).write_text(FAKE)
             (bin_dir / name).chmod(0o755)
         monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
@@ -128,7 +129,7 @@ def test_engine_component_is_written_first_when_the_bundle_carries_one(tmp_path:
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0", engine=True)
     assert run_update(device, str(b), trusted, reboot=True) == 0
-    calls = [c for c in device.calls() if not c.startswith(("  ", "sfdisk"))]
+    calls = [c for c in device.calls() if not c.startswith(("  ", "sfdisk", "blkdiscard"))]
     assert calls[0].startswith("systemd-sysupdate --no-pager --component=engine update ")
     assert calls[1] == "systemd-sysupdate --no-pager update 2.0.0"
     assert calls[2] == "systemctl reboot"
@@ -233,8 +234,41 @@ def test_a_half_written_slot_is_relabelled_and_written_again(tmp_path: Path, dev
     assert run_update(device, str(b), trusted) == 0
     calls = device.calls()
     relabel = [i for i, c in enumerate(calls) if c.startswith("sfdisk --part-label /dev/vda 5 _empty")]
+    zero = [i for i, c in enumerate(calls) if c in ("blkdiscard --zeroout /dev/vda5", "blkdiscard --zeroout /dev/vda6")]
     write = [i for i, c in enumerate(calls) if c.startswith("systemd-sysupdate")]
-    assert relabel and write and relabel[0] < write[0]
+    assert relabel and len(zero) == 2 and write and relabel[0] < zero[0] < zero[1] < write[0]
+
+
+def test_the_old_version_in_the_inactive_slot_loses_its_entry_before_the_slot_is_blanked(
+    tmp_path: Path, device: Device, signing: Any
+) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    device.set_gpt("appliance_1.0.0", "appliance_0.9.0")
+    old_entry = device.esp / "EFI/Linux/appliance_0.9.0.efi"
+    old_entry.write_bytes(b"uki 0.9")
+    assert run_update(device, str(b), trusted) == 0
+    assert not old_entry.exists()
+    assert (device.esp / "EFI/Linux/appliance_1.0.0.efi").exists(), "the running version's entry is never touched"
+    calls = device.calls()
+    assert "blkdiscard --zeroout /dev/vda5" in calls and "blkdiscard --zeroout /dev/vda2" not in calls
+
+
+def test_the_usr_images_ship_without_their_trailing_zeros(tmp_path: Path, signing: Any) -> None:
+    key, trusted = signing
+    config = demo_config("2.0.0")
+    out = fake_build(tmp_path / "out", config, key)
+    usr = out / "appliance_2.0.0.usr.raw"
+    with open(usr, "r+b") as f:  # a sparse tail of zeros, as mkosi leaves the 3 GiB slot image
+        data_len = f.seek(0, 2)
+        f.truncate(3 * GIB)
+    b = tmp_path / "bundle"
+    rel.make_bundle(config, out, b, key)
+    index = up.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    shipped = (b / "appliance_2.0.0.usr.raw").stat().st_size
+    assert shipped == -(-data_len // 4096) * 4096
+    assert index["partition_sizes"]["appliance_2.0.0.usr.raw"] == 3 * GIB
+    assert (b / "appliance_2.0.0.usr.raw").read_bytes()[:data_len] == usr.read_bytes()[:data_len]
 
 
 def test_an_installed_version_is_not_written_twice(tmp_path: Path, device: Device, signing: Any) -> None:
