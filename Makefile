@@ -4,14 +4,13 @@ PY := .venv/bin/python
 BUILDER := $(PY) -m builder
 .DEFAULT_GOAL := help
 
-.PHONY: help setup demo build-demo qemu test lint unit integration test-upgrade bench clean
+.PHONY: help setup demo build-demo qemu test lint unit integration bench clean
 
 help:
 	@echo "make demo   build the demo image, boot it in QEMU, print the guest's applianctl status"
 	@echo "make test   lint, type-check, unit tests, then build-and-boot integration tests"
 	@echo "make qemu   boot the demo image interactively (serial console; Ctrl-a x leaves)"
 	@echo "make bench  build-time and status-latency figures against baselines run alongside"
-	@echo "make test-upgrade  the A/B upgrade scenarios in QEMU (opt-in, slow)"
 	@echo "make setup  install what the host needs (run by demo and test)"
 
 setup:
@@ -35,11 +34,7 @@ unit: setup
 	$(PY) -m pytest -q -m "not integration"
 
 integration: setup
-	$(PY) -m pytest -q -m "integration and not upgrade" tests/integration
-
-# A/B upgrade scenarios in QEMU: opt-in, not yet part of `make test` (see docs/upgrades.md).
-test-upgrade: setup
-	$(PY) -m pytest -q -m "integration and upgrade" tests/integration
+	$(PY) -m pytest -q -m integration --durations=0 tests/integration
 
 test: lint unit integration
 

@@ -76,6 +76,17 @@ def wait_for_engine(deadline_s: float) -> bool:
     return False
 
 
+def wait_for_assessment(deadline_s: float) -> None:
+    """On a boot under trial, until the boot assessment and systemd-bless-boot are done (or the
+    deadline), so that the report shows the verdict."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        jobs = _run(["systemctl", "list-jobs", "--no-legend", "--no-pager"])
+        if not any(u in jobs for u in ("appliance-assess.service", "boot-complete.target", "systemd-bless-boot.service")):
+            return
+        time.sleep(3)
+
+
 SMOKE_PROMPT = "Calculate 17 * 23. Answer with the number only."
 
 
@@ -131,7 +142,7 @@ def collect() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------- fault scenarios
-# With the credential appliance.scenario=faults, the boot check drives the stand-in engine's
+# With the plan step {"do": "faults"} (below), the boot check drives the stand-in engine's
 # fault switches (a JSON file it reads at start) through the production unit, and records what
 # systemd and the /dev/shm cleaner did about each fault.
 
@@ -195,45 +206,120 @@ def run_fault_scenarios() -> dict[str, Any]:
     return results
 
 
-# ------------------------------------------------------------------------- update scenario
-# With appliance.scenario=update, appliance.update_url and appliance.update_ca (PEM), the boot
-# check installs the bundle at that URL once (`applianctl update --reboot`), then reports again
-# on the next boot, whichever version that is.
+# ------------------------------------------------------------------------- the plan
+# A test host passes the credential appliance.plan, JSON: {VERSION: [STEP, ...]}: what to do on
+# a boot of VERSION after the first look. Each step runs once per disk (a marker under
+# /var/lib/appliance/bootcheck records its outcome), so a plan can span reboots and power cuts:
+#   {"do": "faults"}                          the fault scenarios above
+#   {"do": "refusals", "bundles": {N: URL}}   `applianctl update URL` of bundles that must be
+#                                             refused; the inactive slot hashed before and after
+#   {"do": "update", "url": URL}              `applianctl update URL`, then a reboot into it
+# The CA for https:// URLs comes in the credential appliance.update_ca (PEM). An update runs
+# after the report is written, its output on the console, its outcome in the next report: a
+# power cut in the middle leaves no marker, so the next boot runs it again.
 
-UPDATE_MARKER_DIR = Path("/var/lib/appliance/bootcheck")
+MARKER_DIR = Path("/var/lib/appliance/bootcheck")
 
 
-def run_update_scenario() -> dict[str, Any] | None:
-    url = credential("appliance.update_url")
-    if not url:
-        return None
-    marker = UPDATE_MARKER_DIR / ("update-" + hashlib.sha256(url.encode()).hexdigest()[:16])
-    if marker.exists():
-        return {"url": url, "attempted": True, "this_boot": False, "output": marker.read_text()}
-    UPDATE_MARKER_DIR.mkdir(parents=True, exist_ok=True)
+def _marker(version: str, step: dict[str, Any]) -> Path:
+    key = json.dumps([version, step], sort_keys=True).encode()
+    return MARKER_DIR / f"{step['do']}-{hashlib.sha256(key).hexdigest()[:16]}.json"
+
+
+def _plan(version: str) -> list[dict[str, Any]]:
+    try:
+        plan = json.loads(credential("appliance.plan") or "{}")
+    except json.JSONDecodeError:
+        return []
+    steps = plan.get(version, []) if isinstance(plan, dict) else []
+    return [s for s in steps if isinstance(s, dict) and s.get("do") in ("faults", "refusals", "update")]
+
+
+def _update_command(url: str) -> list[str]:
     ca = Path(os.environ.get("CREDENTIALS_DIRECTORY", "/nonexistent")) / "appliance.update_ca"
-    cmd = ["/usr/bin/applianctl", "update", url, "--yes"] + (["--ca", str(ca)] if ca.exists() else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
-    output = f"exit {proc.returncode}\n{proc.stdout}{proc.stderr}"
-    marker.write_text(output)
-    return {"url": url, "attempted": True, "this_boot": True, "exit": proc.returncode, "output": output}
+    return ["/usr/bin/applianctl", "update", url, "--yes"] + (["--ca", str(ca)] if ca.exists() else [])
+
+
+def _inactive_slot_hashes(version: str) -> dict[str, str]:
+    from applianctl import slots
+
+    inactive = next(s for s in slots.slots(slots.Host(), version) if not s.booted)
+    parts = [p for p in (inactive.usr, inactive.verity) if p is not None]
+    return {p.node: _run(["sha256sum", p.node], timeout=1800).split(" ")[0] for p in parts}
+
+
+def run_refusals(version: str, bundles: dict[str, str]) -> dict[str, Any]:
+    before = _inactive_slot_hashes(version)
+    results = {}
+    for name, url in bundles.items():
+        proc = subprocess.run(_update_command(url), capture_output=True, text=True, timeout=1800, check=False)
+        results[name] = {"url": url, "exit": proc.returncode, "stdout": proc.stdout[-2000:], "stderr": proc.stderr[-2000:]}
+    return {"bundles": results, "inactive_before": before, "inactive_after": _inactive_slot_hashes(version)}
+
+
+def run_update(url: str) -> dict[str, Any]:
+    """`applianctl update URL`, its output streamed to the console (a host that cuts the power
+    watches for it) and kept for the report."""
+    proc = subprocess.Popen(_update_command(url), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        lines.append(line)
+    return {"url": url, "exit": proc.wait(), "output": "".join(lines)[-4000:]}
+
+
+def run_step(version: str, step: dict[str, Any], engine_healthy: bool) -> dict[str, Any] | None:
+    """Run STEP once (None when it ran on an earlier boot); record its outcome in its marker."""
+    marker = _marker(version, step)
+    if marker.exists():
+        return None
+    if step["do"] == "faults":
+        outcome: dict[str, Any] = run_fault_scenarios() if engine_healthy else {"skipped": "the engine never became healthy"}
+    elif step["do"] == "refusals":
+        outcome = run_refusals(version, dict(step.get("bundles", {})))
+    else:
+        outcome = run_update(str(step["url"]))
+    outcome = {"do": step["do"], "version": version, **outcome}
+    MARKER_DIR.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(outcome))
+    return outcome
+
+
+def step_outcomes() -> list[dict[str, Any]]:
+    """What the plan's steps did on this and earlier boots, oldest first."""
+    if not MARKER_DIR.is_dir():
+        return []
+    found = sorted(MARKER_DIR.glob("*.json"), key=lambda p: p.stat().st_mtime)
+    return [json.loads(p.read_text()) for p in found]
+
+
+def _write_report(path: str, report: dict[str, Any]) -> None:
+    with open(path, "w") as port:
+        port.write(f"\n{BEGIN}\n{json.dumps(report)}\n{END}\n")
+        port.flush()
 
 
 def main(args: argparse.Namespace) -> int:
     engine_healthy = wait_for_engine(float(credential("appliance.wait") or args.wait))
+    if engine_healthy:
+        wait_for_assessment(300)
     report = collect()
     report["engine_became_healthy"] = engine_healthy
-    # The fault scenarios come after the first look, which shows the appliance as it booted.
-    wanted = credential("appliance.scenario") == "faults"
-    report["scenarios"] = run_fault_scenarios() if engine_healthy and wanted else None
-    update = run_update_scenario() if credential("appliance.scenario") == "update" else None
-    report["update"] = update
-    text = f"\n{BEGIN}\n{json.dumps(report)}\n{END}\n"
-    with open(args.report, "w") as port:
-        port.write(text)
-        port.flush()
+    version = report["status"].get("parts", {}).get("os", {}).get("version") or ""
+    plan = _plan(version)
+    # The checks come after the first look, which shows the appliance as it booted.
+    for step in plan:
+        if step["do"] != "update":
+            run_step(version, step, engine_healthy)
+    outcomes = step_outcomes()
+    faults = [o for o in outcomes if o["do"] == "faults"]
+    report["scenarios"] = faults[-1] if faults else None
+    report["steps"] = outcomes
+    _write_report(args.report, report)
     print(report["status_text"])
-    if update and update.get("this_boot") and update.get("exit") == 0:
+    updates = [run_step(version, step, engine_healthy) for step in plan if step["do"] == "update"]
+    if any(u is not None and u["exit"] == 0 for u in updates):
         subprocess.run(["systemctl", "--no-block", "reboot"], check=False)  # into the new version
     elif credential("appliance.bootcheck") == "poweroff":
         subprocess.run(["systemctl", "--no-block", "poweroff"], check=False)

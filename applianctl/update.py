@@ -559,7 +559,8 @@ def prepare_slot(host: slots.Host, inactive: slots.Slot, running_version: str) -
             argv = [host.sfdisk, "--part-label", disk, str(part.number), "_empty"]
             slots.run(argv, "sfdisk --part-label", "the partition table cannot be written")
     for part in parts:
-        slots.run(["blkdiscard", "--zeroout", part.node], f"blkdiscard --zeroout {part.node}", "the inactive slot cannot be written", timeout=None)
+        zero = ["blkdiscard", "--zeroout", part.node]
+        slots.run(zero, " ".join(zero), "the inactive slot cannot be written", timeout=None)
 
 
 @contextmanager
@@ -583,7 +584,7 @@ def update(
     keys_dir: Path | None = None,
     running: dict[str, Any] | None = None,
     confirm: Callable[[str], bool] | None = None,
-    say: Callable[[str], None] = print,
+    say: Callable[[str], None] = lambda line: print(line, flush=True),  # progress, seen at once through a pipe
 ) -> int:
     host = host or slots.Host()
     keys_dir = keys_dir or paths.TRUSTED_KEYS_DIR
@@ -615,8 +616,10 @@ def update(
         check_staged(index, staging, keys_dir)
         say(f"bundle {version} verified ({len(index['files'])} files, signed by {index['signer']})")
         # 4. only now: the inactive slot
+        say(f"blanking slot {inactive.name}")
         prepare_slot(host, inactive, running["version"])
         link_sources(index, staging)
+        say(f"writing slot {inactive.name}: {version}")
         for command in sysupdate_commands(index):
             hint = "see journalctl -t systemd-sysupdate; run the same command again to start over"
             slots.run(command, "systemd-sysupdate", hint, timeout=None)

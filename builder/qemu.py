@@ -63,8 +63,14 @@ class Guest:
         self.console_log = self.dir / "console.log"
         self.report_log = self.dir / "report.log"
 
-    def boot(self, timeout: float, credentials: dict[str, str] | None = None) -> dict[str, Any]:
-        """Boot until the guest powers off (or TIMEOUT); return the guest's last report."""
+    def boot(
+        self, timeout: float, credentials: dict[str, str] | None = None, cut_power: tuple[str, float] | None = None
+    ) -> dict[str, Any]:
+        """Boot until the guest powers off (or TIMEOUT); return the guest's last report, with the
+        reports of earlier boots of this run (the guest may reboot) in "earlier_boots".
+
+        CUT_POWER (TEXT, SECONDS): kill QEMU that many seconds after TEXT appears on the console,
+        as a power cut would; the report is then the last one written before the cut."""
         for path in (self.console_log, self.report_log):
             path.unlink(missing_ok=True)
         creds = {"appliance.bootcheck": "poweroff", **(credentials or {})}
@@ -73,25 +79,41 @@ class Guest:
             "-serial", f"file:{self.console_log}", "-serial", f"file:{self.report_log}",
         ]
         started = time.monotonic()
+        cut_at: float | None = None
+        timed_out = False
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            while proc.poll() is None:
+                now = time.monotonic()
+                if now - started > timeout:
+                    timed_out = True
+                    break
+                if cut_power and cut_at is None and cut_power[0] in self._console():
+                    cut_at = now + cut_power[1]
+                if cut_at is not None and now >= cut_at:
+                    proc.kill()
+                    break
+                time.sleep(1)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
             proc.wait()
+        reports = parse_reports(self.report_log.read_text(errors="replace") if self.report_log.exists() else "")
+        if not reports:
+            what = f"did not report within {timeout:.0f} s" if timed_out else "powered off without a report"
             raise UserError(
-                f"the guest did not report within {timeout:.0f} s (console log: {self.console_log})",
-                hint="boot it interactively with `make qemu` and look at the console",
-            ) from None
-        report = parse_report(self.report_log.read_text(errors="replace") if self.report_log.exists() else "")
-        if report is None:
-            raise UserError(
-                f"the guest powered off without a report (console log: {self.console_log})",
+                f"the guest {what} (console log: {self.console_log})",
                 hint="boot it interactively with `make qemu` and look at the console",
             )
+        report = reports[-1]
         report["boot_seconds"] = round(time.monotonic() - started, 1)
-        report["earlier_boots"] = parse_reports(self.report_log.read_text(errors="replace"))[:-1]
+        report["earlier_boots"] = reports[:-1]
+        report["power_cut"] = cut_at is not None
+        report["timed_out"] = timed_out  # the reports written before the timeout are still worth reading
         return report
+
+    def _console(self) -> str:
+        return self.console_log.read_text(errors="replace") if self.console_log.exists() else ""
 
 
 def parse_reports(text: str) -> list[dict[str, Any]]:
@@ -106,12 +128,6 @@ def parse_reports(text: str) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return reports
-
-
-def parse_report(text: str) -> dict[str, Any] | None:
-    """The last complete report (the boot the guest powered off from)."""
-    reports = parse_reports(text)
-    return reports[-1] if reports else None
 
 
 def boot_and_report(disk: Path, timeout: float = 900) -> dict[str, Any]:

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from journey import V1, V2, V3, reports_of
 
-from builder import build, config, qemu
+from applianctl import tls
+from builder import build, config, keys, qemu, release
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,13 +34,140 @@ def demo_image(demo_config: config.Config) -> Path:
     return build.build(demo_config).disk_image
 
 
+# ------------------------------------------------------------------------- the upgrade journey
+# One appliance lives through everything, so that no boot is spent twice under emulation:
+#
+#   run 1  boot A  v1 (1.0.0), first boot: the first look, the engine fault scenarios, then
+#                  `applianctl update` to v2 over HTTPS and a reboot
+#          boot B  v2 (1.0.1) on trial: judged good and blessed; three bundles that must be
+#                  refused (a flipped byte, an untrusted key, a downgrade) with the inactive slot
+#                  hashed before and after; then the update to v3, and the power is cut while
+#                  the slot is being written
+#   run 2  boot C  v2 again (the cut left it bootable); the update to v3 runs again and succeeds
+#          D1..D3  v3 (1.0.2), whose engine never becomes healthy: assessment fails, reboot
+#          boot E  v2, booted by systemd-boot once v3's tries ran out; the final report
+#
+# A version's steps come from the credential appliance.plan (applianctl bootcheck); each runs
+# once per disk, so the plan survives reboots and the power cut.
+
+# `applianctl update` says "writing slot X: VERSION" as systemd-sysupdate starts writing; in
+# boot B v2 runs from slot B, so v3 goes into slot A.
+POWER_CUT_TEXT = f"writing slot A: {V3}"
+POWER_CUT_DELAY_S = 2.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @pytest.fixture(scope="session")
-def first_boot(demo_image: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The report of the demo image's first boot (systemd-repart runs, the engine starts); after
-    that first look, the boot check drives the stand-in's fault switches through the production
-    unit (slow start, crash leaving its offload file, hang) and reports what systemd did."""
-    guest = qemu.Guest(demo_image, tmp_path_factory.mktemp("first-boot"))
-    yield guest.boot(timeout=2400, credentials={"appliance.scenario": "faults"})
+def https_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str, str]]:
+    """A static HTTPS server (Debian's Caddy) over a directory of bundles: (root, url, CA PEM).
+    QEMU's user network shows the host's loopback to the guest as 10.0.2.2."""
+    work = tmp_path_factory.mktemp("bundles")
+    tls.generate(work / "tls", "updates.appliance.test", [ipaddress.ip_address("10.0.2.2")], group="nonexistent-group")
+    root = work / "www"
+    root.mkdir()
+    port = _free_port()
+    caddyfile = work / "Caddyfile"
+    caddyfile.write_text(
+        "{\n\tadmin off\n\tauto_https disable_redirects\n}\n"
+        f"https://:{port} {{\n\ttls {work}/tls/server.crt {work}/tls/server.key\n"
+        f"\troot * {root}\n\tfile_server\n}}\n"
+    )
+    proc = subprocess.Popen(["caddy", "run", "--config", str(caddyfile), "--adapter", "caddyfile"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={"HOME": str(work), "XDG_DATA_HOME": str(work), "XDG_CONFIG_HOME": str(work),
+                                 "PATH": "/usr/bin:/bin"})
+    try:
+        for _ in range(100):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None, "caddy exited: check the test's Caddyfile with `caddy validate`"
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"caddy does not listen on {port}")
+        yield root, f"https://10.0.2.2:{port}", (work / "tls/ca.crt").read_text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def never_serving(demo: config.Config) -> config.Config:
+    """V3: an engine that stays "loading" for a day, and a short assessment deadline."""
+    v3 = config.with_version(demo, V3)
+    engine = dataclasses.replace(v3.engine, env={**v3.engine.env, "STANDIN_LOAD_SECONDS": "86400"})
+    return dataclasses.replace(v3, engine=engine, update=dataclasses.replace(v3.update, assessment_deadline_s=60))
+
+
+@pytest.fixture(scope="session")
+def bundles(demo_config: config.Config, demo_image: Path, https_root: tuple[Path, str, str],
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """v2 and v3 built and released on the HTTPS server, and the three bundles to refuse: the
+    URLs by name."""
+    root, url, _ = https_root
+    key = build.signing_key_for(demo_config, None)
+    v1_out = demo_image.parent
+    v3 = never_serving(demo_config)
+    outputs = {}
+    for name, cfg, previous in (("v2", config.with_version(demo_config, V2), V1), ("v3", v3, V2)):
+        outputs[name] = tmp_path_factory.mktemp(f"{name}-build") / "out"
+        build.build(cfg, output=outputs[name])
+        release.make_bundle(cfg, outputs[name], root / name, key, previous_version=previous)
+    # one flipped byte in a partition image; bundle.json (signed) still names the true hash
+    shutil.copytree(root / "v3", root / "flipped", copy_function=os.link)
+    verity = root / "flipped" / f"appliance_{V3}.usr-verity.raw"
+    data = bytearray(verity.read_bytes())
+    verity.unlink()
+    data[len(data) // 2] ^= 0x01
+    verity.write_bytes(bytes(data))
+    # the same release, signed by a key the appliance does not trust
+    stranger, _ = keys.generate(tmp_path_factory.mktemp("stranger-key"))
+    release.make_bundle(v3, outputs["v3"], root / "untrusted", stranger, previous_version=V2)
+    # a downgrade: v1's own build, released
+    release.make_bundle(demo_config, v1_out, root / "v1", key)
+    return {name: f"{url}/{name}/" for name in ("v2", "v3", "flipped", "untrusted", "v1")}
+
+
+@pytest.fixture(scope="session")
+def journey_guest(demo_image: Path, tmp_path_factory: pytest.TempPathFactory) -> qemu.Guest:
+    return qemu.Guest(demo_image, tmp_path_factory.mktemp("journey"))
+
+
+def _plan_credentials(bundles: dict[str, str], ca: str) -> dict[str, str]:
+    plan = {
+        V1: [{"do": "faults"}, {"do": "update", "url": bundles["v2"]}],
+        V2: [
+            {"do": "refusals", "bundles": {n: bundles[u] for n, u in (("flipped", "flipped"), ("untrusted", "untrusted"),
+                                                                       ("downgrade", "v1"))}},
+            {"do": "update", "url": bundles["v3"]},
+        ],
+    }
+    return {"appliance.plan": json.dumps(plan), "appliance.update_ca": ca}
+
+
+@pytest.fixture(scope="session")
+def journey_run1(journey_guest: qemu.Guest, bundles: dict[str, str], https_root: tuple[Path, str, str]) -> dict[str, Any]:
+    """Boots A and B; the power is cut while B writes v3 into the inactive slot."""
+    creds = _plan_credentials(bundles, https_root[2])
+    return journey_guest.boot(timeout=3600, credentials=creds, cut_power=(POWER_CUT_TEXT, POWER_CUT_DELAY_S))
+
+
+@pytest.fixture(scope="session")
+def journey_run2(journey_guest: qemu.Guest, journey_run1: dict[str, Any], bundles: dict[str, str],
+                 https_root: tuple[Path, str, str]) -> dict[str, Any]:
+    """Boots C, D1..D3 and E, on the same disk after the power cut."""
+    return journey_guest.boot(timeout=3600, credentials=_plan_credentials(bundles, https_root[2]))
+
+
+@pytest.fixture(scope="session")
+def first_boot(journey_run1: dict[str, Any]) -> dict[str, Any]:
+    """The report of the demo image's first boot (systemd-repart runs, the engine starts), with
+    the outcome of the engine fault scenarios run after that first look."""
+    return reports_of(journey_run1)[0]
 
 
 @pytest.fixture(scope="session")

@@ -1,102 +1,102 @@
-"""Signed A/B upgrade of a booted demo appliance from an HTTPS URL (a real Caddy on the host).
-
-QEMU's user network shows the host's loopback to the guest as 10.0.2.2.
-"""
+"""Signed A/B upgrades of a demo appliance in QEMU, over HTTPS from a real Caddy on the host:
+v1 to v2, three refused bundles, a power cut while writing v3, and v3 rolled back by itself.
+The journey and its boots are described in conftest.py."""
 
 from __future__ import annotations
 
-import ipaddress
-import socket
-import subprocess
-import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from journey import V1, V2, V3, reports_of
 
-from applianctl import tls
-from builder import build, config, qemu, release
-
-# Opt-in (`make test-upgrade`): not yet proven end to end in QEMU, and slow under TCG (the bundle
-# carries the whole 3 GiB /usr partition image, downloaded and hashed in the emulated guest).
-pytestmark = [pytest.mark.integration, pytest.mark.upgrade]
+pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _version(report: dict[str, Any]) -> str:
+    return str(report["status"]["parts"]["os"]["version"])
 
 
-@pytest.fixture(scope="module")
-def https_bundles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str, str]]:
-    """A static HTTPS server (Debian's Caddy) over a directory of bundles: (root, url, CA PEM)."""
-    work = tmp_path_factory.mktemp("bundles")
-    result = tls.generate(work / "tls", "updates.appliance.test", [ipaddress.ip_address("10.0.2.2")], group="nonexistent-group")
-    del result
-    root = work / "www"
-    root.mkdir()
-    port = _free_port()
-    caddyfile = work / "Caddyfile"
-    caddyfile.write_text(
-        "{\n\tadmin off\n\tauto_https disable_redirects\n}\n"
-        f"https://:{port} {{\n\ttls {work}/tls/server.crt {work}/tls/server.key\n"
-        f"\troot * {root}\n\tfile_server\n}}\n"
-    )
-    proc = subprocess.Popen(["caddy", "run", "--config", str(caddyfile), "--adapter", "caddyfile"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={"HOME": str(work), "XDG_DATA_HOME": str(work), "XDG_CONFIG_HOME": str(work),
-                                 "PATH": "/usr/bin:/bin"})
-    try:
-        for _ in range(100):
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert proc.poll() is None, "caddy exited: check the test's Caddyfile with `caddy validate`"
-            time.sleep(0.1)
-        else:
-            raise AssertionError(f"caddy does not listen on {port}")
-        yield root, f"https://10.0.2.2:{port}", (work / "tls/ca.crt").read_text()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+def _slots(report: dict[str, Any]) -> dict[str, Any]:
+    return dict(report["status"]["parts"]["slots"])
+
+
+def _by_version(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {s["version"]: s for s in _slots(report)["slots"] if s["version"]}
+
+
+def _step(report: dict[str, Any], do: str, version: str) -> dict[str, Any]:
+    found = [s for s in report["steps"] if s["do"] == do and s["version"] == version]
+    assert found, f"no {do} step of {version} ran before this boot's report: {[(s['do'], s['version']) for s in report['steps']]}"
+    return dict(found[-1])
 
 
 @pytest.fixture(scope="module")
-def v2_bundle(demo_config: config.Config, demo_image: Path, https_bundles: tuple[Path, str, str],
-              tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Version 1.0.1 of the demo, built and released as a signed bundle on the HTTPS server."""
-    v2 = config.with_version(demo_config, "1.0.1")
-    out = tmp_path_factory.mktemp("v2-build") / "out"
-    build.build(v2, output=out)
-    root, url, _ = https_bundles
-    release.make_bundle(v2, out, root / "v2", build.signing_key_for(v2, None), previous_version="1.0.0")
-    return f"{url}/v2/"
+def boot_b(journey_run1: dict[str, Any]) -> dict[str, Any]:
+    reports = reports_of(journey_run1)
+    assert len(reports) >= 2, f"run 1 ended after {len(reports)} report(s); console: {journey_run1.get('status_text', '')[-2000:]}"
+    return reports[1]
 
 
-@pytest.fixture(scope="module")
-def upgraded(demo_image: Path, v2_bundle: str, https_bundles: tuple[Path, str, str],
-             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    guest = qemu.Guest(demo_image, tmp_path_factory.mktemp("upgrade-guest"))
-    creds = {"appliance.scenario": "update", "appliance.update_url": v2_bundle, "appliance.update_ca": https_bundles[2]}
-    return guest.boot(timeout=3600, credentials=creds)
+def test_v1_installs_v2_from_an_https_url_and_reboots_into_it(boot_b: dict[str, Any]) -> None:
+    update = _step(boot_b, "update", V1)
+    assert update["exit"] == 0, update["output"]
+    assert _version(boot_b) == V2
 
 
-def test_v1_installs_v2_and_reboots_into_it(upgraded: dict[str, Any]) -> None:
-    before = [r for r in upgraded["earlier_boots"] if (r.get("update") or {}).get("this_boot")]
-    assert before, "the first boot did not attempt the update"
-    assert before[-1]["update"]["exit"] == 0, before[-1]["update"]["output"]
-    assert before[-1]["status"]["parts"]["os"]["version"] == "1.0.0"
-    os_part = upgraded["status"]["parts"]["os"]
-    assert os_part["version"] == "1.0.1", os_part
-
-
-def test_v2_is_judged_good_and_v1_kept(upgraded: dict[str, Any]) -> None:
-    slots = upgraded["status"]["parts"]["slots"]
-    versions = {s["version"]: s for s in slots["slots"]}
-    assert versions["1.0.1"]["booted"] and not versions["1.0.0"]["booted"], slots
+def test_v2_is_judged_good_blessed_and_v1_kept(boot_b: dict[str, Any]) -> None:
+    slots = _slots(boot_b)
+    versions = _by_version(boot_b)
+    assert versions[V2]["booted"] and not versions[V1]["booted"], slots
+    assert versions[V2]["state"] == "good" and versions[V2]["entry"] == f"appliance_{V2}.efi", slots  # counter dropped
+    assert versions[V1]["state"] == "good", slots  # the previous version stays bootable
+    assert slots["last_assessment"]["ok"] and slots["last_assessment"]["version"] == V2, slots
     assert not slots["rolled_back"], slots
-    # blessed: systemd-bless-boot dropped the +LEFT counter from the entry's name
-    assert "+" not in (versions["1.0.1"]["entry"] or "+"), slots
-    assert upgraded["failed_units"] == [], upgraded["journal"]
+    assert boot_b["failed_units"] == [], boot_b["journal"]
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("flipped", "does not match bundle.json"),
+        ("untrusted", "which this version does not trust"),
+        ("downgrade", f"older than the running version {V2}"),
+    ],
+)
+def test_bad_bundles_are_refused_in_one_line_and_the_inactive_slot_is_unchanged(
+    boot_b: dict[str, Any], name: str, says: str
+) -> None:
+    refusals = _step(boot_b, "refusals", V2)
+    result = refusals["bundles"][name]
+    assert result["exit"] == 1, result
+    lines = result["stderr"].strip().splitlines()
+    assert len(lines) == 2 and says in lines[0] and lines[1].startswith("hint: "), result["stderr"]
+    assert "Traceback" not in result["stderr"]
+    assert refusals["inactive_before"] and refusals["inactive_before"] == refusals["inactive_after"]
+
+
+def test_power_cut_while_writing_the_slot_leaves_v2_booting(journey_run1: dict[str, Any], journey_run2: dict[str, Any]) -> None:
+    assert journey_run1["power_cut"], "the power was not cut: the update to v3 never started writing"
+    boot_c = reports_of(journey_run2)[0]
+    assert _version(boot_c) == V2
+    # the cut came before the boot entry: v3 is not bootable, whatever the slot holds
+    assert all(V3 not in (s["entry"] or "") for s in _slots(boot_c)["slots"]), _slots(boot_c)
+    assert boot_c["engine_became_healthy"] and boot_c["failed_units"] == [], boot_c["journal"]
+
+
+def test_the_cut_upgrade_then_succeeds(journey_run2: dict[str, Any]) -> None:
+    final = reports_of(journey_run2)[-1]
+    update = _step(final, "update", V2)
+    assert update["exit"] == 0, update["output"]
+    assert f"installed {V3}" in update["output"]
+
+
+def test_v3_that_never_serves_is_rolled_back_by_itself(journey_run2: dict[str, Any]) -> None:
+    final = reports_of(journey_run2)[-1]
+    assert _version(final) == V2, "the appliance did not come back to v2"
+    slots = _slots(final)
+    versions = _by_version(final)
+    assert versions[V2]["booted"] and versions[V2]["state"] == "good", slots
+    assert versions[V3]["state"] == "bad" and versions[V3]["tries_left"] == 0, slots  # three tries used
+    assert slots["rolled_back"], slots
+    assert "not healthy within 60 s" in slots["rollback_reason"], slots
+    assert final["engine_became_healthy"], final["status_text"]
