@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 from typing import Any
 
 from applianctl import paths
@@ -52,7 +53,11 @@ def run_logs(args: argparse.Namespace) -> int:
 
 
 def run_restart(args: argparse.Namespace) -> int:
-    return _exec(restart_argv(args.part))
+    argv = restart_argv(args.part)
+    # An operator's restart is deliberate: it must not be refused because the unit's start limit
+    # (five starts an hour, there to stop a crash loop) was used up by earlier failures.
+    subprocess.run(["systemctl", "reset-failed", argv[-1]], check=False, capture_output=True)
+    return _exec(argv)
 
 
 def add_parser(subparsers: Any) -> None:
