@@ -543,8 +543,9 @@ def link_sources(index: dict[str, Any], staging: Path) -> None:
 def prepare_slot(host: slots.Host, inactive: slots.Slot, running_version: str) -> None:
     """Make the inactive slot blank before systemd-sysupdate writes it: the boot entry of the
     version it held goes first (it would boot a slot about to be erased), then the partitions are
-    labelled empty, then zeroed (the bundle's images stop at their last non-zero block). Each
-    step leaves a state the next run starts from again, so a power cut anywhere is harmless."""
+    zeroed (the bundle's images stop at their last non-zero block), then labelled empty (last:
+    relabelling makes the kernel re-read the table, and the partition nodes vanish for a moment).
+    Each step leaves a state the next run starts from again, so a power cut anywhere is harmless."""
     old = inactive.version
     if old is not None and old != running_version:
         for entry in slots.entries(host):
@@ -552,15 +553,15 @@ def prepare_slot(host: slots.Host, inactive: slots.Slot, running_version: str) -
                 entry.path.unlink()
         if host.esp is not None:
             slots.fsync_dir(host.esp / "EFI" / "Linux")
-    disk = slots.usr_disk(host)
     parts = [p for p in (inactive.usr, inactive.verity) if p is not None]
+    for part in parts:
+        zero = ["blkdiscard", "--zeroout", part.node]
+        slots.run(zero, " ".join(zero), "the inactive slot cannot be written", timeout=None)
+    disk = slots.usr_disk(host)
     for part in parts:
         if part.label != "_empty":
             argv = [host.sfdisk, "--part-label", disk, str(part.number), "_empty"]
             slots.run(argv, "sfdisk --part-label", "the partition table cannot be written")
-    for part in parts:
-        zero = ["blkdiscard", "--zeroout", part.node]
-        slots.run(zero, " ".join(zero), "the inactive slot cannot be written", timeout=None)
 
 
 @contextmanager

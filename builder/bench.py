@@ -4,7 +4,12 @@
   same generated tree and options (target: at most 1.3x);
 - preloading a generated engine image of 2 GiB (cold) against a plain copy of the same bytes
   (target: at most 1.3x), and again with the cache warm (target: under 5 s);
-- `applianctl status`: median of 20 runs against the stand-in engine, healthy and hung.
+- `applianctl status`: median of 20 runs against the stand-in engine, healthy and hung;
+- upgrades: the bytes a bundle ships when the engine digest is unchanged, against a full bundle
+  whose engine partition image is a generated 2 GiB one (target: no engine bytes), and the time
+  to write a /usr slot the appliance's way (blank the slot, then the image's own
+  systemd-sysupdate with the shipped transfer definitions, on a loop device) against a plain
+  copy of the same partition images (target: at most 1.3x).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from builder import build, config, engine_image
+from applianctl import slots
+from applianctl import update as device_update
+from builder import build, config, engine_image, release
 from builder.run import mkosi_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,9 +100,120 @@ def bench_status(demo: config.Config) -> None:
         engine.stop()
 
 
+def bench_bundle_bytes(demo: config.Config, engine_bytes: int = 2 * 1024**3) -> None:
+    out = build.output_dir(demo)
+    key = build.signing_key_for(demo, None)
+    names = device_update.payload_names(demo.appliance.version, demo.engine.digest, with_engine=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-bundle-", dir="/var/tmp"))
+    try:
+        # the last build, with its engine partition image replaced by 2 GiB of random bytes
+        build_copy = work / "build"
+        shutil.copytree(out, build_copy, copy_function=os.link)
+        engine = build_copy / names["engine"]
+        engine.unlink()
+        with open(engine, "wb") as f:
+            for _ in range(engine_bytes // (64 * 1024**2)):
+                f.write(os.urandom(64 * 1024**2))
+        full = release.make_bundle(demo, build_copy, work / "full", key)
+        same_engine = release.make_bundle(demo, build_copy, work / "upgrade", key, [demo.engine.digest])
+        total = {name: sum(f["size"] for f in index["files"]) for name, index in (("full", full), ("upgrade", same_engine))}
+        shipped_engine = sum(f["size"] for f in same_engine["files"] if f["name"].startswith("engine_"))
+        print(f"{'bundle, engine digest unchanged':<44} {total['upgrade'] / 1e6:8.1f} MB  full bundle {total['full'] / 1e6:8.1f} MB"
+              f"  ratio {total['upgrade'] / total['full']:5.2f}x  engine bytes shipped: {shipped_engine} (target: 0)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _sh(*argv: str) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{argv[0]} failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
+    return proc.stdout
+
+
+def bench_slot_write(demo: config.Config) -> None:
+    """Write the last build's /usr and verity images into an empty slot on a loop device: plain
+    dd of the partition images, then the appliance's way (blkdiscard --zeroout, then the image's
+    own systemd-sysupdate in a chroot of its /usr, from the bundle's trimmed images)."""
+    out = build.output_dir(demo)
+    key = build.signing_key_for(demo, None)
+    names = device_update.payload_names(demo.appliance.version, demo.engine.digest, with_engine=False)
+    usr, verity = out / names["usr"], out / names["usr-verity"]
+    work = Path(tempfile.mkdtemp(prefix="bench-slot-", dir="/var/tmp"))
+    mounts: list[Path] = []
+    loop = ""
+    try:
+        index = release.make_bundle(demo, out, work / "bundle", key, [demo.engine.digest])
+        disk = work / "disk.img"
+        mib = 1024**2
+        size = usr.stat().st_size + verity.stat().st_size + 8 * mib
+        with open(disk, "wb") as f:
+            f.truncate(size)
+        # slot A: a token older version (systemd-sysupdate wants two slots); slot B: empty, full size
+        table = (f"label: gpt\nsize=2048, type={slots.USR_TYPE}, name=appliance_0.0.1\n"
+                 f"size=2048, type={slots.USR_VERITY_TYPE}, name=appliance_0.0.1_verity\n"
+                 f"size={usr.stat().st_size // 512}, type={slots.USR_TYPE}, name=_empty\n"
+                 f"size={verity.stat().st_size // 512}, type={slots.USR_VERITY_TYPE}, name=_empty\n")
+        subprocess.run(["sfdisk", "-q", str(disk)], input=table, text=True, check=True)
+        loop = _sh("losetup", "-f", "--show", str(disk)).strip()
+        # offsets on the loop device: build hosts in containers often get no partition nodes
+        table_json = json.loads(_sh("sfdisk", "-J", loop))["partitiontable"]["partitions"]
+        slot = [(int(p["start"]) * 512, int(p["size"]) * 512) for p in table_json[2:]]
+        images = [usr, verity]
+
+        def plain() -> None:
+            for src, (start, _) in zip(images, slot, strict=True):
+                _sh("dd", f"if={src}", f"of={loop}", "bs=4M", "oflag=seek_bytes", f"seek={start}", "conv=fsync,notrunc", "status=none")
+
+        # a chroot of the image's own /usr, with the shipped transfer definitions aimed at the loop device
+        root = work / "root"
+        for d in ("usr", "etc", "dev", "proc", "sys", "run", "tmp", "var/tmp", "src", "defs"):
+            (root / d).mkdir(parents=True)
+        _sh("mount", "-o", "loop,ro", str(usr), str(root / "usr"))
+        mounts.append(root / "usr")
+        for d in ("bin", "sbin", "lib", "lib64"):
+            (root / d).symlink_to(f"usr/{d}")
+        shutil.copyfile(root / "usr/lib/os-release", root / "etc/os-release")
+        _sh("mount", "--rbind", "/dev", str(root / "dev"))
+        mounts.append(root / "dev")
+        _sh("mount", "-t", "proc", "proc", str(root / "proc"))
+        mounts.append(root / "proc")
+        _sh("mount", "--rbind", "/sys", str(root / "sys"))
+        mounts.append(root / "sys")
+        for transfer in ("10-usr.transfer", "20-usr-verity.transfer"):
+            text = (ROOT / "image/mkosi.extra/usr/lib/sysupdate.d" / transfer).read_text()
+            text = text.replace("Path=auto", f"Path={loop}").replace("Path=/var/lib/appliance/update/source", "Path=/src")
+            text = text.replace("ProtectVersion=%A", "")  # the chroot's os-release names the version it installs
+            (root / "defs" / transfer).write_text(text)
+        for staged, linked in device_update.source_names(index).items():
+            if linked.endswith(".raw"):
+                os.link(work / "bundle" / staged, root / "src" / linked)
+
+        def ours() -> None:  # as applianctl.update.prepare_slot, then systemd-sysupdate
+            for start, length in slot:
+                _sh("blkdiscard", "--force", "--zeroout", "--offset", str(start), "--length", str(length), loop)
+            for i in (3, 4):
+                _sh("sfdisk", "-q", "--part-label", loop, str(i), "_empty")
+            _sh("chroot", str(root), "/usr/lib/systemd/systemd-sysupdate", "--definitions=/defs", "--no-pager",
+                "update", index["version"])
+            _sh("sync")
+
+        base = _time(plain)
+        mine = _time(ours)
+        for src, (start, _) in zip(images, slot, strict=True):  # the slot holds exactly the signed bytes
+            _sh("cmp", f"--ignore-initial=0:{start}", "-n", str(src.stat().st_size), str(src), loop)
+        _row("write a /usr slot (blank + sysupdate vs dd)", mine, base, "target <= 1.3x")
+    finally:
+        for m in reversed(mounts):
+            subprocess.run(["umount", "-R", str(m)], check=False, capture_output=True)
+        if loop:
+            subprocess.run(["losetup", "-d", loop], check=False)
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> int:
     demo = config.load(ROOT / "appliance.toml", "demo")
-    for bench in (bench_status, bench_preload, bench_rebuild):
+    for bench in (bench_status, bench_preload, bench_bundle_bytes, bench_slot_write, bench_rebuild):
         try:
             bench(demo)
         except Exception as e:  # a benchmark that cannot run says so and the others still run

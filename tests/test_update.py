@@ -236,7 +236,7 @@ def test_a_half_written_slot_is_relabelled_and_written_again(tmp_path: Path, dev
     relabel = [i for i, c in enumerate(calls) if c.startswith("sfdisk --part-label /dev/vda 5 _empty")]
     zero = [i for i, c in enumerate(calls) if c in ("blkdiscard --zeroout /dev/vda5", "blkdiscard --zeroout /dev/vda6")]
     write = [i for i, c in enumerate(calls) if c.startswith("systemd-sysupdate")]
-    assert relabel and len(zero) == 2 and write and relabel[0] < zero[0] < zero[1] < write[0]
+    assert relabel and len(zero) == 2 and write and zero[0] < zero[1] < relabel[0] < write[0]
 
 
 def test_the_old_version_in_the_inactive_slot_loses_its_entry_before_the_slot_is_blanked(
