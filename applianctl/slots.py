@@ -57,10 +57,6 @@ def source_dir() -> Path:
     return update_dir() / "source"
 
 
-def engine_source_dir() -> Path:
-    return update_dir() / "source-engine"
-
-
 def last_update_path() -> Path:
     return update_dir() / "last-update.json"
 

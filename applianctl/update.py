@@ -226,6 +226,20 @@ def check_policy(index: dict[str, Any], running: dict[str, Any], allow_downgrade
     return downgrade
 
 
+def check_engine(index: dict[str, Any], running: dict[str, Any]) -> None:
+    """The new version must run the engine image this appliance has. A bundle for a new engine
+    digest carries the engine partition image, but writing it to a second engine partition is
+    not built yet: refused before anything is downloaded, rather than a version that cannot start
+    its engine being installed and rolled back."""
+    have = str(running.get("engine_image", {}).get("digest", index["engine_digest"]))
+    if index["engine_digest"] != have:
+        raise Refused(
+            f"bundle {index['version']} runs engine image {engine_short(index['engine_digest'])}, this appliance has "
+            f"{engine_short(have)}; installing a new engine image over the air is not supported yet",
+            hint="release the new version with the engine digest the appliance runs, or flash an image built with the new engine",
+        )
+
+
 def check_fits(index: dict[str, Any], inactive: slots.Slot) -> None:
     sizes = index["partition_sizes"]
     names = payload_names(index["version"], index["engine_digest"], False)
@@ -410,6 +424,8 @@ def stage(index: dict[str, Any], source: Source, staging: Path) -> None:
     """Fetch every file of the bundle into STAGING, each checked against bundle.json. A file
     already staged is re-hashed, not trusted; a partial one (NAME.part) is resumed."""
     for f in index["files"]:
+        if f["name"].startswith("engine_"):
+            continue  # the appliance has this engine image already (check_engine)
         final, part = staging / f["name"], staging / (f["name"] + ".part")
         if final.exists():
             if final.stat().st_size == f["size"] and sha256_file(final) == f["sha256"]:
@@ -511,33 +527,19 @@ def source_names(index: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def carries_engine(index: dict[str, Any]) -> bool:
-    return any(f["name"].startswith("engine_") for f in index["files"])
-
-
 def sysupdate_commands(index: dict[str, Any]) -> list[list[str]]:
-    """The systemd-sysupdate runs, in order: the engine component (only when the bundle carries a
-    new engine image), then the OS (its transfers write /usr, its verity, and the kernel image last)."""
-    program = sysupdate_program()
-    commands = []
-    if carries_engine(index):
-        commands.append([program, "--no-pager", "--component=engine", "update", engine_short(index["engine_digest"])])
-    commands.append([program, "--no-pager", "update", index["version"]])
-    return commands
+    """The systemd-sysupdate run: its transfers write /usr, its verity, and the kernel image last."""
+    return [[sysupdate_program(), "--no-pager", "update", index["version"]]]
 
 
 def link_sources(index: dict[str, Any], staging: Path) -> None:
-    """Fill the sysupdate source directories with exactly this bundle's verified files."""
-    pairs = [(slots.source_dir(), source_names(index))]
-    if carries_engine(index):
-        names = payload_names(index["version"], index["engine_digest"], True)
-        pairs.append((slots.engine_source_dir(), {names["engine"]: names["engine"], names["engine-verity"]: names["engine-verity"]}))
-    for directory, mapping in pairs:
-        shutil.rmtree(directory, ignore_errors=True)
-        directory.mkdir(mode=0o700, parents=True)
-        for staged, linked in mapping.items():
-            os.link(staging / staged, directory / linked)
-        slots.fsync_dir(directory)
+    """Fill the sysupdate source directory with exactly this bundle's verified files."""
+    directory = slots.source_dir()
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(mode=0o700, parents=True)
+    for staged, linked in source_names(index).items():
+        os.link(staging / staged, directory / linked)
+    slots.fsync_dir(directory)
 
 
 def prepare_slot(host: slots.Host, inactive: slots.Slot, running_version: str) -> None:
@@ -598,6 +600,7 @@ def update(
         index = verify_index(data, sig, keys_dir)
         # 2. policy and fit
         downgrade = check_policy(index, running, allow_downgrade)
+        check_engine(index, running)
         inactive = inactive_slot(host, running["version"])
         check_fits(index, inactive)
         version = index["version"]
@@ -634,13 +637,11 @@ def update(
                 "from_version": running["version"],
                 "slot": inactive.name,
                 "downgrade": downgrade,
-                "engine_written": carries_engine(index),
                 "installed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "source": spec,
             },
         )
         shutil.rmtree(slots.source_dir(), ignore_errors=True)
-        shutil.rmtree(slots.engine_source_dir(), ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
     say(f"installed {version} into slot {inactive.name}; it boots next, on trial (3 tries)")
     if reboot:

@@ -98,7 +98,7 @@ def signing_fixture(tmp_path: Path) -> tuple[Path, Path]:
     return make_signing(tmp_path)
 
 
-RUNNING = {"version": "1.0.0", "profile": "demo", "min_version": "0"}
+RUNNING = {"version": "1.0.0", "profile": "demo", "min_version": "0", "engine_image": {"digest": demo_config("1.0.0").engine.digest}}
 
 
 def run_update(device: Device, source: str, trusted: Path, **kw: Any) -> int:
@@ -125,14 +125,20 @@ def test_update_from_directory_writes_the_inactive_slot_through_sysupdate(tmp_pa
     assert not slots.source_dir().exists()  # cleaned after the write
 
 
-def test_engine_component_is_written_first_when_the_bundle_carries_one(tmp_path: Path, device: Device, signing: Any) -> None:
+def test_an_engine_image_the_appliance_has_is_never_downloaded(tmp_path: Path, device: Device, signing: Any) -> None:
     key, trusted = signing
-    b = bundle(tmp_path, key, "2.0.0", engine=True)
+    b = bundle(tmp_path, key, "2.0.0", engine=True)  # released without --previous: carries the same engine
     assert run_update(device, str(b), trusted, reboot=True) == 0
+    assert not list(slots.staging_dir().glob("*/engine_*"))
     calls = [c for c in device.calls() if not c.startswith(("  ", "sfdisk", "blkdiscard"))]
-    assert calls[0].startswith("systemd-sysupdate --no-pager --component=engine update ")
-    assert calls[1] == "systemd-sysupdate --no-pager update 2.0.0"
-    assert calls[2] == "systemctl reboot"
+    assert calls == ["systemd-sysupdate --no-pager update 2.0.0", "systemctl reboot"]
+
+
+def test_a_new_engine_image_is_refused_before_any_download(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0", engine=True, digest="sha256:" + "ab" * 32)
+    _refused(device, str(b), trusted, "installing a new engine image over the air is not supported yet")
+    assert not slots.staging_dir().exists() or not any(slots.staging_dir().rglob("*.raw*"))
 
 
 # ----------------------------------------------------------------------------------- refusals
