@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from test_status import MODEL, free_port, start_standin, stop
+from standin_engine import MODEL, free_port, start_standin, stop
 
 from applianctl import paths, smoke
 from builder import config as builder_config

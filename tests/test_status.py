@@ -9,9 +9,6 @@ import datetime
 import io
 import json
 import mmap
-import os
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -19,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_systemd import MockSystemd, start_mock_systemd, stop_mock_systemd
+from mock_systemd import MockSystemd, start_mock_systemd, stop_mock_systemd
+from standin_engine import MODEL, free_port, start_standin, stop
 
 from applianctl import paths, probes, status
 from builder import config as builder_config
@@ -27,47 +25,9 @@ from builder import config as builder_config
 ROOT = Path(__file__).parents[1]
 FIXTURES = ROOT.parent / "shared" / "fixtures"
 ROCM_SMI_TEXT = (FIXTURES / "gpu" / "rocm-smi-concise-and-showmeminfo-vram-mi300x-x8-spx-rocm633.txt").read_text()
-MODEL = "standin/tiny-demo"
 
 
 # ----------------------------------------------------------------------------------- helpers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_standin(port: int, name: str = MODEL, **env: str) -> subprocess.Popen[bytes]:
-    """The other team's stand-in engine, as the demo image runs it."""
-    full_env = {**os.environ, "STANDIN_LOAD_SECONDS": "0", "STANDIN_SHM_DIR": "/nonexistent", **env}
-    argv = [sys.executable, "-m", "standin", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(
-        [*argv, "--served-model-name", name],
-        cwd=ROOT,
-        env=full_env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    end = time.monotonic() + 15
-    while time.monotonic() < end:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc
-        assert proc.poll() is None, "the stand-in exited"
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("the stand-in did not open its port")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def gpu_runner(argv: Sequence[str], timeout: float) -> tuple[int, str]:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -14,57 +11,9 @@ dbus = pytest.importorskip("dbus")
 dbusmock = pytest.importorskip("dbusmock")
 pydbus = pytest.importorskip("pydbus")
 
+from mock_systemd import MockSystemd, start_mock_systemd, stop_mock_systemd  # noqa: E402
+
 from applianctl import probes, systemd  # noqa: E402
-
-UNIT_IFACE = "org.freedesktop.systemd1.Unit"
-SERVICE_IFACE = "org.freedesktop.systemd1.Service"
-T0 = 1_795_000_000_000_000  # µs since the epoch
-
-
-@dataclass
-class MockSystemd:
-    address: str
-    main: Any  # dbus-python proxy of the manager, with the mock interface
-
-    def add(self, name: str, active: str = "active", sub: str = "running", **service: Any) -> None:
-        """Add NAME to the mock with the given states and Service properties."""
-        self.main.AddMockUnit(name, dbus_interface=dbusmock.MOCK_IFACE)
-        path = self.main.GetUnit(name, dbus_interface=systemd.BUS_NAME + ".Manager")
-        obj = dbusmock.DBusTestCase.get_dbus(system_bus=True).get_object(systemd.BUS_NAME, path)
-        enter = T0 if active not in ("inactive",) or service.pop("ran", False) else 0
-        obj.UpdateProperties(UNIT_IFACE, {"ActiveState": active}, dbus_interface=dbusmock.MOCK_IFACE)
-        obj.AddProperties(
-            UNIT_IFACE,
-            {
-                "SubState": sub,
-                "ActiveEnterTimestamp": dbus.UInt64(enter),
-                "StateChangeTimestamp": dbus.UInt64(T0 + 5_000_000),
-            },
-            dbus_interface=dbusmock.MOCK_IFACE,
-        )
-        if service:
-            obj.AddProperties(
-                SERVICE_IFACE,
-                {"NRestarts": dbus.UInt32(service.get("restarts", 0)), "Result": service.get("result", "success")},
-                dbus_interface=dbusmock.MOCK_IFACE,
-            )
-
-    def bus(self) -> Any:
-        return pydbus.connect(self.address)
-
-
-def start_mock_systemd() -> tuple[subprocess.Popen[bytes], MockSystemd]:
-    """A private system bus with the systemd template on it; stop with stop_mock_systemd()."""
-    dbusmock.DBusTestCase.start_system_bus()
-    address = os.environ["DBUS_SYSTEM_BUS_ADDRESS"]
-    proc, main = dbusmock.DBusTestCase.spawn_server_template("systemd", {}, stdout=subprocess.DEVNULL)
-    return proc, MockSystemd(address, main)
-
-
-def stop_mock_systemd(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    proc.wait(5)
-    dbusmock.DBusTestCase.tearDownClass()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_release import bundle, demo_config, fake_build, make_signing, usrhash_for
+from fake_release import bundle, demo_config, fake_build, make_signing, usrhash_for
 
 from applianctl import paths, rollback, slots
 from applianctl import update as up

@@ -1,0 +1,103 @@
+"""A fake build output standing in for mkosi's, and release bundles made from it: small
+partition images, a minimal PE file with the .cmdline (usrhash=) and .osrel sections of a unified
+kernel image, and a manifest signed with a throwaway key."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+from pathlib import Path
+from typing import Any
+
+from applianctl import manifest
+from applianctl import update as device_update
+from builder import keys
+from builder import release as rel
+from builder.config import Config, load
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_pe(path: Path, sections: dict[str, bytes]) -> None:
+    """A minimal PE file with SECTIONS, enough for update.pe_sections (a stand-in UKI)."""
+    pe_offset = 0x40
+    table_offset = pe_offset + 24
+    data_offset = table_offset + 40 * len(sections)
+    head = bytearray(b"MZ" + b"\0" * (pe_offset - 2))
+    struct.pack_into("<I", head, 0x3C, pe_offset)
+    coff = b"PE\0\0" + struct.pack("<HHIIIHH", 0x8664, len(sections), 0, 0, 0, 0, 0)
+    table, body = b"", b""
+    for name, data in sections.items():
+        header = struct.pack("<IIIIIIHHI", len(data), 0, len(data), data_offset + len(body), 0, 0, 0, 0, 0)
+        table += name.encode().ljust(8, b"\0") + header
+        body += data
+    path.write_bytes(bytes(head) + coff + table + body + b"\0" * 512)
+
+
+def usrhash_for(version: str) -> str:
+    return hashlib.sha256(f"roothash {version}".encode()).hexdigest()
+
+
+def demo_config(version: str, min_version: str = "0", digest: str | None = None) -> Config:
+    config = load(REPO / "appliance.toml", "demo")
+    engine = dataclasses.replace(config.engine, digest=digest) if digest else config.engine
+    appliance = dataclasses.replace(config.appliance, version=version, min_version=min_version)
+    return dataclasses.replace(config, appliance=appliance, engine=engine)
+
+
+def fake_build(out: Path, config: Config, key: Path, engine: bool = False, usr_bytes: int = 4096) -> Path:
+    """What `python3 -m builder build` leaves in out/PROFILE, in small."""
+    out.mkdir(parents=True, exist_ok=True)
+    v = config.appliance.version
+    (out / f"appliance_{v}.usr.raw").write_bytes(bytes([7]) * usr_bytes + v.encode())
+    (out / f"appliance_{v}.usr-verity.raw").write_bytes(b"verity" * 100 + v.encode())
+    make_pe(
+        out / f"appliance_{v}.efi",
+        {
+            ".osrel": f'ID=debian\nIMAGE_ID="appliance"\nIMAGE_VERSION="{v}"\n'.encode(),
+            ".cmdline": f"usrhash={usrhash_for(v)} rw console=ttyS0,115200".encode(),
+        },
+    )
+    if engine:
+        short = device_update.engine_short(config.engine.digest)
+        (out / f"engine_{short}.raw").write_bytes(b"engine" * 1000)
+        (out / f"engine_{short}.verity.raw").write_bytes(b"engine-verity" * 10)
+    signer = manifest.key_id(manifest.load_private_key(key).public_key())
+    body: dict[str, Any] = {
+        "version": v,
+        "min_version": config.appliance.min_version,
+        "build_time": "2026-01-01T00:00:00Z",
+        "profile": config.profile,
+        "engine_image": {
+            "reference": config.engine.reference,
+            "digest": config.engine.digest,
+            "store_label": "engine_" + device_update.engine_short(config.engine.digest),
+            "store_roothash": hashlib.sha256(config.engine.digest.encode()).hexdigest(),
+        },
+        "model": {"id": config.model.id, "revision": config.model.revision},
+        "kernel_version": "6.12.38+deb13-amd64",
+        "files": [],
+        "signer": signer,
+    }
+    (out / "manifest.json").write_bytes(manifest.dumps(body))
+    (out / "manifest.json.sig").write_bytes(manifest.sign(body, key))
+    return out
+
+
+def make_signing(tmp_path: Path) -> tuple[Path, Path]:
+    """(private key, trusted keys directory holding its public key)."""
+    private, public = keys.generate(tmp_path / "keys")
+    trusted = tmp_path / "trusted"
+    trusted.mkdir()
+    (trusted / keys.trusted_name(public)).write_bytes(public.read_bytes())
+    return private, trusted
+
+
+def bundle(tmp_path: Path, key: Path, version: str = "2.0.0", **kw: Any) -> Path:
+    engine = kw.pop("engine", False)
+    config = demo_config(version, kw.pop("min_version", "0"), kw.pop("digest", None))
+    out = fake_build(tmp_path / f"out-{version}", config, key, engine=engine, usr_bytes=kw.pop("usr_bytes", 4096))
+    target = tmp_path / f"bundle-{version}"
+    rel.make_bundle(config, out, target, key, **kw)
+    return target
