@@ -143,10 +143,12 @@ def make_bundle(
 
     names = device_update.payload_names(version, config.engine.digest, with_engine=False)
     sources = {names[r]: out / names[r] for r in ("usr", "usr-verity", "uki")}
-    engine_names = device_update.payload_names(version, config.engine.digest, with_engine=True)
-    engine_files = {engine_names[r]: out / engine_names[r] for r in ("engine", "engine-verity")}
-    if config.engine.digest not in known_digests and all(p.is_file() for p in engine_files.values()):
-        sources.update(engine_files)
+    if config.engine.digest not in known_digests:
+        # the engine store partition as mkosi splits it out (SplitName=engine, engine-verity),
+        # shipped under its digest's name
+        engine_names = device_update.payload_names(version, config.engine.digest, with_engine=True)
+        sources[engine_names["engine"]] = out / f"appliance_{version}.engine.raw"
+        sources[engine_names["engine-verity"]] = out / f"appliance_{version}.engine-verity.raw"
     for path in sources.values():
         if not path.is_file():
             hint = f"build first: python3 -m builder --profile {config.profile} build"

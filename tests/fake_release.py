@@ -46,7 +46,7 @@ def demo_config(version: str, min_version: str = "0", digest: str | None = None)
     return dataclasses.replace(config, appliance=appliance, engine=engine)
 
 
-def fake_build(out: Path, config: Config, key: Path, engine: bool = False, usr_bytes: int = 4096) -> Path:
+def fake_build(out: Path, config: Config, key: Path, usr_bytes: int = 4096) -> Path:
     """What `python3 -m builder build` leaves in out/PROFILE, in small."""
     out.mkdir(parents=True, exist_ok=True)
     v = config.appliance.version
@@ -59,10 +59,9 @@ def fake_build(out: Path, config: Config, key: Path, engine: bool = False, usr_b
             ".cmdline": f"usrhash={usrhash_for(v)} rw console=ttyS0,115200".encode(),
         },
     )
-    if engine:
-        short = device_update.engine_short(config.engine.digest)
-        (out / f"engine_{short}.raw").write_bytes(b"engine" * 1000)
-        (out / f"engine_{short}.verity.raw").write_bytes(b"engine-verity" * 10)
+    # the engine store partition, as mkosi splits it out
+    (out / f"appliance_{v}.engine.raw").write_bytes(b"engine" * 1000)
+    (out / f"appliance_{v}.engine-verity.raw").write_bytes(b"engine-verity" * 10)
     signer = manifest.key_id(manifest.load_private_key(key).public_key())
     body: dict[str, Any] = {
         "version": v,
@@ -97,7 +96,9 @@ def make_signing(tmp_path: Path) -> tuple[Path, Path]:
 def bundle(tmp_path: Path, key: Path, version: str = "2.0.0", **kw: Any) -> Path:
     engine = kw.pop("engine", False)
     config = demo_config(version, kw.pop("min_version", "0"), kw.pop("digest", None))
-    out = fake_build(tmp_path / f"out-{version}", config, key, engine=engine, usr_bytes=kw.pop("usr_bytes", 4096))
+    out = fake_build(tmp_path / f"out-{version}", config, key, usr_bytes=kw.pop("usr_bytes", 4096))
+    if not engine:  # released for a target that has this engine already
+        kw.setdefault("previous_bundle_or_engine_digests", [config.engine.digest])
     target = tmp_path / f"bundle-{version}"
     rel.make_bundle(config, out, target, key, **kw)
     return target

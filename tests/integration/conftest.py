@@ -116,7 +116,7 @@ def bundles(demo_config: config.Config, demo_image: Path, https_root: tuple[Path
     for name, cfg, previous in (("v2", config.with_version(demo_config, V2), V1), ("v3", v3, V2)):
         outputs[name] = tmp_path_factory.mktemp(f"{name}-build") / "out"
         build.build(cfg, output=outputs[name])
-        release.make_bundle(cfg, outputs[name], root / name, key, previous_version=previous)
+        release.make_bundle(cfg, outputs[name], root / name, key, [cfg.engine.digest], previous_version=previous)
     # one flipped byte in a partition image; bundle.json (signed) still names the true hash
     shutil.copytree(root / "v3", root / "flipped", copy_function=os.link)
     verity = root / "flipped" / f"appliance_{V3}.usr-verity.raw"
@@ -126,9 +126,9 @@ def bundles(demo_config: config.Config, demo_image: Path, https_root: tuple[Path
     verity.write_bytes(bytes(data))
     # the same release, signed by a key the appliance does not trust
     stranger, _ = keys.generate(tmp_path_factory.mktemp("stranger-key"))
-    release.make_bundle(v3, outputs["v3"], root / "untrusted", stranger, previous_version=V2)
+    release.make_bundle(v3, outputs["v3"], root / "untrusted", stranger, [v3.engine.digest], previous_version=V2)
     # a downgrade: v1's own build, released
-    release.make_bundle(demo_config, v1_out, root / "v1", key)
+    release.make_bundle(demo_config, v1_out, root / "v1", key, [demo_config.engine.digest])
     return {name: f"{url}/{name}/" for name in ("v2", "v3", "flipped", "untrusted", "v1")}
 
 
