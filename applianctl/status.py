@@ -55,7 +55,21 @@ def probe_slots(config: Mapping[str, Any], src: Sources) -> Part:
     if not summary["slots"]:
         reason = "; ".join(summary["errors"]) or "no A/B slots found"
         return Part(probes.NOT_CONFIGURED, reason.splitlines()[0], summary)
-    return Part(probes.OK, "", summary)
+    return Part(probes.OK, slots_line(summary["slots"]), summary)
+
+
+def slots_line(found: list[dict[str, Any]]) -> str:
+    """"A 1.0.0 booted, good; B 1.0.1 on trial (2 tries left)" for the text status."""
+    out = []
+    for slot in found:
+        words = [slot["slot"], slot["version"] or "empty"]
+        state = slot["state"] if slot["version"] else ""
+        if slot["booted"]:
+            words.append("booted" + ("," if state else ""))
+        if state:
+            words.append(state + (f" ({slot['tries_left']} tries left)" if state == "on trial" else ""))
+        out.append(" ".join(words))
+    return "; ".join(out)
 
 
 def _cross_check(parts: dict[str, Part]) -> None:

@@ -410,3 +410,11 @@ def test_tls(tree: Path, config: dict[str, Any]) -> None:
     assert probes.probe_tls(config, now=later).state == probes.DOWN
     (paths.TLS_DIR / "ca.crt").write_text("not a certificate")
     assert probes.probe_tls(config).state == probes.DOWN
+
+
+def test_the_slots_line_names_versions_the_booted_slot_and_trials() -> None:
+    good = {"slot": "B", "version": "1.0.1", "state": "good", "booted": True, "tries_left": None}
+    trial = {"slot": "A", "version": "1.0.2", "state": "on trial", "booted": False, "tries_left": 2}
+    empty = {"slot": "B", "version": None, "state": "empty", "booted": False, "tries_left": None}
+    assert status.slots_line([trial, good]) == "A 1.0.2 on trial (2 tries left); B 1.0.1 booted, good"
+    assert status.slots_line([{**good, "slot": "A", "version": "1.0.0"}, empty]) == "A 1.0.0 booted, good; B empty"
