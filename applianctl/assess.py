@@ -23,7 +23,7 @@ from typing import Any
 import requests
 
 from applianctl import config as appliance_config
-from applianctl import manifest, slots, smoke
+from applianctl import manifest, slots, smoke, state
 from applianctl.errors import UserError
 
 POLL_S = 5.0
@@ -67,7 +67,7 @@ def demote_newer(host: slots.Host, version: str) -> list[str]:
             entry.path.rename(target)
             demoted.append(target.name)
     if demoted and host.esp is not None:
-        slots.fsync_dir(host.esp / "EFI" / "Linux")
+        state.fsync_dir(host.esp / "EFI" / "Linux")
     return demoted
 
 
@@ -110,11 +110,11 @@ def assess(
         last = slots.read_json(slots.last_update_path()) or {}
         if last.get("downgrade") and last.get("version") == version:
             record["demoted"] = demote_newer(host, version)
-        slots.write_json(slots.last_assessment_path(), record)
+        state.write_json_atomic(slots.last_assessment_path(), record)
         say(f"{version} serves: judged good")
         return 0
     record["reason"] = f"rolled back: {why}"
-    slots.write_json(slots.last_assessment_path(), record)
+    state.write_json_atomic(slots.last_assessment_path(), record)
     say(f"{version} failed its assessment ({why}); rebooting (tries left: {counting.get('tries_left')})")
     (reboot or _reboot)()
     return 1

@@ -14,7 +14,7 @@ import argparse
 import time
 from typing import Any
 
-from applianctl import slots
+from applianctl import slots, state
 from applianctl.errors import UserError
 from applianctl.update import Refused
 
@@ -48,8 +48,8 @@ def rollback(host: slots.Host | None = None, *, force: bool = False, running_ver
     if current.state != "bad":
         current.path.rename(current.path.with_name(f"appliance_{current.version}+0.efi"))
     assert host.esp is not None
-    slots.fsync_dir(host.esp / "EFI" / "Linux")
-    slots.write_json(
+    state.fsync_dir(host.esp / "EFI" / "Linux")
+    state.write_json_atomic(
         slots.update_dir() / "last-rollback.json",
         {
             "from_version": running_version,

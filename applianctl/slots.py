@@ -146,26 +146,6 @@ def running_manifest() -> dict[str, Any]:
         raise UserError(f"{paths.MANIFEST}: no release manifest", hint="this command runs on the appliance") from None
 
 
-def write_json(path: Path, value: Any) -> None:
-    """Write PATH atomically and durably (temporary file, fsync, rename, fsync of the directory)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         value = json.loads(path.read_text())

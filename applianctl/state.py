@@ -1,4 +1,8 @@
-"""Writing the appliance's state files: each result lands whole or not at all."""
+"""Writing the appliance's files: each lands whole or not at all, and survives a power cut.
+
+The one place for atomic, durable writes on the device and on the build host (the builder uses it
+too): a temporary file beside the target, synced, renamed over it, then the directory synced.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +13,34 @@ from pathlib import Path
 from typing import Any
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """PATH holds DATA as JSON: written to a temporary file beside it, synced, then renamed."""
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644, group: int | None = None) -> None:
+    """PATH holds DATA, with MODE (and GROUP) from the start: nobody sees a partial file or a
+    private key with looser permissions."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
+        os.fchmod(fd, mode)
+        if group is not None:
+            os.fchown(fd, -1, group)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """PATH holds DATA as JSON (indented, keys sorted), written with atomic_write."""
+    atomic_write(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8"))

@@ -22,11 +22,9 @@ import datetime
 import grp
 import ipaddress
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +37,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from applianctl import config, paths
 from applianctl.errors import UserError
+from applianctl.state import atomic_write
 
 PROXY_UNIT = "appliance-proxy.service"
 PROXY_GROUP = "caddy"  # Debian's caddy package creates it; appliance-proxy.service runs as caddy
@@ -248,28 +247,6 @@ def host_addresses() -> list[IpAddress]:
 # ------------------------------------------------------------------------------ files
 
 
-def _write(path: Path, data: bytes, mode: int, group: int | None = None) -> None:
-    """Write DATA to PATH atomically: a temporary file in the same directory, then rename."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, mode)
-        if group is not None:
-            os.fchown(fd, -1, group)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def proxy_gid(group: str = PROXY_GROUP) -> int | None:
     """The proxy's group, or None where it does not exist (tests, a build host): no chown then."""
     try:
@@ -357,8 +334,8 @@ def generate(
     ca_key = _load_key(files.ca_key)
     if ca_cert is None or ca_key is None or not _same_public_key(ca_key, ca_cert) or not_after(ca_cert) <= now:
         ca_key, ca_cert = make_ca(hostname, now)
-        _write(files.ca_key, _key_pem(ca_key), 0o600)
-        _write(files.ca_crt, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        atomic_write(files.ca_key, _key_pem(ca_key), 0o600)
+        atomic_write(files.ca_crt, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
         created_ca = True
 
     reason = _renew_reason(files, ca_cert, hostname, addresses, now)
@@ -366,8 +343,8 @@ def generate(
         return Result(created_ca=created_ca, renewed=False, reason="server certificate is current")
     key, cert = make_server(ca_key, ca_cert, hostname, addresses, now)
     # The key first: Caddy reads both only when told to reload, after both are in place.
-    _write(files.server_key, _key_pem(key), 0o640 if gid is not None else 0o600, gid)
-    _write(files.server_crt, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    atomic_write(files.server_key, _key_pem(key), 0o640 if gid is not None else 0o600, gid)
+    atomic_write(files.server_crt, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return Result(created_ca=created_ca, renewed=True, reason=reason)
 
 

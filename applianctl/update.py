@@ -42,7 +42,7 @@ from typing import IO, Any
 
 from cryptography.exceptions import InvalidSignature
 
-from applianctl import manifest, paths, slots
+from applianctl import manifest, paths, slots, state
 from applianctl.errors import UserError
 
 BUNDLE_INDEX = "bundle.json"
@@ -231,7 +231,7 @@ def check_engine(index: dict[str, Any], running: dict[str, Any]) -> None:
     digest carries the engine partition image, but writing it to a second engine partition is
     not built yet: refused before anything is downloaded, rather than a version that cannot start
     its engine being installed and rolled back."""
-    have = str(running.get("engine_image", {}).get("digest", index["engine_digest"]))
+    have = str(running["engine_image"]["digest"])
     if index["engine_digest"] != have:
         raise Refused(
             f"bundle {index['version']} runs engine image {engine_short(index['engine_digest'])}, this appliance has "
@@ -440,7 +440,7 @@ def stage(index: dict[str, Any], source: Source, staging: Path) -> None:
                 hint="the file was changed or damaged; nothing was written",
             )
         part.rename(final)
-    slots.fsync_dir(staging)
+    state.fsync_dir(staging)
 
 
 # ----------------------------------------------------------------------------------- inside checks
@@ -539,7 +539,7 @@ def link_sources(index: dict[str, Any], staging: Path) -> None:
     directory.mkdir(mode=0o700, parents=True)
     for staged, linked in source_names(index).items():
         os.link(staging / staged, directory / linked)
-    slots.fsync_dir(directory)
+    state.fsync_dir(directory)
 
 
 def prepare_slot(host: slots.Host, inactive: slots.Slot, running_version: str) -> None:
@@ -554,7 +554,7 @@ def prepare_slot(host: slots.Host, inactive: slots.Slot, running_version: str) -
             if entry.version == old:
                 entry.path.unlink()
         if host.esp is not None:
-            slots.fsync_dir(host.esp / "EFI" / "Linux")
+            state.fsync_dir(host.esp / "EFI" / "Linux")
     parts = [p for p in (inactive.usr, inactive.verity) if p is not None]
     for part in parts:
         zero = ["blkdiscard", "--zeroout", part.node]
@@ -630,7 +630,7 @@ def update(
         os.sync()
         if downgrade:
             slots.run(["bootctl", "set-oneshot", f"appliance_{version}.efi"], "bootctl set-oneshot", "select the entry in the boot menu")
-        slots.write_json(
+        state.write_json_atomic(
             slots.last_update_path(),
             {
                 "version": version,

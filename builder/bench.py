@@ -29,7 +29,7 @@ from pathlib import Path
 from applianctl import slots
 from applianctl import update as device_update
 from builder import build, config, engine_image, release
-from builder.run import mkosi_command
+from builder.run import mkosi_command, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,10 +137,7 @@ def bench_bundle_bytes(demo: config.Config, engine_bytes: int = 2 * 1024**3) -> 
 
 
 def _sh(*argv: str) -> str:
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{argv[0]} failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
-    return proc.stdout
+    return run(argv, capture=True).stdout
 
 
 def bench_slot_write(demo: config.Config) -> None:

@@ -77,7 +77,7 @@ def mkosi_arguments(config: Config, generated: Path, sandbox: Path, repart: Path
     ]
 
 
-def _replace_dir(new: Path, final: Path) -> None:
+def replace_dir(new: Path, final: Path) -> None:
     """Swap NEW into FINAL's place; the old FINAL is removed only after the swap."""
     old = final.with_name(final.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
@@ -173,5 +173,5 @@ def build(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _replace_dir(staging, final)
+    replace_dir(staging, final)
     return BuildResult(final, final / disk.name, config.appliance.version, time.monotonic() - started)

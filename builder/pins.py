@@ -27,11 +27,11 @@ import hashlib
 import os
 import re
 import stat
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from applianctl.state import atomic_write
 from builder.config import PROFILES, Config, load
 from builder.errors import UserError
 
@@ -430,22 +430,8 @@ def compute_sums(root: Path) -> dict[str, str]:
 def write_sums(root: Path) -> list[str]:
     """Write SHA256SUMS atomically (a temporary file renamed over it)."""
     lines = [format_line(name, sha) for name, sha in sorted(compute_sums(root).items())]
-    _atomic_write(root / SUMS_FILE, "".join(line + "\n" for line in lines).encode("utf-8"))
+    atomic_write(root / SUMS_FILE, "".join(line + "\n" for line in lines).encode("utf-8"))
     return lines
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def by_kind(artifacts: Iterable[PinnedArtifact], kind: str) -> list[PinnedArtifact]:

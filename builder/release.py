@@ -39,6 +39,7 @@ from typing import Any
 
 from applianctl import manifest
 from applianctl import update as device_update
+from builder.build import replace_dir
 from builder.config import Config
 from builder.errors import UserError
 
@@ -194,7 +195,7 @@ def make_bundle(
         (tmp / device_update.BUNDLE_SIG).write_bytes(signature)
         for f in tmp.iterdir():
             f.chmod(0o644)
-        _replace_dir(tmp, bundle_dir)
+        replace_dir(tmp, bundle_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -206,16 +207,6 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except FileNotFoundError:
         raise UserError(f"{path}: no such file", hint="build the image first: python3 -m builder build") from None
-
-
-def _replace_dir(new: Path, final: Path) -> None:
-    """Swap NEW into FINAL's place; the old FINAL is removed only after the swap."""
-    old = final.with_name(final.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    new.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------- CLI glue

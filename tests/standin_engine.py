@@ -9,14 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+from standin.testing import free_port
+
+__all__ = ["MODEL", "free_port", "start_standin", "stop"]
+
 ROOT = Path(__file__).parents[1]
 MODEL = "standin/tiny-demo"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_standin(port: int, name: str = MODEL, **env: str) -> subprocess.Popen[bytes]:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from fake_release import bundle, demo_config, fake_build, make_signing, usrhash_for
 
-from applianctl import paths, rollback, slots
+from applianctl import paths, rollback, slots, state
 from applianctl import update as up
 from applianctl.errors import UserError
 from builder import release as rel
@@ -432,9 +432,9 @@ def test_transfer_definitions_parse_and_match_what_update_stages(tmp_path: Path,
 def test_slots_summary_and_rollback(device: Device) -> None:
     device.set_gpt("appliance_1.0.0", "appliance_2.0.0")
     (device.esp / "EFI/Linux/appliance_2.0.0+0-3.efi").write_bytes(b"uki 2")
-    slots.write_json(slots.last_update_path(), {"version": "2.0.0", "from_version": "1.0.0"})
+    state.write_json_atomic(slots.last_update_path(), {"version": "2.0.0", "from_version": "1.0.0"})
     failed = {"version": "2.0.0", "ok": False, "reason": "rolled back: engine not healthy within 600 s"}
-    slots.write_json(slots.last_assessment_path(), failed)
+    state.write_json_atomic(slots.last_assessment_path(), failed)
     summary = slots.slots_summary(device.host, running_version="1.0.0")
     assert summary["booted_slot"] == "A"
     assert [(s["slot"], s["version"], s["state"]) for s in summary["slots"]] == [("A", "1.0.0", "good"), ("B", "2.0.0", "bad")]

@@ -19,6 +19,7 @@ from journey import V1, V2, V3, reports_of
 
 from applianctl import tls
 from builder import build, config, keys, qemu, release
+from standin.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,12 +57,6 @@ POWER_CUT_TEXT = f"writing slot A: {V3}"
 POWER_CUT_DELAY_S = 2.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def https_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str, str]]:
     """A static HTTPS server (Debian's Caddy) over a directory of bundles: (root, url, CA PEM).
@@ -70,7 +65,7 @@ def https_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path,
     tls.generate(work / "tls", "updates.appliance.test", [ipaddress.ip_address("10.0.2.2")], group="nonexistent-group")
     root = work / "www"
     root.mkdir()
-    port = _free_port()
+    port = free_port()
     caddyfile = work / "Caddyfile"
     caddyfile.write_text(
         "{\n\tadmin off\n\tauto_https disable_redirects\n}\n"
