@@ -1,23 +1,31 @@
-"""Read vLLM's /metrics: a parser for the Prometheus text exposition format and the figures
-`applianctl status` shows from it.
+"""Read vLLM's /metrics with prometheus_client's parsers (Debian's python3-prometheus-client in
+the image) and work out the figures `applianctl status` shows from it.
 
 Counters are exposed with a `_total` suffix and each has a `_created` gauge beside it; vLLM
 renamed some series over time (`gpu_cache_usage_perc` -> `kv_cache_usage_perc`,
 `gpu_prefix_cache_*` -> `prefix_cache_*`), so every figure names the series it accepts, newest
 first. With several engines (data parallel) a figure is summed over their label sets.
+
+What the engine may add later must not turn a healthy engine "degraded": exemplars (text or
+OpenMetrics) are dropped, a family of a type the text parser does not know is read as untyped.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+OPENMETRICS = "application/openmetrics-text"
+# The types prometheus_client's text-format parser accepts; any other `# TYPE` line is dropped
+# so its samples are read as untyped instead of failing the whole scrape.
+_TEXT_TYPES = {"counter", "gauge", "histogram", "summary", "untyped"}
+_TYPE_LINE = re.compile(r"^#\s*TYPE\s+\S+\s+(\S+)\s*$")
+
 
 class ParseError(ValueError):
-    """A line that is not Prometheus text format."""
+    """A scrape that is not Prometheus text or OpenMetrics format."""
 
 
 @dataclass(frozen=True)
@@ -30,51 +38,53 @@ class Sample:
         return dict(self.labels).get(key)
 
 
-_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-_LINE = re.compile(rf"^({_NAME})(?:\{{(.*)\}})?\s+(\S+)(?:\s+-?\d+)?\s*$")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(,|$)')
-_ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+def _drop_exemplar(line: str) -> str:
+    """LINE without a trailing exemplar (` # {labels} value [timestamp]`), quotes respected.
+    Older prometheus_client text parsers (Debian's) do not know exemplars."""
+    quoted = escaped = False
+    for i, ch in enumerate(line):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = quoted
+        elif ch == '"':
+            quoted = not quoted
+        elif ch == "#" and not quoted and i and line[i - 1] in " \t":
+            return line[:i].rstrip()
+    return line
 
 
-def _unescape(value: str) -> str:
-    return re.sub(r"\\[\\\"n]", lambda m: _ESCAPES[m.group(0)], value)
+def _text_format(text: str) -> str:
+    out = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            m = _TYPE_LINE.match(stripped)
+            if m and m.group(1) not in _TEXT_TYPES:
+                continue
+            out.append(stripped)
+        elif stripped:
+            out.append(_drop_exemplar(stripped))
+    return "\n".join(out) + "\n"
 
 
-def _labels(text: str, lineno: int) -> tuple[tuple[str, str], ...]:
-    out: list[tuple[str, str]] = []
-    pos = 0
-    text = text.strip()
-    while pos < len(text):
-        m = _LABEL.match(text, pos)
-        if not m:
-            raise ParseError(f"line {lineno}: bad label set {{{text}}}")
-        out.append((m.group(1), _unescape(m.group(2))))
-        pos = m.end()
-    return tuple(out)
+def parse(text: str, content_type: str = "") -> list[Sample]:
+    """Every sample in TEXT: OpenMetrics when CONTENT_TYPE says so or the text ends in `# EOF`,
+    the Prometheus text format otherwise."""
+    # Imported here: status imports this module whether or not the engine answers.
+    from prometheus_client import parser
+    from prometheus_client.openmetrics import parser as openmetrics_parser
 
-
-def _value(text: str, lineno: int) -> float:
-    special = {"+Inf": math.inf, "-Inf": -math.inf, "Inf": math.inf, "NaN": math.nan}
-    if text in special:
-        return special[text]
     try:
-        return float(text)
-    except ValueError:
-        raise ParseError(f"line {lineno}: bad value {text!r}") from None
-
-
-def parse(text: str) -> list[Sample]:
-    """Every sample in TEXT; comments (# HELP, # TYPE) and blank lines are skipped."""
-    samples = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            raise ParseError(f"line {lineno}: not a sample: {line[:80]!r}")
-        name, labels, value = m.groups()
-        samples.append(Sample(name, _labels(labels or "", lineno), _value(value, lineno)))
-    return samples
+        if content_type.startswith(OPENMETRICS) or text.rstrip().endswith("# EOF"):
+            families = list(openmetrics_parser.text_string_to_metric_families(text))  # type: ignore[no-untyped-call]
+        else:
+            families = list(parser.text_string_to_metric_families(_text_format(text)))
+    except (ValueError, TypeError, IndexError) as e:
+        raise ParseError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    return [
+        Sample(s.name, tuple(sorted(s.labels.items())), float(s.value)) for family in families for s in family.samples
+    ]
 
 
 def total(samples: Iterable[Sample], *names: str) -> float | None:

@@ -6,7 +6,7 @@ ok, and details. Probes run side by side in daemon threads under one deadline, s
 more than the deadline and never keeps the command from exiting.
 
 Everything a probe reads from the machine comes through `Sources`, so tests point it at a
-temporary tree; the paths of the appliance's own files come from `applianctl.paths`.
+temporary tree; the paths of the appliance's own files come from `appliance.paths`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any
 
 import requests
 
-from applianctl import metrics, paths
+from appliance import paths
+from applianctl import metrics
 
 OK = "ok"
 DEGRADED = "degraded"
@@ -313,7 +314,7 @@ def probe_engine(config: Mapping[str, Any], src: Sources) -> Part:
     try:
         r = get("/metrics")
         r.raise_for_status()
-        details["metrics"] = metrics.engine_summary(metrics.parse(r.text))
+        details["metrics"] = metrics.engine_summary(metrics.parse(r.text, r.headers.get("Content-Type", "")))
     except (requests.RequestException, metrics.ParseError) as e:
         details["metrics"] = None
         problems.append(f"/metrics: {type(e).__name__}: {e}".splitlines()[0])

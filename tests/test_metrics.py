@@ -73,13 +73,13 @@ def test_spec_decode_acceptance_and_multiple_engines() -> None:
 def test_escaped_labels_special_values_and_timestamps() -> None:
     text = 'a{path="C:\\\\x",q="say \\"hi\\"",n="l1\\nl2"} +Inf 1700000000000\nb NaN\nc{} -1.5e3\n'
     a, b, c = metrics.parse(text)
-    assert a.labels == (("path", "C:\\x"), ("q", 'say "hi"'), ("n", "l1\nl2"))
+    assert dict(a.labels) == {"path": "C:\\x", "q": 'say "hi"', "n": "l1\nl2"}
     assert a.value == math.inf
     assert math.isnan(b.value)
     assert c.value == -1500.0
 
 
-@pytest.mark.parametrize("line", ["vllm:x{a=1} 2", "vllm:x 1 2 3", "vllm:x", "1abc 2", 'vllm:x{a="b"} two'])
+@pytest.mark.parametrize("line", ["vllm:x{a=1} 2", "vllm:x", "1abc 2", 'vllm:x{a="b"} two'])
 def test_bad_lines_are_refused(line: str) -> None:
     with pytest.raises(metrics.ParseError):
         metrics.parse(line)
@@ -88,3 +88,58 @@ def test_bad_lines_are_refused(line: str) -> None:
 def test_ratio_without_traffic_is_none() -> None:
     assert metrics.ratio(0.0, 0.0) is None
     assert metrics.ratio(None, 3.0) is None
+
+
+def _with_exemplars(text: str) -> str:
+    """The real scrape with an exemplar on every histogram bucket, as vLLM would print them with
+    tracing on (the text format's optional ` # {labels} value timestamp` suffix)."""
+    out = []
+    for line in text.splitlines():
+        if "_bucket{" in line and not line.startswith("#"):
+            line += ' # {trace_id="4bf92f3577b34da6a3ce929d0e0e4736",span="a # b"} 0.042 1771042382.5'
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def test_exemplars_change_nothing(samples: list[metrics.Sample]) -> None:
+    text = _with_exemplars(PROM.read_text())
+    assert text.count("trace_id") > 10
+    with_ex = metrics.parse(text)
+    assert with_ex == samples
+    assert metrics.engine_summary(with_ex) == metrics.engine_summary(samples)
+
+
+@pytest.mark.parametrize("kind", ["gaugehistogram", "nativehistogram"])
+def test_an_unknown_metric_family_is_read_not_refused(samples: list[metrics.Sample], kind: str) -> None:
+    extra = (
+        f"# HELP vllm:future_thing A family from a newer vLLM\n# TYPE vllm:future_thing {kind}\n"
+        'vllm:future_thing_gcount{engine="0"} 4.0\n'
+    )
+    got = metrics.parse(PROM.read_text().rstrip("\n") + "\n" + extra)
+    assert [s.value for s in got if s.name == "vllm:future_thing_gcount"] == [4.0]
+    assert metrics.engine_summary(got) == metrics.engine_summary(samples)
+
+
+def test_openmetrics_with_exemplars_and_unknown_families() -> None:
+    text = "\n".join(
+        [
+            "# TYPE vllm:prefix_cache_hits counter",
+            'vllm:prefix_cache_hits_total{engine="0"} 30.0 # {trace_id="abc"} 1.0 1700000000.0',
+            'vllm:prefix_cache_hits_created{engine="0"} 1.7e+09',
+            "# TYPE vllm:prefix_cache_queries counter",
+            'vllm:prefix_cache_queries_total{engine="0"} 120.0',
+            "# TYPE vllm:new_family unknown",
+            "vllm:new_family 7",
+            "# TYPE vllm:num_requests_running gauge",
+            'vllm:num_requests_running{engine="0"} 2',
+            "# EOF",
+        ]
+    )
+    s = metrics.engine_summary(metrics.parse(text, "application/openmetrics-text; version=1.0.0"))
+    assert s["prefix_cache_hit_rate"] == pytest.approx(0.25)
+    assert s["requests_running"] == 2
+
+
+def test_a_truncated_openmetrics_scrape_is_refused() -> None:
+    with pytest.raises(metrics.ParseError):
+        metrics.parse("# TYPE a counter\na_total 1\n", "application/openmetrics-text")
