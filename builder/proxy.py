@@ -14,9 +14,9 @@ from pathlib import Path
 
 import jinja2
 
-from applianctl import paths
-from builder.config import Config, is_dns_name
-from builder.errors import ConfigError
+from appliance import paths
+from appliance.config import Config, is_dns_name
+from appliance.errors import ConfigError
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "units"
 TEMPLATE = "Caddyfile.j2"
@@ -34,6 +34,24 @@ _EMAIL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*@[a-z0-9-]+(\.[a-z0-9-]+)+")
 _URL_PATH = re.compile(r"/[A-Za-z0-9._~/-]*")
 _ABS_PATH = re.compile(r"(/[A-Za-z0-9._-]+)+")
 _ADMIN = re.compile(r"off|unix/" + _ABS_PATH.pattern + r"|localhost:[0-9]{1,5}")
+
+
+# The request target as sent, in canonical form: "/", or segments of RFC 3986 unreserved characters
+# that are neither "." nor ".." (RE2 has no lookahead, hence three alternatives), an optional
+# trailing "/", and an optional query of RFC 3986 query characters with well-formed escapes.
+# No "%" in the path at all: allowed paths never need escaping, so an escape only hides something.
+_SEGMENT = r"(?:[A-Za-z0-9_~-][A-Za-z0-9._~-]*|\.[A-Za-z0-9_~-][A-Za-z0-9._~-]*|\.\.[A-Za-z0-9._~-]+)"
+_QUERY = r"(?:\?(?:[A-Za-z0-9._~!$&'()*+,;=:@/?-]|%[0-9A-Fa-f][0-9A-Fa-f])*)?"
+CANONICAL_RE = rf"^/(?:{_SEGMENT}(?:/{_SEGMENT})*/?)?{_QUERY}$"
+# The proxy's own host: always admitted besides allowed_cidrs (issue 12: local checks take the
+# clients' path). Exactly these two addresses, not 127.0.0.0/8.
+LOOPBACK = ("127.0.0.1/32", "::1/128")
+
+
+def allowed_re(allowed_paths: list[str]) -> str:
+    """The request targets (exact path, optional query) that may reach the engine, as an RE2 regexp."""
+    # _url_path admitted only [A-Za-z0-9._~/-]: "." is the one regexp character among them.
+    return "^(?:" + "|".join(p.replace(".", r"\.") for p in allowed_paths) + ")" + _QUERY + "$"
 
 
 def _refuse(key: str, value: object, expected: str) -> ConfigError:
@@ -80,7 +98,8 @@ def _cidrs(key: str, values: tuple[str, ...], *, allow_empty: bool) -> list[str]
 
 def _url_path(key: str, value: str) -> str:
     _plain(key, value)
-    if not _URL_PATH.fullmatch(value) or "/../" in value + "/" or "/./" in value + "/":
+    # Canonical itself, or the proxy would refuse every request for it with 400.
+    if not _URL_PATH.fullmatch(value) or not re.fullmatch(CANONICAL_RE, value):
         raise _refuse(key, value, "a URL path such as /v1/models")
     return value
 
@@ -107,7 +126,7 @@ def render_caddyfile(
 ) -> str:
     """The Caddyfile for CONFIG.
 
-    TLS_DIR holds server.crt and server.key in mode "internal" (default: applianctl.paths.TLS_DIR,
+    TLS_DIR holds server.crt and server.key in mode "internal" (default: appliance.paths.TLS_DIR,
     where appliance-tls.service writes them). HTTP_PORT and ADMIN are for tests, which run Caddy
     unprivileged on loopback.
     """
@@ -137,6 +156,9 @@ def render_caddyfile(
         "health_uri": _url_path("engine.health.path", config.engine.health.path),
         "allowed_cidrs": _cidrs("allowed_cidrs", proxy.allowed_cidrs, allow_empty=False),
         "allowed_paths": paths_,
+        "allowed_re": allowed_re(paths_),
+        "canonical_re": CANONICAL_RE,
+        "loopback": LOOPBACK,
         # Restricting /metrics only matters when /metrics can be reached at all.
         "metrics_cidrs": _cidrs("metrics_cidrs", proxy.metrics_cidrs, allow_empty=True),
         "cert_file": _file("tls_dir", tls_dir / "server.crt"),

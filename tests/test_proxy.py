@@ -13,10 +13,12 @@ import os
 import re
 import shutil
 import socket
+import socketserver
 import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,10 +30,12 @@ import requests
 from cryptography import x509
 from requests.adapters import HTTPAdapter
 
-from applianctl import paths, tls
-from builder import config as config_mod
-from builder.config import Config
-from builder.errors import ConfigError
+from appliance import config as config_mod
+from appliance import paths
+from appliance.config import Config
+from appliance.errors import ConfigError
+from applianctl import tls
+from builder import proxy as proxy_mod
 from builder.proxy import render_caddyfile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +149,7 @@ def test_rendered_text(profile: str, mode: str, http: str, metrics: tuple[str, .
     assert "admin unix//run/appliance-proxy/admin.sock" in text
     assert re.search(r"log \{\s*output stdout\s*format json\s*\}", text)
     assert "reverse_proxy 127.0.0.1:8000 {" in text and "flush_interval -1" in text and "health_uri /health" in text
-    assert f"remote_ip {' '.join(config.proxy.allowed_cidrs)}\n" in text
+    assert f"remote_ip {' '.join(config.proxy.allowed_cidrs)} 127.0.0.1/32 ::1/128\n" in text
     assert f"path {' '.join(config.proxy.allowed_paths)}\n" in text
     if mode == "acme":
         assert f"email {config.proxy.acme_email}\n" in text
@@ -563,3 +567,317 @@ def test_reload_picks_up_a_renewed_certificate(live: Live) -> None:
     while served_serial() != renewed and time.monotonic() < deadline:
         time.sleep(0.2)
     assert served_serial() == renewed
+
+
+# ------------------------------------------------------------------------------ canonical paths
+#
+# Caddy's path matchers judge a cleaned, case-folded, decoded path; reverse_proxy forwards the path
+# as sent. Each request target below goes over TLS byte for byte (no client library normalizes
+# it) to the real Caddy in front of a backend that records the raw request line it receives. Each
+# must either be refused at the proxy (400/403, never reaching the backend) or reach the backend
+# with exactly an allowed path.
+
+ALLOWED = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/generate")
+
+# (request target as bytes, what must happen: "pass" = forwarded exactly, "refuse" = 400/403)
+TARGETS: list[tuple[bytes, str]] = [
+    # controls: canonical and allowed
+    (b"/v1/models", "pass"),
+    (b"/health", "pass"),
+    (b"/v1/chat/completions", "pass"),
+    (b"/v1/models?a=1&b=%2F..%2F&c=x;y", "pass"),
+    # dot segments and doubled slashes
+    (b"/v1/../v1/models", "refuse"),
+    (b"/x/../v1/models", "refuse"),
+    (b"/v1/./models", "refuse"),
+    (b"/./v1/models", "refuse"),
+    (b"/v1/models/.", "refuse"),
+    (b"/v1/models/..", "refuse"),
+    (b"/v1/models/../../admin", "refuse"),
+    (b"/..", "refuse"),
+    (b"//v1/models", "refuse"),
+    (b"/v1//models", "refuse"),
+    (b"/v1/models//", "refuse"),
+    (b"///health", "refuse"),
+    (b"/v1/models/", "refuse"),
+    (b"/health/", "refuse"),
+    # percent-encodings of separators, dots, NUL, letters, and double or overlong encodings
+    (b"/v1%2fmodels", "refuse"),
+    (b"/v1%2Fmodels", "refuse"),
+    (b"/v1%252fmodels", "refuse"),
+    (b"/%2e%2e/v1/models", "refuse"),
+    (b"/v1/%2e%2e/v1/models", "refuse"),
+    (b"/v1/%2E/models", "refuse"),
+    (b"/v1/.%2e/v1/models", "refuse"),
+    (b"/v1/models%00", "refuse"),
+    (b"/v1/models%2500", "refuse"),
+    (b"/v1%5cmodels", "refuse"),
+    (b"/v1%5Cmodels", "refuse"),
+    (b"/v1/model%73", "refuse"),
+    (b"/%76%31/%6d%6f%64%65%6c%73", "refuse"),
+    (b"/%c0%ae%c0%ae/v1/models", "refuse"),
+    (b"/v1%c0%afmodels", "refuse"),
+    (b"/v1%e0%80%afmodels", "refuse"),
+    (b"/v1/%u002e%u002e/models", "refuse"),
+    (b"/v1/models%", "refuse"),
+    (b"/v1/models%2", "refuse"),
+    (b"/v1/models%20", "refuse"),
+    (b"/v1/models%09", "refuse"),
+    (b"/v1/models%0d%0a", "refuse"),
+    # backslashes
+    (b"/v1\\models", "refuse"),
+    (b"\\v1\\models", "refuse"),
+    (b"/v1/models\\", "refuse"),
+    (b"/v1/..\\..\\v1/models", "refuse"),
+    # letter case other than the allowlist's
+    (b"/V1/models", "refuse"),
+    (b"/v1/Models", "refuse"),
+    (b"/HEALTH", "refuse"),
+    (b"/Health", "refuse"),
+    (b"/v1/model\xc5\xbf", "refuse"),  # U+017F LATIN SMALL LETTER LONG S, raw UTF-8
+    (b"/v1/\xef\xbd\x8dodels", "refuse"),  # fullwidth m
+    # path parameters and other trailing junk
+    (b"/v1/models;x=1", "refuse"),
+    (b"/v1/models;", "refuse"),
+    (b"/health;/../v1/models", "refuse"),
+    (b"/v1/models#frag", "refuse"),
+    (b"/v1/models?x#frag", "refuse"),
+    (b"/v1/models?a=%zz", "refuse"),
+    (b"/v1/models?a=\x7f", "refuse"),
+    (b"/v1/models%3fa=1", "refuse"),
+    # absolute-form and other request-target forms
+    (b"http://appliance.local/v1/models", "refuse"),
+    (b"https://appliance.local/v1/models", "refuse"),
+    (b"HTTPS://appliance.local/v1/models", "refuse"),
+    (b"https://appliance.local/v1/../v1/models", "refuse"),
+    (b"//appliance.local/v1/models", "refuse"),
+    (b"*", "refuse"),
+    (b"v1/models", "refuse"),
+    # paths outside the allowlist (canonical, but not allowed)
+    (b"/version", "refuse"),
+    (b"/v1", "refuse"),
+    (b"/", "refuse"),
+    (b"/v1/models.json", "refuse"),
+    (b"/.well-known/../v1/models", "refuse"),
+]
+
+
+@dataclasses.dataclass
+class Recorded:
+    lines: list[tuple[bytes, bytes]]  # (raw request line, X-Probe header)
+
+
+class _Recorder(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self) -> None:
+        self.recorded = Recorded([])
+        super().__init__(("127.0.0.1", 0), _RecordingHandler)
+
+
+class _RecordingHandler(socketserver.StreamRequestHandler):
+    server: _Recorder
+
+    def handle(self) -> None:
+        while True:
+            line = self.rfile.readline(65536)
+            if not line:
+                return
+            probe = b""
+            length = 0
+            while (header := self.rfile.readline(65536)) not in (b"\r\n", b"\n", b""):
+                name, _, value = header.partition(b":")
+                if name.strip().lower() == b"x-probe":
+                    probe = value.strip()
+                elif name.strip().lower() == b"content-length":
+                    length = int(value.strip())
+            if length:
+                self.rfile.read(length)
+            self.server.recorded.lines.append((line.rstrip(b"\r\n"), probe))
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 8\r\n\r\nbackend\n")
+            self.wfile.flush()
+
+
+@dataclasses.dataclass(frozen=True)
+class RawLive:
+    https_port: int
+    hostname: str
+    ca: Path
+    recorded: Recorded
+    caddy_log: Path
+
+
+@pytest.fixture(scope="module")
+def raw_live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RawLive]:
+    """Caddy with the production path allowlist in front of the recording backend; allowed_cidrs
+    holds only 127.0.0.3, so 127.0.0.1 and ::1 get in only as the appliance's own loopback."""
+    if not os.access(CADDY, os.X_OK):
+        pytest.skip("needs Debian's caddy (apt install caddy)")
+    base = tmp_path_factory.mktemp("raw")
+    backend = _Recorder()
+    thread = threading.Thread(target=backend.serve_forever, daemon=True)
+    thread.start()
+    try:
+        config = config_mod.load(TOML, "demo")
+        assert set(config.proxy.allowed_paths) == set(ALLOWED), "the test's allowlist is the configured one"
+        https_port = _free_port()
+        config = dataclasses.replace(
+            _variant(config, https_port=https_port, http="close", allowed_cidrs=("127.0.0.3/32",), metrics_cidrs=()),
+            engine=dataclasses.replace(config.engine, port=backend.server_address[1]),
+        )
+        tls_dir = base / "tls"
+        tls.generate(tls_dir, config.proxy.hostname, tls.host_addresses(), group="appliance-no-such-group")
+        caddyfile = base / "Caddyfile"
+        caddyfile.write_text(render_caddyfile(config, tls_dir=tls_dir, http_port=_free_port(), admin="off"))
+        caddy_log = base / "caddy.log"
+        with caddy_log.open("wb") as out:
+            caddy = subprocess.Popen(
+                [CADDY, "run", "--config", str(caddyfile), "--adapter", "caddyfile"],
+                env=_env(base),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            _wait("caddy", lambda: _connects(https_port), caddy, caddy_log)
+            yield RawLive(https_port, config.proxy.hostname, tls_dir / "ca.crt", backend.recorded, caddy_log)
+        finally:
+            _stop(caddy)
+    finally:
+        backend.shutdown()
+        backend.server_close()
+
+
+def _raw_request(
+    live: RawLive,
+    target: bytes,
+    *,
+    source: str = "127.0.0.1",
+    extra: bytes = b"",
+    method: bytes = b"GET",
+    body: bytes = b"",
+) -> tuple[int, str]:
+    """Send one request line byte for byte over TLS; return (status, probe id sent in X-Probe)."""
+    probe = uuid.uuid4().hex
+    request = (
+        method + b" " + target + b" HTTP/1.1\r\n"
+        + f"Host: {live.hostname}\r\nX-Probe: {probe}\r\nConnection: close\r\n".encode()
+        + extra
+        + b"\r\n"
+        + body
+    )
+    family = socket.AF_INET6 if ":" in source else socket.AF_INET
+    ctx = ssl.create_default_context(cafile=str(live.ca))
+    with socket.socket(family) as raw:
+        raw.settimeout(10)
+        raw.bind((source, 0))
+        raw.connect((source if family == socket.AF_INET6 else "127.0.0.1", live.https_port))
+        with ctx.wrap_socket(raw, server_hostname=live.hostname) as conn:
+            conn.sendall(request)
+            data = b""
+            while chunk := conn.recv(65536):
+                data += chunk
+    status_line = data.split(b"\r\n", 1)[0]
+    assert status_line.startswith(b"HTTP/1.1 "), data[:200]
+    return int(status_line.split()[1]), probe
+
+
+def _seen(live: RawLive, probe: str) -> list[bytes]:
+    time.sleep(0.05)
+    return [line for line, p in live.recorded.lines if p == probe.encode()]
+
+
+@needs_caddy
+@pytest.mark.parametrize(("target", "expect"), [pytest.param(t, e, id=repr(t)[2:-1]) for t, e in TARGETS])
+def test_engine_gets_exactly_an_allowed_path_or_nothing(raw_live: RawLive, target: bytes, expect: str) -> None:
+    status, probe = _raw_request(raw_live, target, source="127.0.0.3")  # from allowed_cidrs
+    seen = _seen(raw_live, probe)
+    if status in (400, 403):
+        assert seen == [], f"refused with {status} but the backend got {seen}"
+    else:
+        # Anything that got through arrived with exactly an allowed path (and the query as sent).
+        assert status == 200 and len(seen) == 1, (status, seen)
+        method, forwarded, version = seen[0].split(b" ")
+        assert (method, version) == (b"GET", b"HTTP/1.1")
+        assert forwarded == target
+        assert forwarded.split(b"?", 1)[0].decode() in ALLOWED
+    assert ("pass" if status == 200 else "refuse") == expect, f"{target!r}: got {status}"
+
+
+@needs_caddy
+@pytest.mark.parametrize(
+    "target", [b"/v1/../v1/models", b"//v1/models", b"/v1%2fmodels", b"/v1\\models", b"/v1/models;x", b"/V1/models"]
+)
+def test_noncanonical_forms_get_400(raw_live: RawLive, target: bytes) -> None:
+    assert _raw_request(raw_live, target, source="127.0.0.3")[0] == 400
+
+
+@needs_caddy
+def test_post_with_a_body_passes_exactly(raw_live: RawLive) -> None:
+    body = b'{"model": "m", "prompt": "x"}'
+    status, probe = _raw_request(
+        raw_live,
+        b"/v1/completions",
+        method=b"POST",
+        extra=b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body),
+        body=body,
+    )
+    assert status == 200
+    assert _seen(raw_live, probe) == [b"POST /v1/completions HTTP/1.1"]
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@needs_caddy
+def test_loopback_is_admitted_besides_allowed_cidrs(raw_live: RawLive) -> None:
+    status, probe = _raw_request(raw_live, b"/v1/models", source="127.0.0.1")
+    assert status == 200 and _seen(raw_live, probe) == [b"GET /v1/models HTTP/1.1"]
+    assert _raw_request(raw_live, b"/v1/models", source="127.0.0.3")[0] == 200  # allowed_cidrs
+    # Only the loopback address itself, not 127.0.0.0/8.
+    status, probe = _raw_request(raw_live, b"/v1/models", source="127.0.0.2")
+    assert status == 403 and _seen(raw_live, probe) == []
+    if _has_ipv6_loopback():
+        status, probe = _raw_request(raw_live, b"/v1/models", source="::1")
+        assert status == 200 and len(_seen(raw_live, probe)) == 1
+
+
+@needs_caddy
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"X-Forwarded-For: 127.0.0.1\r\n",
+        b"X-Forwarded-For: 127.0.0.3\r\n",
+        b"X-Real-IP: 127.0.0.1\r\n",
+        b"Forwarded: for=127.0.0.1\r\n",
+        b"X-Forwarded-For: 127.0.0.3, 127.0.0.1\r\n",
+    ],
+)
+def test_spoofed_forwarding_headers_do_not_pass(raw_live: RawLive, header: bytes) -> None:
+    status, probe = _raw_request(raw_live, b"/v1/models", source="127.0.0.2", extra=header)
+    assert status == 403 and _seen(raw_live, probe) == []
+
+
+@pytest.mark.parametrize(("target", "expect"), [pytest.param(t, e, id=repr(t)[2:-1]) for t, e in TARGETS])
+def test_canonical_regexp_without_caddy(target: bytes, expect: str) -> None:
+    """The same table against the rendered regexps in Python's re (RE2 agrees on these constructs)."""
+    config = config_mod.load(TOML, "demo")
+    text = target.decode("latin-1")
+    canonical = re.fullmatch(proxy_mod.CANONICAL_RE, text) is not None
+    allowed = re.fullmatch(proxy_mod.allowed_re(list(config.proxy.allowed_paths)), text) is not None
+    assert allowed == (expect == "pass")
+    if allowed:
+        assert canonical
+
+
+def test_allowed_paths_must_be_canonical() -> None:
+    config = config_mod.load(TOML, "demo")
+    for bad in ("/v1//models", "/v1/./models", "/v1/..", "/v1/models/."):
+        with pytest.raises(ConfigError):
+            render_caddyfile(_variant(config, allowed_paths=(bad,)))
