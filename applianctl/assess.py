@@ -22,9 +22,12 @@ from typing import Any
 
 import requests
 
+from appliance import atomic as state
+from appliance import manifest
+from appliance.errors import UserError
+from appliance.run import run
 from applianctl import config as appliance_config
-from applianctl import manifest, slots, smoke, state
-from applianctl.errors import UserError
+from applianctl import slots, smoke
 
 POLL_S = 5.0
 
@@ -121,7 +124,7 @@ def assess(
 
 
 def _reboot() -> None:
-    slots.run(["systemctl", "reboot"], "systemctl reboot", "reboot by hand: the entry's tries run out and the previous version boots")
+    run(["systemctl", "reboot"], "systemctl reboot", "reboot by hand: the entry's tries run out and the previous version boots")
 
 
 def cmd_assess(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from applianctl.errors import UserError
+from appliance.errors import UserError
 
 DEFAULT_PATH = Path("/usr/lib/appliance/appliance.json")
 

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from appliance import paths
+from appliance.atomic import write_json_atomic
 from applianctl import config as device_config
-from applianctl import paths
-from applianctl.state import write_json_atomic
 
 SYS = Path(os.environ.get("APPLIANCE_SYSFS", "/sys"))
 DEV = Path(os.environ.get("APPLIANCE_DEVFS", "/dev"))

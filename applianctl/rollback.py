@@ -14,9 +14,10 @@ import argparse
 import time
 from typing import Any
 
-from applianctl import slots, state
-from applianctl.errors import UserError
-from applianctl.update import Refused
+from appliance import atomic as state
+from appliance.errors import Refused, UserError
+from appliance.run import run
+from applianctl import slots
 
 
 def rollback(host: slots.Host | None = None, *, force: bool = False, running_version: str | None = None) -> str:
@@ -64,7 +65,7 @@ def rollback(host: slots.Host | None = None, *, force: bool = False, running_ver
 def cmd_rollback(args: argparse.Namespace) -> int:
     print(rollback(force=args.force))
     if args.reboot:
-        slots.run(["systemctl", "reboot"], "systemctl reboot", "reboot by hand")
+        run(["systemctl", "reboot"], "systemctl reboot", "reboot by hand")
     return 0
 
 

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from applianctl import config, paths
-from applianctl.state import write_json_atomic
+from appliance import paths
+from appliance.atomic import write_json_atomic
+from applianctl import config
 
 GIB = 2**30
 PATTERN = "vllm_offload_*.mmap"

@@ -17,9 +17,9 @@ from typing import Any
 import requests
 from requests.adapters import HTTPAdapter
 
+from appliance import paths
+from appliance.errors import UserError
 from applianctl import config as appliance_config
-from applianctl import paths
-from applianctl.errors import UserError
 
 PROMPT = "Calculate 17 * 23. Answer with the number only."
 EXPECTED = "391"

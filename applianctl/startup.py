@@ -24,9 +24,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from applianctl import config, paths
-from applianctl.errors import UserError
-from applianctl.state import write_json_atomic
+from appliance import paths
+from appliance.atomic import write_json_atomic
+from appliance.errors import UserError
+from applianctl import config
 
 JOURNAL_FOLLOW = ["journalctl", "-u", paths.ENGINE_UNIT, "-f", "-o", "cat", "--since", "now"]
 JOURNAL_BOOT = ["journalctl", "-u", paths.ENGINE_UNIT, "-o", "cat", "-b", "--no-pager"]

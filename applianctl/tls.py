@@ -35,9 +35,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from applianctl import config, paths
-from applianctl.errors import UserError
-from applianctl.state import atomic_write
+from appliance import paths
+from appliance.atomic import atomic_write
+from appliance.errors import UserError
+from applianctl import config
 
 PROXY_UNIT = "appliance-proxy.service"
 PROXY_GROUP = "caddy"  # Debian's caddy package creates it; appliance-proxy.service runs as caddy

@@ -17,8 +17,8 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-from builder.config import Config
-from builder.errors import UserError
+from appliance.config import Config
+from appliance.errors import UserError
 from builder.run import HOST_CACHE, run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,8 +18,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.config import Config
-from builder.errors import UserError
+from appliance.config import Config
+from appliance.errors import UserError
 from builder.run import HOST_CACHE, run
 
 CACHE = HOST_CACHE / "engine-stores"

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from applianctl import manifest
+from appliance import manifest
+from appliance.errors import UserError
 from builder import firmware
-from builder.errors import UserError
 
 LIB = Path("usr/lib/appliance")
 

@@ -22,7 +22,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.errors import UserError
+from appliance.errors import UserError
 from builder.pins import FIRMWARE_TARGET_DIR, read_firmware_pins, sha256_file
 
 AMDGPU_DIR = "kernel/drivers/gpu/drm/amd/amdgpu"

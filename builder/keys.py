@@ -16,8 +16,8 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from applianctl.manifest import ManifestError, key_id, load_public_key
-from builder.errors import UserError
+from appliance.errors import UserError
+from appliance.manifest import ManifestError, key_id, load_public_key
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = ROOT / "keys"

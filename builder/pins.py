@@ -31,9 +31,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from applianctl.state import atomic_write
-from builder.config import PROFILES, Config, load
-from builder.errors import UserError
+from appliance.atomic import atomic_write
+from appliance.config import PROFILES, Config, load
+from appliance.errors import UserError
 
 SUMS_FILE = "SHA256SUMS"
 # Everything under these directories must be listed in SHA256SUMS (README.md files aside).

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from builder.errors import UserError
+from appliance.errors import UserError
 
 OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
 OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")

@@ -37,15 +37,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from applianctl import manifest
-from applianctl import update as device_update
-from builder.build import replace_dir
-from builder.config import Config
-from builder.errors import UserError
+from appliance import bundle, manifest
+from appliance.atomic import replace_dir
+from appliance.config import Config
+from appliance.errors import UserError
+from appliance.hashing import CHUNK, sha256_file
 
 
 def _sha256(path: Path) -> str:
-    return device_update.sha256_file(path)
+    return sha256_file(path)
 
 
 def _copy(src: Path, dst: Path) -> None:
@@ -70,7 +70,7 @@ def data_end(path: Path) -> int:
         except OSError:  # ENXIO: no data after POS
             pass
         while end > 0:
-            begin = max(0, end - device_update.CHUNK)
+            begin = max(0, end - CHUNK)
             f.seek(begin)
             kept = f.read(end - begin).rstrip(b"\0")
             if kept:
@@ -92,9 +92,9 @@ def _known_engine_digests(previous: Path | Iterable[str] | None) -> tuple[set[st
     if previous is None:
         return set(), None
     if isinstance(previous, str | os.PathLike):
-        index_path = Path(previous) / device_update.BUNDLE_INDEX
+        index_path = Path(previous) / bundle.BUNDLE_INDEX
         try:
-            index = device_update.validate_index(manifest.parse_canonical(index_path.read_bytes()))
+            index = bundle.validate_index(manifest.parse_canonical(index_path.read_bytes()))
         except FileNotFoundError:
             raise UserError(f"{index_path}: no such file", hint="--previous takes a bundle directory or a version") from None
         except manifest.ManifestError as e:
@@ -142,19 +142,19 @@ def make_bundle(
     if release["engine_image"]["digest"] != config.engine.digest:
         raise UserError(f"{out}: the build's engine image is not {config.engine.digest}", hint="build it again")
 
-    names = device_update.payload_names(version, config.engine.digest, with_engine=False)
+    names = bundle.payload_names(version, config.engine.digest, with_engine=False)
     sources = {names[r]: out / names[r] for r in ("usr", "usr-verity", "uki")}
     if config.engine.digest not in known_digests:
         # the engine store partition as mkosi splits it out (SplitName=engine, engine-verity),
         # shipped under its digest's name
-        engine_names = device_update.payload_names(version, config.engine.digest, with_engine=True)
+        engine_names = bundle.payload_names(version, config.engine.digest, with_engine=True)
         sources[engine_names["engine"]] = out / f"appliance_{version}.engine.raw"
         sources[engine_names["engine-verity"]] = out / f"appliance_{version}.engine-verity.raw"
     for path in sources.values():
         if not path.is_file():
             hint = f"build first: python3 -m builder --profile {config.profile} build"
             raise UserError(f"{path}: missing from the build output", hint=hint)
-    usrhash = device_update.uki_facts(sources[names["uki"]])["usrhash"]
+    usrhash = bundle.uki_facts(sources[names["uki"]])["usrhash"]
     if not usrhash:
         raise UserError(f"{sources[names['uki']]}: its command line has no usrhash=", hint="the image must boot a verity-protected /usr")
 
@@ -177,7 +177,7 @@ def make_bundle(
         listed.append("SHA256SUMS")
         sums["SHA256SUMS"] = _sha256(tmp / "SHA256SUMS")
         index = {
-            "format": device_update.BUNDLE_FORMAT,
+            "format": bundle.BUNDLE_FORMAT,
             "version": version,
             "min_version": config.appliance.min_version,
             "profile": config.profile,
@@ -188,11 +188,11 @@ def make_bundle(
             "manifest_sha256": hashlib.sha256(manifest_data).hexdigest(),
             "signer": signer,
         }
-        device_update.validate_index(index)
+        bundle.validate_index(index)
         data = manifest.canonical(index)
         signature = manifest.encode_signature(manifest.load_private_key(signing_key).sign(data))
-        (tmp / device_update.BUNDLE_INDEX).write_bytes(data)
-        (tmp / device_update.BUNDLE_SIG).write_bytes(signature)
+        (tmp / bundle.BUNDLE_INDEX).write_bytes(data)
+        (tmp / bundle.BUNDLE_SIG).write_bytes(signature)
         for f in tmp.iterdir():
             f.chmod(0o644)
         replace_dir(tmp, bundle_dir)
@@ -213,8 +213,8 @@ def _read(path: Path) -> bytes:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
+    from appliance import config as config_model
     from builder import build
-    from builder import config as config_model
 
     config = config_model.load(Path(args.config), args.profile)
     out = Path(args.build_output) if args.build_output else build.output_dir(config)

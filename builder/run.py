@@ -9,7 +9,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from builder.errors import UserError
+from appliance.errors import UserError
 
 log = logging.getLogger("builder")
 

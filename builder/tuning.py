@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.errors import UserError
+from appliance.errors import UserError
 
 HEADERS: dict[tuple[str, ...], str] = {
     tuple(

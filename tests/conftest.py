@@ -23,7 +23,7 @@ def shared_fixtures() -> Path:
 @pytest.fixture
 def appliance_json(tmp_path: Path) -> Callable[[str], Path]:
     """Write the device configuration (Config.to_json() of appliance.toml) for PROFILE; returns its path."""
-    from builder.config import load
+    from appliance.config import load
 
     def write(profile: str = "demo") -> Path:
         path = tmp_path / f"appliance-{profile}.json"

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from applianctl import assess, paths, slots
+from appliance import paths
+from applianctl import assess, slots
 from standin.testing import StandinProcess
 
 MODEL = "standin/tiny-demo"

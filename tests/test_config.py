@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from builder import config
-from builder.errors import ConfigError
+from appliance import config
+from appliance.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 APPLIANCE_TOML = ROOT / "appliance.toml"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from appliance.errors import UserError
 from builder import firmware, pins
-from builder.errors import UserError
 
 KVER = "6.12.38+deb13-amd64"
 MI300X = [

@@ -18,9 +18,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from applianctl import manifest, paths, verify
+from appliance import manifest, paths
+from appliance.errors import UserError
+from applianctl import verify
 from builder import keys
-from builder.errors import UserError
 
 OVERLAY = b"print('overlay')\n"
 TABLE = b"gfx,cu_num,M,N,K,libtype,kernelId,splitK,us,kernelName,tflops,bw,errRatio\n"

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from appliance.config import Config, PinnedFile, load
+from appliance.errors import ConfigError, UserError
 from builder import pins
-from builder.config import Config, PinnedFile, load
-from builder.errors import ConfigError, UserError
 
 REPO = Path(__file__).resolve().parents[1]
 H1 = "a" * 64

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from fake_release import bundle, demo_config, fake_build, make_signing, usrhash_for
 
-from applianctl import manifest
-from applianctl import update as device_update
+from appliance import bundle as bundle_format
+from appliance import manifest
+from appliance.errors import UserError
 from builder import release as rel
-from builder.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def signing(tmp_path: Path) -> tuple[Path, Path]:
 def test_bundle_round_trip(tmp_path: Path, signing: tuple[Path, Path]) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key)
-    index = device_update.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
     assert index["version"] == "2.0.0" and index["profile"] == "demo"
     assert index["usrhash"] == usrhash_for("2.0.0")
     names = sorted(p.name for p in b.iterdir())
@@ -77,7 +77,7 @@ def test_engine_image_only_when_its_digest_is_new(tmp_path: Path, signing: tuple
     assert any(f["name"].startswith("engine_") for f in idx1["files"])
     # same engine as the previous bundle: no engine bytes
     second = bundle(tmp_path, key, "2.1.0", engine=True, previous_bundle_or_engine_digests=first)
-    idx2 = device_update.verify_index((second / "bundle.json").read_bytes(), (second / "bundle.json.sig").read_bytes(), trusted)
+    idx2 = bundle_format.verify_index((second / "bundle.json").read_bytes(), (second / "bundle.json.sig").read_bytes(), trusted)
     assert not any(f["name"].startswith("engine_") for f in idx2["files"])
     assert idx2["engine_digest"] == idx1["engine_digest"]
     # a new engine digest: shipped

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from builder import config, engine_store, render
+from appliance import config
+from builder import engine_store, render
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = (ROOT.parent / "shared" / "REFERENCE-STACK.md").read_text()

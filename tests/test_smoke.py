@@ -19,8 +19,9 @@ from typing import Any, ClassVar
 import pytest
 from standin_engine import MODEL, free_port, start_standin, stop
 
-from applianctl import paths, smoke
-from builder import config as builder_config
+from appliance import config as builder_config
+from appliance import paths
+from applianctl import smoke
 
 ROOT = Path(__file__).parents[1]
 

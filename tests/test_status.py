@@ -19,8 +19,9 @@ import pytest
 from mock_systemd import MockSystemd, start_mock_systemd, stop_mock_systemd
 from standin_engine import MODEL, free_port, start_standin, stop
 
-from applianctl import paths, probes, status
-from builder import config as builder_config
+from appliance import config as builder_config
+from appliance import paths
+from applianctl import probes, status
 
 ROOT = Path(__file__).parents[1]
 FIXTURES = ROOT.parent / "shared" / "fixtures"

@@ -101,8 +101,8 @@ def test_no_bus_is_down() -> None:
 def test_logs_and_restart_command_lines() -> None:
     import argparse
 
+    from appliance.errors import UserError
     from applianctl import units
-    from applianctl.errors import UserError
 
     parser = argparse.ArgumentParser()
     units.add_parser(parser.add_subparsers())

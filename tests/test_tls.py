@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
+from appliance import paths
+from appliance.errors import UserError
 from applianctl import __main__ as applianctl_main
-from applianctl import paths, tls
-from applianctl.errors import UserError
+from applianctl import tls
 
 HOST = "appliance.local"
 ADDRS: list[tls.IpAddress] = [

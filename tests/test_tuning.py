@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from appliance.config import load
+from appliance.errors import UserError
 from builder import tuning
-from builder.config import load
-from builder.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parents[1].parent / "shared" / "fixtures"

@@ -17,9 +17,11 @@ from typing import Any
 import pytest
 from fake_release import bundle, demo_config, fake_build, make_signing, usrhash_for
 
-from applianctl import paths, rollback, slots, state
+from appliance import atomic as state
+from appliance import paths
+from appliance.errors import UserError
+from applianctl import rollback, slots
 from applianctl import update as up
-from applianctl.errors import UserError
 from builder import release as rel
 
 GIB = 1024**3
@@ -221,7 +223,7 @@ def test_a_bundle_larger_than_the_inactive_slot_is_refused(tmp_path: Path, devic
 
 
 def test_an_unknown_file_in_the_index_is_refused_before_any_download(tmp_path: Path, device: Device, signing: Any) -> None:
-    from applianctl import manifest
+    from appliance import manifest
 
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")

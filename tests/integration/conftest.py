@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 from journey import V1, V2, V3, reports_of
 
+from appliance import config
 from applianctl import tls
-from builder import build, config, keys, qemu, release
+from builder import build, keys, qemu, release
 from standin.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

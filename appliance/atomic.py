@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -44,3 +45,13 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644, group: int | None =
 def write_json_atomic(path: Path, data: Any) -> None:
     """PATH holds DATA as JSON (indented, keys sorted), written with atomic_write."""
     atomic_write(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def replace_dir(new: Path, final: Path) -> None:
+    """Swap NEW into FINAL's place; the old FINAL is removed only after the swap."""
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    new.rename(final)
+    shutil.rmtree(old, ignore_errors=True)

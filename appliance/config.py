@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builder.errors import ConfigError
+from appliance.errors import ConfigError
 
 PROFILES = ("production", "demo")
 

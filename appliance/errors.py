@@ -1,4 +1,8 @@
-"""Errors an operator sees: one line that says what is wrong, one that says what to do."""
+"""Errors an operator sees: one line that says what is wrong, one that says what to do.
+
+One error type for the builder and applianctl, so a fault raised by shared code (the manifest,
+the configuration) reads the same on both sides.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,16 @@ class UserError(Exception):
         super().__init__(message)
         self.message = message
         self.hint = hint
+
+
+class ConfigError(UserError):
+    """The configuration says something the model does not allow."""
+
+
+class Refused(UserError):
+    """A bundle is not acceptable for this host (authenticity, integrity, policy): exit 1."""
+
+    exit_status = 1
 
 
 def run_reporting(func: Callable[[], int], *, prefix: str, debug: bool) -> int:

@@ -29,7 +29,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from applianctl.errors import UserError
+from appliance.errors import UserError
+from appliance.hashing import DIGEST, SHA256
 
 KINDS = ("overlay", "tuning", "firmware", "diff")
 PROFILES = ("production", "demo")
@@ -42,11 +43,9 @@ FIRMWARE_UPDATES_DIR = "/usr/lib/firmware/updates/amdgpu"
 SIGNATURE_BYTES = 64
 MAX_MANIFEST_BYTES = 1 << 20
 
-_VERSION = re.compile(r"^[0-9]+(\.[0-9]+){0,3}$")
+VERSION = re.compile(r"^[0-9]+(\.[0-9]+){0,3}$")
 _TIME = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-_KEY_ID = re.compile(r"^[0-9a-f]{16}$")
+KEY_ID = re.compile(r"^[0-9a-f]{16}$")
 _REVISION = re.compile(r"^[0-9a-f]{40}$")
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")
@@ -212,7 +211,7 @@ _FILE = _object(
         "kind": _one_of(*KINDS),
         "path": _repo_path,
         "target": _target,
-        "sha256": _string(_SHA256, "64 lower-case hex digits"),
+        "sha256": _string(SHA256, "64 lower-case hex digits"),
     }
 )
 
@@ -250,17 +249,17 @@ def _files(field: str, value: Any) -> None:
 
 
 FIELDS: Mapping[str, Callable[[str, Any], None]] = {
-    "version": _string(_VERSION, "numbers joined by dots, e.g. 1.4.0"),
-    "min_version": _string(_VERSION, "numbers joined by dots, e.g. 1.0.0"),
+    "version": _string(VERSION, "numbers joined by dots, e.g. 1.4.0"),
+    "min_version": _string(VERSION, "numbers joined by dots, e.g. 1.0.0"),
     "build_time": _string(_TIME, "a UTC time such as 2026-08-04T12:00:00Z"),
     "profile": _one_of(*PROFILES),
     "engine_image": _object(
         {
             "reference": _string(_REF, "an image reference such as vllm/vllm-openai-rocm@sha256:..."),
-            "digest": _string(_DIGEST, "'sha256:' and 64 lower-case hex digits"),
+            "digest": _string(DIGEST, "'sha256:' and 64 lower-case hex digits"),
             # the read-only image store on its own partition (builder/engine_store.py)
             "store_label": _string(re.compile(r"^engine_[0-9a-f]{12}$"), "engine_ and 12 hex digits"),
-            "store_roothash": _string(_SHA256, "the store's dm-verity root hash: 64 lower-case hex digits"),
+            "store_roothash": _string(SHA256, "the store's dm-verity root hash: 64 lower-case hex digits"),
         }
     ),
     "model": _object(
@@ -271,7 +270,7 @@ FIELDS: Mapping[str, Callable[[str, Any], None]] = {
     ),
     "kernel_version": _string(_TEXT, "a kernel release such as 6.12.38+deb13-amd64"),
     "files": _files,
-    "signer": _string(_KEY_ID, "a key id: 16 lower-case hex digits"),
+    "signer": _string(KEY_ID, "a key id: 16 lower-case hex digits"),
 }
 _MANIFEST = _object(FIELDS)
 
@@ -428,7 +427,7 @@ def verify(manifest_bytes: bytes, sig_bytes: bytes, trusted_keys_dir: Path) -> d
         signed_by = kid
         break
     if signed_by is None:
-        claimed = _claimed_signer(manifest_bytes)
+        claimed = claimed_signer(manifest_bytes)
         if claimed is not None and claimed not in keys:
             raise ManifestError(
                 f"manifest is signed by key {claimed}, which is not trusted",
@@ -446,10 +445,10 @@ def verify(manifest_bytes: bytes, sig_bytes: bytes, trusted_keys_dir: Path) -> d
     return manifest
 
 
-def _claimed_signer(manifest_bytes: bytes) -> str | None:
+def claimed_signer(manifest_bytes: bytes) -> str | None:
     try:
         value = json.loads(manifest_bytes.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         return None
     signer = value.get("signer") if isinstance(value, dict) else None
-    return signer if isinstance(signer, str) and _KEY_ID.match(signer) else None
+    return signer if isinstance(signer, str) and KEY_ID.match(signer) else None

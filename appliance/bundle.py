@@ -1,0 +1,231 @@
+"""The release bundle's format, shared by the builder (which writes it) and the updater (which
+checks it): the signed index bundle.json, the payload file names, and the partition names and
+types the payloads are written to.
+
+bundle.json is canonical JSON (appliance.manifest's rules) signed like the manifest (detached
+Ed25519, bundle.json.sig). Nothing in a bundle is trusted before that one signature is checked.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+
+from appliance import manifest
+from appliance.errors import Refused, UserError
+from appliance.hashing import DIGEST, SHA256
+
+BUNDLE_INDEX = "bundle.json"
+BUNDLE_SIG = "bundle.json.sig"
+BUNDLE_FORMAT = 1
+
+# GPT partition types of the A/B /usr slots (the Discoverable Partitions Specification, x86-64)
+USR_TYPE = "8484680C-9521-48C6-9C11-B0720656F69E"
+USR_VERITY_TYPE = "77FF5F63-E7B6-4633-ACF4-1565B864C0E6"
+IMAGE_ID = "appliance"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+NOT_OURS = "the bundle was not written by python3 -m builder release"
+
+
+# ----------------------------------------------------------------------------------- names
+
+
+def payload_names(version: str, engine_digest: str, with_engine: bool) -> dict[str, str]:
+    """The files a bundle of VERSION holds, by role (mkosi's names for the OS parts)."""
+    names = {
+        "usr": f"appliance_{version}.usr.raw",
+        "usr-verity": f"appliance_{version}.usr-verity.raw",
+        "uki": f"appliance_{version}.efi",
+        "manifest": "manifest.json",
+        "manifest-sig": "manifest.json.sig",
+        "sums": "SHA256SUMS",
+    }
+    if with_engine:
+        short = engine_short(engine_digest)
+        names["engine"] = f"engine_{short}.raw"
+        names["engine-verity"] = f"engine_{short}.verity.raw"
+    return names
+
+
+def engine_short(digest: str) -> str:
+    """engine_<first 12 hex digits of the digest>: the engine partition image's name."""
+    return digest.removeprefix("sha256:")[:12]
+
+
+def partuuids_from_usrhash(usrhash: str) -> tuple[str, str]:
+    """systemd's convention (repart, gpt-auto): the /usr partition's UUID is the first 128 bits of
+    the dm-verity root hash, the hash partition's UUID the last 128 bits."""
+    if not SHA256.match(usrhash):
+        raise ValueError(f"not a SHA-256 root hash: {usrhash!r}")
+
+    def fmt(h: str) -> str:
+        return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+    return fmt(usrhash[:32]), fmt(usrhash[32:])
+
+
+def source_names(index: dict[str, Any]) -> dict[str, str]:
+    """Staged name -> the name systemd-sysupdate matches (sysupdate.d/*.transfer MatchPattern=):
+    the partition UUIDs ride in the name (@u), derived from the root hash as systemd expects."""
+    version = index["version"]
+    usr_uuid, verity_uuid = partuuids_from_usrhash(index["usrhash"])
+    names = payload_names(version, index["engine_digest"], False)
+    return {
+        names["usr"]: f"appliance_{version}_{usr_uuid}.usr.raw",
+        names["usr-verity"]: f"appliance_{version}_{verity_uuid}.usr-verity.raw",
+        names["uki"]: f"appliance_{version}.efi",
+    }
+
+
+# ----------------------------------------------------------------------------------- bundle index
+
+
+def _bad(field: str, value: Any, expected: str) -> Refused:
+    shown = repr(value)
+    return Refused(f"bundle.json: {field} = {shown[:60]}: expected {expected}", hint=NOT_OURS)
+
+
+def validate_index(index: Any) -> dict[str, Any]:
+    """Check the schema of a parsed bundle.json (unknown fields refused); return it."""
+    fields = {
+        "format", "version", "min_version", "profile", "engine_digest", "usrhash", "files", "partition_sizes", "manifest_sha256", "signer",
+    }
+    if not isinstance(index, dict):
+        raise _bad("bundle", index, "an object")
+    if set(index) != fields:
+        extra, missing = sorted(set(index) - fields), sorted(fields - set(index))
+        raise Refused(
+            f"bundle.json: {'unknown field ' + repr(extra[0]) if extra else 'missing field ' + repr(missing[0])}",
+            hint="the bundle was written by another version of the builder",
+        )
+    if index["format"] != BUNDLE_FORMAT:
+        raise _bad("format", index["format"], f"{BUNDLE_FORMAT}")
+    for key, regex, expected in (
+        ("version", manifest.VERSION, "numbers joined by dots"),
+        ("min_version", manifest.VERSION, "numbers joined by dots"),
+        ("engine_digest", DIGEST, "sha256: and 64 hex digits"),
+        ("usrhash", SHA256, "64 hex digits"),
+        ("manifest_sha256", SHA256, "64 hex digits"),
+        ("signer", manifest.KEY_ID, "a key id of 16 hex digits"),
+    ):
+        if not isinstance(index[key], str) or not regex.match(index[key]):
+            raise _bad(key, index[key], expected)
+    if index["profile"] not in manifest.PROFILES:
+        raise _bad("profile", index["profile"], "one of " + ", ".join(manifest.PROFILES))
+    if manifest.version_tuple(index["min_version"]) > manifest.version_tuple(index["version"]):
+        raise _bad("min_version", index["min_version"], f"not newer than version {index['version']}")
+    files = index["files"]
+    if not isinstance(files, list) or not files:
+        raise _bad("files", files, "a list of files")
+    names = []
+    for i, f in enumerate(files):
+        if not isinstance(f, dict) or set(f) != {"name", "sha256", "size"}:
+            raise _bad(f"files[{i}]", f, "an object with name, sha256, size")
+        if not isinstance(f["name"], str) or not _NAME.match(f["name"]):
+            raise _bad(f"files[{i}].name", f["name"], "a plain file name")
+        if not isinstance(f["sha256"], str) or not SHA256.match(f["sha256"]):
+            raise _bad(f"files[{i}].sha256", f["sha256"], "64 hex digits")
+        if not isinstance(f["size"], int) or isinstance(f["size"], bool) or f["size"] < 0:
+            raise _bad(f"files[{i}].size", f["size"], "a size in bytes")
+        names.append(f["name"])
+    short = engine_short(index["engine_digest"])
+    with_engine = f"engine_{short}.raw" in names
+    wanted = set(payload_names(index["version"], index["engine_digest"], with_engine).values())
+    if len(names) != len(set(names)) or set(names) != wanted:
+        odd = sorted(set(names) ^ wanted)
+        raise Refused(
+            f"bundle.json: the file list is not that of a release bundle (differs in {', '.join(odd) or 'duplicates'})",
+            hint=NOT_OURS,
+        )
+    # the /usr images are shipped without their trailing zeros; these are their full sizes
+    sizes, os_names = index["partition_sizes"], payload_names(index["version"], index["engine_digest"], False)
+    trimmed = {os_names["usr"], os_names["usr-verity"]}
+    if not isinstance(sizes, dict) or set(sizes) != trimmed:
+        raise _bad("partition_sizes", sizes, f"the full sizes of {' and '.join(sorted(trimmed))}")
+    by_name = {f["name"]: f["size"] for f in files}
+    for name, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < by_name[name]:
+            raise _bad(f"partition_sizes.{name}", size, f"a size of at least the file's {by_name[name]} bytes")
+    return index
+
+
+def verify_index(data: bytes, sig: bytes, keys_dir: Path) -> dict[str, Any]:
+    """Check bundle.json's signature against the trusted keys FIRST, then its form and schema."""
+    try:
+        signature = manifest.decode_signature(sig)
+    except manifest.ManifestError as e:
+        raise Refused(f"bundle.json.sig: {e.message}", hint="download the bundle again; if it persists, it was tampered with") from None
+    keys = manifest.trusted_keys(keys_dir)
+    if not keys:
+        raise UserError(f"{keys_dir}: no trusted keys (*.pub)", hint="the image is damaged")
+    signed_by = None
+    for kid, key in keys.items():
+        try:
+            key.verify(signature, data)
+        except InvalidSignature:
+            continue
+        signed_by = kid
+        break
+    if signed_by is None:
+        claimed = manifest.claimed_signer(data)
+        if claimed is not None and claimed not in keys:
+            raise Refused(
+                f"bundle is signed by key {claimed}, which this version does not trust",
+                hint=f"trusted keys: {', '.join(sorted(keys))}; a new key must be shipped in a release signed by an old one first",
+            )
+        raise Refused("bundle.json's signature does not match any trusted key", hint="the bundle or its signature was changed")
+    try:
+        index = validate_index(manifest.parse_canonical(data))
+    except manifest.ManifestError as e:
+        raise Refused(f"bundle.json: {e.message}", hint=e.hint) from None
+    if index["signer"] != signed_by:
+        raise Refused(f"bundle.json names signer {index['signer']} but was signed by {signed_by}", hint="the bundle is inconsistent")
+    return index
+
+
+# ----------------------------------------------------------------------------------- kernel image
+
+
+def pe_sections(path: Path) -> dict[str, bytes]:
+    """The sections of a PE file (a unified kernel image) by name; only the small ones are read."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+        if head[:2] != b"MZ":
+            raise ValueError("not a PE file")
+        pe = struct.unpack_from("<I", head, 0x3C)[0]
+        f.seek(pe)
+        coff = f.read(24)
+        if coff[:4] != b"PE\0\0":
+            raise ValueError("not a PE file")
+        count, opt_size = struct.unpack_from("<H", coff, 6)[0], struct.unpack_from("<H", coff, 20)[0]
+        f.seek(pe + 24 + opt_size)
+        table = f.read(40 * count)
+        out = {}
+        for i in range(count):
+            raw = table[40 * i : 40 * (i + 1)]
+            name = raw[:8].rstrip(b"\0").decode("ascii", "replace")
+            vsize, _, rsize, rptr = struct.unpack_from("<IIII", raw, 8)
+            length = min(vsize, rsize) if vsize else rsize
+            if name in (".cmdline", ".osrel", ".uname") and length < 65536:
+                f.seek(rptr)
+                out[name] = f.read(length)
+        return out
+
+
+def uki_facts(path: Path) -> dict[str, str | None]:
+    """usrhash= from the kernel image's command line and IMAGEmanifest.VERSION from its os-release."""
+    try:
+        sections = pe_sections(path)
+    except (OSError, ValueError, struct.error) as e:
+        raise Refused(f"{path.name}: not a unified kernel image ({e})", hint="the bundle is damaged") from None
+    cmdline = sections.get(".cmdline", b"").decode("utf-8", "replace").rstrip("\0").split()
+    usrhash = next((a.split("=", 1)[1] for a in cmdline if a.startswith("usrhash=")), None)
+    osrel = sections.get(".osrel", b"").decode("utf-8", "replace")
+    m = re.search(r"^IMAGEmanifest.VERSION=\"?([^\"\n]*)\"?$", osrel, re.M)
+    return {"usrhash": usrhash, "image_version": m.group(1) if m else None}

@@ -1,0 +1,22 @@
+"""SHA-256 of files and the forms a digest is written in: defined once for host and device."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+CHUNK = 1 << 20
+
+SHA256 = re.compile(r"^[0-9a-f]{64}$")  # a hex SHA-256 as this project writes it
+DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")  # an OCI content digest
+HEX64_ANY_CASE = re.compile(r"^[0-9A-Fa-f]{64}$")  # as sha256sum accepts it on reading
+
+
+def sha256_file(path: Path) -> str:
+    """The hex SHA-256 of the file at PATH, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
