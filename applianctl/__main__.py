@@ -11,8 +11,8 @@ import argparse
 import importlib
 import sys
 
+from appliance.errors import run_reporting
 from applianctl import __version__
-from applianctl.errors import run_reporting
 
 # One module per concern; each registers its own subcommand(s). Only the module of the command
 # being run is imported: on a slow machine, importing cryptography or pydbus for `applianctl
@@ -25,23 +25,68 @@ COMMAND_MODULES = {
     "shm-clean": "applianctl.shm",
     "startup-report": "applianctl.startup",
     "logs": "applianctl.units",
+    "start": "applianctl.units",
+    "stop": "applianctl.units",
     "restart": "applianctl.units",
     "preflight": "applianctl.preflight",
-    "bootcheck": "applianctl.bootcheck",
     "update": "applianctl.update",
     "assess": "applianctl.assess",
     "rollback": "applianctl.rollback",
 }
 
 
+# Status follows the monitoring-plugin (Nagios) convention: 0 ok, 1 degraded, 2 down, 3 unknown;
+# "unknown" includes a status that could not run at all, e.g. a mistyped option.
+STATUS_UNKNOWN = 3
+
+
+def release_version() -> str:
+    """The release this image is (its configuration's appliance.version); the package's version
+    when not run on an appliance."""
+    import json
+
+    from appliance import paths
+
+    for path, keys in ((paths.CONFIG_JSON, ("appliance", "version")), (paths.MANIFEST, ("version",))):
+        try:
+            value: object = json.loads(path.read_text())
+            for key in keys:
+                value = value[key]  # type: ignore[index]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(value, str) and value:
+            return value
+    return __version__
+
+
+class _Version(argparse.Action):
+    """--version, reading the image's files only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kw: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the release version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kw: object) -> None:
+        print(f"applianctl {release_version()}")
+        parser.exit(0)
+
+
+def global_options(parser: argparse.ArgumentParser, top: bool) -> None:
+    """Options that work before or after the command: on the top parser with their defaults, on
+    each command's parser with SUPPRESS so that an absent option does not reset them."""
+    default = (lambda value: value) if top else (lambda value: argparse.SUPPRESS)
+    parser.add_argument("--debug", action="store_true", default=default(False), help="show tracebacks")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="applianctl", description="Inspect and operate the appliance.")
-    parser.add_argument("--version", action="version", version=f"applianctl {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action=_Version)
+    global_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = [COMMAND_MODULES[command]] if command in COMMAND_MODULES else COMMAND_MODULES.values()
     for name in dict.fromkeys(wanted):
         importlib.import_module(name).add_parser(sub)
+    for p in sub.choices.values():
+        global_options(p, top=False)
     return parser
 
 
@@ -51,11 +96,23 @@ def _command(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(_command(argv))
-    args = parser.parse_args(argv)
+    command = _command(argv)
+    parser = build_parser(command)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        if command == "status" and e.code not in (0, None):
+            return STATUS_UNKNOWN
+        raise
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if command == "status" and not args.debug:
+        try:
+            return int(args.func(args))
+        except Exception as e:  # could not run: "unknown", never a traceback a monitor would parse as "down"
+            print(f"applianctl status: unknown: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+            return STATUS_UNKNOWN
     return run_reporting(lambda: args.func(args), prefix="applianctl: ", debug=args.debug)
 
 

@@ -2,8 +2,8 @@
 
 All probes run side by side under one deadline (probes.DEADLINE_S), so the command answers
 within 2 seconds even when the engine hangs. The overall state is the worst part's; the exit
-status is 0 when healthy, 1 when degraded, 2 when down. `--json` prints the stable document
-described in docs/status-schema.md.
+status is 0 when healthy, 1 when degraded, 2 when down and 3 when status could not run (the
+monitoring-plugin convention). `--json` prints the stable document of docs/status-schema.md.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
+from appliance import paths
+from appliance.errors import UserError
 from applianctl import config as appliance_config
-from applianctl import gpu, paths, probes, systemd
+from applianctl import gpu, probes, systemd
 from applianctl.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
 SCHEMA = 1
@@ -201,11 +203,21 @@ def render(doc: Mapping[str, Any], out: TextIO, colour: bool) -> None:
         out.write(line + text + "\n")
 
 
+UNKNOWN_EXIT = 3  # the monitoring-plugin convention: status could not be determined
+
+
 def run(args: argparse.Namespace, src: Sources | None = None) -> int:
-    config = appliance_config.load()
-    if getattr(args, "timeout_scale", 1.0) != 1:
-        probes.scale_timeouts(args.timeout_scale)
-    doc = collect(config, src, probes.DEADLINE_S)
+    try:
+        config = appliance_config.load()
+        if getattr(args, "timeout_scale", 1.0) != 1:
+            probes.scale_timeouts(args.timeout_scale)
+        doc = collect(config, src, probes.DEADLINE_S)
+    except UserError as e:
+        # Could not run: "unknown" (3), never "down" (2), which a monitor would page on as an outage.
+        print(f"applianctl status: unknown: {e.message}", file=sys.stderr)
+        if e.hint:
+            print(f"hint: {e.hint}", file=sys.stderr)
+        return UNKNOWN_EXIT
     if args.json:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")

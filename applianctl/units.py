@@ -1,5 +1,5 @@
-"""`applianctl logs` and `applianctl restart`: journalctl and systemctl for the appliance's units,
-by short name, so an operator never has to know the unit names."""
+"""`applianctl logs` and `applianctl start|stop|restart`: journalctl and systemctl for the
+appliance's units, by short name, so an operator never has to know the unit names."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import shutil
 import subprocess
 from typing import Any
 
-from applianctl import paths
-from applianctl.errors import UserError
+from appliance import paths
+from appliance.errors import UserError
 
 LOG_UNITS = {
     "engine": paths.ENGINE_UNIT,
@@ -39,25 +39,37 @@ def logs_argv(args: argparse.Namespace) -> list[str]:
         argv.append("-f")
     if args.lines is not None:
         argv += ["-n", str(args.lines)]
+    if getattr(args, "since", None):
+        argv += ["--since", args.since]  # journalctl's own forms: "1 hour ago", "today", "2026-08-04 10:00"
     return argv
 
 
-def restart_argv(part: str) -> list[str]:
+def control_argv(verb: str, part: str) -> list[str]:
     if part not in RESTART_UNITS:
-        raise UserError(f"cannot restart {part!r}: only {' or '.join(RESTART_UNITS)}", hint="applianctl restart engine")
-    return ["systemctl", "restart", LOG_UNITS[part]]
+        raise UserError(f"cannot {verb} {part!r}: only {' or '.join(RESTART_UNITS)}", hint=f"applianctl {verb} engine")
+    return ["systemctl", verb, LOG_UNITS[part]]
+
+
+def restart_argv(part: str) -> list[str]:
+    return control_argv("restart", part)
 
 
 def run_logs(args: argparse.Namespace) -> int:
     return _exec(logs_argv(args))
 
 
-def run_restart(args: argparse.Namespace) -> int:
-    argv = restart_argv(args.part)
-    # An operator's restart is deliberate: it must not be refused because the unit's start limit
-    # (five starts an hour, there to stop a crash loop) was used up by earlier failures.
-    subprocess.run(["systemctl", "reset-failed", argv[-1]], check=False, capture_output=True)
+def run_control(args: argparse.Namespace) -> int:
+    argv = control_argv(args.verb, args.part)
+    if args.verb in ("start", "restart"):
+        # An operator's start is deliberate: it must not be refused because the unit's start limit
+        # (five starts an hour, there to stop a crash loop) was used up by earlier failures.
+        subprocess.run(["systemctl", "reset-failed", argv[-1]], check=False, capture_output=True)
     return _exec(argv)
+
+
+def run_restart(args: argparse.Namespace) -> int:
+    args.verb = "restart"
+    return run_control(args)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -65,8 +77,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("part", nargs="?", default="engine", choices=tuple(LOG_UNITS), help="which unit (default engine)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     p.add_argument("-n", "--lines", type=int, metavar="N", help="show the last N lines")
+    p.add_argument("--since", metavar="WHEN", help='only lines since WHEN (journalctl: "1 hour ago", "today", "2026-08-04 10:00")')
     p.set_defaults(func=run_logs)
 
-    p = subparsers.add_parser("restart", help="restart the engine or the proxy")
-    p.add_argument("part", help="engine or proxy")
-    p.set_defaults(func=run_restart)
+    for verb, what in (("start", "start"), ("stop", "stop"), ("restart", "restart (resetting its start limit)")):
+        p = subparsers.add_parser(verb, help=f"{what} the engine or the proxy")
+        p.add_argument("part", help="engine or proxy")
+        p.set_defaults(func=run_control, verb=verb)

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from applianctl import manifest, paths
-from applianctl.state import write_json_atomic
+from appliance import manifest, paths
+from appliance.atomic import write_json_atomic
 
 
 def firmware_dir() -> Path:
@@ -30,12 +30,18 @@ def add_parser(subparsers: Any) -> None:
         description="Check the signed release manifest against the trusted keys, then every overlay, "
         f"tuning table and firmware file on the device against it. Writes {paths.VERIFY_RESULT}.",
     )
+    parser.add_argument("--json", action="store_true", help="print the result document (the one status reads) on stdout")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     result = check()
     write_result(result)
+    if getattr(args, "json", False):
+        import json
+
+        print(json.dumps(result, indent=2))
+        return 0 if result["ok"] else 1
     if not result["ok"]:
         print(f"applianctl verify: {result['reason']}", file=sys.stderr)
         return 1

@@ -12,9 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
-from applianctl.errors import run_reporting
-from builder import config as config_model
-from builder.errors import UserError
+from appliance import config as config_model
+from appliance.errors import UserError, run_reporting
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,13 +33,27 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_render(args: argparse.Namespace) -> int:
     """Print one generated file (e.g. the engine's quadlet) without building."""
-    from builder import render
+    from builder import engine_store, proxy, render
 
     config = _load(args)
     names = sorted(p.name for p in render.UNITS_DIR.glob("*.j2"))
     if args.template not in names:
         raise UserError(f"no template {args.template!r}", hint="one of: " + ", ".join(names))
-    sys.stdout.write(render.render_template(args.template, config))
+    if args.template == proxy.TEMPLATE:
+        # The Caddyfile's values are checked and escaped by builder/proxy.py, as the build does.
+        sys.stdout.write(proxy.render_caddyfile(config))
+        return 0
+    digest = config.engine.digest
+    store = engine_store._load(engine_store.CACHE / digest.replace(":", "-"), digest)
+    if store is None:
+        # The store's verity root hash is known once the build has packed the engine image; the
+        # rest of the unit is as the build writes it.
+        label = engine_store.label_for(digest)
+        store = engine_store.EngineStore(Path("engine.erofs"), Path("engine.verity"), "ROOTHASH-AFTER-BUILD", label)
+        if "store." in (render.UNITS_DIR / args.template).read_text():
+            print(f"note: {args.template}: no engine store built yet for {digest}: its root hash is a placeholder",
+                  file=sys.stderr)
+    sys.stdout.write(render.render_template(args.template, config, store))
     return 0
 
 
@@ -111,17 +124,29 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def global_options(parser: argparse.ArgumentParser, top: bool) -> None:
+    """Options that work before or after the command: on the top parser with their defaults, on
+    each command's parser with SUPPRESS so that an absent option does not reset them."""
+
+    def default(value: object) -> object:
+        return value if top else argparse.SUPPRESS
+
+    parser.add_argument("--debug", action="store_true", default=default(False), help="show commands and tracebacks")
+    parser.add_argument("--config", default=default(str(ROOT / "appliance.toml")),
+                        help="the configuration (default: appliance.toml beside builder/)")
+    parser.add_argument("--profile", default=default("production"), choices=config_model.PROFILES,
+                        help="the profile of appliance.toml to use (default: production)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python3 -m builder", description=__doc__.splitlines()[0])
-    parser.add_argument("--debug", action="store_true", help="show commands and tracebacks")
-    parser.add_argument("--config", default=str(ROOT / "appliance.toml"), help="the configuration (appliance.toml)")
-    parser.add_argument("--profile", default="production", choices=config_model.PROFILES)
+    global_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("validate", help="check appliance.toml without building")
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("render", help="print one generated unit (a template in units/)")
+    p = sub.add_parser("render", help="print one generated file (a template in units/)")
     p.add_argument("template", help="e.g. appliance-engine.container.j2")
     p.set_defaults(func=cmd_render)
 
@@ -137,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     release.add_parser(sub)
 
     p = sub.add_parser("keys", help="make a release signing key pair (Ed25519)")
-    p.add_argument("action", choices=["generate"])
+    p.add_argument("action", choices=["generate"], help="generate: write a new key pair")
     p.add_argument("--directory", help="where to write release.key and release.pub (default: keys/, never committed)")
     p.set_defaults(func=cmd_keys)
 
@@ -149,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for the guest's report")
     p.add_argument("--status-json", help="write the guest's status as JSON here")
     p.set_defaults(func=cmd_boot)
+
+    for command_parser in sub.choices.values():
+        global_options(command_parser, top=False)
     return parser
 
 

@@ -1,0 +1,157 @@
+"""Both command lines: global options anywhere, help for everything, status's exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import applianctl
+from applianctl import __main__ as applianctl_main
+from applianctl import units
+from builder import __main__ as builder_main
+
+ROOT = Path(__file__).parents[1]
+
+
+def _walk(parser: argparse.ArgumentParser, path: str = "") -> list[tuple[str, argparse.ArgumentParser]]:
+    out = [(path or parser.prog, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out += _walk(sub, f"{path} {name}".strip())
+    return out
+
+
+def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
+    return [("builder " + n, p) for n, p in _walk(builder_main.build_parser())] + [
+        ("applianctl " + n, p) for n, p in _walk(applianctl_main.build_parser())
+    ]
+
+
+def test_every_command_and_option_has_help() -> None:
+    missing = []
+    commands = 0
+    for where, parser in _parsers():
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helps = {a.dest: a.help for a in action._choices_actions}
+                commands += len(helps)
+                missing += [f"{where} {name}" for name, text in helps.items() if not (text or "").strip()]
+            elif action.help != argparse.SUPPRESS and not (action.help or "").strip():
+                missing.append(f"{where} {'/'.join(action.option_strings) or action.dest}")
+    assert commands > 15
+    assert missing == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--profile", "demo", "validate"],
+        ["validate", "--profile", "demo"],
+        ["--debug", "render", "appliance.preset.j2", "--profile", "demo"],
+        ["release", "--profile", "demo", "--config", "x.toml"],
+    ],
+)
+def test_builder_global_options_before_or_after_the_verb(argv: list[str]) -> None:
+    args = builder_main.build_parser().parse_args(argv)
+    assert args.profile == "demo"
+    assert args.debug == ("--debug" in argv)
+    assert args.config == ("x.toml" if "x.toml" in argv else str(ROOT / "appliance.toml"))
+
+
+def test_builder_defaults_survive_a_command_without_the_options() -> None:
+    args = builder_main.build_parser().parse_args(["--profile", "demo", "--debug", "boot"])
+    assert (args.profile, args.debug) == ("demo", True)
+    args = builder_main.build_parser().parse_args(["boot"])
+    assert (args.profile, args.debug) == ("production", False)
+
+
+def test_applianctl_debug_before_or_after_the_verb() -> None:
+    parser = applianctl_main.build_parser()
+    assert parser.parse_args(["status", "--debug"]).debug is True
+    assert parser.parse_args(["--debug", "status"]).debug is True
+    assert parser.parse_args(["status"]).debug is False
+
+
+def _status(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "APPLIANCE_CONFIG": str(tmp_path / "absent.json")}
+    return subprocess.run(
+        [sys.executable, "-m", "applianctl", "status", *argv], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+
+
+def test_status_that_cannot_run_is_unknown_3(tmp_path: Path) -> None:
+    r = _status(tmp_path)
+    assert r.returncode == 3, r.stderr
+    assert r.stderr.startswith("applianctl status: unknown: ") and "Traceback" not in r.stderr
+    assert "hint: " in r.stderr
+
+
+def test_status_usage_error_is_unknown_3(tmp_path: Path) -> None:
+    r = _status(tmp_path, "--no-such-option")
+    assert r.returncode == 3
+    assert "unrecognized arguments" in r.stderr
+
+
+def test_status_that_crashes_is_unknown_3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "appliance.json"
+    config.write_text("[]")  # valid JSON, not a configuration: the probes cannot run
+    monkeypatch.setenv("APPLIANCE_CONFIG", str(config))
+    assert applianctl_main.main(["status"]) == 3
+
+
+def test_other_commands_keep_exit_2_for_bad_input() -> None:
+    with pytest.raises(SystemExit) as e:
+        applianctl_main.main(["restart"])
+    assert e.value.code == 2
+    assert applianctl_main.main(["restart", "verify"]) == 2
+
+
+def test_version_is_the_release_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from appliance import paths
+
+    monkeypatch.setattr(paths, "CONFIG_JSON", tmp_path / "appliance.json")
+    monkeypatch.setattr(paths, "MANIFEST", tmp_path / "manifest.json")
+    with pytest.raises(SystemExit) as e:
+        applianctl_main.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"applianctl {applianctl.__version__}\n"
+    (tmp_path / "manifest.json").write_text(json.dumps({"version": "1.2.2"}))
+    (tmp_path / "appliance.json").write_text(json.dumps({"appliance": {"version": "1.2.3"}}))
+    with pytest.raises(SystemExit):
+        applianctl_main.main(["--version"])
+    assert capsys.readouterr().out == "applianctl 1.2.3\n"
+    (tmp_path / "appliance.json").unlink()
+    with pytest.raises(SystemExit):
+        applianctl_main.main(["--version"])
+    assert capsys.readouterr().out == "applianctl 1.2.2\n"
+
+
+@pytest.mark.parametrize("verb", ["start", "stop", "restart"])
+def test_start_stop_restart(verb: str) -> None:
+    args = applianctl_main.build_parser().parse_args([verb, "proxy"])
+    assert (args.func, args.verb) == (units.run_control, verb)
+    assert units.control_argv(verb, "engine") == ["systemctl", verb, "appliance-engine.service"]
+
+
+def test_logs_since() -> None:
+    args = applianctl_main.build_parser().parse_args(["logs", "proxy", "--since", "1 hour ago", "-n", "5"])
+    assert units.logs_argv(args) == [
+        "journalctl", "--no-pager", "-u", "appliance-proxy.service", "-n", "5", "--since", "1 hour ago"
+    ]
+
+
+def test_every_command_module_registers_its_command() -> None:
+    for command, module in applianctl_main.COMMAND_MODULES.items():
+        parser = applianctl_main.build_parser(command)
+        assert command in _walk_names(parser), (command, module)
+
+
+def _walk_names(parser: argparse.ArgumentParser) -> set[str]:
+    return {name.split()[-1] for name, _ in _walk(parser)}
