@@ -1,0 +1,354 @@
+"""Where a bundle comes from: a directory or an https:// URL, with every server-controlled quantity bounded.
+
+Nothing a server (or a directory someone else filled) sends can make the updater use more memory,
+disk or time than it decided beforehand:
+
+- HTTPS only; a redirect is followed only to the same scheme, host and port (at most MAX_REDIRECTS).
+- The CA is the one given (--ca) or the system's; the environment (REQUESTS_CA_BUNDLE,
+  CURL_CA_BUNDLE, proxies) plays no part: the client is http.client with its own ssl context.
+- Small files (bundle.json, its signature) are read with a byte cap while streaming: a larger
+  Content-Length is refused before the body is read, an endless body after cap + 1 bytes.
+- Large files stop at the size the signed index gives; a byte more is refused.
+- One overall deadline: every socket operation gets at most the time left, and a watchdog shuts
+  the socket at the deadline, so a body trickled one byte at a time (slow loris) ends too.
+- A directory source is opened without following symbolic links, and only regular files are read.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import ssl
+import stat
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from appliance.errors import Refused, UserError
+
+CHUNK = 1 << 16  # one read: small, so the deadline is checked often
+CONNECT_TIMEOUT_S = 15.0
+READ_TIMEOUT_S = 60.0  # the longest silence between two reads
+MAX_REDIRECTS = 5
+FETCH_ATTEMPTS = 5
+
+RESUME = "run the same command again: the download resumes"
+NET_HINT = "check the URL and the network; run the same command again to resume"
+
+
+class DeadlineExceeded(UserError):
+    pass
+
+
+class Deadline:
+    """One deadline for a whole update run."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds, self.clock = seconds, clock
+        self.end = clock() + seconds
+
+    def left(self) -> float:
+        left = self.end - self.clock()
+        if left <= 0:
+            raise DeadlineExceeded(f"the update did not finish within its deadline of {self.seconds:g} s", hint=RESUME)
+        return left
+
+
+class Progress:
+    """A one-line progress bar on a terminal; silent otherwise."""
+
+    def __init__(self, name: str, total: int, stream: Any = None) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.name, self.total, self.last = name, max(total, 1), 0.0
+
+    def update(self, done: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.2 and done < self.total):
+            return
+        self.last = now
+        width = 30
+        filled = int(width * done / self.total)
+        self.stream.write(f"\r{self.name[:40]:40} [{'#' * filled}{'.' * (width - filled)}] {100 * done // self.total:3d}%")
+        if done >= self.total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+class Source(Protocol):
+    spec: str
+
+    def read_small(self, name: str, limit: int) -> bytes: ...
+
+    def fetch(self, name: str, part: Path, size: int) -> None: ...
+
+
+def open_source(spec: str, ca: str | None, deadline: Deadline) -> Source:
+    """SPEC as a source: an https:// URL or a bundle directory (http:// and other schemes refused)."""
+    if "://" in spec:
+        return HttpsSource(spec, ca, deadline)
+    if ca:
+        raise UserError("--ca applies to an https:// SOURCE only", hint="leave out --ca for a bundle directory")
+    return DirSource(spec, deadline)
+
+
+def _too_large(name: str, limit: int) -> Refused:
+    return Refused(f"{name} is larger than {limit} bytes", hint="this is not a release bundle")
+
+
+def _write_until(chunks: Iterator[bytes], fout: IO[bytes], have: int, size: int, name: str, progress: Progress) -> int:
+    """Append CHUNKS to FOUT until SIZE bytes; a byte beyond SIZE is refused. Returns the count."""
+    for chunk in chunks:
+        if have + len(chunk) > size:
+            raise Refused(f"{name} is larger than bundle.json says ({size} bytes)", hint="the bundle was changed after it was signed")
+        fout.write(chunk)
+        have += len(chunk)
+        progress.update(have)
+        if have == size:
+            break
+    fout.flush()
+    os.fsync(fout.fileno())
+    return have
+
+
+def _resumable(fetch_once: Callable[[Path, int, int, Progress], None], name: str, part: Path, size: int, deadline: Deadline) -> None:
+    """Call FETCH_ONCE until PART holds SIZE bytes; a dropped connection is retried (resumed) a
+    few times within the run. Refusals and the deadline are not retried."""
+    progress = Progress(name, size)
+    for attempt in range(FETCH_ATTEMPTS):
+        deadline.left()
+        have = part.stat().st_size if part.exists() else 0
+        if have > size:
+            part.unlink()
+            have = 0
+        if have == size:
+            progress.update(size)
+            return
+        try:
+            fetch_once(part, have, size, progress)
+        except OSError as e:
+            if attempt == FETCH_ATTEMPTS - 1:
+                raise UserError(f"{name}: download failed ({e})"[:300], hint=RESUME) from None
+            time.sleep(min(min(2**attempt, 10) * 0.1, deadline.left()))
+    if not part.exists() or part.stat().st_size != size:
+        raise UserError(f"{name}: download incomplete", hint=RESUME)
+
+
+# ----------------------------------------------------------------------------------- directory
+
+
+class DirSource:
+    """A bundle directory. No symbolic link is followed (the directory itself or a file in it):
+    the signed index names the files, and a link could make it read a device or /proc."""
+
+    def __init__(self, spec: str, deadline: Deadline) -> None:
+        self.spec, self.deadline = spec, deadline
+        try:
+            self.fd = os.open(spec, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise UserError(f"{spec}: no such directory", hint="SOURCE is a bundle directory or an https:// URL of one") from None
+        except OSError as e:
+            if Path(spec).is_symlink():
+                raise UserError(f"{spec}: is a symbolic link", hint="give the bundle directory itself") from None
+            raise UserError(f"{spec}: {e.strerror}", hint="SOURCE is a bundle directory or an https:// URL of one") from None
+
+    def _open(self, name: str) -> int:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        except FileNotFoundError:
+            raise Refused(f"{self.spec}/{name}: missing from the bundle", hint="copy the whole bundle directory") from None
+        except OSError as e:
+            import errno
+
+            if e.errno == errno.ELOOP:
+                hint = "a bundle directory holds regular files only (copy it with cp -L)"
+                raise Refused(f"{self.spec}/{name}: is a symbolic link", hint=hint) from None
+            raise UserError(f"{self.spec}/{name}: {e.strerror}", hint="check the bundle directory") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise Refused(f"{self.spec}/{name}: not a regular file", hint="a bundle directory holds regular files only")
+        return fd
+
+    def read_small(self, name: str, limit: int) -> bytes:
+        with os.fdopen(self._open(name), "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise _too_large(name, limit)
+        return data
+
+    def fetch(self, name: str, part: Path, size: int) -> None:
+        def once(part: Path, have: int, size: int, progress: Progress) -> None:
+            with os.fdopen(self._open(name), "rb") as fin, open(part, "ab") as fout:
+                fin.seek(have)
+                chunks = iter(lambda: (self.deadline.left(), fin.read(CHUNK))[1], b"")
+                have = _write_until(chunks, fout, have, size, name, progress)
+            if have < size:
+                raise Refused(f"{self.spec}/{name} is smaller than bundle.json says ({size} bytes)", hint="copy the whole bundle again")
+
+        _resumable(once, name, part, size, self.deadline)
+
+
+# ----------------------------------------------------------------------------------- HTTPS
+
+
+def parse_url(spec: str) -> urllib.parse.SplitResult:
+    """An https:// URL of a bundle directory: no credentials, query or fragment; ends with /."""
+    hint = "SOURCE is https://HOST[:PORT]/PATH/ of a bundle directory"
+    try:
+        url = urllib.parse.urlsplit(spec)
+        port = url.port
+    except ValueError as e:
+        raise UserError(f"{spec}: not a URL ({e})", hint=hint) from None
+    if url.scheme != "https":
+        raise UserError(f"{spec}: only https:// is accepted", hint="serve the bundle over HTTPS (pass its CA with --ca)")
+    if not url.hostname or url.username is not None or url.password is not None or url.query or url.fragment:
+        raise UserError(f"{spec}: expected https://HOST[:PORT]/PATH/ (no user, query or fragment)", hint=hint)
+    if any(ord(c) < 0x21 or ord(c) > 0x7E for c in spec):
+        raise UserError(f"{spec!r}: the URL holds spaces or control characters", hint=hint)
+    if port == 0:
+        raise UserError(f"{spec}: port 0", hint=hint)
+    return url._replace(path=url.path if url.path.endswith("/") else url.path + "/")
+
+
+def _origin(url: urllib.parse.SplitResult) -> tuple[str, str, int]:
+    return (url.scheme, (url.hostname or "").lower(), url.port or 443)
+
+
+class HttpsSource:
+    def __init__(self, spec: str, ca: str | None, deadline: Deadline) -> None:
+        self.spec, self.deadline = spec, deadline
+        self.base = parse_url(spec)
+        if ca is not None:
+            if not Path(ca).is_file():
+                raise UserError(f"{ca}: no such file", hint="--ca takes the PEM certificate of the CA that signed the server's certificate")
+            try:
+                # only this CA: create_default_context loads the system's (and SSL_CERT_FILE's) only without cafile
+                self.context = ssl.create_default_context(cafile=ca)
+            except ssl.SSLError as e:
+                raise UserError(f"{ca}: not a PEM CA certificate ({e.reason})", hint="--ca takes a PEM file") from None
+        else:
+            # the system's CAs from OpenSSL's compiled-in paths, not SSL_CERT_FILE/SSL_CERT_DIR
+            paths = ssl.get_default_verify_paths()
+            self.context = ssl.create_default_context(
+                cafile=paths.openssl_cafile if os.path.exists(paths.openssl_cafile) else None,
+                capath=paths.openssl_capath if os.path.isdir(paths.openssl_capath) else None,
+            )
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+
+    def url(self, name: str) -> str:
+        return urllib.parse.urlunsplit(self.base._replace(path=self.base.path + name))
+
+    @contextmanager
+    def _get(self, name: str, headers: dict[str, str]) -> Iterator[tuple[http.client.HTTPResponse, socket.socket]]:
+        """GET NAME; redirects followed only within the same origin. Yields the response (status
+        read, body not) and its socket; a watchdog shuts the socket when the deadline passes."""
+        url = self.base._replace(path=self.base.path + name)
+        for _ in range(MAX_REDIRECTS + 1):
+            conn = http.client.HTTPSConnection(
+                url.hostname or "", url.port or 443, context=self.context, timeout=min(CONNECT_TIMEOUT_S, self.deadline.left())
+            )
+            watchdog: threading.Timer | None = None
+            try:
+                try:
+                    conn.connect()
+                    sock = conn.sock
+                    assert sock is not None
+                    watchdog = threading.Timer(self.deadline.left(), _shut, (sock,))
+                    watchdog.daemon = True
+                    watchdog.start()
+                    target = url.path + (f"?{url.query}" if url.query else "")
+                    conn.putrequest("GET", target, skip_accept_encoding=True)
+                    for key, value in {"Accept-Encoding": "identity", "User-Agent": "applianctl-update", **headers}.items():
+                        conn.putheader(key, value)
+                    conn.endheaders()
+                    sock.settimeout(min(READ_TIMEOUT_S, self.deadline.left()))
+                    resp = conn.getresponse()
+                except ssl.SSLCertVerificationError as e:
+                    raise UserError(
+                        f"{urllib.parse.urlunsplit(url)}: the server's certificate is not trusted ({e.verify_message})",
+                        hint="pass the CA that signed it with --ca",
+                    ) from None
+                except (OSError, http.client.HTTPException) as e:
+                    self.deadline.left()  # a socket shut by the watchdog reads as the deadline
+                    raise OSError(f"{urllib.parse.urlunsplit(url)}: {type(e).__name__}: {e}".splitlines()[0][:300]) from None
+                if resp.status in (301, 302, 303, 307, 308):
+                    location = resp.getheader("Location") or ""
+                    nxt = urllib.parse.urlsplit(urllib.parse.urljoin(urllib.parse.urlunsplit(url), location))
+                    if _origin(nxt) != _origin(url):
+                        raise Refused(
+                            f"{urllib.parse.urlunsplit(url)} redirects to {location[:200]!r}: another scheme, host or port is not followed",
+                            hint="point SOURCE at the final https:// URL on the same server",
+                        )
+                    url = nxt
+                    continue
+                yield resp, sock
+                return
+            finally:
+                if watchdog is not None:
+                    watchdog.cancel()
+                conn.close()
+        raise Refused(f"{self.url(name)}: more than {MAX_REDIRECTS} redirects", hint="point SOURCE at the final URL")
+
+    def _chunks(self, resp: http.client.HTTPResponse, sock: socket.socket) -> Iterator[bytes]:
+        """The body in reads of at most CHUNK bytes, each within the time left."""
+        while True:
+            sock.settimeout(min(READ_TIMEOUT_S, self.deadline.left()))
+            try:
+                chunk = resp.read1(CHUNK)
+            except (OSError, http.client.HTTPException) as e:
+                self.deadline.left()
+                raise OSError(f"{type(e).__name__}: {e}".splitlines()[0][:300]) from None
+            if not chunk:
+                self.deadline.left()  # a watchdog-shut socket ends like a short body
+                return
+            yield chunk
+
+    def read_small(self, name: str, limit: int) -> bytes:
+        try:
+            with self._get(name, {}) as (resp, sock):
+                if resp.status != 200:
+                    raise UserError(f"{self.url(name)}: HTTP {resp.status}", hint="the URL must point at a bundle directory")
+                length = resp.getheader("Content-Length")
+                if length is not None and (not length.isdigit() or int(length) > limit):
+                    raise _too_large(name, limit)
+                data = bytearray()
+                for chunk in self._chunks(resp, sock):
+                    data += chunk
+                    if len(data) > limit:
+                        raise _too_large(name, limit)
+                return bytes(data)
+        except OSError as e:
+            raise UserError(str(e), hint=NET_HINT) from None
+
+    def fetch(self, name: str, part: Path, size: int) -> None:
+        def once(part: Path, have: int, size: int, progress: Progress) -> None:
+            headers = {"Range": f"bytes={have}-"} if have else {}
+            with self._get(name, headers) as (resp, sock):
+                if resp.status == 416 and have:
+                    part.unlink()  # the server has fewer bytes than we do: start over
+                    raise OSError("the server refused the range; starting over")
+                if resp.status == 404:
+                    raise Refused(f"{self.url(name)}: HTTP 404", hint="the bundle on the server is incomplete")
+                if resp.status not in (200, 206):
+                    raise OSError(f"HTTP {resp.status}")
+                mode = "ab"
+                if resp.status == 200 or not (resp.getheader("Content-Range") or "").startswith(f"bytes {have}-"):
+                    mode, have = "wb", 0  # no range support: from the start
+                with open(part, mode) as fout:
+                    have = _write_until(self._chunks(resp, sock), fout, have, size, name, progress)
+            if have < size:
+                raise OSError(f"the connection ended after {have} of {size} bytes")
+
+        _resumable(once, name, part, size, self.deadline)
+
+
+def _shut(sock: socket.socket) -> None:
+    """The deadline passed: wake any read blocked on SOCK (close alone does not)."""
+    with suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)

@@ -1,0 +1,323 @@
+"""The updater's sources against servers and directories that misbehave: a real HTTPS server on
+loopback (Python's ssl, a CA made here) that sends oversized and endless bodies, redirects to
+plain HTTP and to another host, trickles a body past the deadline; a CA in the environment that
+must not count; a directory source with symbolic links."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import http.server
+import ipaddress
+import os
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from appliance.errors import Refused, UserError
+from applianctl import update_fetch as uf
+
+LIMIT = 1 << 16
+
+
+def _ca(directory: Path, name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    path = directory / f"{name}.crt"
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key, cert, path
+
+
+def _server_cert(directory: Path, ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+        .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    crt, pem = directory / "server.crt", directory / "server.key"
+    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pem.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return crt, pem
+
+
+Behaviour = Callable[[http.server.BaseHTTPRequestHandler], None]
+
+
+class Server:
+    """HTTPS (or plain HTTP) on 127.0.0.1; each path answered by a behaviour; every request logged."""
+
+    def __init__(self, tls: ssl.SSLContext | None) -> None:
+        self.routes: dict[str, Behaviour] = {}
+        self.requests: list[str] = []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                server.requests.append(self.path)
+                behaviour = server.routes.get(self.path)
+                if behaviour is None:
+                    self.send_error(404)
+                    return
+                with contextlib.suppress(OSError):  # the client hung up, as it should
+                    behaviour(self)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        if tls is not None:
+            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
+        self.port = self.httpd.server_address[1]
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}/"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def body(data: bytes, status: int = 200) -> Behaviour:
+    def send(h: http.server.BaseHTTPRequestHandler) -> None:
+        h.send_response(status)
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+
+    return send
+
+
+def redirect(location: str) -> Behaviour:
+    def send(h: http.server.BaseHTTPRequestHandler) -> None:
+        h.send_response(302)
+        h.send_header("Location", location)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
+    return send
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> dict[str, Path]:
+    key, ca, ca_path = _ca(tmp_path, "update-ca")
+    _, _, other = _ca(tmp_path, "other-ca")
+    crt, pem = _server_cert(tmp_path, key, ca)
+    return {"ca": ca_path, "other": other, "crt": crt, "key": pem}
+
+
+@pytest.fixture
+def https(pki: dict[str, Path]) -> Iterator[Server]:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(pki["crt"], pki["key"])
+    s = Server(ctx)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def plain() -> Iterator[Server]:
+    s = Server(None)
+    yield s
+    s.close()
+
+
+def source(server: Server, ca: Path, seconds: float = 30.0, base: str = "bundle/") -> uf.HttpsSource:
+    return uf.HttpsSource(server.url + base, str(ca), uf.Deadline(seconds))
+
+
+# ----------------------------------------------------------------------------------- HTTPS
+
+
+def test_a_small_file_is_read_over_https_with_the_given_ca(https: Server, pki: dict[str, Path]) -> None:
+    https.routes["/bundle/bundle.json"] = body(b'{"a":1}')
+    assert source(https, pki["ca"]).read_small("bundle.json", LIMIT) == b'{"a":1}'
+
+
+def test_an_oversized_index_is_refused_from_its_content_length_before_the_body(https: Server, pki: dict[str, Path]) -> None:
+    sent = threading.Event()
+
+    def huge(h: http.server.BaseHTTPRequestHandler) -> None:
+        h.send_response(200)
+        h.send_header("Content-Length", str(1 << 30))
+        h.end_headers()
+        h.wfile.write(b"x" * 1024)
+        sent.set()
+
+    https.routes["/bundle/bundle.json"] = huge
+    with pytest.raises(Refused, match=f"bundle.json is larger than {LIMIT} bytes"):
+        source(https, pki["ca"]).read_small("bundle.json", LIMIT)
+
+
+def test_an_endless_index_is_cut_at_the_cap_while_streaming(https: Server, pki: dict[str, Path]) -> None:
+    written = [0]
+
+    def endless(h: http.server.BaseHTTPRequestHandler) -> None:
+        h.send_response(200)
+        h.send_header("Connection", "close")  # no Content-Length: the body ends when the server says so
+        h.end_headers()
+        while written[0] < (1 << 30):
+            h.wfile.write(b"{" * 4096)
+            written[0] += 4096
+
+    https.routes["/bundle/bundle.json"] = endless
+    t0 = time.monotonic()
+    with pytest.raises(Refused, match="larger than"):
+        source(https, pki["ca"]).read_small("bundle.json", LIMIT)
+    assert time.monotonic() - t0 < 10
+    time.sleep(0.2)
+    assert written[0] < 64 * LIMIT  # the client stopped reading: the server could not push a gigabyte
+
+
+def test_a_redirect_to_plain_http_is_not_followed(https: Server, plain: Server, pki: dict[str, Path]) -> None:
+    plain.routes["/bundle/bundle.json"] = body(b"{}")
+    https.routes["/bundle/bundle.json"] = redirect(plain.url + "bundle/bundle.json")
+    with pytest.raises(Refused, match="another scheme, host or port is not followed"):
+        source(https, pki["ca"]).read_small("bundle.json", LIMIT)
+    assert plain.requests == []
+
+
+def test_a_redirect_to_another_host_is_not_followed(https: Server, pki: dict[str, Path]) -> None:
+    # the same server under another name (its certificate is valid for both): only the host differs
+    https.routes["/bundle/bundle.json"] = redirect(f"https://localhost:{https.port}/elsewhere/bundle.json")
+    https.routes["/elsewhere/bundle.json"] = body(b"{}")
+    with pytest.raises(Refused, match="redirects to"):
+        source(https, pki["ca"]).read_small("bundle.json", LIMIT)
+    assert "/elsewhere/bundle.json" not in https.requests
+
+
+def test_a_redirect_on_the_same_server_is_followed(https: Server, pki: dict[str, Path]) -> None:
+    https.routes["/bundle/bundle.json"] = redirect("/v2/bundle.json")
+    https.routes["/v2/bundle.json"] = body(b"{}")
+    assert source(https, pki["ca"]).read_small("bundle.json", LIMIT) == b"{}"
+
+
+def test_plain_http_is_refused_before_any_request(plain: Server) -> None:
+    with pytest.raises(UserError, match="only https:// is accepted"):
+        uf.open_source(plain.url + "bundle/", None, uf.Deadline(10))
+    assert plain.requests == []
+
+
+def _slow(h: http.server.BaseHTTPRequestHandler) -> None:
+    h.send_response(200)
+    h.send_header("Content-Length", str(1 << 20))
+    h.end_headers()
+    for _ in range(1000):
+        h.wfile.write(b"x")
+        h.wfile.flush()
+        time.sleep(0.05)  # every byte well within any read timeout
+
+
+def test_a_slow_loris_body_ends_at_the_deadline(https: Server, pki: dict[str, Path], tmp_path: Path) -> None:
+    https.routes["/bundle/big.raw"] = _slow
+    t0 = time.monotonic()
+    with pytest.raises(uf.DeadlineExceeded, match=r"deadline of 1\.5 s"):
+        source(https, pki["ca"], seconds=1.5).fetch("big.raw", tmp_path / "big.raw.part", 1 << 20)
+    assert time.monotonic() - t0 < 4
+
+
+def test_a_slow_loris_index_ends_at_the_deadline(https: Server, pki: dict[str, Path]) -> None:
+    https.routes["/bundle/bundle.json"] = _slow
+    t0 = time.monotonic()
+    with pytest.raises(uf.DeadlineExceeded):
+        source(https, pki["ca"], seconds=1.0).read_small("bundle.json", 1 << 20)
+    assert time.monotonic() - t0 < 3
+
+
+def test_a_body_larger_than_the_index_says_is_refused(https: Server, pki: dict[str, Path], tmp_path: Path) -> None:
+    https.routes["/bundle/f.raw"] = body(b"y" * 5000)
+    with pytest.raises(Refused, match=r"larger than bundle\.json says"):
+        source(https, pki["ca"]).fetch("f.raw", tmp_path / "f.raw.part", 4096)
+
+
+@pytest.mark.parametrize("variable", ["REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE"])
+def test_the_given_ca_wins_over_the_environment(
+    https: Server, pki: dict[str, Path], monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    https.routes["/bundle/bundle.json"] = body(b"{}")
+    monkeypatch.setenv(variable, str(pki["other"]))
+    assert source(https, pki["ca"]).read_small("bundle.json", LIMIT) == b"{}"
+    # and a CA in the environment does not make an untrusted server trusted
+    monkeypatch.setenv(variable, str(pki["ca"]))
+    with pytest.raises(UserError, match="not trusted"):
+        uf.HttpsSource(https.url + "bundle/", None, uf.Deadline(10)).read_small("bundle.json", LIMIT)
+    with pytest.raises(UserError, match="not trusted"):
+        source(https, pki["other"]).read_small("bundle.json", LIMIT)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["ftp://example.net/b/", "https://user:pw@127.0.0.1/b/", "https://127.0.0.1/b/?x=1", "https:///b/", "https://127.0.0.1:99999/b/"],
+)
+def test_odd_urls_are_refused(spec: str) -> None:
+    with pytest.raises(UserError):
+        uf.open_source(spec, None, uf.Deadline(10))
+
+
+# ----------------------------------------------------------------------------------- directories
+
+
+def test_a_symlinked_file_in_a_directory_source_is_refused(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (tmp_path / "secret").write_bytes(b"{}")
+    os.symlink(tmp_path / "secret", bundle / "bundle.json")
+    (bundle / "real.raw").write_bytes(b"z" * 10)
+    os.symlink(bundle / "real.raw", bundle / "linked.raw")
+    src = uf.open_source(str(bundle), None, uf.Deadline(10))
+    with pytest.raises(Refused, match="is a symbolic link"):
+        src.read_small("bundle.json", LIMIT)
+    with pytest.raises(Refused, match="is a symbolic link"):
+        src.fetch("linked.raw", tmp_path / "linked.part", 10)
+    assert not (tmp_path / "linked.part").exists() or (tmp_path / "linked.part").stat().st_size == 0
+    src.fetch("real.raw", tmp_path / "real.part", 10)
+    assert (tmp_path / "real.part").read_bytes() == b"z" * 10
+
+
+def test_a_symlinked_bundle_directory_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "bundle").mkdir()
+    os.symlink(tmp_path / "bundle", tmp_path / "link")
+    with pytest.raises(UserError, match="is a symbolic link"):
+        uf.open_source(str(tmp_path / "link"), None, uf.Deadline(10))
+
+
+def test_a_device_or_fifo_in_a_directory_source_is_refused(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    os.mkfifo(bundle / "bundle.json")
+    with pytest.raises(Refused, match="not a regular file"):
+        uf.open_source(str(bundle), None, uf.Deadline(10)).read_small("bundle.json", LIMIT)
+
+
+def test_an_oversized_index_in_a_directory_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "bundle.json").write_bytes(b" " * (LIMIT + 1))
+    with pytest.raises(Refused, match="larger than"):
+        uf.open_source(str(tmp_path), None, uf.Deadline(10)).read_small("bundle.json", LIMIT)
