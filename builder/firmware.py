@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.errors import UserError
-from builder.pins import FIRMWARE_TARGET_DIR, read_firmware_pins, sha256_file
+from appliance.hashing import sha256_file
+from builder.pins import FIRMWARE_TARGET_DIR, read_firmware_pins
 
 AMDGPU_DIR = "kernel/drivers/gpu/drm/amd/amdgpu"
 MODULE_NAMES = ("amdgpu.ko", "amdgpu.ko.xz", "amdgpu.ko.zst", "amdgpu.ko.gz")

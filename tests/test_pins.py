@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance import sums
 from appliance.config import Config, PinnedFile, load
 from appliance.errors import ConfigError, UserError
 from builder import pins
@@ -28,38 +29,38 @@ def sha(data: bytes) -> str:
 
 
 def test_text_and_binary_modes() -> None:
-    e = pins.parse_sums(f"{H1}  a.txt\n{H2} *b.bin\n".encode())
+    e = sums.parse_sums(f"{H1}  a.txt\n{H2} *b.bin\n".encode())
     assert e["a.txt"].sha256 == H1 and not e["a.txt"].binary
     assert e["b.bin"].sha256 == H2 and e["b.bin"].binary
 
 
 def test_leading_whitespace_is_skipped_like_the_reference_file() -> None:
     text = f"{H1}  compose.yaml\n {H2}  patches/x.py\n\t{H1}  tuning/t.csv\n"
-    assert set(pins.parse_sums(text.encode())) == {"compose.yaml", "patches/x.py", "tuning/t.csv"}
+    assert set(sums.parse_sums(text.encode())) == {"compose.yaml", "patches/x.py", "tuning/t.csv"}
 
 
 def test_upper_case_hash_crlf_comments_and_blank_lines() -> None:
     text = f"# pins\r\n\r\n{H1.upper()}  a.txt\r\n   \n{H2}  b.txt"
-    e = pins.parse_sums(text.encode())
+    e = sums.parse_sums(text.encode())
     assert e["a.txt"].sha256 == H1 and e["a.txt"].line == 3
     assert e["b.txt"].line == 5
 
 
 def test_names_keep_spaces_and_escapes() -> None:
     text = f"{H1}  name with spaces \n\\{H2}  back\\\\slash\\nnewline\n"
-    e = pins.parse_sums(text.encode())
+    e = sums.parse_sums(text.encode())
     assert "name with spaces " in e
     assert "back\\slash\nnewline" in e
 
 
 def test_bsd_tag_and_one_space_forms() -> None:
-    assert "a/b.py" in pins.parse_sums(f"SHA256 (a/b.py) = {H1}\n".encode())
-    assert "c.py" in pins.parse_sums(f"{H1} c.py\n".encode())
+    assert "a/b.py" in sums.parse_sums(f"SHA256 (a/b.py) = {H1}\n".encode())
+    assert "c.py" in sums.parse_sums(f"{H1} c.py\n".encode())
 
 
 def test_one_space_and_two_space_forms_do_not_mix() -> None:
     with pytest.raises(UserError, match=":2: improperly formatted"):
-        pins.parse_sums(f"{H1}  a.py\n{H2} b.py\n".encode())
+        sums.parse_sums(f"{H1}  a.py\n{H2} b.py\n".encode())
 
 
 @pytest.mark.parametrize(
@@ -77,19 +78,19 @@ def test_one_space_and_two_space_forms_do_not_mix() -> None:
 )
 def test_malformed_line_names_its_number(line: str) -> None:
     with pytest.raises(UserError, match=r"SHA256SUMS:2: improperly formatted") as info:
-        pins.parse_sums(f"{H1}  ok.py\n{line}\n".encode())
+        sums.parse_sums(f"{H1}  ok.py\n{line}\n".encode())
     assert "\n" not in info.value.message and info.value.hint
 
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "../outside", "a/../../b", "a//b", "./a"])
 def test_names_must_stay_in_the_project(name: str) -> None:
     with pytest.raises(UserError, match=":1: "):
-        pins.parse_sums(f"{H1}  {name}\n".encode())
+        sums.parse_sums(f"{H1}  {name}\n".encode())
 
 
 def test_duplicate_name_is_refused() -> None:
     with pytest.raises(UserError, match=r":3: a.py is listed again \(first on line 1\)"):
-        pins.parse_sums(f"{H1}  a.py\n{H2}  b.py\n{H2}  a.py\n".encode())
+        sums.parse_sums(f"{H1}  a.py\n{H2}  b.py\n{H2}  a.py\n".encode())
 
 
 @pytest.mark.skipif(shutil.which("sha256sum") is None, reason="GNU sha256sum not installed")
@@ -99,13 +100,13 @@ def test_agrees_with_gnu_sha256sum(tmp_path: Path) -> None:
     for i, name in enumerate(names):
         data = f"content {i}\n".encode()
         (tmp_path / name).write_bytes(data)
-        line = pins.format_line(name, sha(data))
+        line = sums.format_line(name, sha(data))
         lines.append(("  " if i == 1 else "") + line)  # one indented line, as in the reference file
     text = "\n".join(lines) + "\n"
     (tmp_path / "SUMS").write_text(text)
     proc = subprocess.run(["sha256sum", "--strict", "-c", "SUMS"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    parsed = pins.parse_sums(text.encode())
+    parsed = sums.parse_sums(text.encode())
     assert set(parsed) == set(names)
     assert all(parsed[n].sha256 == sha((tmp_path / n).read_bytes()) for n in names)
 
