@@ -9,7 +9,11 @@
   whose engine partition image is a generated 2 GiB one (target: no engine bytes), and the time
   to write a /usr slot the appliance's way (blank the slot, then the image's own
   systemd-sysupdate with the shipped transfer definitions, on a loop device) against a plain
-  copy of the same partition images (target: at most 1.3x).
+  copy of the same partition images (target: at most 1.3x);
+- the lean boot path: the unified kernel image's size and the time from power-on (QEMU started,
+  TCG) to a healthy engine (systemd reports the engine unit started, which is Notify=healthy),
+  the demo image as built against the same image built with every module and firmware file in
+  its initrd (mkosi's default, the "before").
 """
 
 from __future__ import annotations
@@ -26,9 +30,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from applianctl import slots
-from applianctl import update as device_update
-from builder import build, config, engine_image, release
+from appliance import bundle, config
+from builder import build, engine_image, qemu, release
 from builder.run import mkosi_command, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,7 +149,7 @@ def bench_slot_write(demo: config.Config) -> None:
     own systemd-sysupdate in a chroot of its /usr, from the bundle's trimmed images)."""
     out = build.output_dir(demo)
     key = build.signing_key_for(demo, None)
-    names = device_update.payload_names(demo.appliance.version, demo.engine.digest, with_engine=False)
+    names = bundle.payload_names(demo.appliance.version, demo.engine.digest, with_engine=False)
     usr, verity = out / names["usr"], out / names["usr-verity"]
     work = Path(tempfile.mkdtemp(prefix="bench-slot-", dir="/var/tmp"))
     mounts: list[Path] = []
@@ -159,10 +162,10 @@ def bench_slot_write(demo: config.Config) -> None:
         with open(disk, "wb") as f:
             f.truncate(size)
         # slot A: a token older version (systemd-sysupdate wants two slots); slot B: empty, full size
-        table = (f"label: gpt\nsize=2048, type={slots.USR_TYPE}, name=appliance_0.0.1\n"
-                 f"size=2048, type={slots.USR_VERITY_TYPE}, name=appliance_0.0.1_verity\n"
-                 f"size={usr.stat().st_size // 512}, type={slots.USR_TYPE}, name=_empty\n"
-                 f"size={verity.stat().st_size // 512}, type={slots.USR_VERITY_TYPE}, name=_empty\n")
+        table = (f"label: gpt\nsize=2048, type={bundle.USR_TYPE}, name=appliance_0.0.1\n"
+                 f"size=2048, type={bundle.USR_VERITY_TYPE}, name=appliance_0.0.1_verity\n"
+                 f"size={usr.stat().st_size // 512}, type={bundle.USR_TYPE}, name=_empty\n"
+                 f"size={verity.stat().st_size // 512}, type={bundle.USR_VERITY_TYPE}, name=_empty\n")
         subprocess.run(["sfdisk", "-q", str(disk)], input=table, text=True, check=True)
         loop = _sh("losetup", "-f", "--show", str(disk)).strip()
         # offsets on the loop device: build hosts in containers often get no partition nodes
@@ -194,7 +197,7 @@ def bench_slot_write(demo: config.Config) -> None:
             text = text.replace("Path=auto", f"Path={loop}").replace("Path=/var/lib/appliance/update/source", "Path=/src")
             text = text.replace("ProtectVersion=%A", "")  # the chroot's os-release names the version it installs
             (root / "defs" / transfer).write_text(text)
-        for staged, linked in device_update.source_names(index).items():
+        for staged, linked in bundle.source_names(index).items():
             if linked.endswith(".raw"):
                 os.link(work / "bundle" / staged, root / "src" / linked)
 
@@ -220,9 +223,65 @@ def bench_slot_write(demo: config.Config) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+# systemd's console line once the engine's unit is active (Notify=healthy: the health check passed)
+ENGINE_STARTED = "Started appliance-engine.service"
+ENGINE_STARTED_DESCRIPTION = "Started Inference engine"
+
+
+def boot_to_healthy(disk: Path, timeout: float = 1200) -> float:
+    """Seconds from starting QEMU (power-on, TCG, OVMF) on a copy of DISK until the console shows
+    the engine's unit started. The guest is killed then: only the time matters."""
+    guest = qemu.Guest(disk)
+    console = guest.dir / "console.log"
+    cmd = [*qemu._qemu_command(guest.disk, guest.vars, {}), "-serial", f"file:{console}", "-serial", "null"]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while time.monotonic() - started < timeout and proc.poll() is None:
+            text = console.read_text(errors="replace") if console.exists() else ""
+            if ENGINE_STARTED in text or ENGINE_STARTED_DESCRIPTION in text:
+                seconds = time.monotonic() - started
+                shutil.rmtree(guest.dir, ignore_errors=True)  # kept only when the boot failed
+                return seconds
+            time.sleep(0.5)
+        raise RuntimeError(f"no healthy engine within {timeout:.0f} s (console: {console})")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+# mkosi's default for the kernel modules initrd (every module, with every firmware file a module
+# names): what the demo's kernel image carried before the lean boot path.
+FULL_INITRD_ARGS = ("--kernel-modules-initrd-include=", "--kernel-modules-initrd-exclude=")
+
+
+def bench_boot(demo: config.Config) -> None:
+    """Kernel image size and power-on to healthy engine: the demo as built, against the same
+    build with mkosi's default initrd modules. Builds twice and boots each once (~15 min)."""
+    work = Path(tempfile.mkdtemp(prefix="bench-boot-", dir="/var/tmp"))
+    try:
+        results = {}
+        for label, extra in (("lean", ()), ("full", FULL_INITRD_ARGS)):
+            result = build.build(demo, extra_mkosi_args=extra, output=work / label)
+            uki = result.output_dir / f"appliance_{demo.appliance.version}.efi"
+            results[label] = (uki.stat().st_size, boot_to_healthy(result.disk_image))
+            shutil.rmtree(result.output_dir, ignore_errors=True)  # 4 GB each
+        (lean_size, lean_s), (full_size, full_s) = results["lean"], results["full"]
+        print(f"{'unified kernel image size (lean vs full initrd)':<44} {lean_size / 1e6:8.1f} MB  baseline {full_size / 1e6:8.1f} MB"
+              f"  ratio {lean_size / full_size:5.2f}x")
+        _row("power-on to healthy engine, TCG (lean vs full)", lean_s, full_s, "one boot each; TCG varies by ~10%")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> int:
     demo = config.load(ROOT / "appliance.toml", "demo")
-    for bench in (bench_status, bench_preload, bench_bundle_bytes, bench_slot_write, bench_rebuild):
+    benches = [bench_status, bench_preload, bench_bundle_bytes, bench_slot_write, bench_rebuild, bench_boot]
+    only = os.environ.get("BENCH_ONLY")  # e.g. BENCH_ONLY=bench_boot make bench
+    for bench in benches:
+        if only and bench.__name__ not in only.split(","):
+            continue
         try:
             bench(demo)
         except Exception as e:  # a benchmark that cannot run says so and the others still run

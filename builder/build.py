@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance.atomic import replace_dir
+from appliance.config import Config
+from appliance.errors import UserError
 from builder import engine_image, engine_store, keys, mirror, pins, render, tuning
-from builder.config import Config
-from builder.errors import UserError
 from builder.run import HOST_CACHE, mkosi_command, run
 
 log = logging.getLogger("builder")
@@ -75,16 +76,6 @@ def mkosi_arguments(config: Config, generated: Path, sandbox: Path, repart: Path
         f"--image-version={config.appliance.version}",
         f"--hostname={config.os.hostname}",
     ]
-
-
-def replace_dir(new: Path, final: Path) -> None:
-    """Swap NEW into FINAL's place; the old FINAL is removed only after the swap."""
-    old = final.with_name(final.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    new.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def signing_key_for(config: Config, given: Path | None) -> Path:

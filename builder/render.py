@@ -16,11 +16,13 @@ from pathlib import Path
 
 import jinja2
 
-from builder.config import Config, PinnedFile
+from appliance.config import Config, PinnedFile
 from builder.engine_store import MOUNT_POINT, EngineStore
 
 ROOT = Path(__file__).resolve().parents[1]
 UNITS_DIR = ROOT / "units"
+# Test machinery (the boot check, its unit and preset): the demo profile only.
+DEMO_DIR = ROOT / "demo"
 LIB = Path("usr/lib/appliance")
 SYSTEMD_DIR = Path("usr/lib/systemd/system")
 QUADLET_DIR = Path("usr/share/containers/systemd")
@@ -109,13 +111,24 @@ def render_units(config: Config, tree: Path, store: EngineStore) -> list[Path]:
 
 def install_applianctl(tree: Path) -> None:
     """applianctl as a command, run by the image's own python3 (Debian's pydbus, requests, cryptography)."""
-    package = tree / "usr/lib/python3/dist-packages/applianctl"
-    shutil.copytree(ROOT / "applianctl", package, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+    for name in ("appliance", "applianctl"):  # applianctl imports the shared core, appliance
+        package = tree / "usr/lib/python3/dist-packages" / name
+        shutil.copytree(ROOT / name, package, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
     _write(
         tree / "usr/bin/applianctl",
         "#!/usr/bin/python3\nimport sys\n\nfrom applianctl.__main__ import main\n\nsys.exit(main())\n",
         0o755,
     )
+
+
+def install_demo(tree: Path) -> None:
+    """The demo profile's test machinery (test images are demo images): the boot check as
+    `python3 -m demo.bootcheck`, its unit, and the preset that enables it. Never in production."""
+    package = tree / "usr/lib/python3/dist-packages/demo"
+    shutil.copytree(DEMO_DIR, package, ignore=shutil.ignore_patterns("__pycache__", "units"), dirs_exist_ok=True)
+    for source in sorted((DEMO_DIR / "units").iterdir()):
+        directory = Path("usr/lib/systemd/system-preset") if source.suffix == ".preset" else SYSTEMD_DIR
+        _write(tree / directory / source.name, source.read_text())
 
 
 def install_engine_files(config: Config, tree: Path) -> None:
@@ -151,7 +164,7 @@ def install_os_settings(config: Config, tree: Path) -> None:
             f"d {config.model.cache_dir} 0755 root root -\n"
             f"d {snapshot} 0755 root root -\n"
             f"f {snapshot}/config.json 0644 root root - {{}}\n"
-            # fault switches for the stand-in, written by tests (applianctl bootcheck scenarios)
+            # fault switches for the stand-in, written by tests (demo.bootcheck scenarios)
             "d /run/appliance/standin 0755 root root -\n",
         )
     _write(
@@ -190,5 +203,7 @@ def generate_tree(config: Config, tree: Path, store: EngineStore) -> None:
     for source, name in ((store.erofs, "engine.erofs"), (store.verity, "engine.verity")):
         shutil.copyfile(source, tree / ENGINE_PARTITION_DIR / name)
     install_applianctl(tree)
+    if config.profile == "demo":
+        install_demo(tree)
     install_engine_files(config, tree)
     install_os_settings(config, tree)

@@ -1,4 +1,6 @@
-"""`applianctl bootcheck`: the facts a test host asserts about a booted appliance.
+"""The boot check (demo and test images only): the facts a test host asserts about a booted
+appliance. Run as `python3 -m demo.bootcheck` by appliance-bootcheck.service, which the builder
+installs for the demo profile only; a production image carries neither.
 
 Waits (bounded) for the engine to be healthy, then writes one JSON report between marker
 lines to a serial port: `applianctl status --json`, failed units, how /usr is mounted and
@@ -13,6 +15,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -328,8 +331,12 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("bootcheck", help="report the booted appliance's state to a test host")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python3 -m demo.bootcheck", description="Report the booted appliance's state to a test host.")
     p.add_argument("--report", default="/dev/ttyS1", help="where to write the JSON report")
     p.add_argument("--wait", type=float, default=600, help="seconds to wait for a healthy engine")
-    p.set_defaults(func=main)
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(main(build_parser().parse_args()))
