@@ -3,17 +3,28 @@
 The guest's boot-check unit writes a JSON report to its second serial port and powers off;
 the host reads that report. The image itself is never modified: each boot runs on a sparse
 copy grown to a disk size where systemd-repart has room for slot B and /var.
+
+The boot check may also ask the host to do something while the guest waits (a line
+`APPLIANCE-ASK NAME JSON` on the same port); a test passes the answering functions to
+Guest.boot, and the answers come back in the report. A test can give the guest a second NIC on a
+tap device inside a network namespace of the host (ProbeNet), to reach the guest the way a
+machine on its network would.
 """
 
 from __future__ import annotations
 
 import base64
+import ctypes
+import fcntl
+import ipaddress
 import json
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +35,101 @@ OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
 DISK_SIZE = 12 * 1024**3
 REPORT_BEGIN = "APPLIANCE-REPORT-BEGIN"
 REPORT_END = "APPLIANCE-REPORT-END"
+ASK = "APPLIANCE-ASK"
+
+# A question from the guest (its JSON payload) -> the host's answer (JSON-able).
+Answerer = Callable[[dict[str, Any]], dict[str, Any]]
+
+_CLONE_NEWNET = 0x40000000
+_TUNSETIFF = 0x400454CA
+_IFF_TAP, _IFF_NO_PI = 0x0002, 0x1000
+
+
+class ProbeNet:
+    """A network namespace on the host, joined to the guest's second NIC by a tap device: the
+    guest's network as a machine beside it sees it (not QEMU's user network, which reaches the
+    guest only through forwarded ports). The namespace has SUBNET's first address, the guest
+    the second (a systemd-networkd file passed as a credential), and a route to each of
+    ROUTES via the guest.
+
+    Use as a context manager: the namespace is removed on exit, the tap device when QEMU exits."""
+
+    MAC = "52:54:00:a9:0e:02"
+
+    def __init__(self, name: str, subnet: str = "198.51.100.0/24", routes: tuple[str, ...] = ()) -> None:
+        net = ipaddress.ip_network(subnet)
+        self.name, self.prefix = name, net.prefixlen
+        self.host_address, self.guest_address = str(net[1]), str(net[2])
+        self.routes = routes
+        self.tap = "probe0"
+        self.fd: int | None = None
+
+    def __enter__(self) -> ProbeNet:
+        self._ip("netns", "add", self.name)
+        try:
+            self.fd = self._open_tap()
+            for args in (
+                ("link", "set", "lo", "up"),
+                ("addr", "add", f"{self.host_address}/{self.prefix}", "dev", self.tap),
+                ("link", "set", self.tap, "up"),
+                *(("route", "add", route, "via", self.guest_address) for route in self.routes),
+            ):
+                self._ip("-n", self.name, *args)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, check=False)
+
+    def run(self, cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """CMD inside the namespace (never raises on its exit status)."""
+        return subprocess.run(["ip", "netns", "exec", self.name, *cmd], capture_output=True, text=True,
+                              timeout=timeout, check=False)
+
+    def credentials(self) -> dict[str, str]:
+        """systemd-network-generator writes network.network.NAME to /run/systemd/network/NAME.network,
+        which sorts before the image's DHCP-on-every-ethernet file. Not required for online: the
+        boot must not wait for this link."""
+        network = (
+            f"[Match]\nMACAddress={self.MAC}\n\n[Link]\nRequiredForOnline=no\n\n"
+            f"[Network]\nAddress={self.guest_address}/{self.prefix}\nLinkLocalAddressing=no\nIPv6AcceptRA=no\n"
+        )
+        return {"network.network.10-appliance-probe": network}
+
+    def qemu_args(self) -> list[str]:
+        assert self.fd is not None, "ProbeNet is used as a context manager"
+        return ["-netdev", f"tap,id=probe,fd={self.fd}", "-device", f"virtio-net-pci,netdev=probe,mac={self.MAC}"]
+
+    def _ip(self, *args: str) -> None:
+        proc = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise UserError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}",
+                            hint="network namespaces and tap devices need root and /dev/net/tun")
+
+    def _open_tap(self) -> int:
+        """Create the tap device inside the namespace (setns for this thread, then back): QEMU
+        gets its file descriptor and itself stays in the host's namespace, where its user
+        network reaches the host's loopback."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        with open("/proc/thread-self/ns/net") as home, open(f"/run/netns/{self.name}") as target:
+            if libc.setns(target.fileno(), _CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns into {self.name}")
+            try:
+                fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH22x", self.tap.encode(), _IFF_TAP | _IFF_NO_PI))
+                except OSError:
+                    os.close(fd)
+                    raise
+            finally:
+                if libc.setns(home.fileno(), _CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), "setns back into the host's network namespace")
+        return fd
 
 
 def _qemu_command(disk: Path, vars_fd: Path, credentials: dict[str, str]) -> list[str]:
@@ -64,24 +170,35 @@ class Guest:
         self.report_log = self.dir / "report.log"
 
     def boot(
-        self, timeout: float, credentials: dict[str, str] | None = None, cut_power: tuple[str, float] | None = None
+        self,
+        timeout: float,
+        credentials: dict[str, str] | None = None,
+        cut_power: tuple[str, float] | None = None,
+        answer: dict[str, Answerer] | None = None,
+        probe_net: ProbeNet | None = None,
     ) -> dict[str, Any]:
         """Boot until the guest powers off (or TIMEOUT); return the guest's last report, with the
         reports of earlier boots of this run (the guest may reboot) in "earlier_boots".
 
         CUT_POWER (TEXT, SECONDS): kill QEMU that many seconds after TEXT appears on the console,
-        as a power cut would; the report is then the last one written before the cut."""
+        as a power cut would; the report is then the last one written before the cut.
+        ANSWER: {NAME: function} for the guest's questions; each question and its answer, in
+        order, are in the report's "asked". PROBE_NET: a second NIC on that namespace's tap."""
         for path in (self.console_log, self.report_log):
             path.unlink(missing_ok=True)
-        creds = {"appliance.bootcheck": "poweroff", **(credentials or {})}
+        creds = {"appliance.bootcheck": "poweroff", **(credentials or {}), **(probe_net.credentials() if probe_net else {})}
         cmd = [
             *_qemu_command(self.disk, self.vars, creds),
+            *(probe_net.qemu_args() if probe_net else []),
             "-serial", f"file:{self.console_log}", "-serial", f"file:{self.report_log}",
         ]
         started = time.monotonic()
         cut_at: float | None = None
         timed_out = False
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        asked: list[dict[str, Any]] = []
+        pass_fds = (probe_net.fd,) if probe_net and probe_net.fd is not None else ()
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                pass_fds=pass_fds)
         try:
             while proc.poll() is None:
                 now = time.monotonic()
@@ -93,6 +210,8 @@ class Guest:
                 if cut_at is not None and now >= cut_at:
                     proc.kill()
                     break
+                if answer:
+                    self._answer(answer, asked)
                 time.sleep(1)
         finally:
             if proc.poll() is None:
@@ -110,10 +229,23 @@ class Guest:
         report["earlier_boots"] = reports[:-1]
         report["power_cut"] = cut_at is not None
         report["timed_out"] = timed_out  # the reports written before the timeout are still worth reading
+        report["asked"] = asked
         return report
 
     def _console(self) -> str:
         return self.console_log.read_text(errors="replace") if self.console_log.exists() else ""
+
+    def _answer(self, answer: dict[str, Answerer], asked: list[dict[str, Any]]) -> None:
+        """Answer each question not answered yet; the guest waits for what the answer causes
+        (the answer itself goes into the host's report)."""
+        text = self.report_log.read_text(errors="replace") if self.report_log.exists() else ""
+        for question in parse_questions(text)[len(asked):]:
+            handler = answer.get(question["name"])
+            try:
+                reply = handler(question["payload"]) if handler else {"error": f"no answer for {question['name']}"}
+            except Exception as e:  # the test asserts on the answer; a crash is an answer too
+                reply = {"error": f"{type(e).__name__}: {e}"}
+            asked.append({**question, "answer": reply})
 
 
 def parse_reports(text: str) -> list[dict[str, Any]]:
@@ -128,6 +260,21 @@ def parse_reports(text: str) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return reports
+
+
+def parse_questions(text: str) -> list[dict[str, Any]]:
+    """Every complete line `APPLIANCE-ASK NAME JSON` the guest wrote, in order."""
+    questions = []
+    for line in text.splitlines(keepends=True):
+        if not line.startswith(ASK + " ") or not line.endswith("\n"):
+            continue
+        name, _, payload = line[len(ASK) + 1 :].strip().partition(" ")
+        try:
+            data = json.loads(payload or "{}")
+        except json.JSONDecodeError:
+            data = {"unreadable": payload}
+        questions.append({"name": name, "payload": data if isinstance(data, dict) else {"value": data}})
+    return questions
 
 
 def boot_and_report(disk: Path, timeout: float = 900) -> dict[str, Any]:
