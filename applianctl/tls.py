@@ -50,6 +50,9 @@ RENEW_DAYS = 30
 BACKDATE = datetime.timedelta(hours=1)
 
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+# Always within the CA's name constraints: the proxy answers on loopback (assessment, status).
+LOOPBACK_NETWORKS: tuple[IpNetwork, ...] = (ipaddress.IPv4Network("127.0.0.0/8"), ipaddress.IPv6Network("::1/128"))
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,42 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def make_ca(hostname: str, now: datetime.datetime) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+def name_constraints(hostname: str, networks: Iterable[IpNetwork]) -> x509.NameConstraints:
+    """What the appliance CA may sign for: HOSTNAME (and names below it) and NETWORKS plus loopback.
+
+    A CA whose key sits on the device must not be able to vouch for any other site a client visits.
+    """
+    subtrees: list[x509.GeneralName] = [x509.DNSName(hostname)]
+    subtrees += [x509.IPAddress(n) for n in _collapse([*LOOPBACK_NETWORKS, *networks])]
+    return x509.NameConstraints(permitted_subtrees=subtrees, excluded_subtrees=None)
+
+
+def _collapse(networks: Iterable[IpNetwork]) -> list[IpNetwork]:
+    v4 = [n for n in networks if isinstance(n, ipaddress.IPv4Network)]
+    v6 = [n for n in networks if isinstance(n, ipaddress.IPv6Network)]
+    return [*ipaddress.collapse_addresses(v4), *ipaddress.collapse_addresses(v6)]
+
+
+def ca_constraints(cert: x509.Certificate) -> tuple[list[str], list[IpNetwork]] | None:
+    """The CA's permitted DNS names and networks; None when it has no (critical) name constraints."""
+    try:
+        ext = cert.extensions.get_extension_for_class(x509.NameConstraints)
+    except x509.ExtensionNotFound:
+        return None
+    if not ext.critical or ext.value.excluded_subtrees or not ext.value.permitted_subtrees:
+        return None
+    dns = [str(g.value) for g in ext.value.permitted_subtrees if isinstance(g, x509.DNSName)]
+    nets = [g.value for g in ext.value.permitted_subtrees if isinstance(g, x509.IPAddress)]
+    return dns, [n for n in nets if isinstance(n, ipaddress.IPv4Network | ipaddress.IPv6Network)]
+
+
+def within(ip: IpAddress, networks: Iterable[IpNetwork]) -> bool:
+    return any(ip.version == n.version and ip in n for n in networks)
+
+
+def make_ca(
+    hostname: str, now: datetime.datetime, networks: Iterable[IpNetwork] = ()
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = _new_key()
     name = x509.Name(
         [
@@ -166,6 +204,8 @@ def make_ca(hostname: str, now: datetime.datetime) -> tuple[ec.EllipticCurvePriv
             critical=True,
         )
         .add_extension(ski, critical=False)
+        # Critical, so that a client that cannot enforce the constraints refuses the CA instead.
+        .add_extension(name_constraints(hostname, networks), critical=True)
         .sign(key, hashes.SHA256())
     )
     return key, cert
@@ -225,7 +265,19 @@ def _sorted_ips(ips: Iterable[IpAddress]) -> list[IpAddress]:
 
 def host_addresses() -> list[IpAddress]:
     """127.0.0.1, ::1 and the host's addresses (`ip -j addr`), without IPv6 link-local ones."""
-    found: list[IpAddress] = [ipaddress.IPv4Address("127.0.0.1"), ipaddress.IPv6Address("::1")]
+    return _sorted_ips(i.ip for i in host_interfaces())
+
+
+def host_networks() -> list[IpNetwork]:
+    """The networks the host's addresses are configured in (address/prefix of each interface)."""
+    return _collapse(i.network for i in host_interfaces())
+
+
+def host_interfaces() -> list[ipaddress.IPv4Interface | ipaddress.IPv6Interface]:
+    found: list[ipaddress.IPv4Interface | ipaddress.IPv6Interface] = [
+        ipaddress.IPv4Interface("127.0.0.1/8"),
+        ipaddress.IPv6Interface("::1/128"),
+    ]
     ip = shutil.which("ip") or "/usr/sbin/ip"
     try:
         out = subprocess.run([ip, "-j", "addr", "show"], capture_output=True, text=True, check=True, timeout=10).stdout
@@ -236,13 +288,14 @@ def host_addresses() -> list[IpAddress]:
     for link in links:
         for info in link.get("addr_info", []):
             try:
-                addr = ipaddress.ip_address(info.get("local", ""))
+                iface = ipaddress.ip_interface(f"{info.get('local', '')}/{int(info.get('prefixlen', -1))}")
             except ValueError:
                 continue
+            addr = iface.ip
             if addr.is_link_local or addr.is_multicast or addr.is_unspecified:
                 continue
-            found.append(addr)
-    return _sorted_ips(found)
+            found.append(iface)
+    return found
 
 
 # ------------------------------------------------------------------------------ files
@@ -315,29 +368,68 @@ def _renew_reason(
     return None
 
 
+def _ca_reason(
+    ca_cert: x509.Certificate | None, ca_key: ec.EllipticCurvePrivateKey | None, hostname: str, now: datetime.datetime
+) -> str | None:
+    """Why a new CA is needed, or None when the one on disk serves."""
+    if ca_cert is None or ca_key is None or not _same_public_key(ca_key, ca_cert):
+        return "no appliance CA yet"
+    if not_after(ca_cert) <= now:
+        return "the appliance CA expired"
+    constraints = ca_constraints(ca_cert)
+    if constraints is None:
+        # A CA from before name constraints could sign for any site: replaced, clients must re-trust.
+        return "the appliance CA is not name-constrained"
+    if constraints[0] != [hostname]:
+        return f"the appliance CA is for {', '.join(constraints[0])}, not {hostname}"
+    return None
+
+
 def generate(
     tls_dir: Path,
     hostname: str,
     addresses: Iterable[IpAddress],
     *,
+    networks: Iterable[IpNetwork] | None = None,
     now: datetime.datetime | None = None,
     group: str = PROXY_GROUP,
 ) -> Result:
-    """Make TLS_DIR hold a valid CA and server certificate for HOSTNAME and ADDRESSES; idempotent."""
+    """Make TLS_DIR hold a valid CA and server certificate for HOSTNAME and ADDRESSES; idempotent.
+
+    A new CA is constrained to HOSTNAME, loopback and NETWORKS (default: each of ADDRESSES alone).
+    Addresses outside the CA's constraints are left out of the server certificate, with a message:
+    clients reach the proxy by its name then; the CA clients trust is never replaced for that.
+    """
     now = _now() if now is None else now
     files = Files(tls_dir)
     addresses = _sorted_ips(addresses)
+    if networks is None:
+        networks = [ipaddress.ip_network(ip) for ip in addresses]
     tls_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
     gid = proxy_gid(group)
 
     created_ca = False
     ca_cert = _load_cert(files.ca_crt)
     ca_key = _load_key(files.ca_key)
-    if ca_cert is None or ca_key is None or not _same_public_key(ca_key, ca_cert) or not_after(ca_cert) <= now:
-        ca_key, ca_cert = make_ca(hostname, now)
+    ca_reason = _ca_reason(ca_cert, ca_key, hostname, now)
+    if ca_reason is not None or ca_cert is None or ca_key is None:
+        if ca_cert is not None:
+            print(f"applianctl tls: new appliance CA: {ca_reason}", file=sys.stderr)
+        ca_key, ca_cert = make_ca(hostname, now, networks)
         atomic_write(files.ca_key, _key_pem(ca_key), 0o600)
         atomic_write(files.ca_crt, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
         created_ca = True
+
+    constraints = ca_constraints(ca_cert)
+    permitted = constraints[1] if constraints else []
+    outside = [ip for ip in addresses if not within(ip, permitted)]
+    if outside:
+        print(
+            f"applianctl tls: {', '.join(map(str, outside))} outside the appliance CA's networks "
+            f"({', '.join(map(str, permitted))}): left out of the certificate; clients use {hostname}",
+            file=sys.stderr,
+        )
+        addresses = [ip for ip in addresses if ip not in outside]
 
     reason = _renew_reason(files, ca_cert, hostname, addresses, now)
     if reason is None:
@@ -419,7 +511,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not hostname:
         raise UserError("the appliance configuration has no proxy.hostname", hint="the image is damaged; reinstall")
     try:
-        result = generate(paths.TLS_DIR, hostname, host_addresses())
+        result = generate(paths.TLS_DIR, hostname, host_addresses(), networks=host_networks())
     except PermissionError as e:
         raise UserError(
             f"cannot write {paths.TLS_DIR}: {e.strerror}", hint="run as root (appliance-tls.service)"

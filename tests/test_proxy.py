@@ -549,7 +549,8 @@ def test_reload_picks_up_a_renewed_certificate(live: Live) -> None:
     result = tls.generate(
         live.tls_dir,
         live.hostname,
-        [*tls.host_addresses(), ipaddress.IPv4Address("192.0.2.77")],
+        # Inside the CA's name constraints (loopback), so the renewed certificate names it.
+        [*tls.host_addresses(), ipaddress.IPv4Address("127.0.0.77")],
         group="appliance-no-such-group",
     )
     assert result.renewed

@@ -126,20 +126,142 @@ def test_renews_when_fewer_than_30_days_remain(tmp_path: Path) -> None:
     assert (tmp_path / "ca.crt").read_bytes() == ca_before, "renewal must keep the CA clients trust"
 
 
+NETS: list[tls.IpNetwork] = [ipaddress.IPv4Network("10.0.2.0/24"), ipaddress.IPv4Network("192.0.2.0/24")]
+
+
 @pytest.mark.parametrize(
-    ("hostname", "addresses"),
+    "addresses",
+    [[*ADDRS, ipaddress.IPv4Address("192.0.2.9")], ADDRS[:2]],
+)
+def test_renews_when_addresses_change(tmp_path: Path, addresses: list[tls.IpAddress]) -> None:
+    tls.generate(tmp_path, HOST, ADDRS, networks=NETS, now=NOW, group=NO_GROUP)
+    ca_before = (tmp_path / "ca.crt").read_bytes()
+    result = tls.generate(tmp_path, HOST, addresses, now=NOW + datetime.timedelta(days=1), group=NO_GROUP)
+    assert result.renewed and "names changed" in result.reason and not result.created_ca
+    assert (tmp_path / "ca.crt").read_bytes() == ca_before
+    dns, ips = tls.san_names(_cert(tmp_path / "server.crt"))
+    assert dns == [HOST] and sorted(map(str, ips)) == sorted(map(str, addresses))
+
+
+def test_a_new_hostname_gets_a_new_ca(tmp_path: Path) -> None:
+    tls.generate(tmp_path, HOST, ADDRS, now=NOW, group=NO_GROUP)
+    result = tls.generate(tmp_path, "other.local", ADDRS, now=NOW + datetime.timedelta(days=1), group=NO_GROUP)
+    assert result.created_ca and result.renewed
+    assert tls.ca_constraints(_cert(tmp_path / "ca.crt")) is not None
+    assert tls.ca_constraints(_cert(tmp_path / "ca.crt"))[0] == ["other.local"]  # type: ignore[index]
+    assert tls.san_names(_cert(tmp_path / "server.crt"))[0] == ["other.local"]
+
+
+def test_an_address_outside_the_cas_networks_is_left_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The CA clients trust is never replaced because DHCP handed out another address."""
+    tls.generate(tmp_path, HOST, ADDRS, networks=NETS, now=NOW, group=NO_GROUP)
+    ca_before = (tmp_path / "ca.crt").read_bytes()
+    moved = [*ADDRS[:2], ipaddress.IPv4Address("198.51.100.7")]
+    result = tls.generate(tmp_path, HOST, moved, now=NOW + datetime.timedelta(days=1), group=NO_GROUP)
+    assert (tmp_path / "ca.crt").read_bytes() == ca_before and result.renewed
+    assert sorted(map(str, tls.san_names(_cert(tmp_path / "server.crt"))[1])) == ["127.0.0.1", "::1"]
+    assert "198.51.100.7 outside the appliance CA's networks" in capsys.readouterr().err
+    _openssl_verify(tmp_path, tmp_path / "server.crt", expect_ok=True)
+
+
+# ------------------------------------------------------------------------------ name constraints
+
+
+def test_ca_is_name_constrained_critically(tmp_path: Path) -> None:
+    tls.generate(tmp_path, HOST, ADDRS, networks=NETS, now=NOW, group=NO_GROUP)
+    ext = _cert(tmp_path / "ca.crt").extensions.get_extension_for_class(x509.NameConstraints)
+    assert ext.critical and not ext.value.excluded_subtrees
+    assert tls.ca_constraints(_cert(tmp_path / "ca.crt")) == (
+        [HOST],
+        [ipaddress.ip_network("10.0.2.0/24"), ipaddress.ip_network("127.0.0.0/8"),
+         ipaddress.ip_network("192.0.2.0/24"), ipaddress.ip_network("::1/128")],
+    )
+
+
+def test_an_unconstrained_ca_from_an_older_version_is_replaced(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "old CA")])
+    old = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(1).not_valid_before(NOW - datetime.timedelta(days=1))
+        .not_valid_after(NOW + datetime.timedelta(days=100))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    (tmp_path / "ca.crt").write_bytes(old.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "ca.key").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    result = tls.generate(tmp_path, HOST, ADDRS, now=NOW, group=NO_GROUP)
+    assert result.created_ca
+    assert tls.ca_constraints(_cert(tmp_path / "ca.crt")) is not None
+
+
+def _leaf(tmp_path: Path, dns: list[str], ips: list[tls.IpAddress], name: str) -> Path:
+    """A leaf for DNS and IPS signed by the appliance CA in TMP_PATH (as a thief of ca.key would)."""
+    from cryptography.hazmat.primitives import serialization
+
+    ca_key = serialization.load_pem_private_key((tmp_path / "ca.key").read_bytes(), password=None)
+    assert isinstance(ca_key, tls.ec.EllipticCurvePrivateKey)
+    ca = _cert(tmp_path / "ca.crt")
+    _, leaf = tls.make_server(ca_key, ca, dns[0], [], NOW)
+    if len(dns) > 1 or ips:
+        # make_server puts only one DNS name; rebuild the SAN with every name asked for.
+        from cryptography.hazmat.primitives import hashes
+
+        builder = (
+            x509.CertificateBuilder().subject_name(leaf.subject).issuer_name(ca.subject)
+            .public_key(leaf.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(tls.not_before(leaf)).not_valid_after(tls.not_after(leaf))
+            .add_extension(
+                x509.SubjectAlternativeName([*map(x509.DNSName, dns), *map(x509.IPAddress, ips)]), critical=False
+            )
+        )
+        leaf = builder.sign(ca_key, hashes.SHA256())
+    path = tmp_path / name
+    path.write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+def _openssl_verify(tmp_path: Path, leaf: Path, *, expect_ok: bool) -> str:
+    at = int((NOW + datetime.timedelta(days=2)).timestamp())
+    out = subprocess.run(
+        ["openssl", "verify", "-attime", str(at), "-CAfile", str(tmp_path / "ca.crt"), str(leaf)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (out.returncode == 0) == expect_ok, out.stdout + out.stderr
+    return out.stdout + out.stderr
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+@pytest.mark.parametrize(
+    ("dns", "ips"),
     [
-        ("other.local", ADDRS),
-        (HOST, [*ADDRS, ipaddress.IPv4Address("192.0.2.9")]),
-        (HOST, ADDRS[:2]),
+        (["www.example.com"], []),
+        (["bank.example"], []),
+        (["appliance.local.evil.example"], []),
+        (["evilappliance.local"], []),
+        (["appliance.locals"], []),
+        ([HOST, "www.example.com"], []),
+        ([HOST], [ipaddress.IPv4Address("8.8.8.8")]),
+        ([HOST], [ipaddress.IPv4Address("10.0.3.1")]),
+        ([HOST], [ipaddress.IPv6Address("2001:db8::1")]),
     ],
 )
-def test_renews_when_names_change(tmp_path: Path, hostname: str, addresses: list[tls.IpAddress]) -> None:
-    tls.generate(tmp_path, HOST, ADDRS, now=NOW, group=NO_GROUP)
-    result = tls.generate(tmp_path, hostname, addresses, now=NOW + datetime.timedelta(days=1), group=NO_GROUP)
-    assert result.renewed and "names changed" in result.reason
-    dns, ips = tls.san_names(_cert(tmp_path / "server.crt"))
-    assert dns == [hostname] and sorted(map(str, ips)) == sorted(map(str, addresses))
+def test_a_leaf_for_another_name_fails_verification(
+    tmp_path: Path, dns: list[str], ips: list[tls.IpAddress]
+) -> None:
+    tls.generate(tmp_path, HOST, ADDRS, networks=NETS, now=NOW, group=NO_GROUP)
+    _openssl_verify(tmp_path, tmp_path / "server.crt", expect_ok=True)  # control: the real one verifies
+    _openssl_verify(tmp_path, _leaf(tmp_path, [HOST], [ipaddress.IPv4Address("10.0.2.99")], "ok.crt"), expect_ok=True)
+    text = _openssl_verify(tmp_path, _leaf(tmp_path, dns, ips, "evil.crt"), expect_ok=False)
+    assert "subtree violation" in text or "name constraint" in text.lower(), text
 
 
 def test_renews_when_key_does_not_match_or_ca_replaced(tmp_path: Path) -> None:
