@@ -343,7 +343,7 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
         data = path.read_bytes()
     except OSError as e:
         raise ManifestError(
-            f"{path}: cannot read private key ({e.strerror})", hint="create one with python3 -m builder keygen"
+            f"{path}: cannot read private key ({e.strerror})", hint="create one with python3 -m builder keys generate"
         ) from None
     if mode & 0o077:
         raise ManifestError(
