@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,41 @@ def smoke_engine(port: int, model: str) -> dict[str, Any]:
         return {"answer": "", "error": str(e)}
 
 
+def _ppid(pid: str) -> str | None:
+    try:
+        # the command name (field 2) is in parentheses and may hold spaces
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1]
+    except (OSError, IndexError):
+        return None
+
+
+def engine_environment() -> dict[str, Any]:
+    """The environment of the engine's process in the running container, read from
+    /proc/PID/environ on the host (exact bytes: what the engine itself got), with the image's
+    own variables (podman adds those) for comparison. With RunInit the container's first process
+    is its init; the engine is that process's child."""
+    inspected = _json(["podman", "inspect", "appliance-engine"]) or [{}]
+    container = inspected[0] if isinstance(inspected, list) and inspected else {}
+    pid = str(container.get("State", {}).get("Pid") or "")
+    if not pid or pid == "0":
+        return {"error": f"no running appliance-engine container: {str(container)[:300]}"}
+    children = sorted((p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p.name) == pid), key=int)
+    engine_pid = children[0] if children else pid
+    try:
+        raw = Path(f"/proc/{engine_pid}/environ").read_bytes()
+    except OSError as e:
+        return {"error": f"/proc/{engine_pid}/environ: {e}"}
+    image = _json(["podman", "image", "inspect", str(container.get("Image", ""))]) or [{}]
+    image_env = (image[0] if isinstance(image, list) and image else {}).get("Config", {}).get("Env") or []
+    return {
+        "pid": engine_pid,
+        "init_pid": pid,
+        "cmdline": Path(f"/proc/{engine_pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"),
+        "environ": [v.decode(errors="replace") for v in raw.split(b"\0") if v],
+        "image_env": image_env,
+    }
+
+
 def collect() -> dict[str, Any]:
     usr_source = _run(["findmnt", "-no", "SOURCE,FSTYPE,OPTIONS", "/usr"]).split()
     root_disk = _run(["lsblk", "-no", "PKNAME", _run(["findmnt", "-no", "SOURCE", "/"]).strip()]).strip()
@@ -115,7 +151,9 @@ def collect() -> dict[str, Any]:
     proxy_smoke = _run(["/usr/bin/applianctl", "smoke"], timeout=120)
     status, status_text = _status()
     units = _json(["systemctl", "list-units", "--failed", "--output=json"]) or []
+    engine_env = engine_environment()  # before the fault scenarios restart the engine
     return {
+        "engine_env": engine_env,
         "applianctl_version": _run(["/usr/bin/applianctl", "--version"]).strip(),
         "bootcheck_version": __version__,
         "failed_units": [u.get("unit") for u in units if isinstance(u, dict)],
@@ -219,11 +257,22 @@ def run_fault_scenarios() -> dict[str, Any]:
 #   {"do": "refusals", "bundles": {N: URL}}   `applianctl update URL` of bundles that must be
 #                                             refused; the inactive slot hashed before and after
 #   {"do": "update", "url": URL}              `applianctl update URL`, then a reboot into it
+#   {"do": "netprobe"}                        the host probes the guest from a network
+#                                             namespace on its second NIC (builder.qemu.ProbeNet)
+#                                             while the engine serves; the guest waits for it
+#   {"do": "update-on-trial", "url": URL}     while this version is still on trial (run by
+#                                             appliance-bootcheck-trial.service, ordered before
+#                                             the assessment): `applianctl update URL` must be
+#                                             refused; both slots hashed before and after
 # The CA for https:// URLs comes in the credential appliance.update_ca (PEM). An update runs
 # after the report is written, its output on the console, its outcome in the next report: a
 # power cut in the middle leaves no marker, so the next boot runs it again.
 
 MARKER_DIR = Path("/var/lib/appliance/bootcheck")
+STEPS = ("faults", "refusals", "update", "netprobe")
+TRIAL_STEPS = ("update-on-trial",)
+ASK = "APPLIANCE-ASK"
+REPORT_PORT = "/dev/ttyS1"
 
 
 def _marker(version: str, step: dict[str, Any]) -> Path:
@@ -237,7 +286,7 @@ def _plan(version: str) -> list[dict[str, Any]]:
     except json.JSONDecodeError:
         return []
     steps = plan.get(version, []) if isinstance(plan, dict) else []
-    return [s for s in steps if isinstance(s, dict) and s.get("do") in ("faults", "refusals", "update")]
+    return [s for s in steps if isinstance(s, dict) and s.get("do") in (*STEPS, *TRIAL_STEPS)]
 
 
 def _update_command(url: str) -> list[str]:
@@ -262,6 +311,104 @@ def run_refusals(version: str, bundles: dict[str, str]) -> dict[str, Any]:
     return {"bundles": results, "inactive_before": before, "inactive_after": _inactive_slot_hashes(version)}
 
 
+USR_TYPES = {"8484680C-9521-48C6-9C11-B0720656F69E": "usr", "77FF5F63-E7B6-4633-ACF4-1565B864C0E6": "usr-verity"}
+
+
+def _slot_hashes() -> dict[str, str]:
+    """SHA-256 of every /usr and /usr verity partition (both slots), hashed in parallel, with
+    the partition's label (a relabel is an install too), and the ESP's boot entries."""
+    root_disk = _run(["lsblk", "-no", "PKNAME", _run(["findmnt", "-no", "SOURCE", "/"]).strip()]).strip()
+    table = (_json(["sfdisk", "-J", f"/dev/{root_disk}"]) or {}).get("partitiontable", {})
+    parts = [p for p in table.get("partitions", []) if p.get("type", "").upper() in USR_TYPES]
+    procs = {p["node"]: subprocess.Popen(["sha256sum", p["node"]], stdout=subprocess.PIPE, text=True) for p in parts}
+    hashes = {f"{node} {p.get('name', '')}": (procs[node].communicate(timeout=1800)[0].split(" ")[0])
+              for p in parts for node in [p["node"]]}
+    esp = next((Path(d) / "EFI/Linux" for d in ("/efi", "/boot") if (Path(d) / "EFI/Linux").is_dir()), None)
+    entries = sorted(e.name for e in esp.iterdir()) if esp else []
+    return {**hashes, "entries": " ".join(entries)}
+
+
+def _on_trial() -> dict[str, Any]:
+    """Whether this boot is under boot counting (systemd-boot's LoaderBootCountPath or a +LEFT
+    entry name) and how far the assessment got."""
+    from applianctl import slots
+
+    counting = slots.boot_counting(slots.Host())
+    return {
+        "counting": counting,
+        "assess_state": _run(["systemctl", "show", "-P", "ActiveState", "appliance-assess.service"]).strip(),
+        "boot_complete": _run(["systemctl", "is-active", "boot-complete.target"]).strip(),
+    }
+
+
+def run_update_on_trial(url: str) -> dict[str, Any]:
+    """`applianctl update URL` while this version is not judged yet: it must be refused (one
+    line), and neither slot nor the boot entries may change."""
+    trial = _on_trial()
+    before = _slot_hashes()
+    proc = subprocess.run(_update_command(url), capture_output=True, text=True, timeout=1800, check=False)
+    return {
+        "url": url,
+        "trial": trial,
+        "exit": proc.returncode,
+        "stdout": proc.stdout[-2000:],
+        "stderr": proc.stderr[-2000:],
+        "slots_before": before,
+        "slots_after": _slot_hashes(),
+        "trial_after": _on_trial(),
+    }
+
+
+NETPROBE_DONE = "/appliance-netprobe-done"
+
+
+def _http_status(url: str) -> int | str:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError as e:
+        return str(e)
+
+
+def _proxy_saw(path: str, since: str) -> bool:
+    return path in _run(["journalctl", "-o", "cat", "-u", "appliance-proxy.service", "--since", since, "--no-pager"])
+
+
+def run_netprobe(wait_s: float = 120) -> dict[str, Any]:
+    """Ask the host to probe this appliance from a machine on its network (a network namespace
+    on the host, on the guest's second NIC, with a route to the container bridge via the
+    guest): the engine's port and bridge address must not answer, the proxy must. The host's
+    last request goes to the proxy at NETPROBE_DONE; the guest waits for it in the proxy's log
+    (bounded), so nothing else happens to the engine meanwhile. The engine's health on the
+    bridge address, from the guest itself, before and after: the negatives were not because
+    the engine was down."""
+    config = json.loads(Path("/usr/lib/appliance/appliance.json").read_text())
+    inspected = _json(["podman", "inspect", "appliance-engine"]) or [{}]
+    networks = (inspected[0] if isinstance(inspected, list) and inspected else {}).get("NetworkSettings", {}).get("Networks") or {}
+    bridge = next((n.get("IPAddress") for n in networks.values() if n.get("IPAddress")), "")
+    port = int(config["engine"]["port"])
+    health = config["engine"].get("health", {}).get("path", "/health")
+    inside_before = _http_status(f"http://{bridge}:{port}{health}") if bridge else "no bridge address"
+    since = _run(["date", "+%Y-%m-%d %H:%M:%S"]).strip()
+    question = {"bridge": bridge, "engine_port": port, "https_port": int(config.get("proxy", {}).get("https_port", 443)),
+                "http_port": int(config.get("proxy", {}).get("http_port", 80)), "done_path": NETPROBE_DONE}
+    with open(REPORT_PORT, "w") as report_port:
+        report_port.write(f"\n{ASK} netprobe {json.dumps(question)}\n")
+    started = time.monotonic()
+    seen = _wait(lambda: _proxy_saw(NETPROBE_DONE, since), wait_s)
+    return {
+        **question,
+        "host_done_seen": seen,
+        "waited_s": round(time.monotonic() - started, 1),
+        "inside_before": inside_before,
+        "inside_after": _http_status(f"http://{bridge}:{port}{health}") if bridge else "no bridge address",
+        "addresses": _run(["ip", "-br", "addr"]),
+        "nft_tables": _run(["nft", "list", "tables"]),
+    }
+
+
 def run_update(url: str) -> dict[str, Any]:
     """`applianctl update URL`, its output streamed to the console (a host that cuts the power
     watches for it) and kept for the report."""
@@ -283,6 +430,10 @@ def run_step(version: str, step: dict[str, Any], engine_healthy: bool) -> dict[s
         outcome: dict[str, Any] = run_fault_scenarios() if engine_healthy else {"skipped": "the engine never became healthy"}
     elif step["do"] == "refusals":
         outcome = run_refusals(version, dict(step.get("bundles", {})))
+    elif step["do"] == "netprobe":
+        outcome = run_netprobe() if engine_healthy else {"skipped": "the engine never became healthy"}
+    elif step["do"] == "update-on-trial":
+        outcome = run_update_on_trial(str(step["url"]))
     else:
         outcome = run_update(str(step["url"]))
     outcome = {"do": step["do"], "version": version, **outcome}
@@ -305,7 +456,26 @@ def _write_report(path: str, report: dict[str, Any]) -> None:
         port.flush()
 
 
+def _running_version() -> str:
+    return str(json.loads(Path("/usr/lib/appliance/appliance.json").read_text())["appliance"]["version"])
+
+
+def main_trial(args: argparse.Namespace) -> int:
+    """appliance-bootcheck-trial.service: the plan's trial steps, before the assessment starts."""
+    version = _running_version()
+    for step in _plan(version):
+        if step["do"] in TRIAL_STEPS:
+            outcome = run_step(version, step, engine_healthy=False)
+            if outcome is not None:
+                print(json.dumps(outcome)[:2000], flush=True)
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    global REPORT_PORT
+    REPORT_PORT = args.report
+    if args.trial:
+        return main_trial(args)
     engine_healthy = wait_for_engine(float(credential("appliance.wait") or args.wait))
     if engine_healthy:
         wait_for_assessment(300)
@@ -315,7 +485,7 @@ def main(args: argparse.Namespace) -> int:
     plan = _plan(version)
     # The checks come after the first look, which shows the appliance as it booted.
     for step in plan:
-        if step["do"] != "update":
+        if step["do"] in STEPS and step["do"] != "update":
             run_step(version, step, engine_healthy)
     outcomes = step_outcomes()
     faults = [o for o in outcomes if o["do"] == "faults"]
@@ -335,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m demo.bootcheck", description="Report the booted appliance's state to a test host.")
     p.add_argument("--report", default="/dev/ttyS1", help="where to write the JSON report")
     p.add_argument("--wait", type=float, default=600, help="seconds to wait for a healthy engine")
+    p.add_argument("--trial", action="store_true", help="run only the plan's steps for a version on trial, then exit")
     return p
 
 
