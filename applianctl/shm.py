@@ -17,7 +17,10 @@ from __future__ import annotations
 import argparse
 import errno
 import fcntl
+import fnmatch
 import os
+import re
+import stat
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,14 +68,22 @@ def mem_available_bytes(meminfo: str) -> int:
 
 @dataclass
 class Holders:
-    """Who holds what open: (device, inode) and paths, from every readable /proc/PID."""
+    """Who holds what open or mapped, from every readable /proc/PID: the appliance's one scanner.
+
+    By (device, inode), which works across container mount namespaces, and by path. Use
+    `scan_holders()` once, then `pids(path, st)` / `held(st)` for each file of interest.
+    """
 
     inodes: dict[tuple[int, int], set[int]] = field(default_factory=dict)
     paths: dict[str, set[int]] = field(default_factory=dict)
     unreadable: list[int] = field(default_factory=list)
 
-    def pids(self, path: Path, st: os.stat_result) -> set[int]:
+    def pids(self, path: Path | str, st: os.stat_result) -> set[int]:
+        """PIDs holding the file with stat result ST (by device and inode) or PATH open or mapped."""
         return self.inodes.get((st.st_dev, st.st_ino), set()) | self.paths.get(str(path), set())
+
+    def held(self, st: os.stat_result) -> bool:
+        return (st.st_dev, st.st_ino) in self.inodes
 
 
 def _maps_entry(line: str) -> tuple[int, int, str] | None:
@@ -80,12 +91,21 @@ def _maps_entry(line: str) -> tuple[int, int, str] | None:
     parts = line.split(None, 5)
     if len(parts) < 5 or parts[4] == "0":
         return None
-    major, minor = (int(x, 16) for x in parts[3].split(":"))
+    try:
+        major, minor = (int(x, 16) for x in parts[3].split(":"))
+        inode = int(parts[4])
+    except ValueError:
+        return None
     path = parts[5].strip() if len(parts) == 6 else ""
-    return os.makedev(major, minor), int(parts[4]), path.removesuffix(" (deleted)")
+    return os.makedev(major, minor), inode, path.removesuffix(" (deleted)")
 
 
 def scan_holders(proc: Path = Path("/proc")) -> Holders:
+    """Every file some process other than this one holds open (/proc/PID/fd) or mapped (/proc/PID/maps).
+
+    Processes whose fd or maps this user may not read are listed in `unreadable` (status runs
+    unprivileged; the cleaner runs with CAP_SYS_PTRACE and reads all of them).
+    """
     holders = Holders()
     me = os.getpid()
     for entry in proc.iterdir():
@@ -93,8 +113,7 @@ def scan_holders(proc: Path = Path("/proc")) -> Holders:
             continue
         pid = int(entry.name)
         try:
-            fds = list((entry / "fd").iterdir())
-            for fd in fds:
+            for fd in (entry / "fd").iterdir():
                 try:
                     target = os.readlink(fd)
                     st = os.stat(fd)
@@ -104,85 +123,138 @@ def scan_holders(proc: Path = Path("/proc")) -> Holders:
                     continue  # closed meanwhile
                 holders.inodes.setdefault((st.st_dev, st.st_ino), set()).add(pid)
                 holders.paths.setdefault(target.removesuffix(" (deleted)"), set()).add(pid)
-            for line in (entry / "maps").read_text().splitlines():
+            for line in (entry / "maps").read_text(errors="replace").splitlines():
                 if (parsed := _maps_entry(line)) is not None:
                     dev, ino, path = parsed
                     holders.inodes.setdefault((dev, ino), set()).add(pid)
                     if path:
                         holders.paths.setdefault(path, set()).add(pid)
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
             continue  # the process ended while we looked
         except PermissionError:
             if pid not in holders.unreadable:
                 holders.unreadable.append(pid)
-        except ProcessLookupError:
-            continue
     return holders
 
 
 # ----------------------------------------------------------------------------------- cleaning
 
-
-class _Held(Exception):
-    pass
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9._+-]+")
 
 
-def _unlink_unless_open(path: Path, trust_proc: bool) -> None:
-    """Unlink PATH while holding a write lease on it; raise _Held when any process has it open or mapped."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+def shown(name: str) -> str:
+    """NAME as it may go into a log line: as is when plain, else quoted with every control
+    character, non-ASCII character and undecodable byte escaped (so never a raw newline or escape
+    sequence, and a quoted form never looks like a plain name)."""
+    return name if _PLAIN_NAME.fullmatch(name) else ascii(name)
+
+
+class _Skip(Exception):
+    """This entry is not removed; the message says why."""
+
+
+def _race_point(stage: str, name: str) -> None:
+    """Called between looking at an entry and removing it; tests replace it to simulate races."""
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _unlink_unless_open(dir_fd: int, name: str, seen: os.stat_result, trust_proc: bool) -> None:
+    """Unlink NAME in DIR_FD if it is still the regular file SEEN and no process has it open or
+    mapped (a write lease on it proves that); raise _Skip otherwise."""
     try:
+        # O_NOFOLLOW: a symlink swapped in fails (ELOOP); O_NONBLOCK: a FIFO swapped in does not block.
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _Skip("replaced by a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino):
+            raise _Skip(f"replaced by another file ({_kind(st.st_mode) if not stat.S_ISREG(st.st_mode) else 'inode changed'})")
+        leased = True
         try:
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
         except OSError as e:
             if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EBUSY):
-                raise _Held("open in a process /proc does not show") from None
+                raise _Skip("open in a process /proc does not show") from None
             if not trust_proc:  # no lease support and some processes unreadable: cannot tell
-                raise _Held(f"cannot take a lease ({e.strerror}) and some processes are unreadable") from None
-            path.unlink()
-            return
+                raise _Skip(f"cannot take a lease ({e.strerror}) and some processes are unreadable") from None
+            leased = False
         try:
-            path.unlink()
+            _race_point("before-unlink", name)
+            # The name must still be the file we hold: re-check device and inode right before.
+            now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                raise _Skip(f"replaced by another file ({_kind(now.st_mode) if not stat.S_ISREG(now.st_mode) else 'inode changed'})")
+            os.unlink(name, dir_fd=dir_fd)
         finally:
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+            if leased:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
     finally:
         os.close(fd)
 
 
 def clean(shm_dir: Path, proc: Path = Path("/proc"), dry_run: bool = False) -> tuple[list[dict[str, Any]], int]:
-    """Remove unheld offload files in SHM_DIR; return [{path, bytes, allocated_bytes}] and the bytes freed."""
-    candidates = sorted(shm_dir.glob(PATTERN))  # listed before the scan: a file made later is never a candidate
-    if not candidates:
-        return [], 0
-    holders = scan_holders(proc)
-    removed: list[dict[str, Any]] = []
-    freed = 0
-    for path in candidates:
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            continue
-        size_gb = st.st_size / 1e9
-        if not path.is_file() or path.is_symlink():
-            print(f"kept {path}: not a regular file")
-            continue
-        held_by = holders.pids(path, st)
-        if held_by:
-            print(f"kept {path} ({size_gb:.2f} GB): held open by pid {', '.join(map(str, sorted(held_by)))}")
-            continue
-        allocated = st.st_blocks * 512
-        if not dry_run:
+    """Remove unheld offload files in SHM_DIR; return [{path, bytes, allocated_bytes}] and the bytes freed.
+
+    Never fails on one entry: one it cannot handle (a symlink, directory or FIFO, a file swapped
+    while looked at, an error) is reported and kept. Every operation is relative to one open
+    descriptor of SHM_DIR and never follows a symlink.
+    """
+    dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        # Listed before the scan: a file made later is never a candidate.
+        names = sorted(n for n in os.listdir(dir_fd) if fnmatch.fnmatchcase(n, PATTERN))
+        if not names:
+            return [], 0
+        holders = scan_holders(proc)
+        removed: list[dict[str, Any]] = []
+        freed = 0
+        for name in names:
+            where = f"{shm_dir}/{shown(name)}"
             try:
-                _unlink_unless_open(path, trust_proc=not holders.unreadable)
-            except _Held as e:
-                print(f"kept {path} ({size_gb:.2f} GB): {e}")
-                continue
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
-        verb = "would remove" if dry_run else "removed"
-        print(f"{verb} {path} ({size_gb:.2f} GB, {allocated / GIB:.2f} GiB in memory): no process holds it")
-        removed.append({"path": str(path), "bytes": st.st_size, "allocated_bytes": allocated})
-        freed += allocated
-    return removed, freed
+            except OSError as e:
+                print(f"kept {where}: cannot look at it ({e.strerror})")
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                print(f"kept {where}: {_kind(st.st_mode)}, not a regular file")
+                continue
+            size_gb = st.st_size / 1e9
+            held_by = holders.pids(shm_dir / name, st)
+            if held_by:
+                print(f"kept {where} ({size_gb:.2f} GB): held open by pid {', '.join(map(str, sorted(held_by)))}")
+                continue
+            allocated = st.st_blocks * 512
+            if not dry_run:
+                try:
+                    _race_point("before-open", name)
+                    _unlink_unless_open(dir_fd, name, st, trust_proc=not holders.unreadable)
+                except _Skip as e:
+                    print(f"kept {where} ({size_gb:.2f} GB): {e}")
+                    continue
+                except FileNotFoundError:
+                    continue  # gone meanwhile: nothing to do
+                except OSError as e:
+                    print(f"kept {where} ({size_gb:.2f} GB): cannot remove it ({e.strerror})")
+                    continue
+            verb = "would remove" if dry_run else "removed"
+            print(f"{verb} {where} ({size_gb:.2f} GB, {allocated / GIB:.2f} GiB in memory): no process holds it")
+            removed.append({"path": str(shm_dir / name), "bytes": st.st_size, "allocated_bytes": allocated})
+            freed += allocated
+        return removed, freed
+    finally:
+        os.close(dir_fd)
 
 
 def check(

@@ -174,3 +174,116 @@ def test_cli_writes_the_check_and_keeps_a_live_engines_file(shm_dir: Path, tmp_p
 def test_cli_without_configuration_says_what_to_do(tmp_path: Path) -> None:
     done = _cli({"APPLIANCE_CONFIG": str(tmp_path / "absent.json"), "APPLIANCE_RUN_DIR": str(tmp_path)})
     assert done.returncode == 2 and "no appliance configuration" in done.stderr and "hint:" in done.stderr
+
+
+# ----------------------------------------------------------------------------------- odd entries and races
+
+
+def test_odd_entries_are_reported_and_kept_and_the_rest_still_cleaned(
+    shm_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("must survive")
+    link = shm_dir / "vllm_offload_link.mmap"
+    link.symlink_to(victim)
+    directory = shm_dir / "vllm_offload_dir.mmap"
+    directory.mkdir()
+    (directory / "inside").write_text("x")
+    fifo = shm_dir / "vllm_offload_fifo.mmap"
+    os.mkfifo(fifo)
+    leaked = _leak(shm_dir, "z")
+    removed, _ = shm.clean(shm_dir)
+    assert [r["path"] for r in removed] == [str(leaked)] and not leaked.exists()
+    assert link.is_symlink() and victim.read_text() == "must survive"
+    assert (directory / "inside").exists() and fifo.exists()
+    out = capsys.readouterr().out
+    assert f"kept {link}: a symlink, not a regular file" in out
+    assert f"kept {directory}: a directory, not a regular file" in out
+    assert f"kept {fifo}: a FIFO, not a regular file" in out
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["vllm_offload_a\nremoved evil (0.00 GB).mmap", "vllm_offload_\x1b[2J\x1b[31mred.mmap", "vllm_offload_\r\x07.mmap",
+     "vllm_offload_caf\u00e9.mmap", "vllm_offload_\udcff.mmap"],
+)
+def test_names_are_escaped_in_the_log(shm_dir: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    path = shm_dir / name
+    path.write_bytes(b"x")
+    fresh = _leak(shm_dir, "plain")
+    removed, _ = shm.clean(shm_dir)
+    assert not path.exists() and not fresh.exists() and len(removed) == 2
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) == 2, out  # one line per file: no newline from a name
+    assert not any(ord(c) < 0x20 or c == "\x7f" or ord(c) > 0x7e for c in out.replace("\n", "")), ascii(out)
+    assert f"removed {shm_dir}/{name!a} " in out
+    assert f"removed {fresh} " in out  # a plain name stays plain
+
+
+def _swap(stage: str, how: str, shm_dir: Path, tmp_path: Path) -> Callable[[str, str], None]:
+    """A race: at STAGE, replace the entry NAME with HOW (symlink, fifo, dir, file, gone)."""
+
+    def hook(at: str, name: str) -> None:
+        if at != stage:
+            return
+        path = shm_dir / name
+        path.unlink()
+        if how == "symlink":
+            path.symlink_to(tmp_path / "victim")
+        elif how == "fifo":
+            os.mkfifo(path)
+        elif how == "dir":
+            path.mkdir()
+        elif how == "file":
+            path.write_text("another file under the same name")
+        elif how == "fail":
+            raise OSError(5, "Input/output error")
+
+    return hook
+
+
+@pytest.mark.parametrize("stage", ["before-open", "before-unlink"])
+@pytest.mark.parametrize("how", ["symlink", "fifo", "dir", "file", "gone", "fail"])
+def test_an_entry_swapped_between_scan_and_unlink_is_kept_and_the_rest_cleaned(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    stage: str, how: str,
+) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("must survive")
+    racy = _leak(shm_dir, "a_racy")
+    later = _leak(shm_dir, "b_later")
+    swap = _swap(stage, how, shm_dir, tmp_path)
+    monkeypatch.setattr(shm, "_race_point", lambda at, name: swap(at, name) if name == racy.name else None)
+    removed, _ = shm.clean(shm_dir)  # never raises
+    assert [r["path"] for r in removed] == [str(later)] and not later.exists()
+    assert victim.read_text() == "must survive"
+    out = capsys.readouterr().out
+    if how == "gone":
+        assert not racy.exists() and "kept" not in out
+        return
+    if how == "fail":
+        assert f"kept {racy} (0.00 GB): cannot remove it (Input/output error)" in out
+        return
+    # Whatever was swapped in is still there, untouched.
+    assert {"symlink": racy.is_symlink, "fifo": racy.is_fifo, "dir": racy.is_dir, "file": racy.is_file}[how]()
+    if how == "file":
+        assert racy.read_text() == "another file under the same name"
+    assert f"kept {racy} (0.00 GB): replaced by " in out
+
+
+def test_holders_are_found_by_inode_and_path(shm_dir: Path, holder: Callable[..., subprocess.Popen[str]]) -> None:
+    by_fd, by_map, free = _leak(shm_dir, "fd"), _leak(shm_dir, "map"), _leak(shm_dir, "free")
+    p1, p2 = holder(by_fd, "fd"), holder(by_map, "map")
+    found = shm.scan_holders()
+    assert p1.pid in found.pids(by_fd, by_fd.stat()) and found.held(by_fd.stat())
+    assert p2.pid in found.pids(by_map, by_map.stat()) and found.held(by_map.stat())
+    assert not found.held(free.stat()) and found.pids(free, free.stat()) == set()
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("vllm_offload_1.mmap", "vllm_offload_1.mmap"), ("a\nb", "'a\\nb'"), ("x\x1by", "'x\\x1by'"), ("'q'", "\"'q'\"")],
+)
+def test_shown(name: str, expected: str) -> None:
+    assert shm.shown(name) == expected
