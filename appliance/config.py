@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
+import math
+import os
 import re
-import tomllib
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -19,8 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import ConfigError
+from appliance.hashing import DIGEST as _DIGEST
+from appliance.hashing import SHA256 as _SHA256
 
 PROFILES = ("production", "demo")
+GIB = 1 << 30
 
 # ----------------------------------------------------------------------------------- checks
 # Each check returns None when the value is good, else a hint saying what a good value is.
@@ -28,8 +33,6 @@ PROFILES = ("production", "demo")
 Check = Callable[[Any], str | None]
 
 _DNS_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _REVISION = re.compile(r"^[0-9a-f]{40}$")
 _VERSION = re.compile(r"^[0-9]+(\.[0-9]+){0,3}$")
 _IMAGE_NAME = re.compile(r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
@@ -42,7 +45,7 @@ _URL_PATH = re.compile(r"^/[A-Za-z0-9._~/-]*$")
 _SSH_KEY = re.compile(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp(256|384|521)|sk-ssh-ed25519@openssh\.com) [A-Za-z0-9+/=]+( [^\n\r]*)?$")
 # Characters that would let a value break out of a line in a generated unit, Caddyfile or
 # sources file.
-_UNSAFE = re.compile(r"[\x00-\x1f\x7f{}\"'`$\\;]")
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029{}\"'`$\\;]")  # C0, C1 and Unicode line breaks too
 
 
 def is_dns_name(value: str) -> str | None:
@@ -111,8 +114,23 @@ def _one_of(*choices: str) -> Check:
     return lambda value: None if value in choices else "one of " + ", ".join(repr(c) for c in choices)
 
 
-def _positive(value: float) -> str | None:
-    return None if value > 0 else "a number greater than 0"
+# Numbers are bounded, so that every accepted value renders into a unit as a plain number that
+# systemd and podman take as it is (no overflow, no exponent, no inf/NaN).
+MAX_INT = 2**31 - 1
+MAX_GIB = 65536.0
+_DECIMAL = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,6})?$")  # ASCII digits only: float() also takes '١٢', '1e3', 'inf'
+
+
+def _between(low: float, high: float) -> Check:
+    return lambda value: None if low <= value <= high else f"a number from {low:g} to {high:g}"
+
+
+_positive = _between(1, MAX_INT)
+
+
+def parse_decimal(text: str) -> float | None:
+    """TEXT as a plain decimal number (ASCII digits, an optional fraction), else None."""
+    return float(text) if _DECIMAL.fullmatch(text) else None
 
 
 def _port(value: int) -> str | None:
@@ -188,15 +206,17 @@ class PinnedFile:
 @dataclass(frozen=True)
 class Health:
     path: str = field(default="/health", metadata=_check(_pattern(_URL_PATH, "a URL path such as /health")))
-    interval_s: int = field(default=30, metadata=_check(_positive))
-    timeout_s: int = field(default=5, metadata=_check(_positive))
-    retries: int = field(default=5, metadata=_check(_positive))
-    start_period_s: int = field(default=1200, metadata=_check(_positive))
+    interval_s: int = field(default=30, metadata=_check(_between(1, 86400)))
+    timeout_s: int = field(default=5, metadata=_check(_between(1, 86400)))
+    retries: int = field(default=5, metadata=_check(_between(1, 1000)))
+    start_period_s: int = field(default=1200, metadata=_check(_between(1, 7 * 86400)))
 
 
 @dataclass(frozen=True)
 class Shm:
-    margin_gib: float = field(default=8.0, metadata=_check(_positive))
+    margin_gib: float = field(
+        default=8.0, metadata=_check(lambda v: None if 0 < v <= MAX_GIB else f"a number greater than 0, at most {MAX_GIB:g}")
+    )
 
 
 @dataclass(frozen=True)
@@ -217,14 +237,16 @@ class Engine:
     )
     memlock: str = field(
         default="unlimited",
-        metadata=_check(lambda v: None if v == "unlimited" or v.isdigit() else "'unlimited' or a number of bytes"),
+        metadata=_check(
+            lambda v: None if v == "unlimited" or (re.fullmatch(r"[0-9]{1,18}", v) and int(v) > 0) else "'unlimited' or a number of bytes"
+        ),
     )
     security_opt: tuple[str, ...] = field(
         default=(), metadata=_each(_one_of("seccomp=unconfined", "label=disable", "no-new-privileges"))
     )
-    stop_timeout_s: int = field(default=120, metadata=_check(_positive))
+    stop_timeout_s: int = field(default=120, metadata=_check(_between(1, 86400)))
     log_max_size: str = field(default="100m", metadata=_check(_pattern(_SIZE, "a size such as 100m")))
-    log_max_files: int = field(default=5, metadata=_check(_positive))
+    log_max_files: int = field(default=5, metadata=_check(_between(1, 1000)))
     aiter_cache_dir: str = field(default="/var/lib/appliance/aiter", metadata=_check(_is_abs_path))
     crash_dir: str = field(default="/var/crash/vllm", metadata=_check(_is_abs_path))
     env: Mapping[str, str] = field(default_factory=dict, metadata=_each(_is_env_value))
@@ -249,22 +271,33 @@ class Engine:
 
     @property
     def offload_gib(self) -> float:
-        """CPU KV offload size (GiB), read from the engine's own --kv-offloading-size."""
+        """CPU KV offload size (GiB), read from the engine's own --kv-offloading-size (checked by
+        the loader to be a plain decimal number)."""
         value = self.arg_value("--kv-offloading-size")
-        return float(value) if value else 0.0
+        return (parse_decimal(value) or 0.0) if value else 0.0
 
     @property
     def served_model_name(self) -> str | None:
         return self.arg_value("--served-model-name")
 
+    @property
+    def shm_required_bytes(self) -> int:
+        """What /dev/shm must have free before the engine starts: the offload file plus the margin."""
+        return int((self.offload_gib + self.shm.margin_gib) * GIB)
+
+    @property
+    def shm_size_mib(self) -> int:
+        """The size /dev/shm is mounted with: the requirement plus 64 MiB for everything else there."""
+        return math.ceil((self.offload_gib + self.shm.margin_gib) * 1024) + 64
+
 
 @dataclass(frozen=True)
 class Expected:
-    model_memory_gib: float | None = None
-    draft_params: int | None = None
-    kv_cache_tokens: int | None = None
-    max_concurrency: float | None = None
-    offload_mmap_gb: float | None = None
+    model_memory_gib: float | None = field(default=None, metadata=_check(_between(0, MAX_GIB)))
+    draft_params: int | None = field(default=None, metadata=_check(_between(0, 10**15)))
+    kv_cache_tokens: int | None = field(default=None, metadata=_check(_between(0, 10**15)))
+    max_concurrency: float | None = field(default=None, metadata=_check(_between(0, 10**9)))
+    offload_mmap_gb: float | None = field(default=None, metadata=_check(_between(0, MAX_GIB)))
 
 
 @dataclass(frozen=True)
@@ -293,7 +326,9 @@ class Proxy:
 @dataclass(frozen=True)
 class Update:
     url: str = field(default="", metadata=_check(_is_url))
-    assessment_deadline_s: int = field(default=3600, metadata=_check(_positive))
+    assessment_deadline_s: int = field(default=3600, metadata=_check(_between(1, 7 * 86400)))
+    # boot tries a newly installed version gets (systemd-boot's counter, TriesLeft= of the kernel image)
+    boot_tries: int = field(default=3, metadata=_check(_between(1, 20)))
 
 
 @dataclass(frozen=True)
@@ -307,6 +342,15 @@ class Config:
     expected: Expected = field(default_factory=Expected)
     gpu: Gpu = field(default_factory=Gpu)
     update: Update = field(default_factory=Update)
+
+    @property
+    def served_model(self) -> str:
+        """The model name clients ask for: --served-model-name, else the model id."""
+        return self.engine.served_model_name or self.model.id
+
+    @property
+    def health_path(self) -> str:
+        return self.engine.health.path
 
     def to_json(self) -> dict[str, Any]:
         """The configuration as the device reads it (/usr/lib/appliance/appliance.json)."""
@@ -379,11 +423,15 @@ class _Loader:
                 each = {"check": meta["each"]} if "each" in meta else {}
                 out[k] = self.value(str, v, f"{key}.{k}", each)
             return types.MappingProxyType(out)
-        ok = isinstance(value, tp) and not (tp is not bool and isinstance(value, bool))
-        if tp is float and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = float(value), True
+        # bool is not a number, and a number is not a bool; floats must be finite
+        ok = type(value) is tp or (tp is float and type(value) is int)
+        if ok and tp is float:
+            ok = abs(value) <= 1e15 and math.isfinite(value)
+            value = float(value) if ok else value
+        if ok and tp is int:
+            ok = -MAX_INT <= value <= 10**15
         if not ok:
-            self.fail(key, value, _type_name(tp))
+            self.fail(key, value, _type_name(tp) + (" (finite, at most 15 digits)" if tp in (int, float) else ""))
         check = meta.get("check")
         if check is not None and (hint := check(value)) is not None:
             self.fail(key, value, hint)
@@ -427,10 +475,12 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 
 def load(path: Path, profile: str = "production") -> Config:
     """Parse and check PATH for PROFILE; raise ConfigError with a one-line message on any fault."""
+    import tomllib
+
     if profile not in PROFILES:
         raise ConfigError(f"unknown profile {profile!r}", hint="use --profile production or --profile demo")
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text())  # imported here: the device never reads TOML
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file", hint="run from the project root or pass --config PATH") from None
     except tomllib.TOMLDecodeError as e:
@@ -466,5 +516,68 @@ def _cross_checks(path: Path, config: Config) -> None:
             f"{path}: engine.args has --port {config.engine.arg_value('--port')} but engine.port = {config.engine.port}",
             hint="make them the same",
         )
+    offload = config.engine.arg_value("--kv-offloading-size")
+    if offload is not None and ((gib := parse_decimal(offload)) is None or gib > MAX_GIB):
+        raise ConfigError(
+            f"{path}: engine.args has --kv-offloading-size {offload!r}",
+            hint=f"a size in GiB written with ASCII digits, e.g. 96 or 0.5, at most {MAX_GIB:g}",
+        )
     if config.gpu.required and config.profile == "demo":
         raise ConfigError(f"{path}: profiles.demo needs gpu.required = false", hint="the demo runs without a GPU")
+
+
+# ----------------------------------------------------------------------------------- on the device
+
+# Values Config.to_json() adds for readers that are not Python; on loading they must equal what
+# the model derives, so the file cannot say two different things.
+_DERIVED: dict[tuple[str, str], Callable[[Config], Any]] = {
+    ("engine", "reference"): lambda c: c.engine.reference,
+    ("engine", "offload_gib"): lambda c: c.engine.offload_gib,
+    ("engine", "served_model_name"): lambda c: c.engine.served_model_name,
+    ("model", "snapshot_path"): lambda c: c.model.snapshot_path,
+    ("model", "weights_dir"): lambda c: c.model.weights_dir,
+}
+DEVICE_HINT = "the image is damaged; reinstall or roll back"
+
+
+def device_path() -> Path:
+    """The image's configuration (Config.to_json() of the build); APPLIANCE_CONFIG moves it for tests."""
+    from appliance import paths
+
+    return Path(os.environ.get("APPLIANCE_CONFIG", str(paths.CONFIG_JSON)))
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not a number here")
+
+
+def from_json(data: Any, path: Path) -> Config:
+    """DATA (parsed appliance.json) as the model, through the same loader as appliance.toml."""
+    if not isinstance(data, dict) or data.get("profile") not in PROFILES:
+        raise ConfigError(f"{path}: profile = {data.get('profile') if isinstance(data, dict) else data!r}: invalid", hint=DEVICE_HINT)
+    table = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items() if k != "profile"}
+    stored = {}
+    for (section, key) in _DERIVED:
+        if isinstance(table.get(section), dict) and key in table[section]:
+            stored[(section, key)] = table[section].pop(key)
+    config: Config = _Loader(path).dataclass(Config, table, "", profile=data["profile"])
+    _cross_checks(path, config)
+    for (section, key), value in stored.items():
+        if value != _DERIVED[(section, key)](config):
+            raise ConfigError(f"{path}: {section}.{key} = {value!r} does not follow from the configuration", hint=DEVICE_HINT)
+    return config
+
+
+def load_device(path: Path | None = None) -> Config:
+    """The device's configuration: the image's appliance.json as the same frozen model."""
+    path = path or device_path()
+    try:
+        data = json.loads(path.read_text(), parse_constant=_no_constant)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{path}: no appliance configuration",
+            hint="this command runs on the appliance; set APPLIANCE_CONFIG to test elsewhere",
+        ) from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})", hint=DEVICE_HINT) from None
+    return from_json(data, path)

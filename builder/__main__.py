@@ -26,9 +26,9 @@ def _load(args: argparse.Namespace) -> config_model.Config:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    config = _load(args)
-    print(f"{args.config}: profile {config.profile} is valid (engine {config.engine.reference})")
-    return 0
+    from builder import validate
+
+    return validate.report(_load(args), ROOT, args.config)
 
 
 def cmd_render(args: argparse.Namespace) -> int:

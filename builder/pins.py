@@ -196,35 +196,56 @@ def _listed(root: Path) -> set[str]:
 
 
 def check(config: Config, root: Path) -> list[PinnedArtifact]:
-    """Verify every file CONFIG's profile uses against SHA256SUMS; return what was verified."""
+    """Verify every file CONFIG's profile uses against SHA256SUMS; return what was verified.
+    The first problem is raised (`problems` lists them all, for validate)."""
+    verified, found = _verify(config, root)
+    if found:
+        raise found[0]
+    return verified
+
+
+def problems(config: Config, root: Path) -> list[UserError]:
+    """Every reason `check` would refuse, in the order it finds them."""
+    try:
+        return _verify(config, root)[1]
+    except UserError as e:  # SHA256SUMS itself is unreadable or malformed
+        return [e]
+
+
+def _verify(config: Config, root: Path) -> tuple[list[PinnedArtifact], list[UserError]]:
     sums = read_sums(root)
+    found: list[UserError] = []
     for rel in tree_files(root):
         if rel not in sums:
-            raise UserError(
+            found.append(UserError(
                 f"{rel}: unlisted: not in {SUMS_FILE}", hint="remove it, or pin it with python3 -m builder pin"
-            )
+            ))
     verified: list[PinnedArtifact] = []
     for use in _uses(config, root):
         entry = sums.get(use.path)
         if entry is None:
-            raise UserError(f"{use.path}: unlisted: not in {SUMS_FILE}", hint="pin it with python3 -m builder pin")
+            found.append(UserError(f"{use.path}: unlisted: not in {SUMS_FILE}", hint="pin it with python3 -m builder pin"))
+            continue
         if use.pin and use.pin != entry.sha256:
             source = "appliance.toml" if use.kind != "firmware" else FIRMWARE_PINS
-            raise UserError(
+            found.append(UserError(
                 f"{use.path}: {source} pins sha256 {use.pin} but {SUMS_FILE} line {entry.line} has {entry.sha256}",
                 hint=f"make {source} and {SUMS_FILE} agree",
-            )
+            ))
+            continue
         path = _safe_file(root, use.path)
         if path is None:
-            raise UserError(
+            found.append(UserError(
                 f"{use.path}: missing: expected sha256 {entry.sha256}, actual none",
                 hint=_supply_hint(use),
-            )
+            ))
+            continue
         actual = sha256_file(path)
         if actual != entry.sha256:
-            raise UserError(f"{use.path}: changed: expected sha256 {entry.sha256}, actual {actual}", hint=PIN_HINT)
+            found.append(UserError(f"{use.path}: changed: expected sha256 {entry.sha256}, actual {actual}", hint=PIN_HINT))
+            continue
         verified.append(PinnedArtifact(use.path, actual, use.target, use.kind))
-    return verified
+    return verified, found
 
 
 def _supply_hint(use: _Use) -> str:

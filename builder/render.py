@@ -9,7 +9,6 @@ the trusted keys and signed manifest.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import jinja2
 
 from appliance.config import Config, PinnedFile
+from builder import unit_values
 from builder.engine_store import MOUNT_POINT, EngineStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,11 +43,11 @@ def device_path(kind: str, pinned: PinnedFile) -> str:
 
 def shm_size_mib(config: Config) -> int:
     """/dev/shm holds the offload file plus the margin, with 64 MiB for everything else there."""
-    return math.ceil((config.engine.offload_gib + config.engine.shm.margin_gib) * 1024) + 64
+    return config.engine.shm_size_mib
 
 
 def _environment() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(UNITS_DIR),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
@@ -55,6 +55,8 @@ def _environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,
     )
+    env.filters.update(unit_values.FILTERS)  # systemd_escape, systemd_quote: values reach units exactly
+    return env
 
 
 def render_template(name: str, config: Config, store: EngineStore | None = None) -> str:

@@ -214,3 +214,14 @@ def _check_row(row: dict[str, str], where: str) -> None:
 def validate_all(paths: Iterable[tuple[str, Path]]) -> list[TuningTable]:
     """Validate each (name, path); the builder passes the tuning tables the profile uses."""
     return [validate(path, name) for name, path in paths]
+
+
+def problems(paths: Iterable[tuple[str, Path]]) -> list[UserError]:
+    """What validate_all would refuse, for every table (validate reports them all)."""
+    found: list[UserError] = []
+    for name, path in paths:
+        try:
+            validate(path, name)
+        except UserError as e:
+            found.append(e)
+    return found

@@ -10,11 +10,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from applianctl import manifest
-from applianctl import update as device_update
+from appliance import bundle as bundle_format
+from appliance import manifest
+from appliance.config import Config, load
 from builder import keys
 from builder import release as rel
-from builder.config import Config, load
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,7 +71,7 @@ def fake_build(out: Path, config: Config, key: Path, usr_bytes: int = 4096) -> P
         "engine_image": {
             "reference": config.engine.reference,
             "digest": config.engine.digest,
-            "store_label": "engine_" + device_update.engine_short(config.engine.digest),
+            "store_label": "engine_" + bundle_format.engine_short(config.engine.digest),
             "store_roothash": hashlib.sha256(config.engine.digest.encode()).hexdigest(),
         },
         "model": {"id": config.model.id, "revision": config.model.revision},

@@ -1,0 +1,56 @@
+"""`python3 -m builder validate`: everything a build would refuse, found before anything is written.
+
+Each check is the build's own (pins.problems is what pins.check raises, tuning.problems what
+tuning.validate_all raises, the templates rendered as the build renders them), run to the end so
+that one run lists every problem, one line each.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from appliance.config import Config
+from appliance.errors import UserError
+from builder import pins, tuning
+
+
+def problems(config: Config, root: Path) -> list[UserError]:
+    found = pins.problems(config, root)
+    broken = {e.message.split(":", 1)[0] for e in found}
+    tables = [(f.file, root / f.file) for f in config.engine.tuning if f.file not in broken and (root / f.file).is_file()]
+    found += tuning.problems(tables)
+    found += _render_problems(config)
+    return found
+
+
+def _render_problems(config: Config) -> list[UserError]:
+    """Render every template as the build does (the store's root hash is not known yet)."""
+    from builder import engine_store, proxy, render
+
+    store = engine_store.EngineStore(Path("engine.erofs"), Path("engine.verity"), "0" * 64, engine_store.label_for(config.engine.digest))
+    found: list[UserError] = []
+    for template in sorted(p.name for p in render.UNITS_DIR.glob("*.j2")):
+        try:
+            if template == proxy.TEMPLATE:
+                proxy.render_caddyfile(config)
+            else:
+                render.render_template(template, config, store)
+        except UserError as e:
+            found.append(e)
+    return found
+
+
+def report(config: Config, root: Path, config_path: str) -> int:
+    """Print every problem (one line each) and one hint; 2 if there were any, else 0."""
+    import sys
+
+    found = problems(config, root)
+    if not found:
+        print(f"{config_path}: profile {config.profile} is valid (engine {config.engine.reference})")
+        return 0
+    for e in found:
+        print(f"error: {e.message}", file=sys.stderr)
+    hints = list(dict.fromkeys(e.hint for e in found if e.hint)) or ["fix each line above"]
+    first = hints[0] if len(hints) == 1 else f"{len(found)} problems, each on its own line above; for the first: {hints[0]}"
+    print(f"hint: {first}", file=sys.stderr)
+    return 2
