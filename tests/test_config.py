@@ -172,3 +172,89 @@ def test_broken_toml_is_one_line(tmp_path: Path) -> None:
     path.write_text("[engine\n")
     result = _cli("--config", str(path), "validate")
     assert result.returncode == 2 and "not valid TOML" in result.stderr and "Traceback" not in result.stderr
+
+
+# ----------------------------------------------------------------------------- numbers, strictly
+
+
+def _demo_json() -> dict[str, object]:
+    return config.load(APPLIANCE_TOML, "demo").to_json()
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [
+        ("shm", "margin_gib", float("inf")),  # rendered /dev/shm size: OverflowError before
+        ("shm", "margin_gib", 1e308),  # likewise, once multiplied by 1024
+        ("shm", "margin_gib", float("nan")),
+        ("health", "interval_s", True),  # bool is not an int
+        ("health", "interval_s", 10**30),  # would render a number podman cannot take
+        ("health", "retries", 1.5),
+    ],
+)
+def test_numbers_outside_what_renders_are_refused_in_one_line(section: str, key: str, value: object) -> None:
+    data = _demo_json()
+    engine = dict(data["engine"])  # type: ignore[call-overload]
+    engine[section] = {**engine[section], key: value}
+    with pytest.raises(ConfigError) as e:
+        config.from_json({**data, "engine": engine}, Path("appliance.json"))
+    assert f"engine.{section}.{key}" in e.value.message and "\n" not in e.value.message
+
+
+@pytest.mark.parametrize("size", ["inf", "nan", "1e3", "\u0661\u0662", "-1", "99999999999"])
+def test_offload_size_is_ascii_decimal(size: str) -> None:
+    data = _demo_json()
+    engine = dict(data["engine"])  # type: ignore[call-overload]
+    args = [a for a in engine["args"] if not a.startswith("--kv-offloading-size")]
+    if "--kv-offloading-size" in engine["args"]:
+        i = engine["args"].index("--kv-offloading-size")
+        args = [*engine["args"][:i], *engine["args"][i + 2 :]]
+    engine["args"] = [*args, "--kv-offloading-size", size]
+    engine.pop("offload_gib")
+    with pytest.raises(ConfigError, match="kv-offloading-size"):
+        config.from_json({**data, "engine": engine}, Path("appliance.json"))
+
+
+def test_any_number_either_renders_or_is_refused() -> None:
+    """Every value the loader accepts renders every unit template; nothing else escapes as a traceback."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from builder import engine_store, render
+
+    data = _demo_json()
+    numbers = st.one_of(st.integers(min_value=-(2**70), max_value=2**70), st.floats(allow_nan=True, allow_infinity=True), st.booleans())
+    fields = [("health", "interval_s"), ("health", "timeout_s"), ("health", "retries"), ("health", "start_period_s"), ("shm", "margin_gib")]
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.sampled_from(fields), numbers)
+    def check(where: tuple[str, str], value: object) -> None:
+        engine = dict(data["engine"])  # type: ignore[call-overload]
+        engine[where[0]] = {**engine[where[0]], where[1]: value}
+        try:
+            c = config.from_json({**data, "engine": engine}, Path("appliance.json"))
+        except ConfigError:
+            return
+        store = engine_store.EngineStore(Path("x"), Path("y"), "0" * 64, engine_store.label_for(c.engine.digest))
+        for name in ("appliance-engine.container.j2", "appliance-shm-clean.service.j2"):
+            render.render_template(name, c, store)
+
+    check()
+
+
+def test_device_loads_the_image_json_as_the_same_model(tmp_path: Path) -> None:
+    import json
+
+    for profile in config.PROFILES:
+        c = config.load(APPLIANCE_TOML, profile)
+        path = tmp_path / f"{profile}.json"
+        path.write_text(json.dumps(c.to_json()))
+        assert config.load_device(path) == c
+        tampered = c.to_json()
+        tampered["engine"]["served_model_name"] = "other"
+        tampered["engine"]["surprise"] = 1
+        with pytest.raises(ConfigError, match="unknown key 'engine.surprise'"):
+            config.from_json(tampered, path)
+        del tampered["engine"]["surprise"]
+        with pytest.raises(ConfigError, match="served_model_name"):
+            config.from_json(tampered, path)
