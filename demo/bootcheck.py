@@ -404,6 +404,7 @@ def run_netprobe(wait_s: float = 120) -> dict[str, Any]:
         "waited_s": round(time.monotonic() - started, 1),
         "inside_before": inside_before,
         "inside_after": _http_status(f"http://{bridge}:{port}{health}") if bridge else "no bridge address",
+        "ip_forward": Path("/proc/sys/net/ipv4/ip_forward").read_text().strip(),
         "addresses": _run(["ip", "-br", "addr"]),
         "nft_tables": _run(["nft", "list", "tables"]),
     }

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import netprobe
 import pytest
 from journey import V1, V2, V3, reports_of
 
@@ -39,12 +40,14 @@ def demo_image(demo_config: config.Config) -> Path:
 # ------------------------------------------------------------------------- the upgrade journey
 # One appliance lives through everything, so that no boot is spent twice under emulation:
 #
-#   run 1  boot A  v1 (1.0.0), first boot: the first look, the engine fault scenarios, then
-#                  `applianctl update` to v2 over HTTPS and a reboot
-#          boot B  v2 (1.0.1) on trial: judged good and blessed; three bundles that must be
-#                  refused (a flipped byte, an untrusted key, a downgrade) with the inactive slot
-#                  hashed before and after; then the update to v3, and the power is cut while
-#                  the slot is being written
+#   run 1  boot A  v1 (1.0.0), first boot: the first look (with the engine's environment), the
+#                  host probes the appliance from its network (only the proxy answers), the
+#                  engine fault scenarios, then `applianctl update` to v2 over HTTPS and a reboot
+#          boot B  v2 (1.0.1) on trial: before it is judged, an update to v3 is refused with both
+#                  slots hashed before and after; then judged good and blessed; three bundles
+#                  that must be refused (a flipped byte, an untrusted key, a downgrade) with the
+#                  inactive slot hashed before and after; then the update to v3, and the power
+#                  is cut while the slot is being written
 #   run 2  boot C  v2 again (the cut left it bootable); the update to v3 runs again and succeeds
 #          D1..D3  v3 (1.0.2), whose engine never becomes healthy: assessment fails, reboot
 #          boot E  v2, booted by systemd-boot once v3's tries ran out; the final report
@@ -56,6 +59,8 @@ def demo_image(demo_config: config.Config) -> Path:
 # boot B v2 runs from slot B, so v3 goes into slot A.
 POWER_CUT_TEXT = f"writing slot A: {V3}"
 POWER_CUT_DELAY_S = 2.0
+# podman's default network, where the engine's container has its address
+CONTAINER_BRIDGE = "10.88.0.0/16"
 
 
 @pytest.fixture(scope="session")
@@ -135,8 +140,10 @@ def journey_guest(demo_image: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 def _plan_credentials(bundles: dict[str, str], ca: str) -> dict[str, str]:
     plan = {
-        V1: [{"do": "faults"}, {"do": "update", "url": bundles["v2"]}],
+        V1: [{"do": "netprobe"}, {"do": "faults"}, {"do": "update", "url": bundles["v2"]}],
         V2: [
+            # run by appliance-bootcheck-trial.service, before the assessment
+            {"do": "update-on-trial", "url": bundles["v3"]},
             {"do": "refusals", "bundles": {n: bundles[u] for n, u in (("flipped", "flipped"), ("untrusted", "untrusted"),
                                                                        ("downgrade", "v1"))}},
             {"do": "update", "url": bundles["v3"]},
@@ -147,9 +154,13 @@ def _plan_credentials(bundles: dict[str, str], ca: str) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def journey_run1(journey_guest: qemu.Guest, bundles: dict[str, str], https_root: tuple[Path, str, str]) -> dict[str, Any]:
-    """Boots A and B; the power is cut while B writes v3 into the inactive slot."""
+    """Boots A and B; the power is cut while B writes v3 into the inactive slot. The guest has a
+    second NIC on a network namespace of the host, routed to its container bridge, from which
+    the host probes it in boot A."""
     creds = _plan_credentials(bundles, https_root[2])
-    return journey_guest.boot(timeout=3600, credentials=creds, cut_power=(POWER_CUT_TEXT, POWER_CUT_DELAY_S))
+    with qemu.ProbeNet(f"appliance-journey-{os.getpid()}", routes=(CONTAINER_BRIDGE,)) as net:
+        return journey_guest.boot(timeout=3600, credentials=creds, cut_power=(POWER_CUT_TEXT, POWER_CUT_DELAY_S),
+                                  answer={"netprobe": netprobe.answerer(net)}, probe_net=net)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from appliance import config
+
 pytestmark = pytest.mark.integration
 
 
@@ -15,6 +17,28 @@ def test_engine_reaches_healthy_through_the_production_unit(first_boot: dict[str
     engine = first_boot["status"]["parts"]["engine"]
     assert engine["state"] == "ok", engine
     assert engine["models"] == ["standin/tiny-demo"] or "standin/tiny-demo" in str(engine)
+
+
+# What podman itself puts in a container's environment, besides the image's own variables.
+PODMAN_ENV = {"PATH", "HOME", "HOSTNAME", "TERM", "container"}
+
+
+def test_engine_environment_in_the_running_container_equals_the_configuration(
+    first_boot: dict[str, Any], demo_config: config.Config
+) -> None:
+    # Read from the engine process's /proc/PID/environ: every configured value exactly (the
+    # demo has one with "%" and one with spaces), no variable split or added on the way.
+    env = first_boot["engine_env"]
+    assert "error" not in env, env
+    pairs = [v.partition("=") for v in env["environ"]]
+    names = [name for name, _, _ in pairs]
+    assert len(names) == len(set(names)), env["environ"]
+    seen = {name: value for name, _, value in pairs}
+    expected = dict(demo_config.engine.env)
+    assert {"HSA_COREDUMP_PATTERN", "STANDIN_SPACED"} <= set(expected)  # the hard cases are configured
+    assert {name: seen.get(name) for name in expected} == expected, env["environ"]
+    image_names = {v.partition("=")[0] for v in env["image_env"]}
+    assert set(names) - set(expected) <= PODMAN_ENV | image_names, env["environ"]
 
 
 def test_smoke_prompt_answers_391_on_the_engine_port(first_boot: dict[str, Any]) -> None:

@@ -43,6 +43,21 @@ def test_v1_installs_v2_from_an_https_url_and_reboots_into_it(boot_b: dict[str, 
     assert _version(boot_b) == V2
 
 
+def test_update_while_v2_is_on_trial_is_refused_and_both_slots_are_unchanged(boot_b: dict[str, Any]) -> None:
+    step = _step(boot_b, "update-on-trial", V2)
+    # it ran while v2 was on trial, before the assessment had started
+    assert step["trial"]["counting"], step["trial"]
+    assert step["trial"]["assess_state"] == "inactive", step["trial"]
+    assert step["exit"] in (1, 2), step
+    lines = step["stderr"].strip().splitlines()
+    assert 1 <= len(lines) <= 2 and "Traceback" not in step["stderr"], step["stderr"]
+    assert len(lines) == 1 or lines[1].startswith("hint: "), step["stderr"]
+    assert "trial" in lines[0] or "judged" in lines[0], step["stderr"]
+    # both /usr slots and their verity partitions (4), and the boot entries
+    assert len(step["slots_before"]) == 5, step["slots_before"]
+    assert step["slots_before"] == step["slots_after"]
+
+
 def test_v2_is_judged_good_blessed_and_v1_kept(boot_b: dict[str, Any]) -> None:
     slots = _slots(boot_b)
     versions = _by_version(boot_b)
