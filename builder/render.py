@@ -86,7 +86,7 @@ def _rendered_name(template: Path) -> Path:
         return QUADLET_DIR / name
     if name.endswith(".preset"):
         return Path("usr/lib/systemd/system-preset") / f"10-{name}"
-    if name == "Caddyfile":
+    if name == "Caddyfile" or name.endswith(".nft"):
         return LIB / name
     return SYSTEMD_DIR / name
 
