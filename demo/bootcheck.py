@@ -494,12 +494,26 @@ def main(args: argparse.Namespace) -> int:
     report["steps"] = outcomes
     _write_report(args.report, report)
     print(report["status_text"])
-    updates = [run_step(version, step, engine_healthy) for step in plan if step["do"] == "update"]
-    if any(u is not None and u["exit"] == 0 for u in updates):
+    # One update per boot: a plan may list several, each installed after the previous one's
+    # boots (and perhaps its rollback) are over.
+    update = next((u for step in plan if step["do"] == "update" for u in [run_step(version, step, engine_healthy)] if u), None)
+    if update is not None and update["exit"] == 0:
         subprocess.run(["systemctl", "--no-block", "reboot"], check=False)  # into the new version
+    elif _unjudged_trial():
+        # The verdict on a version on trial is the appliance's (its assessment, its boot
+        # deadline): powering off here would end the try in the appliance's place.
+        print("this version is on trial and not judged yet: the appliance reboots it (no power-off)", flush=True)
     elif credential("appliance.bootcheck") == "poweroff":
         subprocess.run(["systemctl", "--no-block", "poweroff"], check=False)
     return 0
+
+
+def _unjudged_trial() -> bool:
+    try:
+        trial = _on_trial()
+    except Exception:  # a boot check that cannot tell powers off as before
+        return False
+    return bool(trial["counting"]) and trial["boot_complete"] != "active"
 
 
 def build_parser() -> argparse.ArgumentParser:
