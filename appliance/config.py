@@ -117,7 +117,7 @@ def _one_of(*choices: str) -> Check:
 # Numbers are bounded, so that every accepted value renders into a unit as a plain number that
 # systemd and podman take as it is (no overflow, no exponent, no inf/NaN).
 MAX_INT = 2**31 - 1
-MAX_GIB = 65536.0
+MAX_GIB = 1048576.0  # 1 PiB
 _DECIMAL = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,6})?$")  # ASCII digits only: float() also takes '١٢', '1e3', 'inf'
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from appliance import paths
 from appliance.atomic import write_json_atomic
-from applianctl import config
+from appliance.config import Config, load_device
 
 GIB = 2**30
 PATTERN = "vllm_offload_*.mmap"
@@ -258,7 +258,7 @@ def clean(shm_dir: Path, proc: Path = Path("/proc"), dry_run: bool = False) -> t
 
 
 def check(
-    cfg: dict[str, Any],
+    config: Config,
     shm_dir: Path,
     *,
     proc: Path = Path("/proc"),
@@ -267,10 +267,8 @@ def check(
     dry_run: bool = False,
 ) -> dict[str, Any]:
     """Clean SHM_DIR, then check its room and memory for the offload; the result as SHM_CHECK holds it."""
-    engine = cfg.get("engine", {})
-    offload_gib = float(engine.get("offload_gib") or 0.0)
-    margin_gib = float((engine.get("shm") or {}).get("margin_gib", 8.0))
-    required = int((offload_gib + margin_gib) * GIB)
+    offload_gib, margin_gib = config.engine.offload_gib, config.engine.shm.margin_gib
+    required = config.engine.shm_required_bytes
     mem_before = mem_available_bytes(meminfo())  # read before removal: the freed files add to it
     removed, freed = clean(shm_dir, proc, dry_run)
     usage = statvfs(shm_dir)
@@ -302,7 +300,7 @@ def check(
 
 
 def run(args: argparse.Namespace) -> int:
-    result = check(config.load(), paths.SHM_DIR, dry_run=args.dry_run)
+    result = check(load_device(), paths.SHM_DIR, dry_run=args.dry_run)
     if not args.dry_run:
         write_json_atomic(paths.SHM_CHECK, result)
     if result["ok"]:

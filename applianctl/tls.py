@@ -37,8 +37,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from appliance import paths
 from appliance.atomic import atomic_write
+from appliance.config import load_device
 from appliance.errors import UserError
-from applianctl import config
 
 PROXY_UNIT = "appliance-proxy.service"
 PROXY_GROUP = "caddy"  # Debian's caddy package creates it; appliance-proxy.service runs as caddy
@@ -478,8 +478,8 @@ def describe(tls_dir: Path) -> dict[str, Any]:
 
 
 def _tls_mode() -> tuple[str, str]:
-    proxy = config.load().get("proxy", {})
-    return str(proxy.get("tls", "internal")), str(proxy.get("hostname", ""))
+    proxy = load_device().proxy
+    return proxy.tls, proxy.hostname
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.config import Config, load
 from applianctl import shm
 from standin.testing import ROOT, StandinProcess
 
@@ -55,8 +57,13 @@ def holder() -> Iterator[Callable[[Path, str], subprocess.Popen[str]]]:
         proc.wait()
 
 
-def _cfg(offload_gib: float, margin_gib: float = 8) -> dict[str, object]:
-    return {"engine": {"offload_gib": offload_gib, "shm": {"margin_gib": margin_gib}}}
+def _cfg(offload_gib: float, margin_gib: float = 8) -> Config:
+    """The demo configuration with this KV offload (--kv-offloading-size) and /dev/shm margin."""
+    base = load(ROOT / "appliance.toml", "demo")
+    args = list(base.engine.args)
+    args[args.index("--kv-offloading-size") + 1] = str(offload_gib)
+    engine = dataclasses.replace(base.engine, args=tuple(args), shm=dataclasses.replace(base.engine.shm, margin_gib=float(margin_gib)))
+    return dataclasses.replace(base, engine=engine)
 
 
 def _fs(free_gib: float, size_gib: float = 128) -> Callable[[Path], shm.FsUsage]:
@@ -149,7 +156,7 @@ def test_cli_writes_the_check_and_keeps_a_live_engines_file(shm_dir: Path, tmp_p
     try:
         (live_file,) = set(shm_dir.glob("vllm_offload_*.mmap")) - {leaked}
         config = tmp_path / "appliance.json"
-        config.write_text(json.dumps(_cfg(0.0625, 0.5)))
+        config.write_text(json.dumps(_cfg(0.0625, 0.5).to_json()))
         env = {"APPLIANCE_CONFIG": str(config), "APPLIANCE_SHM_DIR": str(shm_dir),
                "APPLIANCE_RUN_DIR": str(tmp_path / "run")}
         done = _cli(env)
@@ -162,7 +169,7 @@ def test_cli_writes_the_check_and_keeps_a_live_engines_file(shm_dir: Path, tmp_p
         assert set(report) >= {"ok", "reason", "removed", "shm_size_bytes", "shm_used_bytes", "required_bytes"}
         assert not list((tmp_path / "run").glob(".*.tmp"))
 
-        config.write_text(json.dumps(_cfg(1_000_000, 8)))
+        config.write_text(json.dumps(_cfg(1_000_000, 8).to_json()))
         failed = _cli(env)
         assert failed.returncode == 1
         assert len(failed.stderr.strip().splitlines()) == 1 and "1000008.00 GiB" in failed.stderr

@@ -17,11 +17,20 @@ import pytest
 from cryptography import x509
 
 from appliance import paths
+from appliance.config import load
 from appliance.errors import UserError
 from applianctl import __main__ as applianctl_main
 from applianctl import tls
 
 HOST = "appliance.local"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _appliance_json(tls_mode: str, hostname: str) -> str:
+    """The production appliance.json with this proxy TLS mode and host name."""
+    data = load(ROOT / "appliance.toml", "production").to_json()
+    data["proxy"].update(tls=tls_mode, hostname=hostname, acme_email="ops@example.net")
+    return json.dumps(data)
 ADDRS: list[tls.IpAddress] = [
     ipaddress.IPv4Address("127.0.0.1"),
     ipaddress.IPv6Address("::1"),
@@ -290,7 +299,7 @@ def test_host_addresses_include_loopback() -> None:
 def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An appliance.json (internal mode) and a state directory for the real command."""
     cfg = tmp_path / "appliance.json"
-    cfg.write_text(json.dumps({"proxy": {"tls": "internal", "hostname": HOST}}))
+    cfg.write_text(_appliance_json("internal", HOST))
     monkeypatch.setenv("APPLIANCE_CONFIG", str(cfg))
     tls_dir = tmp_path / "state" / "tls"
     monkeypatch.setattr(paths, "TLS_DIR", tls_dir)
@@ -341,7 +350,7 @@ def test_cli_generate_reloads_the_proxy_only_after_a_renewal(device: Path, monke
 
 
 def test_cli_acme_mode_is_a_no_op(tmp_path: Path, device: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "appliance.json").write_text(json.dumps({"proxy": {"tls": "acme", "hostname": "dsv4.example.net"}}))
+    (tmp_path / "appliance.json").write_text(_appliance_json("acme", "dsv4.example.net"))
     assert main(["tls", "generate"]) == 0
     assert "nothing to do" in capsys.readouterr().out
     assert not device.exists()
