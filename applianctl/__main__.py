@@ -32,6 +32,7 @@ COMMAND_MODULES = {
     "update": "applianctl.update",
     "assess": "applianctl.assess",
     "rollback": "applianctl.rollback",
+    "slots": "applianctl.slots_cmd",
 }
 
 

@@ -23,35 +23,33 @@ from applianctl import slots
 def rollback(host: slots.Host | None = None, *, force: bool = False, running_version: str | None = None) -> str:
     host = host or slots.Host()
     running_version = running_version or slots.running_manifest()["version"]
-    found = slots.slots(host, running_version)
-    booted = next((s for s in found if s.booted), None)
-    other = next((s for s in found if not s.booted), None)
+    view = slots.read(host, running_version)
+    booted, other = view.booted, view.other
     if booted is None or other is None:
-        raise UserError("cannot tell the booted slot from the other one", hint="see applianctl status")
+        why = f" ({'; '.join(view.errors)})" if view.errors else ""
+        raise UserError(f"cannot tell the booted slot from the other one{why}", hint="see applianctl slots")
     if other.version is None:
         raise Refused(f"slot {other.name} holds no version ({other.usr.label})", hint="there is nothing to roll back to")
-    by_version = {e.version: e for e in slots.entries(host)}
-    target = by_version.get(other.version)
+    target = view.entry(other.version)
     if target is None:
         raise Refused(
             f"slot {other.name} ({other.version}) has no boot entry", hint="its install was interrupted; install a bundle instead"
         )
-    current = by_version.get(booted.version or running_version)
+    current = view.entry(booted.version or running_version)
     if current is None:
-        raise UserError(f"no boot entry for the running version {running_version}", hint="see ls /efi/EFI/Linux")
-    if target.state == "bad":
+        raise UserError(f"no boot entry for the running version {running_version}", hint="see applianctl slots")
+    if target.state == slots.BAD:
         if not force:
             raise Refused(
                 f"{other.version} (slot {other.name}) used up its tries: it failed its assessment",
                 hint="roll back to it anyway with --force",
             )
-        target.path.rename(target.path.with_name(target.id))
-    if current.state != "bad":
-        current.path.rename(current.path.with_name(f"appliance_{current.version}+0.efi"))
-    assert host.esp is not None
-    state.fsync_dir(host.esp / "EFI" / "Linux")
+        target.path.rename(target.renamed(None))
+    if current.state != slots.BAD:
+        current.path.rename(current.renamed(0))
+    state.fsync_dir(current.path.parent)
     state.write_json_atomic(
-        slots.update_dir() / "last-rollback.json",
+        slots.last_rollback_path(),
         {
             "from_version": running_version,
             "to_version": other.version,

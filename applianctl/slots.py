@@ -1,21 +1,33 @@
-"""The A/B slots as the device sees them: partitions, boot entries, boot counting, update state.
+"""The A/B slots and boot entries as the device sees them: the one model for status, update, assess,
+rollback and `applianctl slots`.
 
-Shared by `applianctl update`, `assess`, `rollback` and the status probe (`slots_summary()`).
+Facts come from the tools that own them:
+- boot entries: `bootctl list --json=short` (id, path, triesLeft/triesDone, isDefault,
+  isSelected); when bootctl cannot say (not installed, no ESP found, older systemd), the ESP's
+  EFI/Linux is read instead, and `View.entries_source` says which;
+- this boot: the EFI variables systemd-boot sets (LoaderEntrySelected, LoaderBootCountPath);
+- the slots: the GPT of the disk behind /usr (`sfdisk -J`: type, label, UUID, size); the booted
+  slot by the usrhash= on the kernel command line (its partition UUID);
+- optionally `systemd-sysupdate list --json=short` (the versions sysupdate sees installed).
 
 Everything read from the machine comes through `Host`, so tests point it at a temporary tree and
-a fake `sfdisk`; on the device the defaults apply. Environment variables move each default, so
-the commands can be driven from a test VM too:
+fake programs; on the device the defaults apply. Environment variables move each default:
 
     APPLIANCE_EFIVARS_DIR   /sys/firmware/efi/efivars
     APPLIANCE_CMDLINE       /proc/cmdline
     APPLIANCE_ESP_DIR       the ESP's mount point (default: the first of /efi, /boot, /boot/efi with EFI/Linux)
     APPLIANCE_DISK          the disk behind /usr (default: findmnt + lsblk)
     APPLIANCE_SFDISK        the sfdisk program (default: sfdisk)
+    APPLIANCE_BOOTCTL       the bootctl program (default: bootctl)
 
 Slot A is the lower-numbered /usr partition on the disk, slot B the other; each carries its
 verity partition. A slot's version is its GPT label (`appliance_VERSION`, written by mkosi for A
 and by systemd-sysupdate for B); `_empty` is a slot that holds no version (fresh, or being written).
-Boot entries are unified kernel images `EFI/Linux/appliance_VERSION[+LEFT[-DONE]].efi` on the ESP.
+Boot entries are unified kernel images `EFI/Linux/appliance_VERSION[+LEFT[-DONE]].efi`.
+
+A version is judged by its entry's name: no counter = good (never counted, or blessed by
+systemd-bless-boot after boot-complete.target); `+LEFT[-DONE]` with LEFT > 0 = on trial;
+`+0[-DONE]` = bad (used up its tries, or marked so by a rollback).
 """
 
 from __future__ import annotations
@@ -28,19 +40,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from applianctl import manifest, paths
-from applianctl.errors import UserError
+from appliance import manifest, paths
+from appliance.bundle import USR_TYPE, USR_VERITY_TYPE, partuuids_from_usrhash
+from appliance.errors import UserError
+from appliance.run import run
 
 EFI_LOADER_GUID = "4a67b082-0a4c-41cf-b6c7-440b29bb8c4f"
-# GPT partition types (x86-64): /usr and its dm-verity hash partition.
-USR_TYPE = "8484680C-9521-48C6-9C11-B0720656F69E"
-USR_VERITY_TYPE = "77FF5F63-E7B6-4633-ACF4-1565B864C0E6"
+BOOTCTL_TIMEOUT_S = 10.0
 
-IMAGE_ID = "appliance"
-_LABEL = re.compile(r"^appliance_([0-9]+(?:\.[0-9]+){0,3})$")
-_VERITY_LABEL = re.compile(r"^appliance_([0-9]+(?:\.[0-9]+){0,3})_verity$")
-_ENTRY = re.compile(r"^appliance_([0-9]+(?:\.[0-9]+){0,3})(?:\+([0-9]+)(?:-([0-9]+))?)?\.efi$")
+_V = r"[0-9]{1,9}(?:\.[0-9]{1,9}){0,3}"
+_LABEL = re.compile(rf"^appliance_({_V})$")
+_VERITY_LABEL = re.compile(rf"^appliance_({_V})_verity$")
+_ENTRY = re.compile(rf"^appliance_({_V})(?:\+([0-9]{{1,4}})(?:-([0-9]{{1,4}}))?)?\.efi$")
 _COUNTED = re.compile(r"\+([0-9]+)(?:-([0-9]+))?(?:\.(?:conf|efi))?$")
+
+GOOD, ON_TRIAL, BAD = "good", "on trial", "bad"
+
 
 # Persistent update state on /var, under paths.STATE_DIR (read at each call, so tests can move it).
 def update_dir() -> Path:
@@ -64,6 +79,11 @@ def last_update_path() -> Path:
 def last_assessment_path() -> Path:
     return update_dir() / "last-assessment.json"
 
+
+def last_rollback_path() -> Path:
+    return update_dir() / "last-rollback.json"
+
+
 def _env_path(name: str, default: str) -> Path:
     return Path(os.environ.get(f"APPLIANCE_{name}", default))
 
@@ -86,23 +106,10 @@ class Host:
     esp: Path | None = field(default_factory=_default_esp)
     disk: str | None = field(default_factory=lambda: os.environ.get("APPLIANCE_DISK"))
     sfdisk: str = field(default_factory=lambda: os.environ.get("APPLIANCE_SFDISK", "sfdisk"))
+    bootctl: str = field(default_factory=lambda: os.environ.get("APPLIANCE_BOOTCTL", "bootctl"))
 
 
 # ----------------------------------------------------------------------------------- helpers
-
-
-def run(argv: list[str], what: str, hint: str, timeout: float | None = 60.0) -> str:
-    """Run ARGV; its standard output, or a one-line UserError naming WHAT."""
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise UserError(f"{what}: {argv[0]} is not installed", hint=hint) from None
-    except subprocess.TimeoutExpired:
-        raise UserError(f"{what}: {argv[0]} did not finish within {timeout:g} s", hint=hint) from None
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-        raise UserError(f"{what} failed: {last}", hint=hint)
-    return proc.stdout
 
 
 def read_efi_string(path: Path) -> str:
@@ -115,18 +122,6 @@ def efi_var(host: Host, name: str) -> str | None:
         return read_efi_string(host.efivars / f"{name}-{EFI_LOADER_GUID}")
     except (OSError, UnicodeDecodeError):
         return None
-
-
-def partuuids_from_usrhash(usrhash: str) -> tuple[str, str]:
-    """systemd's convention (repart, gpt-auto): the /usr partition's UUID is the first 128 bits of
-    the dm-verity root hash, the hash partition's UUID the last 128 bits."""
-    if not re.fullmatch(r"[0-9a-f]{64}", usrhash):
-        raise ValueError(f"not a SHA-256 root hash: {usrhash!r}")
-
-    def fmt(h: str) -> str:
-        return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
-
-    return fmt(usrhash[:32]), fmt(usrhash[32:])
 
 
 def booted_usrhash(host: Host) -> str | None:
@@ -252,6 +247,8 @@ class Entry:
     version: str
     tries_left: int | None  # None: not counting (judged good, or never counted)
     tries_done: int | None
+    is_default: bool | None = None  # from bootctl; None when it could not tell
+    is_selected: bool | None = None
 
     @property
     def id(self) -> str:
@@ -261,8 +258,13 @@ class Entry:
     @property
     def state(self) -> str:
         if self.tries_left is None:
-            return "good"
-        return "bad" if self.tries_left == 0 else "on trial"
+            return GOOD
+        return BAD if self.tries_left == 0 else ON_TRIAL
+
+    def renamed(self, tries_left: int | None) -> Path:
+        """This entry's path with the counter +TRIES_LEFT (None: no counter, judged good)."""
+        suffix = "" if tries_left is None else f"+{tries_left}"
+        return self.path.with_name(f"appliance_{self.version}{suffix}.efi")
 
 
 def parse_entry(path: Path) -> Entry | None:
@@ -274,16 +276,64 @@ def parse_entry(path: Path) -> Entry | None:
     return Entry(path, m.group(1), left, done)
 
 
-def entries(host: Host) -> list[Entry]:
-    """The appliance's unified kernel images on the ESP, newest version first."""
+def _scan_entries(host: Host) -> list[Entry]:
     if host.esp is None:
         return []
     try:
         files = list((host.esp / "EFI" / "Linux").iterdir())
     except OSError:
         return []
-    found = [e for f in files if (e := parse_entry(f)) is not None]
-    return sorted(found, key=lambda e: manifest.version_tuple(e.version), reverse=True)
+    return [e for f in files if (e := parse_entry(f)) is not None]
+
+
+def parse_bootctl_list(text: str) -> list[Entry]:
+    """The appliance's entries in `bootctl list --json=short` (systemd 257: an array of objects
+    with type, id, path, triesLeft/triesDone when counting, isDefault, isSelected). The file
+    name in "path" is authoritative for version and counter; bootctl's id drops the counter."""
+    data = json.loads(text)
+    if not isinstance(data, list):
+        raise ValueError("not a JSON array")
+    out = []
+    for item in data:
+        if not isinstance(item, dict) or item.get("type") != "type2" or not isinstance(item.get("path"), str):
+            continue
+        entry = parse_entry(Path(item["path"]))
+        if entry is None:
+            continue
+        left, done = item.get("triesLeft"), item.get("triesDone")
+        if (left is None) != (entry.tries_left is None) or (isinstance(left, int) and left != entry.tries_left):
+            raise ValueError(f"{item['path']}: triesLeft {left!r} disagrees with the file name")
+        out.append(
+            Entry(
+                entry.path,
+                entry.version,
+                entry.tries_left,
+                done if isinstance(done, int) else entry.tries_done,
+                is_default=item.get("isDefault") if isinstance(item.get("isDefault"), bool) else None,
+                is_selected=item.get("isSelected") if isinstance(item.get("isSelected"), bool) else None,
+            )
+        )
+    return out
+
+
+def read_entries(host: Host) -> tuple[list[Entry], str]:
+    """The appliance's boot entries, newest version first, and where they were read from."""
+    argv = [host.bootctl, "--no-pager", "list", "--json=short"]
+    if host.esp is not None:
+        argv.append(f"--esp-path={host.esp}")
+    source = "bootctl"
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=BOOTCTL_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL)
+        if proc.returncode != 0:
+            raise OSError((proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1])
+        found = parse_bootctl_list(proc.stdout)
+    except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+        found, source = _scan_entries(host), f"ESP scan (bootctl: {str(e)[:120] or type(e).__name__})"
+    return sorted(found, key=lambda e: manifest.version_tuple(e.version), reverse=True), source
+
+
+def entries(host: Host) -> list[Entry]:
+    return read_entries(host)[0]
 
 
 def booted_entry(host: Host) -> str | None:
@@ -291,9 +341,9 @@ def booted_entry(host: Host) -> str | None:
 
 
 def boot_counting(host: Host) -> dict[str, Any] | None:
-    """The boot-counting state of this boot, or None when the booted entry is not counted (it was
-    judged good already, or never was on trial). systemd-boot sets LoaderBootCountPath when it
-    boots a counted entry; the entry's name carries +LEFT[-DONE] too."""
+    """Whether THIS boot was counted, from the EFI variables systemd-boot set at boot (they do not
+    change when systemd-bless-boot renames the file later in the same boot: for "judged yet?",
+    ask View.running_state()). None when the booted entry was not counted."""
     count_path = efi_var(host, "LoaderBootCountPath")
     selected = booted_entry(host)
     for name in (count_path, selected):
@@ -307,13 +357,120 @@ def boot_counting(host: Host) -> dict[str, Any] | None:
     return None
 
 
-# ----------------------------------------------------------------------------------- summary
+# ----------------------------------------------------------------------------------- sysupdate
 
 
-def slots_summary(host: Host | None = None, running_version: str | None = None) -> dict[str, Any]:
-    """What `applianctl status` shows about upgrades: both slots with their versions and boot
-    entries, which is booted, tries left, the last update and whether it was rolled back and why.
-    Never raises: a part that cannot be read is reported in "errors"."""
+def sysupdate_list(program: str | None = None) -> dict[str, Any]:
+    """`systemd-sysupdate list --json=short` (systemd 257: {"current": V, "all": [V...],
+    "appstreamUrls": [...]}, "current+pending" instead of "current" while a version is pending)."""
+    import shutil
+
+    argv = [program or shutil.which("systemd-sysupdate") or "/usr/lib/systemd/systemd-sysupdate", "--no-pager", "list", "--json=short"]
+    out = run(argv, "systemd-sysupdate list", "see journalctl -t systemd-sysupdate", timeout=30.0)
+    try:
+        data = json.loads(out)
+    except ValueError as e:
+        raise UserError(f"systemd-sysupdate list: not JSON ({e})", hint="systemd 257 or newer is needed") from None
+    if not isinstance(data, dict):
+        raise UserError("systemd-sysupdate list: not a JSON object", hint="systemd 257 or newer is needed")
+    current = data.get("current", data.get("current+pending"))
+    return {"current": current, "pending": "current+pending" in data, "all": [str(v) for v in data.get("all") or []]}
+
+
+# ----------------------------------------------------------------------------------- the view
+
+
+@dataclass
+class View:
+    """Both slots, the boot entries and this boot, read once."""
+
+    running_version: str | None
+    slots: list[Slot]
+    entries: list[Entry]
+    entries_source: str
+    booted_entry: str | None
+    counting: dict[str, Any] | None
+    errors: list[str] = field(default_factory=list)
+    sysupdate: dict[str, Any] | None = None
+
+    def entry(self, version: str | None) -> Entry | None:
+        return next((e for e in self.entries if e.version == version), None) if version else None
+
+    @property
+    def booted(self) -> Slot | None:
+        return next((s for s in self.slots if s.booted), None)
+
+    @property
+    def other(self) -> Slot | None:
+        return next((s for s in self.slots if not s.booted), None) if len(self.slots) == 2 and self.booted else None
+
+    def running_entry(self) -> Entry | None:
+        """The entry booted now: bootctl's isSelected, else the running version's."""
+        selected = [e for e in self.entries if e.is_selected]
+        if len(selected) == 1 and (self.running_version is None or selected[0].version == self.running_version):
+            return selected[0]
+        return self.entry(self.running_version)
+
+    def running_state(self) -> tuple[str, str]:
+        """(GOOD | ON_TRIAL | BAD | "unknown", one line why) for the running version, from its
+        entry's name as it is NOW (systemd-bless-boot drops the counter once it is judged good)."""
+        entry = self.running_entry()
+        if entry is None:
+            return "unknown", f"no boot entry for the running version {self.running_version} ({self.entries_source})"
+        if entry.state == ON_TRIAL:
+            return ON_TRIAL, f"{entry.path.name}: {entry.tries_left} tries left, not yet judged by its boot assessment"
+        if entry.state == BAD:
+            return BAD, f"{entry.path.name}: out of tries (failed its assessment or was rolled back)"
+        return GOOD, f"{entry.path.name}: judged good"
+
+    def slot_state(self, slot: Slot) -> str:
+        entry = self.entry(slot.version)
+        if slot.version is None:
+            return "empty" if slot.usr.label == "_empty" else f"unknown label {slot.usr.label!r}"
+        if entry is None:
+            return "no boot entry"
+        return entry.state
+
+    def to_json(self) -> dict[str, Any]:
+        state, why = self.running_state()
+        out_slots = []
+        for slot in self.slots:
+            entry = self.entry(slot.version)
+            out_slots.append(
+                {
+                    "slot": slot.name,
+                    "partition": slot.usr.node,
+                    "label": slot.usr.label,
+                    "version": slot.version,
+                    "booted": slot.booted,
+                    "entry": entry.path.name if entry else None,
+                    "tries_left": entry.tries_left if entry else None,
+                    "tries_done": entry.tries_done if entry else None,
+                    "default": entry.is_default if entry else None,
+                    "state": self.slot_state(slot),
+                }
+            )
+        return {
+            "running_version": self.running_version,
+            "running_state": state,
+            "running_state_reason": why,
+            "booted_slot": self.booted.name if self.booted else None,
+            "booted_entry": self.booted_entry,
+            "boot_counting": self.counting,
+            "slots": out_slots,
+            "entries": [
+                {"path": str(e.path), "version": e.version, "state": e.state, "tries_left": e.tries_left, "tries_done": e.tries_done,
+                 "default": e.is_default, "selected": e.is_selected}
+                for e in self.entries
+            ],
+            "entries_source": self.entries_source,
+            "sysupdate": self.sysupdate,
+            "errors": self.errors,
+        }
+
+
+def read(host: Host | None = None, running_version: str | None = None, *, with_sysupdate: bool = False) -> View:
+    """Everything about the slots, read once. Never raises: what cannot be read is in .errors."""
     host = host or Host()
     errors: list[str] = []
     if running_version is None:
@@ -326,30 +483,25 @@ def slots_summary(host: Host | None = None, running_version: str | None = None) 
         found = slots(host, running_version)
     except UserError as e:
         errors.append(e.message)
-    by_version = {e.version: e for e in entries(host)}
-    out_slots = []
-    for slot in found:
-        entry = by_version.get(slot.version or "")
-        if slot.version is None:
-            state = "empty" if slot.usr.label == "_empty" else f"unknown label {slot.usr.label!r}"
-        elif entry is None:
-            state = "no boot entry"
-        else:
-            state = entry.state
-        out_slots.append(
-            {
-                "slot": slot.name,
-                "partition": slot.usr.node,
-                "label": slot.usr.label,
-                "version": slot.version,
-                "booted": slot.booted,
-                "entry": entry.path.name if entry else None,
-                "tries_left": entry.tries_left if entry else None,
-                "tries_done": entry.tries_done if entry else None,
-                "state": state,
-            }
-        )
-    counting = boot_counting(host)
+    listed, source = read_entries(host)
+    view = View(running_version, found, listed, source, booted_entry(host), boot_counting(host), errors)
+    if with_sysupdate:
+        try:
+            view.sysupdate = sysupdate_list()
+        except UserError as e:
+            view.sysupdate = {"error": e.message}
+    return view
+
+
+# ----------------------------------------------------------------------------------- summary
+
+
+def slots_summary(host: Host | None = None, running_version: str | None = None) -> dict[str, Any]:
+    """What `applianctl status` shows about upgrades: View.to_json() plus the last update,
+    assessment and rollback, and whether the last update was rolled back and why."""
+    view = read(host, running_version)
+    out = view.to_json()
+    running_version = view.running_version
     last_update = read_json(last_update_path())
     last_assessment = read_json(last_assessment_path())
     rolled_back = False
@@ -357,20 +509,16 @@ def slots_summary(host: Host | None = None, running_version: str | None = None) 
     if last_assessment and last_assessment.get("ok") is False and last_assessment.get("version") != running_version:
         rolled_back, reason = True, str(last_assessment.get("reason") or "assessment failed")
     elif last_update and last_update.get("version") not in (None, running_version):
-        bad = by_version.get(str(last_update.get("version")))
-        if bad is not None and bad.state == "bad":
+        bad = view.entry(str(last_update.get("version")))
+        if bad is not None and bad.state == BAD:
             rolled_back, reason = True, f"rolled back: {bad.path.name} used up its tries without being judged good"
-    booted = next((s["slot"] for s in out_slots if s["booted"]), None)
-    return {
-        "running_version": running_version,
-        "booted_slot": booted,
-        "booted_entry": booted_entry(host),
-        "boot_counting": counting,
-        "slots": out_slots,
-        "last_update": last_update,
-        "last_assessment": last_assessment,
-        "rolled_back": rolled_back,
-        "rollback_reason": reason,
-        "last_rollback": read_json(update_dir() / "last-rollback.json"),
-        "errors": errors,
-    }
+    out.update(
+        {
+            "last_update": last_update,
+            "last_assessment": last_assessment,
+            "rolled_back": rolled_back,
+            "rollback_reason": reason,
+            "last_rollback": read_json(last_rollback_path()),
+        }
+    )
+    return out

@@ -1,6 +1,8 @@
 """`applianctl update` and `rollback` against a fake device: a temporary ESP, EFI variables and
-kernel command line, a fake `sfdisk -J` with two /usr slots, and fakes of systemd-sysupdate,
-bootctl and systemctl on PATH that only record how they were called."""
+kernel command line, a fake `sfdisk -J` with two /usr slots, systemd 257's `bootctl list
+--json=short` over that ESP (fake_bootctl.py), and fakes of systemd-sysupdate, bootctl's other
+verbs and systemctl on PATH that only record how they were called. Downloads come from a real
+HTTPS server on loopback with a CA made for the test."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import configparser
 import http.server
 import json
 import os
+import ssl
 import stat
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,16 +20,20 @@ from typing import Any
 
 import pytest
 from fake_release import bundle, demo_config, fake_build, make_signing, usrhash_for
+from test_update_fetch import make_ca, make_server_cert
 
 from appliance import atomic as state
 from appliance import paths
-from appliance.errors import UserError
-from applianctl import rollback, slots
+from appliance.bundle import source_names
+from appliance.errors import Refused, UserError
+from applianctl import rollback, slots, update_fetch
 from applianctl import update as up
 from builder import release as rel
 
 GIB = 1024**3
 TRANSFERS = Path(__file__).resolve().parents[1] / "image/mkosi.extra/usr/lib/sysupdate.d"
+
+BOOTCTL = Path(__file__).resolve().parent / "fake_bootctl.py"
 
 FAKE = """#!/bin/sh
 name=$(basename "$0")
@@ -48,9 +56,13 @@ class Device:
         self.gpt = root / "gpt.json"
         bin_dir = root / "bin"
         bin_dir.mkdir()
-        for name in ("systemd-sysupdate", "bootctl", "systemctl", "sfdisk", "blkdiscard"):
+        for name in ("systemd-sysupdate", "systemctl", "sfdisk", "blkdiscard"):
             (bin_dir / name).write_text(FAKE)
             (bin_dir / name).chmod(0o755)
+        # bootctl: systemd 257's `list --json=short` over this ESP; other verbs only recorded
+        (bin_dir / "bootctl").write_text(f'#!/bin/sh\nexec {sys.executable} {BOOTCTL} "$@"\n')
+        (bin_dir / "bootctl").chmod(0o755)
+        monkeypatch.setenv("FAKE_EFIVARS", str(root / "efivars"))
         monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
         monkeypatch.setenv("FAKE_LOG", str(self.log))
         monkeypatch.setenv("FAKE_GPT", str(self.gpt))
@@ -79,10 +91,15 @@ class Device:
         self.gpt.write_text(json.dumps({"partitiontable": {"label": "gpt", "sectorsize": 512, "partitions": parts}}))
 
     def calls(self, program: str | None = None) -> list[str]:
+        """Every recorded call except bootctl's reads (`bootctl --no-pager list ...`)."""
         if not self.log.exists():
             return []
-        lines = self.log.read_text().splitlines()
+        lines = [line for line in self.log.read_text().splitlines() if not line.startswith("bootctl --no-pager list")]
         return [line for line in lines if program is None or line.startswith(program + " ") or line.startswith("  ")]
+
+    def writes(self) -> list[str]:
+        """The calls that change something (all but reading the partition table)."""
+        return [c for c in self.calls() if not c.startswith("sfdisk -J")]
 
     def sysupdate_calls(self) -> list[str]:
         return [line for line in self.calls() if line.startswith("systemd-sysupdate")]
@@ -121,7 +138,7 @@ def test_update_from_directory_writes_the_inactive_slot_through_sysupdate(tmp_pa
     assert calls[sysupdate[0]] == "systemd-sysupdate --no-pager update 2.0.0"
     listed = sorted(c.removeprefix("  source: ") for c in calls if c.startswith("  source: "))
     assert listed == sorted(["appliance_2.0.0.efi", f"appliance_2.0.0_{usr_uuid}.usr.raw", f"appliance_2.0.0_{verity_uuid}.usr-verity.raw"])
-    assert not any(c.startswith("systemctl") or c.startswith("bootctl") for c in calls)  # no reboot asked, not a downgrade
+    assert not any(c.startswith(("systemctl", "bootctl")) for c in calls)  # no reboot asked, not a downgrade
     last = json.loads(slots.last_update_path().read_text())
     assert last["version"] == "2.0.0" and last["slot"] == "B" and last["downgrade"] is False
     assert not slots.source_dir().exists()  # cleaned after the write
@@ -147,7 +164,7 @@ def test_a_new_engine_image_is_refused_before_any_download(tmp_path: Path, devic
 
 
 def _refused(device: Device, source: str, trusted: Path, match: str, **kw: Any) -> None:
-    with pytest.raises(up.Refused, match=match) as e:
+    with pytest.raises(Refused, match=match) as e:
         run_update(device, source, trusted, **kw)
     assert e.value.exit_status == 1
     assert device.sysupdate_calls() == [], "nothing may be written when verification fails"
@@ -206,6 +223,7 @@ def test_min_version_is_enforced(tmp_path: Path, device: Device, signing: Any) -
     key, trusted = signing
     b = bundle(tmp_path, key, "3.0.0", min_version="2.0.0")
     _refused(device, str(b), trusted, "only be installed over 2.0.0")
+    (device.esp / "EFI/Linux/appliance_1.0.0.efi").rename(device.esp / "EFI/Linux/appliance_2.0.0.efi")  # now running 2.0.0
     assert run_update(device, str(b), trusted, running={**RUNNING, "version": "2.0.0"}) == 0
 
 
@@ -292,7 +310,7 @@ def test_an_installed_version_is_not_written_twice(tmp_path: Path, device: Devic
 
 
 class _Server:
-    """A static file server on loopback with HTTP Range support; `cut` files are sent only
+    """A static HTTPS file server on loopback with HTTP Range support; `cut` files are sent only
     halfway on a request without a Range header (the connection drops mid-file)."""
 
     def __init__(self, root: Path) -> None:
@@ -329,7 +347,12 @@ class _Server:
                 self.wfile.write(data[start:])
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/bundle/"
+        ca_key, ca, self.ca = make_ca(root, "update-test-ca")
+        crt, key = make_server_cert(root, ca_key, ca)
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(crt, key)
+        self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
+        self.url = f"https://127.0.0.1:{self.httpd.server_address[1]}/bundle/"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
@@ -354,16 +377,16 @@ def test_a_download_interrupted_mid_file_is_resumed_with_a_range_request(
     usr = "appliance_2.0.0.usr.raw"
     server.cut.add(usr)
     # first run: only one attempt, the connection drops halfway: the update stops, the part stays
-    monkeypatch.setattr(up, "FETCH_ATTEMPTS", 1)
+    monkeypatch.setattr(update_fetch, "FETCH_ATTEMPTS", 1)
     with pytest.raises(UserError, match="download"):
-        run_update(device, server.url, trusted)
+        run_update(device, server.url, trusted, ca=str(server.ca))
     part = slots.staging_dir() / "2.0.0" / (usr + ".part")
     half = (b / usr).stat().st_size // 2
     assert part.stat().st_size == half
     assert device.sysupdate_calls() == []
     # second run: resumes from the half with Range, does not fetch the first half again
     server.requests.clear()
-    assert run_update(device, server.url, trusted) == 0
+    assert run_update(device, server.url, trusted, ca=str(server.ca)) == 0
     assert (usr, f"bytes={half}-") in server.requests
     assert (usr, None) not in server.requests
     assert len(device.sysupdate_calls()) == 1
@@ -374,7 +397,7 @@ def test_a_drop_mid_file_is_retried_within_one_run(tmp_path: Path, device: Devic
     b = bundle(tmp_path, key, "2.0.0", usr_bytes=300_000)
     server.root = b
     server.cut.add("appliance_2.0.0.usr.raw")
-    assert run_update(device, server.url, trusted) == 0
+    assert run_update(device, server.url, trusted, ca=str(server.ca)) == 0
     ranges = [r for n, r in server.requests if n == "appliance_2.0.0.usr.raw"]
     assert ranges[0] is None and ranges[1] is not None and ranges[1].startswith("bytes=")
 
@@ -385,7 +408,7 @@ def test_a_tampered_file_on_the_server_is_refused(tmp_path: Path, device: Device
     efi = b / "appliance_2.0.0.efi"
     efi.write_bytes(efi.read_bytes()[:-1] + b"X")
     server.root = b
-    _refused(device, server.url, trusted, "SHA-256")
+    _refused(device, server.url, trusted, "SHA-256", ca=str(server.ca))
 
 
 # ----------------------------------------------------------------------------------- transfer definitions
@@ -422,7 +445,7 @@ def test_transfer_definitions_parse_and_match_what_update_stages(tmp_path: Path,
     # the staged names match the source patterns (@v -> version, @u -> a UUID)
     b = bundle(tmp_path, key, "2.0.0")
     index = up.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
-    staged = set(up.source_names(index).values())
+    staged = set(source_names(index).values())
     for t in (usr, verity, uki):
         glob = t["Source"]["MatchPattern"].replace("@v", "2.0.0").replace("@u", "*")
         assert len([n for n in staged if fnmatch.fnmatch(n, glob)]) == 1, glob
@@ -443,7 +466,7 @@ def test_slots_summary_and_rollback(device: Device) -> None:
     assert summary["slots"][1]["tries_left"] == 0
     assert summary["rolled_back"] is True and "not healthy" in summary["rollback_reason"]
     # the other slot failed its assessment: refused without --force
-    with pytest.raises(up.Refused, match="used up its tries"):
+    with pytest.raises(Refused, match="used up its tries"):
         rollback.rollback(device.host, running_version="1.0.0")
     message = rollback.rollback(device.host, running_version="1.0.0", force=True)
     assert "slot B (2.0.0) boots next" in message
@@ -452,7 +475,7 @@ def test_slots_summary_and_rollback(device: Device) -> None:
 
 
 def test_rollback_to_an_empty_slot_is_refused(device: Device) -> None:
-    with pytest.raises(up.Refused, match="holds no version"):
+    with pytest.raises(Refused, match="holds no version"):
         rollback.rollback(device.host, running_version="1.0.0")
 
 
@@ -471,3 +494,151 @@ def test_cli_registry_has_the_commands() -> None:
         assert command in COMMAND_MODULES
         build_parser(command)
     assert stat.S_IMODE(0o755) == 0o755
+
+
+# ----------------------------------------------------------------------------------- the invariant: never while on trial
+
+
+def _on_trial(device: Device) -> None:
+    """Slot A runs 1.0.0 on trial (2 tries left, one used); slot B holds 0.9.0, judged good."""
+    device.set_gpt("appliance_1.0.0", "appliance_0.9.0")
+    (device.esp / "EFI/Linux/appliance_1.0.0.efi").rename(device.esp / "EFI/Linux/appliance_1.0.0+2-1.efi")
+    (device.esp / "EFI/Linux/appliance_0.9.0.efi").write_bytes(b"uki 0.9")
+    efi_var(device.host.efivars, "LoaderEntrySelected", "appliance_1.0.0.efi")
+    efi_var(device.host.efivars, "LoaderBootCountPath", "\\EFI\\Linux\\appliance_1.0.0+2-1.efi")
+
+
+def _esp(device: Device) -> list[str]:
+    return sorted(p.name for p in (device.esp / "EFI/Linux").iterdir())
+
+
+def test_an_update_during_a_trial_is_refused_and_both_slots_are_unchanged(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    _on_trial(device)
+    gpt, esp = device.gpt.read_text(), _esp(device)
+    with pytest.raises(UserError, match=r"^refused: the running version 1\.0\.0 is on trial") as e:
+        run_update(device, str(b), trusted)
+    assert e.value.exit_status == 2 and "\n" not in e.value.message and e.value.hint
+    assert "slot B may hold the only version known to be good" in e.value.message
+    assert device.writes() == [], "nothing written: no blkdiscard, no relabel, no sysupdate, no bootctl verb"
+    assert _esp(device) == esp and device.gpt.read_text() == gpt
+    assert not slots.staging_dir().exists(), "refused before anything was downloaded"
+
+
+def test_once_blessed_the_same_boot_may_update(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    _on_trial(device)
+    # systemd-bless-boot drops the counter; the EFI variables still say this boot was counted
+    (device.esp / "EFI/Linux/appliance_1.0.0+2-1.efi").rename(device.esp / "EFI/Linux/appliance_1.0.0.efi")
+    assert slots.boot_counting(device.host) is not None
+    assert run_update(device, str(b), trusted) == 0
+    assert len(device.sysupdate_calls()) == 1
+
+
+def test_an_update_while_the_running_version_is_marked_bad_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    _on_trial(device)
+    (device.esp / "EFI/Linux/appliance_1.0.0+2-1.efi").rename(device.esp / "EFI/Linux/appliance_1.0.0+0-3.efi")  # e.g. rolled back
+    with pytest.raises(UserError, match=r"is marked bad .*slot B holds the version to fall back to"):
+        run_update(device, str(b), trusted)
+    assert device.writes() == []
+
+
+def test_an_update_without_an_entry_for_the_running_version_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    (device.esp / "EFI/Linux/appliance_1.0.0.efi").unlink()
+    with pytest.raises(UserError, match="cannot tell whether the running version is judged good"):
+        run_update(device, str(b), trusted)
+    assert device.writes() == []
+
+
+def _cli(
+    argv: list[str], device: Device, trusted: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str, str]:
+    from applianctl.__main__ import main
+
+    monkeypatch.setattr(slots, "running_manifest", lambda: RUNNING)
+    monkeypatch.setattr(paths, "TRUSTED_KEYS_DIR", trusted)
+    monkeypatch.setenv("APPLIANCE_ESP_DIR", str(device.esp))
+    monkeypatch.setenv("APPLIANCE_EFIVARS_DIR", str(device.host.efivars))
+    monkeypatch.setenv("APPLIANCE_CMDLINE", str(device.cmdline))
+    monkeypatch.setenv("APPLIANCE_DISK", "/dev/vda")
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_command_and_the_timer_refuse_in_one_line_during_a_trial(
+    tmp_path: Path, device: Device, signing: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    _on_trial(device)
+    code, out, err = _cli(["update", str(b), "--yes"], device, trusted, monkeypatch, capsys)
+    assert code == 2 and out == ""
+    lines = err.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("hint: ")
+    assert lines[0].startswith("applianctl: refused: the running version 1.0.0 is on trial")
+    config = tmp_path / "appliance.json"
+    config.write_text(json.dumps({"update": {"url": str(b)}}))
+    monkeypatch.setenv("APPLIANCE_CONFIG", str(config))
+    code, _, err = _cli(["update", "--from-config", "--yes"], device, trusted, monkeypatch, capsys)
+    assert code == 2 and "is on trial" in err
+    assert device.writes() == []
+
+
+def test_check_says_what_would_be_installed_and_writes_nothing(
+    tmp_path: Path, device: Device, signing: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    code, out, err = _cli(["update", "--check", str(b), "--json"], device, trusted, monkeypatch, capsys)
+    assert code == 0, err
+    plan = json.loads(out)
+    summary = (plan["version"], plan["running_version"], plan["slot"], plan["downgrade"], plan["blocked"])
+    assert summary == ("2.0.0", "1.0.0", "B", False, None)
+    assert plan["download_bytes"] == sum(f.stat().st_size for f in b.iterdir() if not f.name.startswith("bundle.json"))
+    assert not (device.root / "state").exists() and device.writes() == []
+    code, out, err = _cli(["update", "--check", str(b)], device, trusted, monkeypatch, capsys)
+    assert code == 0 and out.startswith("would install 2.0.0 over 1.0.0 (upgrade) into slot B")
+    _on_trial(device)
+    code, out, err = _cli(["update", "--check", str(b), "--json"], device, trusted, monkeypatch, capsys)
+    assert code == 2 and "is on trial" in json.loads(out)["blocked"]
+    assert not (device.root / "state").exists() and device.writes() == []
+
+
+def test_not_enough_free_space_is_refused_before_downloading(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0", usr_bytes=300_000)
+    staging = slots.staging_dir()
+    staging.mkdir(parents=True)
+    free = update_stage_free(staging)
+    with pytest.raises(UserError, match="MiB free, the bundle needs") as e:
+        run_update(device, str(b), trusted, space_margin=free)  # the bundle itself does not fit beside the margin
+    assert "plus a margin" in e.value.message and e.value.exit_status == 2
+    assert not list(staging.rglob("*.part")) and not list(staging.rglob("*.raw"))
+    assert device.sysupdate_calls() == []
+    assert run_update(device, str(b), trusted, space_margin=0) == 0
+
+
+def update_stage_free(path: Path) -> int:
+    from applianctl import update_stage
+
+    return update_stage.free_bytes(path)
+
+
+def test_a_version_with_leading_zeros_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
+    from appliance import manifest
+
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    index = json.loads((b / "bundle.json").read_text())
+    index["min_version"] = "01.0"
+    data = manifest.canonical(index)
+    (b / "bundle.json").write_bytes(data)
+    (b / "bundle.json.sig").write_bytes(manifest.encode_signature(manifest.load_private_key(key).sign(data)))
+    _refused(device, str(b), trusted, "no leading zeros")

@@ -29,7 +29,7 @@ from applianctl import update_fetch as uf
 LIMIT = 1 << 16
 
 
-def _ca(directory: Path, name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate, Path]:
+def make_ca(directory: Path, name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.datetime.now(datetime.UTC)
@@ -47,7 +47,7 @@ def _ca(directory: Path, name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Ce
     return key, cert, path
 
 
-def _server_cert(directory: Path, ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate) -> tuple[Path, Path]:
+def make_server_cert(directory: Path, ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
     cert = (
@@ -128,9 +128,9 @@ def redirect(location: str) -> Behaviour:
 
 @pytest.fixture
 def pki(tmp_path: Path) -> dict[str, Path]:
-    key, ca, ca_path = _ca(tmp_path, "update-ca")
-    _, _, other = _ca(tmp_path, "other-ca")
-    crt, pem = _server_cert(tmp_path, key, ca)
+    key, ca, ca_path = make_ca(tmp_path, "update-ca")
+    _, _, other = make_ca(tmp_path, "other-ca")
+    crt, pem = make_server_cert(tmp_path, key, ca)
     return {"ca": ca_path, "other": other, "crt": crt, "key": pem}
 
 

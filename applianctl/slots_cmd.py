@@ -1,0 +1,56 @@
+"""`applianctl slots [--json]`: both /usr slots, the boot entries, and whether the running version
+is judged yet (the one model in applianctl.slots; `systemd-sysupdate list` added when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from applianctl import slots
+
+
+def render(view: slots.View) -> list[str]:
+    state, why = view.running_state()
+    lines = [f"running {view.running_version or '?'}: {state} ({why})"]
+    for slot in view.slots:
+        entry = view.entry(slot.version)
+        marks = [m for m, on in (("booted", slot.booted), ("default", bool(entry and entry.is_default))) if on]
+        name = entry.path.name if entry else "no entry"
+        lines.append(
+            f"slot {slot.name} {slot.usr.node}: {slot.version or slot.usr.label} [{view.slot_state(slot)}] {name}"
+            + (f" ({', '.join(marks)})" if marks else "")
+        )
+    stray = [e for e in view.entries if e.version not in {s.version for s in view.slots}]
+    for entry in stray:
+        lines.append(f"entry without a slot: {entry.path.name} [{entry.state}]")
+    if view.sysupdate:
+        if "error" in view.sysupdate:
+            lines.append(f"systemd-sysupdate: {view.sysupdate['error']}")
+        else:
+            pending = " (pending)" if view.sysupdate.get("pending") else ""
+            versions = ", ".join(view.sysupdate["all"]) or "none"
+            lines.append(f"systemd-sysupdate: current {view.sysupdate.get('current')}{pending}, versions {versions}")
+    lines.append(f"boot entries read by {view.entries_source}")
+    lines.extend(f"error: {e}" for e in view.errors)
+    return lines
+
+
+def cmd_slots(args: argparse.Namespace) -> int:
+    view = slots.read(with_sysupdate=not args.no_sysupdate)
+    if args.json:
+        print(json.dumps(view.to_json(), indent=2, sort_keys=True))
+    else:
+        print("\n".join(render(view)))
+    return 1 if view.errors else 0
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "slots",
+        help="show both /usr slots, their boot entries and whether the running version is judged",
+        description="Exit 0 when everything could be read, 1 otherwise.",
+    )
+    p.add_argument("--json", action="store_true", help="print the model as JSON")
+    p.add_argument("--no-sysupdate", action="store_true", help="do not run systemd-sysupdate list (faster; no network)")
+    p.set_defaults(func=cmd_slots)

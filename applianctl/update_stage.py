@@ -1,0 +1,82 @@
+"""Downloading a bundle into the staging directory, every file proven against the signed index.
+
+Before the first byte: the file system that holds the staging directory must have room for
+what is still to be fetched plus a margin (it is /var, which also holds the journal and the
+model). A file already staged is re-hashed, not trusted; a partial one (NAME.part) is resumed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from appliance import atomic
+from appliance.errors import Refused, UserError
+from appliance.hashing import sha256_file
+from applianctl import slots
+from applianctl.update_fetch import Source
+
+SPACE_MARGIN_BYTES = 512 << 20
+
+
+def to_fetch(index: dict[str, Any]) -> list[dict[str, Any]]:
+    """The files of the bundle this appliance downloads (never an engine image it has: check_engine)."""
+    return [f for f in index["files"] if not f["name"].startswith("engine_")]
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def check_space(index: dict[str, Any], staging: Path, margin: int = SPACE_MARGIN_BYTES) -> int:
+    """Refuse before downloading when STAGING's file system lacks room for the rest plus MARGIN;
+    the bytes still to fetch."""
+    need = 0
+    for f in to_fetch(index):
+        final, part = staging / f["name"], staging / (f["name"] + ".part")
+        have = final.stat().st_size if final.exists() else part.stat().st_size if part.exists() else 0
+        need += max(f["size"] - have, 0)
+    free = free_bytes(staging)
+    if free < need + margin:
+        mib = 1 << 20
+        raise UserError(
+            f"{staging}: {free // mib} MiB free, the bundle needs {need // mib} MiB more plus a margin of {margin // mib} MiB",
+            hint=f"free space on {staging.parent} (journalctl --vacuum-size, old files), then run the same command again",
+        )
+    return need
+
+
+def staging_for(version: str) -> Path:
+    """The staging directory of VERSION; other versions' leftovers are removed."""
+    root = slots.staging_dir()
+    if root.is_dir():
+        for old in root.iterdir():
+            if old.name != version:
+                shutil.rmtree(old, ignore_errors=True)
+    staging = root / version
+    staging.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return staging
+
+
+def stage(index: dict[str, Any], source: Source, staging: Path) -> None:
+    """Fetch every file of the bundle into STAGING, each checked against bundle.json. A file
+    already staged is re-hashed, not trusted; a partial one (NAME.part) is resumed."""
+    for f in to_fetch(index):
+        final, part = staging / f["name"], staging / (f["name"] + ".part")
+        if final.exists():
+            if final.stat().st_size == f["size"] and sha256_file(final) == f["sha256"]:
+                continue
+            final.unlink()
+        source.fetch(f["name"], part, f["size"])
+        digest = sha256_file(part)
+        if digest != f["sha256"]:
+            part.unlink()
+            raise Refused(
+                f"{f['name']}: SHA-256 {digest[:16]}... does not match bundle.json",
+                hint="the file was changed or damaged; nothing was written",
+            )
+        part.rename(final)
+    atomic.fsync_dir(staging)
