@@ -15,15 +15,15 @@ from typing import Any
 
 from appliance import paths
 from appliance.atomic import write_json_atomic
-from applianctl import config as device_config
+from appliance.config import Config, load_device
 
 SYS = Path(os.environ.get("APPLIANCE_SYSFS", "/sys"))
 DEV = Path(os.environ.get("APPLIANCE_DEVFS", "/dev"))
 
 
-def weights_dir(config: dict[str, Any]) -> Path:
+def weights_dir(config: Config) -> Path:
     """The snapshot directory on /var that the engine's first argument names inside the container."""
-    return Path(config["model"]["weights_dir"])
+    return Path(config.model.weights_dir)
 
 
 def vram_total_bytes() -> int | None:
@@ -37,12 +37,12 @@ def vram_total_bytes() -> int | None:
     return total or None
 
 
-def check(config: dict[str, Any]) -> dict[str, Any]:
+def check(config: Config) -> dict[str, Any]:
     weights = weights_dir(config)
     if not weights.is_dir() or not any(weights.iterdir()):
-        return {"ok": False, "reason": f"model weights not present at {weights} (fetch {config['model']['id']} "
-                f"revision {config['model']['revision']} into {config['model']['cache_dir']})"}
-    if not config["gpu"]["required"]:
+        return {"ok": False, "reason": f"model weights not present at {weights} (fetch {config.model.id} "
+                f"revision {config.model.revision} into {config.model.cache_dir})"}
+    if not config.gpu.required:
         return {"ok": True, "reason": "", "gpu": "not required"}
     if not (DEV / "kfd").exists():
         return {"ok": False, "reason": "/dev/kfd is missing: no AMD GPU compute device"}
@@ -56,7 +56,7 @@ def check(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    result = check(device_config.load())
+    result = check(load_device())
     write_json_atomic(paths.PREFLIGHT_RESULT, result)
     if not result["ok"]:
         print(f"preflight failed: {result['reason']}", file=sys.stderr)

@@ -18,8 +18,8 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from appliance import paths
+from appliance.config import load_device
 from appliance.errors import UserError
-from applianctl import config as appliance_config
 
 PROMPT = "Calculate 17 * 23. Answer with the number only."
 EXPECTED = "391"
@@ -92,14 +92,14 @@ def smoke(session: requests.Session, url: str, model: str, timeout: float = 60.0
 
 
 def run(args: argparse.Namespace) -> int:
-    config = appliance_config.load()
-    model = args.model or config["engine"].get("served_model_name") or config["model"]["id"]
+    config = load_device()
+    model = args.model or config.served_model
     if args.url:
         url, hostname = args.url, None
         verify: bool | str = str(args.ca) if args.ca else True
     else:
-        url = f"https://127.0.0.1:{config['proxy']['https_port']}"
-        hostname = config["proxy"]["hostname"]
+        url = f"https://127.0.0.1:{config.proxy.https_port}"
+        hostname = config.proxy.hostname
         ca = Path(args.ca) if args.ca else paths.TLS_DIR / "ca.crt"
         verify = str(ca) if ca.exists() else True
         if args.ca and not ca.exists():

@@ -26,8 +26,8 @@ from typing import IO, Any
 
 from appliance import paths
 from appliance.atomic import write_json_atomic
+from appliance.config import load_device
 from appliance.errors import UserError
-from applianctl import config
 
 JOURNAL_FOLLOW = ["journalctl", "-u", paths.ENGINE_UNIT, "-f", "-o", "cat", "--since", "now"]
 JOURNAL_BOOT = ["journalctl", "-u", paths.ENGINE_UNIT, "-o", "cat", "-b", "--no-pager"]
@@ -218,7 +218,7 @@ def _lines(args: argparse.Namespace) -> Iterator[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    expected = {k: v for k, v in (config.load().get("expected") or {}).items() if v is not None}
+    expected = {k: v for k, v in vars(load_device().expected).items() if v is not None}
     report = Report(expected=expected)
     out = paths.STARTUP_REPORT
     if args.follow:
