@@ -882,3 +882,37 @@ def test_allowed_paths_must_be_canonical() -> None:
     for bad in ("/v1//models", "/v1/./models", "/v1/..", "/v1/models/."):
         with pytest.raises(ConfigError):
             render_caddyfile(_variant(config, allowed_paths=(bad,)))
+
+
+CURL = shutil.which("curl")
+H2_TARGETS = [(t, e) for t, e in TARGETS if all(0x21 <= b <= 0x7E for b in t)]
+
+
+@needs_caddy
+@pytest.mark.skipif(CURL is None, reason="needs curl")
+@pytest.mark.parametrize(("target", "expect"), [pytest.param(t, e, id=repr(t)[2:-1]) for t, e in H2_TARGETS])
+def test_http2_engine_gets_exactly_an_allowed_path_or_nothing(raw_live: RawLive, target: bytes, expect: str) -> None:
+    """The same table over HTTP/2 (the request target in :path), sent as is by curl --request-target."""
+    assert CURL is not None
+    probe = uuid.uuid4().hex
+    out = subprocess.run(
+        [
+            CURL, "-sS", "--http2", "--path-as-is", "--request-target", target.decode(),
+            "--cacert", str(raw_live.ca), "--interface", "127.0.0.3",
+            "--resolve", f"{raw_live.hostname}:{raw_live.https_port}:127.0.0.1",
+            "-H", f"X-Probe: {probe}", "-o", "/dev/null", "-w", "%{http_version} %{http_code}",
+            f"https://{raw_live.hostname}:{raw_live.https_port}/",
+        ],
+        capture_output=True, text=True, timeout=30, env={"PATH": os.environ.get("PATH", "/usr/bin")},
+    )
+    seen = _seen(raw_live, probe)
+    version, _, code = out.stdout.partition(" ")
+    if out.returncode == 0:
+        assert version == "2", out.stdout  # really HTTP/2
+    status = int(code) if out.returncode == 0 else 0
+    if status == 200:
+        assert len(seen) == 1 and seen[0].split(b" ")[1] == target, seen
+        assert target.split(b"?", 1)[0].decode() in ALLOWED
+    else:
+        assert seen == [], f"refused ({out.stdout or out.stderr}) but the backend got {seen}"
+    assert ("pass" if status == 200 else "refuse") == expect, f"{target!r}: {out.stdout} {out.stderr}"
