@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from appliance.config import Config
 from applianctl.probes import COMMAND_TIMEOUT_S, DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Runner, ToolMissing
 
 AMD_SMI_STATIC = ("amd-smi", "static", "--json")
@@ -235,10 +236,9 @@ def read(run: Runner) -> tuple[str, list[Reading]]:
     raise NoGpu("; ".join(problems))
 
 
-def probe(config: Mapping[str, Any], run: Runner) -> Part:
-    gpu_cfg = config.get("gpu", {})
-    required = bool(gpu_cfg.get("required", True))
-    min_headroom = float(gpu_cfg.get("min_vram_headroom_mib", 1024))
+def probe(config: Config, run: Runner) -> Part:
+    required = config.gpu.required
+    min_headroom = float(config.gpu.min_vram_headroom_mib)
     try:
         tool, readings = read(run)
     except NoGpu as e:

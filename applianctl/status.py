@@ -16,62 +16,46 @@ from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 from appliance import paths
+from appliance.config import Config, load_device
 from appliance.errors import UserError
-from applianctl import config as appliance_config
 from applianctl import gpu, probes, systemd
+from applianctl import probes_disk as disk
+from applianctl import probes_engine as engine
+from applianctl import probes_files as files
+from applianctl import probes_os as os_slots
+from applianctl import probes_proxy as proxy
+from applianctl import probes_shm as shm
+from applianctl import probes_tls as tls
 from applianctl.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
 SCHEMA = 1
 EXIT_STATUS = {OK: 0, NOT_CONFIGURED: 0, DEGRADED: 1, DOWN: 2}
 
 # The parts, in the order they are shown.
-PARTS = ("os", "slots", "units", "engine", "startup", "verify", "preflight", "shm-check", "gpu", "shm", "disk", "tls")
+PARTS = (
+    "os", "slots", "units", "engine", "proxy", "startup", "verify", "preflight", "shm-check", "gpu", "shm", "disk", "tls",
+)
 
 
-def probe_table(config: Mapping[str, Any], src: Sources) -> dict[str, Callable[[], Part]]:
+def probe_table(config: Config, src: Sources) -> dict[str, Callable[[], Part]]:
+    read_slots = os_slots.slots_reader(config, src)
     table: dict[str, Callable[[], Part]] = {
-        "os": lambda: probes.probe_os(config, src),
-        "slots": lambda: probe_slots(config, src),
+        "os": lambda: os_slots.probe_os(config, src, read_slots),
+        "slots": lambda: os_slots.probe_slots(config, read_slots),
         "units": lambda: systemd.probe(paths.UNITS, src.bus),
-        "engine": lambda: probes.probe_engine(config, src),
-        "startup": lambda: probes.probe_startup(config, paths.STARTUP_REPORT),
-        "verify": lambda: probes.probe_check(paths.VERIFY_RESULT, "image verification"),
-        "preflight": lambda: probes.probe_check(paths.PREFLIGHT_RESULT, "the preflight check"),
-        "shm-check": lambda: probes.probe_check(paths.SHM_CHECK, "the /dev/shm check"),
+        "engine": lambda: engine.probe_engine(config, src),
+        "proxy": lambda: proxy.probe_proxy(config, src),
+        "startup": lambda: engine.probe_startup(config, paths.STARTUP_REPORT),
+        "verify": lambda: files.probe_check(paths.VERIFY_RESULT, "image verification"),
+        "preflight": lambda: files.probe_check(paths.PREFLIGHT_RESULT, "the preflight check"),
+        "shm-check": lambda: files.probe_check(paths.SHM_CHECK, "the /dev/shm check"),
         "gpu": lambda: gpu.probe(config, src.run),
-        "shm": lambda: probes.probe_shm(config, src, paths.SHM_DIR),
-        "disk": lambda: probes.probe_disk(config, paths.STATE_DIR),
-        "tls": lambda: probes.probe_tls(config, paths.TLS_DIR),
+        "shm": lambda: shm.probe_shm(config, src, paths.SHM_DIR),
+        "disk": lambda: disk.probe_disk(config, paths.STATE_DIR),
+        "tls": lambda: tls.probe_tls(config, paths.TLS_DIR),
     }
     assert tuple(table) == PARTS
     return table
-
-
-def probe_slots(config: Mapping[str, Any], src: Sources) -> Part:
-    """Both A/B slots, their versions and boot entries, and whether the last upgrade rolled back."""
-    from applianctl import slots
-
-    summary = slots.slots_summary(slots.Host(efivars=src.efivars, cmdline=src.cmdline), config["appliance"]["version"])
-    if summary["rolled_back"]:
-        return Part(probes.DEGRADED, f"last upgrade rolled back: {summary['rollback_reason']}", summary)
-    if not summary["slots"]:
-        reason = "; ".join(summary["errors"]) or "no A/B slots found"
-        return Part(probes.NOT_CONFIGURED, reason.splitlines()[0], summary)
-    return Part(probes.OK, slots_line(summary["slots"]), summary)
-
-
-def slots_line(found: list[dict[str, Any]]) -> str:
-    """"A 1.0.0 booted, good; B 1.0.1 on trial (2 tries left)" for the text status."""
-    out = []
-    for slot in found:
-        words = [slot["slot"], slot["version"] or "empty"]
-        state = slot["state"] if slot["version"] else ""
-        if slot["booted"]:
-            words.append("booted" + ("," if state else ""))
-        if state:
-            words.append(state + (f" ({slot['tries_left']} tries left)" if state == "on trial" else ""))
-        out.append(" ".join(words))
-    return "; ".join(out)
 
 
 def _cross_check(parts: dict[str, Part]) -> None:
@@ -83,9 +67,7 @@ def _cross_check(parts: dict[str, Part]) -> None:
         parts["engine"] = Part(DEGRADED, "starting: the port opens once the model is loaded", engine.details)
 
 
-def collect(
-    config: Mapping[str, Any], src: Sources | None = None, deadline_s: float = probes.DEADLINE_S
-) -> dict[str, Any]:
+def collect(config: Config, src: Sources | None = None, deadline_s: float = probes.DEADLINE_S) -> dict[str, Any]:
     """The status document (docs/status-schema.md)."""
     src = src or Sources()
     started = time.monotonic()
@@ -96,9 +78,9 @@ def collect(
         "schema": SCHEMA,
         "state": probes.worst([p.state for _, p in ordered]),
         "reason": probes.first_reason(ordered),
-        "appliance": config.get("appliance", {}).get("name"),
-        "version": config.get("appliance", {}).get("version"),
-        "profile": config.get("profile"),
+        "appliance": config.appliance.name,
+        "version": config.appliance.version,
+        "profile": config.profile,
         "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "elapsed_s": round(time.monotonic() - started, 3),
         "parts": {name: part.to_json() for name, part in ordered},
@@ -180,6 +162,10 @@ def summary(name: str, part: Mapping[str, Any]) -> str:
             if "total_bytes" in fs:
                 out.append(f"{fs['path']} {fs['free_bytes'] / gib:.0f} GiB free of {fs['total_bytes'] / gib:.0f}")
         return "; ".join(out)
+    if name == "proxy" and "certificate" in d:
+        cert, req = d["certificate"], d.get("request") or {}
+        text = f"certificate for {', '.join(cert['names']) or '-'}, expires {cert['not_after'][:10]}"
+        return text + (f"; GET {req['path']} HTTP {req['status']} in {req['elapsed_s']:.2f} s" if req else "")
     if name == "tls" and "ca_sha256" in d:
         return f"CA {d['ca_sha256'][:23]}..., expires {d['ca_not_after'][:10]}"
     if name == "verify":
@@ -208,7 +194,7 @@ UNKNOWN_EXIT = 3  # the monitoring-plugin convention: status could not be determ
 
 def run(args: argparse.Namespace, src: Sources | None = None) -> int:
     try:
-        config = appliance_config.load()
+        config = load_device()
         if getattr(args, "timeout_scale", 1.0) != 1:
             probes.scale_timeouts(args.timeout_scale)
         doc = collect(config, src, probes.DEADLINE_S)

@@ -41,7 +41,10 @@ def _documents() -> list[tuple[str, str]]:
             out += [("appliance.toml", code) for code in re.findall(r"`([^`]+)`", comment)] or [("appliance.toml", comment)]
     for path in sorted(itertools.chain(*(ROOT.glob(f"{d}/*.py") for d in ("builder", "applianctl", "appliance", "demo")))):
         for m in re.finditer(r"hint=f?(?:\"([^\"]*)\"|'([^']*)')", path.read_text()):
-            out.append((f"{path.parent.name}/{path.name} hint", m.group(1) or m.group(2)))
+            hint = m.group(1) or m.group(2)
+            # A hint that quotes its command in backticks says where the command ends.
+            quoted = re.findall(r"`([^`]+)`", hint)
+            out += [(f"{path.parent.name}/{path.name} hint", text) for text in quoted or [hint]]
     return out
 
 
@@ -102,11 +105,26 @@ def test_command_works_as_printed(where: str, command: str) -> None:
         return
     args = words[3:]
     parsed = builder_main.build_parser().parse_args(args)
+    if parsed.command == "validate" and parsed.profile == "production" and (missing := _operator_files_missing()):
+        # The production profile needs third-party files the operator copies in: validate must
+        # name each one, one line each, and exit 2 (not pass, not a traceback).
+        r = subprocess.run([sys.executable, "-m", "builder", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert all(name in r.stderr for name in missing) and "Traceback" not in r.stderr
+        assert r.stderr.rstrip().splitlines()[-1].startswith("hint: ")
+        return
     if parsed.command in RUN_HERE:
         r = subprocess.run([sys.executable, "-m", "builder", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, f"{where}: {command}\n{r.stderr}"
         assert r.stdout.strip()
         assert "Traceback" not in r.stderr
+
+
+def _operator_files_missing() -> list[str]:
+    from appliance import config as config_model
+
+    config = config_model.load(ROOT / "appliance.toml", "production")
+    return [f.file for f in (*config.engine.overlays, *config.engine.tuning) if not (ROOT / f.file).is_file()]
 
 
 @pytest.mark.parametrize("profile", ["production", "demo"])

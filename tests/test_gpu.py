@@ -8,16 +8,18 @@ test says what it derived and from which file.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import stat
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from appliance import config as config_model
+from appliance.config import Config
 from applianctl import gpu, probes
 
 FIXTURES = Path(__file__).parents[1].parent / "shared" / "fixtures" / "gpu"
@@ -28,7 +30,13 @@ ROCM_SMI_TEXT = ROCM_SMI_FILE.read_text()
 
 # `amd-smi static --json | jq '.[0]["vram"]'`: the blog's fragment is element 0's "vram" of a bare list.
 STATIC_ROCM6 = [{"gpu": 0, "vram": STATIC_VRAM}]
-CONFIG: dict[str, Any] = {"gpu": {"required": True, "min_vram_headroom_mib": 1024}}
+def gpu_config(required: bool = True, min_vram_headroom_mib: int = 1024) -> Config:
+    """The demo profile's real configuration with the given [gpu] settings."""
+    loaded = config_model.load(Path(__file__).parents[1] / "appliance.toml", "demo")
+    return dataclasses.replace(loaded, gpu=config_model.Gpu(required=required, min_vram_headroom_mib=min_vram_headroom_mib))
+
+
+CONFIG = gpu_config()
 
 
 def fake_runner(outputs: dict[str, tuple[int, str] | type[BaseException]]) -> probes.Runner:
@@ -124,7 +132,7 @@ def test_probe_falls_back_to_rocm_smi_text_when_amd_smi_is_missing() -> None:
 
 
 def test_low_vram_headroom_is_degraded() -> None:
-    config = {"gpu": {"required": True, "min_vram_headroom_mib": 196400}}
+    config = gpu_config(min_vram_headroom_mib=196400)
     part = gpu.probe(config, fake_runner({"rocm-smi --showmeminfo": (0, ROCM_SMI_TEXT)}))
     assert part.state == probes.DEGRADED
     assert "MiB VRAM free" in part.reason and "first request" in part.reason
@@ -132,7 +140,7 @@ def test_low_vram_headroom_is_degraded() -> None:
 
 @pytest.mark.parametrize(("required", "state"), [(True, probes.DOWN), (False, probes.NOT_CONFIGURED)])
 def test_no_tool_is_not_present(required: bool, state: str) -> None:
-    part = gpu.probe({"gpu": {"required": required}}, fake_runner({}))
+    part = gpu.probe(gpu_config(required=required), fake_runner({}))
     assert part.state == state
     assert part.reason.startswith("not present")
     assert part.details["present"] is False

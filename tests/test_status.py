@@ -8,8 +8,13 @@ import dataclasses
 import datetime
 import io
 import json
-import mmap
+import os
+import re
+import shutil
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,7 +26,8 @@ from standin_engine import MODEL, free_port, start_standin, stop
 
 from appliance import config as builder_config
 from appliance import paths
-from applianctl import probes, status
+from appliance.config import Config
+from applianctl import probes, probes_disk, probes_engine, probes_files, probes_os, probes_proxy, probes_shm, probes_tls, slots, status
 
 ROOT = Path(__file__).parents[1]
 FIXTURES = ROOT.parent / "shared" / "fixtures"
@@ -94,16 +100,31 @@ def hung_engine() -> Iterator[str]:
 
 
 @pytest.fixture
-def config(tmp_path: Path) -> dict[str, Any]:
-    """The demo profile's real appliance.json, with the model cache in the temporary tree."""
-    data = builder_config.load(ROOT / "appliance.toml", "demo").to_json()
+def config(tmp_path: Path) -> Config:
+    """The demo profile's real configuration, with the model cache in the temporary tree."""
+    loaded = builder_config.load(ROOT / "appliance.toml", "demo")
     (tmp_path / "hf").mkdir()
-    data["model"]["cache_dir"] = str(tmp_path / "hf")
-    return data
+    return dataclasses.replace(loaded, model=dataclasses.replace(loaded.model, cache_dir=str(tmp_path / "hf")))
+
+
+def with_offload(config: Config, gib: str) -> Config:
+    """CONFIG with the engine's --kv-offloading-size set to GIB."""
+    args = list(config.engine.args)
+    args[args.index("--kv-offloading-size") + 1] = gib
+    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, args=tuple(args)))
+
+
+def write_config(tree: Path, config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The image's appliance.json, read by status.run through the same model."""
+    monkeypatch.setenv("APPLIANCE_CONFIG", str(tree / "appliance.json"))
+    (tree / "appliance.json").write_text(json.dumps(config.to_json()))
+
+
+FAKE_SFDISK = '#!/bin/sh\n[ "$1" = -J ] && cat "$(dirname "$0")/gpt.json"\n'
 
 
 @pytest.fixture
-def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: dict[str, Any]) -> Path:
+def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: Config) -> Path:
     run, state, shm = tmp_path / "run", tmp_path / "state", tmp_path / "shm"
     for d in (run, state, shm):
         d.mkdir()
@@ -117,20 +138,27 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: dict[str, Any]
         "SHM_DIR": shm,
     }.items():
         monkeypatch.setattr(paths, name, value)
-    (tmp_path / "os-release").write_text(f"ID=debian\nIMAGE_VERSION={config['appliance']['version']}\n")
+    (tmp_path / "os-release").write_text(f"ID=debian\nIMAGE_VERSION={config.appliance.version}\n")
+    (tmp_path / "esp" / "EFI" / "Linux").mkdir(parents=True)
+    (tmp_path / "sfdisk").write_text(FAKE_SFDISK)
+    (tmp_path / "sfdisk").chmod(0o755)
+    gpt(tmp_path, [])
     return tmp_path
+
+
+def gpt(tree: Path, parts: list[dict[str, Any]]) -> None:
+    """What the fake sfdisk -J prints: PARTS as {node, type, uuid, name}."""
+    table = [{"size": 2048, **p} for p in parts]
+    (tree / "gpt.json").write_text(json.dumps({"partitiontable": {"label": "gpt", "sectorsize": 512, "partitions": table}}))
 
 
 def sources(tree: Path, engine_url: str, mock: MockSystemd | None = None, **kw: Any) -> probes.Sources:
     (tree / "proc").mkdir(exist_ok=True)
+    host = slots.Host(efivars=tree / "efivars", cmdline=tree / "cmdline", esp=tree / "esp", disk="/dev/vda", sfdisk=str(tree / "sfdisk"))
     return probes.Sources(
         engine_url=engine_url,
-        cmdline=tree / "cmdline",
         os_release=tree / "os-release",
-        by_partuuid=tree / "by-partuuid",
-        by_partlabel=tree / "by-partlabel",
-        sys_class_block=tree / "sys-class-block",
-        efivars=tree / "efivars",
+        slots_host=host,
         proc=tree / "proc",
         run=gpu_runner,
         bus=mock.bus if mock else None,
@@ -138,23 +166,95 @@ def sources(tree: Path, engine_url: str, mock: MockSystemd | None = None, **kw: 
     )
 
 
-def write_healthy(tree: Path, config: dict[str, Any]) -> None:
-    expected = config["expected"]
+def write_healthy(tree: Path, config: Config) -> None:
+    expected = dataclasses.asdict(config.expected)
     (paths.STARTUP_REPORT).write_text(
         json.dumps({"state": "ok", "reason": "", "figures": {**expected, "cuda_graphs": "FULL", "ready": True}})
     )
     paths.VERIFY_RESULT.write_text(json.dumps({"ok": True, "reason": "", "version": "1.0.0", "signer": "release-2026"}))
     paths.PREFLIGHT_RESULT.write_text(json.dumps({"ok": True, "reason": ""}))
     paths.SHM_CHECK.write_text(json.dumps({"ok": True, "reason": ""}))
-    make_ca(paths.TLS_DIR / "ca.crt", days=3650)
+    if not (paths.TLS_DIR / "ca.crt").exists():
+        make_ca(paths.TLS_DIR / "ca.crt", days=3650)
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveProxy:
+    https_port: int
+    engine_port: int
+    tls_dir: Path
+
+
+def _wait_for(ready: Any, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-2000:]
+        try:
+            with socket.create_connection(ready, timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    pytest.fail(f"caddy did not listen: {log.read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def live_proxy(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveProxy]:
+    """The real Caddy with the demo's rendered Caddyfile and certificates from applianctl.tls, in
+    front of the stand-in engine: what the proxy part probes on the appliance."""
+    from applianctl import tls
+    from builder.proxy import render_caddyfile
+
+    caddy = shutil.which("caddy")
+    if caddy is None:
+        pytest.skip("needs Debian's caddy (apt install caddy)")
+    base = tmp_path_factory.mktemp("proxy")
+    port, engine_port = free_port(), int(engine.rsplit(":", 1)[1])
+    config = builder_config.load(ROOT / "appliance.toml", "demo")
+    config = dataclasses.replace(
+        config,
+        proxy=dataclasses.replace(config.proxy, https_port=port),
+        engine=dataclasses.replace(config.engine, port=engine_port),
+    )
+    tls.generate(base / "tls", config.proxy.hostname, tls.host_addresses(), group="appliance-no-such-group")
+    sock_dir = Path(tempfile.mkdtemp(prefix="st-"))  # a unix socket path must stay short
+    caddyfile = base / "Caddyfile"
+    caddyfile.write_text(render_caddyfile(config, tls_dir=base / "tls", http_port=free_port(), admin=f"unix/{sock_dir}/admin.sock"))
+    log = base / "caddy.log"
+    env = {**os.environ, "HOME": str(base), "XDG_DATA_HOME": str(base / "data"), "XDG_CONFIG_HOME": str(base / "config")}
+    with log.open("wb") as out:
+        proc = subprocess.Popen([caddy, "run", "--config", str(caddyfile), "--adapter", "caddyfile"], env=env, stdout=out, stderr=out)
+    try:
+        _wait_for(("127.0.0.1", port), proc, log)
+        yield LiveProxy(port, engine_port, base / "tls")
+    finally:
+        stop(proc)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def behind(config: Config, proxy: LiveProxy, monkeypatch: pytest.MonkeyPatch) -> Config:
+    """CONFIG as the appliance whose proxy and engine are the live ones."""
+    monkeypatch.setattr(paths, "TLS_DIR", proxy.tls_dir)
+    args = list(config.engine.args)
+    args[args.index("--port") + 1] = str(proxy.engine_port)  # the model's cross-check: args and port agree
+    return dataclasses.replace(
+        config,
+        proxy=dataclasses.replace(config.proxy, https_port=proxy.https_port),
+        engine=dataclasses.replace(config.engine, port=proxy.engine_port, args=tuple(args)),
+    )
 
 
 # ----------------------------------------------------------------------------------- whole command
 
 
 def test_healthy_appliance_is_ok_within_300_ms(
-    tree: Path, config: dict[str, Any], engine: str, systemd_mock: MockSystemd, monkeypatch: pytest.MonkeyPatch
+    tree: Path,
+    config: Config,
+    engine: str,
+    live_proxy: LiveProxy,
+    systemd_mock: MockSystemd,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    config = behind(config, live_proxy, monkeypatch)
     write_healthy(tree, config)
     src = sources(tree, engine, systemd_mock)
     status.collect(config, src)  # warm up imports and connections
@@ -171,8 +271,7 @@ def test_healthy_appliance_is_ok_within_300_ms(
     assert doc["parts"]["gpu"]["state"] == probes.OK  # recorded MI300X: 0.3 of 192 GiB used
     assert doc["parts"]["os"]["boot_counting"]["state"] == probes.NOT_CONFIGURED
 
-    monkeypatch.setenv("APPLIANCE_CONFIG", str(tree / "appliance.json"))
-    (tree / "appliance.json").write_text(json.dumps(config))
+    write_config(tree, config, monkeypatch)
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
     assert status.run(argparse.Namespace(json=True), src) == 0
@@ -180,11 +279,10 @@ def test_healthy_appliance_is_ok_within_300_ms(
 
 
 def test_hung_engine_answers_within_2_seconds_and_is_down(
-    tree: Path, config: dict[str, Any], hung_engine: str, systemd_mock: MockSystemd, monkeypatch: pytest.MonkeyPatch
+    tree: Path, config: Config, hung_engine: str, systemd_mock: MockSystemd, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     write_healthy(tree, config)
-    monkeypatch.setenv("APPLIANCE_CONFIG", str(tree / "appliance.json"))
-    (tree / "appliance.json").write_text(json.dumps(config))
+    write_config(tree, config, monkeypatch)
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
     started = time.monotonic()
@@ -226,12 +324,17 @@ def test_overall_state_and_exit_status(states: list[str], overall: str, code: in
 
 
 def test_degraded_exit_status_and_colour(
-    tree: Path, config: dict[str, Any], engine: str, systemd_mock: MockSystemd, monkeypatch: pytest.MonkeyPatch
+    tree: Path,
+    config: Config,
+    engine: str,
+    live_proxy: LiveProxy,
+    systemd_mock: MockSystemd,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    config = behind(config, live_proxy, monkeypatch)
     write_healthy(tree, config)
     paths.STARTUP_REPORT.write_text(json.dumps({"state": "loading", "reason": "loading weights"}))
-    monkeypatch.setenv("APPLIANCE_CONFIG", str(tree / "appliance.json"))
-    (tree / "appliance.json").write_text(json.dumps(config))
+    write_config(tree, config, monkeypatch)
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
     assert status.run(argparse.Namespace(json=True), sources(tree, engine, systemd_mock)) == 1
@@ -245,9 +348,9 @@ def test_degraded_exit_status_and_colour(
 # ----------------------------------------------------------------------------------- engine
 
 
-def test_engine_refused_is_down_unless_it_is_loading(tree: Path, config: dict[str, Any]) -> None:
+def test_engine_refused_is_down_unless_it_is_loading(tree: Path, config: Config) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    part = probes.probe_engine(config, sources(tree, url))
+    part = probes_engine.probe_engine(config, sources(tree, url))
     assert (part.state, part.reason) == (probes.DOWN, f"{url}/health: connection refused")
     paths.STARTUP_REPORT.write_text(json.dumps({"state": "loading"}))
     doc = status.collect(config, dataclasses.replace(sources(tree, url), bus=lambda: None))
@@ -255,11 +358,11 @@ def test_engine_refused_is_down_unless_it_is_loading(tree: Path, config: dict[st
     assert doc["parts"]["engine"]["reason"].startswith("starting")
 
 
-def test_engine_serving_another_model_is_degraded(tree: Path, config: dict[str, Any]) -> None:
+def test_engine_serving_another_model_is_degraded(tree: Path, config: Config) -> None:
     port = free_port()
     proc = start_standin(port, name="someone/else")
     try:
-        part = probes.probe_engine(config, sources(tree, f"http://127.0.0.1:{port}"))
+        part = probes_engine.probe_engine(config, sources(tree, f"http://127.0.0.1:{port}"))
     finally:
         stop(proc)
     assert (part.state, part.reason) == (probes.DEGRADED, f"/v1/models does not list {MODEL}")
@@ -268,42 +371,46 @@ def test_engine_serving_another_model_is_degraded(tree: Path, config: dict[str, 
 # ----------------------------------------------------------------------------------- os
 
 
-def _partition(tree: Path, name: str, number: int, label: str, uuid: str) -> None:
-    dev = tree / "dev" / name
-    dev.parent.mkdir(exist_ok=True)
-    dev.touch()
-    for d, link in ((tree / "by-partlabel", label), (tree / "by-partuuid", uuid)):
-        d.mkdir(exist_ok=True)
-        (d / link).symlink_to(dev)
-    (tree / "sys-class-block" / name).mkdir(parents=True)
-    (tree / "sys-class-block" / name / "partition").write_text(f"{number}\n")
-
-
 def _efivar(tree: Path, entry: str) -> None:
     (tree / "efivars").mkdir(exist_ok=True)
-    var = tree / "efivars" / f"LoaderEntrySelected-{probes.EFI_LOADER_GUID}"
+    var = tree / "efivars" / f"LoaderEntrySelected-{slots.EFI_LOADER_GUID}"
     var.write_bytes(b"\x06\x00\x00\x00" + (entry + "\0").encode("utf-16-le"))
 
 
+def os_part(config: Config, src: probes.Sources) -> probes.Part:
+    return probes_os.probe_os(config, src, probes_os.slots_reader(config, src))
+
+
 @pytest.mark.parametrize(("booted_hash", "slot", "version"), [("a" * 64, "A", "1.0.0"), ("b" * 64, "B", "1.1.0")])
-def test_booted_slot_from_usrhash(
-    tree: Path, config: dict[str, Any], booted_hash: str, slot: str, version: str
-) -> None:
-    _partition(tree, "vda2", 2, "appliance_1.0.0", "aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa")
-    _partition(tree, "vda3", 3, "appliance_1.0.0_verity", "cccccccc-cccc-cccc-cccc-cccccccccccc")
-    _partition(tree, "vda5", 5, "appliance_1.1.0", "bbbbbbbb-bbbb-bbbb-bbbb-bbbbbbbbbbbb")
+def test_booted_slot_from_usrhash_through_the_slots_model(tree: Path, config: Config, booted_hash: str, slot: str, version: str) -> None:
+    gpt(
+        tree,
+        [
+            {"node": "/dev/vda2", "type": slots.USR_TYPE, "uuid": "aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa", "name": "appliance_1.0.0"},
+            {
+                "node": "/dev/vda3",
+                "type": slots.USR_VERITY_TYPE,
+                "uuid": "cccccccc-0000-0000-0000-000000000000",
+                "name": "appliance_1.0.0_verity",
+            },
+            {"node": "/dev/vda5", "type": slots.USR_TYPE, "uuid": "bbbbbbbb-bbbb-bbbb-bbbb-bbbbbbbbbbbb", "name": "appliance_1.1.0"},
+        ],
+    )
     (tree / "cmdline").write_text(f"console=ttyS0 usrhash={booted_hash} ro\n")
-    part = probes.probe_os(config, sources(tree, "http://127.0.0.1:1"))
+    src = sources(tree, "http://127.0.0.1:1")
+    part = os_part(config, src)
     assert part.details["usr"]["slot"] == slot
     assert part.details["usr"]["version"] == version
-    assert part.details["usr"]["source"] == "usrhash"
+    assert part.details["usr"]["partition"] == ("/dev/vda2" if slot == "A" else "/dev/vda5")
+    read = probes_os.slots_reader(config, src)
+    assert probes_os.probe_slots(config, read).details["booted_slot"] == slot
 
 
-def test_boot_counting_states(tree: Path, config: dict[str, Any]) -> None:
+def test_boot_counting_states(tree: Path, config: Config) -> None:
     src = sources(tree, "http://127.0.0.1:1")
-    assert probes.probe_os(config, src).details["boot_counting"]["state"] == probes.NOT_CONFIGURED
+    assert os_part(config, src).details["boot_counting"]["state"] == probes.NOT_CONFIGURED
     _efivar(tree, "appliance_1.0.0+2-1.efi")
-    part = probes.probe_os(config, src)
+    part = os_part(config, src)
     assert part.state == probes.OK
     assert part.details["boot_counting"] == {
         "entry": "appliance_1.0.0+2-1.efi",
@@ -312,16 +419,16 @@ def test_boot_counting_states(tree: Path, config: dict[str, Any]) -> None:
         "tries_done": 1,
     }
     _efivar(tree, "appliance_1.0.0+0-3.efi")
-    part = probes.probe_os(config, src)
+    part = os_part(config, src)
     assert part.state == probes.DEGRADED
     assert "no tries left" in part.reason
     _efivar(tree, "appliance_1.0.0.efi")
-    assert probes.probe_os(config, src).details["boot_counting"]["state"] == "not counting"
+    assert os_part(config, src).details["boot_counting"]["state"] == "not counting"
 
 
-def test_os_version_mismatch_is_degraded(tree: Path, config: dict[str, Any]) -> None:
+def test_os_version_mismatch_is_degraded(tree: Path, config: Config) -> None:
     (tree / "os-release").write_text("IMAGE_VERSION=0.9.0\n")
-    part = probes.probe_os(config, sources(tree, "http://127.0.0.1:1"))
+    part = os_part(config, sources(tree, "http://127.0.0.1:1"))
     assert part.state == probes.DEGRADED
     assert "image version 0.9.0" in part.reason
 
@@ -329,93 +436,258 @@ def test_os_version_mismatch_is_degraded(tree: Path, config: dict[str, Any]) -> 
 # ----------------------------------------------------------------------------------- files
 
 
-def test_startup_report_states(tree: Path, config: dict[str, Any]) -> None:
-    assert probes.probe_startup(config).state == probes.NOT_CONFIGURED
+def test_startup_report_states(tree: Path, config: Config) -> None:
+    assert probes_engine.probe_startup(config).state == probes.NOT_CONFIGURED
     figures = {"model_memory_gib": 0.5, "kv_cache_tokens": 32768, "cuda_graphs": "FULL", "ready": True}
     report = {"state": "degraded", "reason": "KV cache 32768 tokens < 65536", "figures": figures}
     paths.STARTUP_REPORT.write_text(json.dumps(report))
-    part = probes.probe_startup(config)
+    part = probes_engine.probe_startup(config)
     assert (part.state, part.reason) == (probes.DEGRADED, "KV cache 32768 tokens < 65536")
     assert part.details["figures"]["kv_cache_tokens"] == {"value": 32768, "expected": 65536}
     paths.STARTUP_REPORT.write_text(json.dumps({**report, "state": "ok", "reason": ""}))
-    assert probes.probe_startup(config).state == probes.OK
+    assert probes_engine.probe_startup(config).state == probes.OK
     paths.STARTUP_REPORT.write_text("{half")
-    assert probes.probe_startup(config).state == probes.DEGRADED
+    assert probes_engine.probe_startup(config).state == probes.DEGRADED
 
 
 @pytest.mark.parametrize("name", ["VERIFY_RESULT", "PREFLIGHT_RESULT", "SHM_CHECK"])
 def test_check_files(tree: Path, name: str) -> None:
     path: Path = getattr(paths, name)
-    assert probes.probe_check(path, "x").state == probes.NOT_CONFIGURED
+    assert probes_files.probe_check(path, "x").state == probes.NOT_CONFIGURED
     path.write_text(json.dumps({"ok": True, "reason": "", "version": "1.0.0"}))
-    part = probes.probe_check(path, "x")
+    part = probes_files.probe_check(path, "x")
     assert (part.state, part.details) == (probes.OK, {"version": "1.0.0"})
     path.write_text(json.dumps({"ok": False, "reason": "signature does not match any trusted key"}))
-    assert probes.probe_check(path, "x").to_json() == {
+    assert probes_files.probe_check(path, "x").to_json() == {
         "state": probes.DOWN,
         "reason": "signature does not match any trusted key",
     }
     path.write_text("[]")
-    assert probes.probe_check(path, "x").state == probes.DEGRADED
+    assert probes_files.probe_check(path, "x").state == probes.DEGRADED
 
 
-def test_shm_offload_files_stale_or_in_use(tree: Path, config: dict[str, Any]) -> None:
+MAP_AND_WAIT = """
+import mmap, sys
+f = open(sys.argv[1], "r+b")
+m = mmap.mmap(f.fileno(), 4096)
+f.close()  # held by the mapping only, as vLLM's offload file is
+print("mapped", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_shm_offload_files_stale_or_in_use(tree: Path, config: Config) -> None:
     src = probes.Sources(proc=Path("/proc"))
-    assert probes.probe_shm(config, src).state == probes.OK
+    assert probes_shm.probe_shm(config, src).state == probes.OK
     live = paths.SHM_DIR / "vllm_offload_live.mmap"
     live.write_bytes(b"\0" * 4096)
-    with live.open("r+b") as f, mmap.mmap(f.fileno(), 4096):  # this process maps it, like an engine
-        part = probes.probe_shm(config, src)
+    # Another process maps it, like an engine (the scanner does not count status itself).
+    holder = subprocess.Popen(
+        [sys.executable, "-c", MAP_AND_WAIT, str(live)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"mapped\n"
+        part = probes_shm.probe_shm(config, src)
         assert part.state == probes.OK, part.reason
         assert part.details["offload_files"][0]["in_use"] is True
         (paths.SHM_DIR / "vllm_offload_dead.mmap").write_bytes(b"\0" * 4096)
-        part = probes.probe_shm(config, src)
+        part = probes_shm.probe_shm(config, src)
+    finally:
+        holder.communicate(b"")
     assert part.state == probes.DEGRADED
     assert part.details["stale_offload_files"] == ["vllm_offload_dead.mmap"]
     assert "Bad address" in part.reason
 
 
-def test_shm_too_small_absent_or_unused(tree: Path, config: dict[str, Any]) -> None:
+def test_shm_too_small_absent_or_unused(tree: Path, config: Config) -> None:
     src = probes.Sources(proc=Path("/proc"))
-    big = {**config, "engine": {**config["engine"], "offload_gib": 1e6}}
-    assert probes.probe_shm(big, src).state == probes.DEGRADED
+    big = with_offload(config, "1000000")
+    assert probes_shm.probe_shm(big, src).state == probes.DEGRADED
     paths.SHM_DIR.rmdir()
-    assert probes.probe_shm(config, src).state == probes.DOWN
-    none = {**config, "engine": {**config["engine"], "offload_gib": 0.0}}
-    assert probes.probe_shm(none, src).state == probes.NOT_CONFIGURED
+    assert probes_shm.probe_shm(config, src).state == probes.DOWN
+    none = with_offload(config, "0")
+    assert probes_shm.probe_shm(none, src).state == probes.NOT_CONFIGURED
 
 
-def test_disk(tree: Path, config: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    (Path(config["model"]["cache_dir"]) / "blob").write_bytes(b"x" * 10000)
-    part = probes.probe_disk(config)
+def test_disk(tree: Path, config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    (Path(config.model.cache_dir) / "blob").write_bytes(b"x" * 10000)
+    part = probes_disk.probe_disk(config)
     assert part.state == probes.OK, part.reason
     assert part.details["model_cache"]["cache_bytes"] >= 10000
-    monkeypatch.setattr(probes, "DISK_MIN_FREE_BYTES", 1 << 60)
-    assert probes.probe_disk(config).state == probes.DEGRADED
-    assert probes.probe_disk(config, tree / "missing").state == probes.DOWN
+    monkeypatch.setattr(probes_disk, "DISK_MIN_FREE_BYTES", 1 << 60)
+    assert probes_disk.probe_disk(config).state == probes.DEGRADED
+    assert probes_disk.probe_disk(config, tree / "missing").state == probes.DOWN
 
 
-def test_tls(tree: Path, config: dict[str, Any]) -> None:
-    part = probes.probe_tls(config)
+def test_tls(tree: Path, config: Config) -> None:
+    part = probes_tls.probe_tls(config)
     assert (part.state, part.reason) == (
         probes.NOT_CONFIGURED,
         f"{paths.TLS_DIR / 'ca.crt'} absent: no appliance CA yet",
     )
     make_ca(paths.TLS_DIR / "ca.crt", days=365)
-    part = probes.probe_tls(config)
+    part = probes_tls.probe_tls(config)
     assert part.state == probes.OK
     assert len(part.details["ca_sha256"]) == 95 and part.details["ca_days_left"] in (364, 365)
     make_ca(paths.TLS_DIR / "ca.crt", days=10)
-    assert probes.probe_tls(config).state == probes.DEGRADED
+    assert probes_tls.probe_tls(config).state == probes.DEGRADED
     later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=20)
-    assert probes.probe_tls(config, now=later).state == probes.DOWN
+    assert probes_tls.probe_tls(config, now=later).state == probes.DOWN
     (paths.TLS_DIR / "ca.crt").write_text("not a certificate")
-    assert probes.probe_tls(config).state == probes.DOWN
+    assert probes_tls.probe_tls(config).state == probes.DOWN
 
 
 def test_the_slots_line_names_versions_the_booted_slot_and_trials() -> None:
     good = {"slot": "B", "version": "1.0.1", "state": "good", "booted": True, "tries_left": None}
     trial = {"slot": "A", "version": "1.0.2", "state": "on trial", "booted": False, "tries_left": 2}
     empty = {"slot": "B", "version": None, "state": "empty", "booted": False, "tries_left": None}
-    assert status.slots_line([trial, good]) == "A 1.0.2 on trial (2 tries left); B 1.0.1 booted, good"
-    assert status.slots_line([{**good, "slot": "A", "version": "1.0.0"}, empty]) == "A 1.0.0 booted, good; B empty"
+    assert probes_os.slots_line([trial, good]) == "A 1.0.2 on trial (2 tries left); B 1.0.1 booted, good"
+    assert probes_os.slots_line([{**good, "slot": "A", "version": "1.0.0"}, empty]) == "A 1.0.0 booted, good; B empty"
+
+
+# ----------------------------------------------------------------------------------- proxy
+
+
+def test_proxy_through_the_real_caddy(tree: Path, config: Config, live_proxy: LiveProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = behind(config, live_proxy, monkeypatch)
+    src = sources(tree, "http://127.0.0.1:1")
+    part = probes_proxy.probe_proxy(config, src)
+    assert part.state == probes.OK, part.reason
+    assert part.details["listening"] is True
+    assert config.proxy.hostname in part.details["certificate"]["names"]
+    assert part.details["certificate"]["days_left"] > 30
+    assert part.details["request"]["path"] == config.health_path
+    assert part.details["request"]["status"] == 200
+    line = status.summary("proxy", part.to_json())
+    assert line.startswith(f"certificate for {config.proxy.hostname}") and f"GET {config.health_path} HTTP 200" in line
+    # The server certificate runs out: degraded before it does.
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=part.details["certificate"]["days_left"] - 3)
+    soon = probes_proxy.probe_proxy(config, src, now=later)
+    assert soon.state == probes.DEGRADED and "expires on" in soon.reason
+
+
+def test_proxy_not_listening_untrusted_or_wrong_name(
+    tree: Path, config: Config, live_proxy: LiveProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = behind(config, live_proxy, monkeypatch)
+    src = sources(tree, "http://127.0.0.1:1")
+    closed = dataclasses.replace(config, proxy=dataclasses.replace(config.proxy, https_port=free_port()))
+    part = probes_proxy.probe_proxy(closed, src)
+    assert (part.state, part.details["listening"]) == (probes.DOWN, False)
+    assert part.reason == f"nothing listens on port {closed.proxy.https_port}"
+    other_name = dataclasses.replace(config, proxy=dataclasses.replace(config.proxy, hostname="elsewhere.example"))
+    part = probes_proxy.probe_proxy(other_name, src)
+    assert part.state == probes.DOWN and "certificate not trusted for elsewhere.example" in part.reason
+    monkeypatch.setattr(paths, "TLS_DIR", tree / "state" / "tls")
+    make_ca(paths.TLS_DIR / "ca.crt", days=365)  # another CA: the proxy's certificate is not from it
+    part = probes_proxy.probe_proxy(config, src)
+    assert part.state == probes.DOWN and "certificate not trusted" in part.reason
+
+
+def test_proxy_that_cannot_reach_the_engine_is_degraded(
+    tree: Path, config: Config, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The real Caddy in front of a port nobody listens on: it answers 502 or 503."""
+    from applianctl import tls
+    from builder.proxy import render_caddyfile
+
+    caddy = shutil.which("caddy")
+    if caddy is None:
+        pytest.skip("needs Debian's caddy (apt install caddy)")
+    port = free_port()
+    dead = LiveProxy(port, free_port(), tmp_path / "tls")
+    config = behind(config, dead, monkeypatch)
+    tls.generate(dead.tls_dir, config.proxy.hostname, tls.host_addresses(), group="appliance-no-such-group")
+    sock_dir = Path(tempfile.mkdtemp(prefix="st-"))
+    caddyfile = tmp_path / "Caddyfile"
+    caddyfile.write_text(render_caddyfile(config, tls_dir=dead.tls_dir, http_port=free_port(), admin=f"unix/{sock_dir}/admin.sock"))
+    log = tmp_path / "caddy.log"
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    with log.open("wb") as out:
+        proc = subprocess.Popen([caddy, "run", "--config", str(caddyfile), "--adapter", "caddyfile"], env=env, stdout=out, stderr=out)
+    try:
+        _wait_for(("127.0.0.1", port), proc, log)
+        part = probes_proxy.probe_proxy(config, sources(tree, "http://127.0.0.1:1"))
+    finally:
+        stop(proc)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    assert part.state == probes.DEGRADED, part.reason
+    code = part.details["request"]["status"]
+    assert code in (502, 503)  # 503 once Caddy's active health check has marked the engine down
+    assert part.reason == f"GET {config.health_path} through the proxy: HTTP {code}"
+
+
+
+# ----------------------------------------------------------------------------------- schema doc
+
+SCHEMA_DOC = ROOT / "docs" / "status-schema.md"
+# Maps whose own keys are names (units, figures), and state files shown as written: their keys
+# are not the schema's.
+NAMED_MAPS = {"units", "figures", "reached_s"}
+AS_WRITTEN = {"last_update", "last_assessment", "last_rollback", "sysupdate"}
+
+
+def documented() -> tuple[list[str], dict[str, set[str]]]:
+    """The parts in the schema doc's table, in order, and the keys each row names."""
+    order: list[str] = []
+    keys: dict[str, set[str]] = {}
+    for line in SCHEMA_DOC.read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        names, _states, details = (cell.strip() for cell in line.strip("|").split(" | "))
+        for name in re.findall(r"`([^`]+)`", names):
+            order.append(name)
+            keys[name] = set(re.findall(r"`([^`]+)`", details))
+    return order, keys
+
+
+def key_names(value: Any, out: set[str]) -> set[str]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out.add(k)
+            if k in AS_WRITTEN:
+                continue
+            if k in NAMED_MAPS and isinstance(v, dict):
+                for item in v.values():
+                    key_names(item, out)
+            else:
+                key_names(v, out)
+    elif isinstance(value, list):
+        for item in value:
+            key_names(item, out)
+    return out
+
+
+def test_the_schema_doc_matches_what_status_prints_both_ways(
+    tree: Path, config: Config, engine: str, live_proxy: LiveProxy, systemd_mock: MockSystemd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = behind(config, live_proxy, monkeypatch)
+    write_healthy(tree, config)
+    gpt(tree, [{"node": "/dev/vda2", "type": slots.USR_TYPE, "uuid": "aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa", "name": "appliance_1.0.0"}])
+    (tree / "esp" / "EFI" / "Linux" / "appliance_1.0.0+2-1.efi").write_bytes(b"uki")
+    (tree / "cmdline").write_text("usrhash=" + "a" * 64 + "\n")
+    _efivar(tree, "appliance_1.0.0+2-1.efi")
+    (paths.SHM_DIR / "vllm_offload_dead.mmap").write_bytes(b"\0" * 4096)
+    healthy = status.collect(config, sources(tree, engine, systemd_mock))
+    # The same appliance with the engine refusing and no model cache: the keys only those show.
+    Path(config.model.cache_dir).rmdir()
+    broken = status.collect(config, sources(tree, f"http://127.0.0.1:{free_port()}", systemd_mock))
+    docs = (healthy, broken)
+
+    order, keys = documented()
+    assert order == list(status.PARTS)
+    top = json.loads(re.search(r"```json\n(.*?)```", SCHEMA_DOC.read_text(), re.S).group(1))  # type: ignore[union-attr]
+    assert all(set(doc) == set(top) for doc in docs)
+    seen: dict[str, set[str]] = {name: set() for name in status.PARTS}
+    for doc in docs:
+        for name, part in doc["parts"].items():
+            assert {"state", "reason"} <= set(part)
+            key_names({k: v for k, v in part.items() if k not in ("state", "reason")}, seen[name])
+    undocumented = {name: sorted(seen[name] - keys[name]) for name in status.PARTS if seen[name] - keys[name]}
+    # A row that names several parts (verify, preflight, shm-check) is printed by any of them.
+    rows: dict[frozenset[str], set[str]] = {}
+    for name in status.PARTS:
+        rows.setdefault(frozenset(keys[name]), set()).update(seen[name])
+    never_printed = {tuple(sorted(row)): sorted(row - printed) for row, printed in rows.items() if row - printed}
+    assert undocumented == {}
+    assert never_printed == {}

@@ -1,0 +1,107 @@
+"""Status parts `os` and `slots`: the running version and the A/B slots with their boot entries.
+
+Every fact about slots, boot entries and boot counting comes from applianctl.slots, the one
+model of them that update, assess and rollback use too; this file only judges and words it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from appliance.config import Config
+from applianctl.probes import DEGRADED, NOT_CONFIGURED, OK, Part, Sources
+
+
+def read_os_release(path: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not line.startswith("#"):
+            out[key.strip()] = value.strip().strip("\"'")
+    return out
+
+
+def slots_reader(config: Config, src: Sources) -> Callable[[], dict[str, Any]]:
+    """slots.slots_summary() read once per status run, shared by the os and slots parts (it
+    runs sfdisk; both parts run side by side)."""
+    lock = threading.Lock()
+    cache: list[dict[str, Any]] = []
+
+    def read() -> dict[str, Any]:
+        from applianctl import slots  # imported in the probe's thread: its imports cost time
+
+        with lock:
+            if not cache:
+                host = src.slots_host if src.slots_host is not None else slots.Host()
+                cache.append(slots.slots_summary(host, config.appliance.version))
+            return cache[0]
+
+    return read
+
+
+def boot_counting(summary: dict[str, Any]) -> dict[str, Any]:
+    """The schema's boot_counting: {entry, state: on trial | not counting | not configured,
+    tries_left, tries_done}, from the slots model's reading of the boot loader's variables."""
+    counting = summary.get("boot_counting")
+    entry = summary.get("booted_entry")
+    if counting and counting.get("tries_left") is not None:
+        return {
+            "entry": counting.get("entry") or entry,
+            "state": "on trial",
+            "tries_left": counting["tries_left"],
+            "tries_done": counting["tries_done"],
+        }
+    if entry:
+        return {"entry": entry, "state": "not counting"}
+    return {"entry": None, "state": NOT_CONFIGURED}
+
+
+def probe_os(config: Config, src: Sources, read_slots: Callable[[], dict[str, Any]]) -> Part:
+    details: dict[str, Any] = {"version": config.appliance.version}
+    problems: list[str] = []
+    try:
+        details["image_version"] = read_os_release(src.os_release).get("IMAGE_VERSION")
+    except OSError:
+        details["image_version"] = None
+    if details["image_version"] and details["image_version"] != details["version"]:
+        problems.append(f"image version {details['image_version']} but appliance.json says {details['version']}")
+    summary = read_slots()
+    booted = next((s for s in summary["slots"] if s["booted"]), None)
+    details["usr"] = {
+        "slot": booted["slot"] if booted else None,
+        "partition": booted["partition"] if booted else None,
+        "label": booted["label"] if booted else None,
+        "version": booted["version"] if booted else None,
+    }
+    details["boot_counting"] = bc = boot_counting(summary)
+    if bc["state"] == "on trial" and bc["tries_left"] == 0:
+        problems.append(f"boot entry {bc['entry']} has no tries left: the next failed boot falls back")
+    return Part(DEGRADED if problems else OK, "; ".join(problems), details)
+
+
+def probe_slots(config: Config, read_slots: Callable[[], dict[str, Any]]) -> Part:
+    """Both A/B slots, their versions and boot entries, and whether the last upgrade rolled back."""
+    summary = read_slots()
+    if summary["rolled_back"]:
+        return Part(DEGRADED, f"last upgrade rolled back: {summary['rollback_reason']}", summary)
+    if not summary["slots"]:
+        reason = "; ".join(summary["errors"]) or "no A/B slots found"
+        return Part(NOT_CONFIGURED, reason.splitlines()[0], summary)
+    return Part(OK, slots_line(summary["slots"]), summary)
+
+
+def slots_line(found: list[dict[str, Any]]) -> str:
+    """"A 1.0.0 booted, good; B 1.0.1 on trial (2 tries left)" for the text status."""
+    out = []
+    for slot in found:
+        words = [slot["slot"], slot["version"] or "empty"]
+        state = slot["state"] if slot["version"] else ""
+        if slot["booted"]:
+            words.append("booted" + ("," if state else ""))
+        if state:
+            words.append(state + (f" ({slot['tries_left']} tries left)" if state == "on trial" else ""))
+        out.append(" ".join(words))
+    return "; ".join(out)
