@@ -6,6 +6,7 @@ Caddy runs unprivileged on free high ports; the stand-in is `python3 -m standin 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import json
@@ -323,6 +324,23 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
+@contextlib.contextmanager
+def _caddy(caddyfile: Path, home: Path, https_port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """The real Caddy on CADDYFILE, running until the block ends; ready once HTTPS_PORT connects."""
+    with log.open("wb") as out:
+        caddy = subprocess.Popen(
+            [CADDY, "run", "--config", str(caddyfile), "--adapter", "caddyfile"],
+            env=_env(home),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        _wait("caddy", lambda: _connects(https_port), caddy, log)
+        yield caddy
+    finally:
+        _stop(caddy)
+
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     if not os.access(CADDY, os.X_OK):
@@ -374,34 +392,21 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             render_caddyfile(config, tls_dir=tls_dir, http_port=http_port, admin=f"unix/{sock_dir}/admin.sock")
         )
         caddy_log = base / "caddy.log"
-        with caddy_log.open("wb") as out:
-            caddy = subprocess.Popen(
-                [CADDY, "run", "--config", str(caddyfile), "--adapter", "caddyfile"],
-                env=_env(base),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
         try:
-            _wait(
-                "caddy",
-                lambda: _connects(https_port),
-                caddy,
-                caddy_log,
-            )
-            yield Live(
-                https_port,
-                http_port,
-                engine_port,
-                config.proxy.hostname,
-                tls_dir / "ca.crt",
-                tls_dir,
-                caddyfile,
-                base,
-                engine_log,
-                caddy_log,
-            )
+            with _caddy(caddyfile, base, https_port, caddy_log):
+                yield Live(
+                    https_port,
+                    http_port,
+                    engine_port,
+                    config.proxy.hostname,
+                    tls_dir / "ca.crt",
+                    tls_dir,
+                    caddyfile,
+                    base,
+                    engine_log,
+                    caddy_log,
+                )
         finally:
-            _stop(caddy)
             shutil.rmtree(sock_dir, ignore_errors=True)
     finally:
         _stop(engine)
@@ -732,18 +737,8 @@ def raw_live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RawLive]:
         caddyfile = base / "Caddyfile"
         caddyfile.write_text(render_caddyfile(config, tls_dir=tls_dir, http_port=_free_port(), admin="off"))
         caddy_log = base / "caddy.log"
-        with caddy_log.open("wb") as out:
-            caddy = subprocess.Popen(
-                [CADDY, "run", "--config", str(caddyfile), "--adapter", "caddyfile"],
-                env=_env(base),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        try:
-            _wait("caddy", lambda: _connects(https_port), caddy, caddy_log)
+        with _caddy(caddyfile, base, https_port, caddy_log):
             yield RawLive(https_port, config.proxy.hostname, tls_dir / "ca.crt", backend.recorded, caddy_log)
-        finally:
-            _stop(caddy)
     finally:
         backend.shutdown()
         backend.server_close()
