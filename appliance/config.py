@@ -13,16 +13,17 @@ import json
 import math
 import os
 import re
-import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance import schema
 from appliance.errors import ConfigError
 from appliance.hashing import DIGEST as _DIGEST
 from appliance.hashing import SHA256 as _SHA256
+from appliance.schema import Check
 
 PROFILES = ("production", "demo")
 GIB = 1 << 30
@@ -30,7 +31,6 @@ GIB = 1 << 30
 # ----------------------------------------------------------------------------------- checks
 # Each check returns None when the value is good, else a hint saying what a good value is.
 
-Check = Callable[[Any], str | None]
 
 _DNS_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 _REVISION = re.compile(r"^[0-9a-f]{40}$")
@@ -116,7 +116,6 @@ def _one_of(*choices: str) -> Check:
 
 # Numbers are bounded, so that every accepted value renders into a unit as a plain number that
 # systemd and podman take as it is (no overflow, no exponent, no inf/NaN).
-MAX_INT = 2**31 - 1
 MAX_GIB = 1048576.0  # 1 PiB
 _DECIMAL = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,6})?$")  # ASCII digits only: float() also takes '١٢', '1e3', 'inf'
 
@@ -125,7 +124,7 @@ def _between(low: float, high: float) -> Check:
     return lambda value: None if low <= value <= high else f"a number from {low:g} to {high:g}"
 
 
-_positive = _between(1, MAX_INT)
+_positive = _between(1, schema.MAX_INT)
 
 
 def parse_decimal(text: str) -> float | None:
@@ -137,13 +136,10 @@ def _port(value: int) -> str | None:
     return None if 0 < value < 65536 else "a TCP port between 1 and 65535"
 
 
-def _check(fn: Check) -> dict[str, Check]:
-    return {"check": fn}
+_check = schema.check
 
 
-def _each(fn: Check) -> dict[str, Check]:
-    """Metadata for a tuple field: check every element."""
-    return {"each": fn}
+_each = schema.each
 
 
 # ----------------------------------------------------------------------------------- model
@@ -249,7 +245,10 @@ class Engine:
     log_max_files: int = field(default=5, metadata=_check(_between(1, 1000)))
     aiter_cache_dir: str = field(default="/var/lib/appliance/aiter", metadata=_check(_is_abs_path))
     crash_dir: str = field(default="/var/crash/vllm", metadata=_check(_is_abs_path))
-    env: Mapping[str, str] = field(default_factory=dict, metadata=_each(_is_env_value))
+    env: Mapping[str, str] = field(
+        default_factory=dict,
+        metadata={**_each(_is_env_value), "keys": lambda k: None if _ENV_NAME.match(k) else "a name of letters, digits and '_'"},
+    )
     health: Health = field(default_factory=Health)
     shm: Shm = field(default_factory=Shm)
     overlays: tuple[PinnedFile, ...] = ()
@@ -354,7 +353,7 @@ class Config:
 
     def to_json(self) -> dict[str, Any]:
         """The configuration as the device reads it (/usr/lib/appliance/appliance.json)."""
-        data = _plain(self)
+        data = schema.plain(self)
         assert isinstance(data, dict)
         data["engine"]["reference"] = self.engine.reference
         data["engine"]["offload_gib"] = self.engine.offload_gib
@@ -364,102 +363,24 @@ class Config:
         return data
 
 
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
 # ----------------------------------------------------------------------------------- loading
 
 
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is tuple:
-        return "a list of " + _type_name(typing.get_args(tp)[0]) + "s"
-    if origin in (types.UnionType, typing.Union):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
-    if dataclasses.is_dataclass(tp) or origin is Mapping:
-        return "a table"
-    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(tp, str(tp))
+class _Loader(schema.Loader):
+    """appliance.toml's (and appliance.json's) wording of the loader's faults."""
 
-
-class _Loader:
     def __init__(self, path: Path) -> None:
-        self.path = path
+        super().__init__(str(path))
 
-    def fail(self, key: str, value: Any, hint: str) -> typing.NoReturn:
+    def invalid(self, key: str, value: Any, expected: str) -> ConfigError:
         shown = repr(value) if not isinstance(value, dict) else "{...}"
-        raise ConfigError(f"{self.path}: {key} = {shown}: invalid", hint=f"expected {hint}")
+        return ConfigError(f"{self.where}: {key} = {shown}: invalid", hint=f"expected {expected}")
 
-    def value(self, tp: Any, value: Any, key: str, meta: Mapping[str, Any]) -> Any:
-        origin = typing.get_origin(tp)
-        if origin in (types.UnionType, typing.Union):
-            if value is None:
-                return None
-            (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-            return self.value(inner, value, key, meta)
-        if dataclasses.is_dataclass(tp):
-            if not isinstance(value, dict):
-                self.fail(key, value, "a table")
-            return self.dataclass(typing.cast(type, tp), value, key)
-        if origin is tuple:
-            (inner,) = typing.get_args(tp)[:1]
-            if not isinstance(value, list):
-                self.fail(key, value, _type_name(tp))
-            each = {"check": meta["each"]} if "each" in meta else {}
-            return tuple(self.value(inner, v, f"{key}[{i}]", each) for i, v in enumerate(value))
-        if origin is Mapping:
-            if not isinstance(value, dict):
-                self.fail(key, value, "a table of strings")
-            out = {}
-            for k, v in value.items():
-                if not _ENV_NAME.match(k):
-                    self.fail(f"{key}.{k}", v, "a name of letters, digits and '_'")
-                each = {"check": meta["each"]} if "each" in meta else {}
-                out[k] = self.value(str, v, f"{key}.{k}", each)
-            return types.MappingProxyType(out)
-        # bool is not a number, and a number is not a bool; floats must be finite
-        ok = type(value) is tp or (tp is float and type(value) is int)
-        if ok and tp is float:
-            ok = abs(value) <= 1e15 and math.isfinite(value)
-            value = float(value) if ok else value
-        if ok and tp is int:
-            ok = -MAX_INT <= value <= 10**15
-        if not ok:
-            self.fail(key, value, _type_name(tp) + (" (finite, at most 15 digits)" if tp in (int, float) else ""))
-        check = meta.get("check")
-        if check is not None and (hint := check(value)) is not None:
-            self.fail(key, value, hint)
-        return value
+    def unknown(self, key: str, known: list[str]) -> ConfigError:
+        return ConfigError(f"{self.where}: unknown key {key!r}", hint=f"known keys here: {', '.join(known)}")
 
-    def dataclass(self, cls: type, table: dict[str, Any], prefix: str, **given: Any) -> Any:
-        hints = typing.get_type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        for key in table:
-            if key not in fields or key == "profile":
-                known = ", ".join(n for n in fields if n != "profile")
-                raise ConfigError(
-                    f"{self.path}: unknown key {_join(prefix, key)!r}", hint=f"known keys here: {known}"
-                )
-        kwargs = dict(given)
-        for name, f in fields.items():
-            if name in given:
-                continue
-            key = _join(prefix, name)
-            if name in table:
-                kwargs[name] = self.value(hints[name], table[name], key, f.metadata)
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"{self.path}: missing key {key!r}", hint=f"add {key} ({_type_name(hints[name])})")
-        return cls(**kwargs)
-
-
-def _join(prefix: str, key: str) -> str:
-    return f"{prefix}.{key}" if prefix else key
+    def missing(self, key: str, tp: Any) -> ConfigError:
+        return ConfigError(f"{self.where}: missing key {key!r}", hint=f"add {key} ({schema.type_name(tp)})")
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -491,7 +412,7 @@ def load(path: Path, profile: str = "production") -> Config:
         raise ConfigError(f"{path}: unknown profile(s) {unknown}", hint="profiles.demo is the only profile section")
     if profile != "production":
         raw = _merge(raw, profiles.get(profile, {}))
-    config: Config = _Loader(path).dataclass(Config, raw, "", profile=profile)
+    config: Config = _Loader(path).load(Config, raw, "", profile=profile)
     _cross_checks(path, config)
     return config
 
@@ -560,7 +481,7 @@ def from_json(data: Any, path: Path) -> Config:
     for (section, key) in _DERIVED:
         if isinstance(table.get(section), dict) and key in table[section]:
             stored[(section, key)] = table[section].pop(key)
-    config: Config = _Loader(path).dataclass(Config, table, "", profile=data["profile"])
+    config: Config = _Loader(path).load(Config, table, "", profile=data["profile"])
     _cross_checks(path, config)
     for (section, key), value in stored.items():
         if value != _DERIVED[(section, key)](config):

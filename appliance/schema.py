@@ -1,0 +1,149 @@
+"""The one validation mechanism: frozen dataclasses describe a document, one loader walks them.
+
+The configuration (appliance.toml on the host, appliance.json on the device), the release
+manifest and the bundle index are each a tree of frozen dataclasses; `Loader.load` checks a parsed
+document against it: unknown keys refused, missing ones named, types exact (a bool is not a
+number, floats must be finite), and each field's own check (metadata "check", or "each" for the
+elements of a list or the values of a table, "keys" for a table's keys). A fault is one line
+naming the document, the key and the value, and a hint; each document words it through the
+Loader's methods (`invalid`, `unknown`, `missing`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from appliance.errors import UserError
+
+# Each check returns None when the value is good, else what a good value is ("a DNS name ...").
+Check = Callable[[Any], str | None]
+
+MAX_INT = 2**31 - 1
+
+
+def check(fn: Check) -> dict[str, Any]:
+    """Field metadata: check the value."""
+    return {"check": fn}
+
+
+def each(fn: Check) -> dict[str, Any]:
+    """Field metadata for a list or table: check every element (value)."""
+    return {"each": fn}
+
+
+def type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        return "a list of " + type_name(typing.get_args(tp)[0]).removeprefix("a ").removeprefix("an ") + "s"
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if dataclasses.is_dataclass(tp):
+        return "a table"
+    if origin is Mapping:
+        return "a table of " + type_name(typing.get_args(tp)[1]).removeprefix("a ").removeprefix("an ") + "s"
+    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(tp, str(tp))
+
+
+def join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    text = repr(value) if not isinstance(value, dict | list) else ("{...}" if isinstance(value, dict) else "[...]")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Loader:
+    """Walk a dataclass tree over parsed data. Subclasses word the faults for their document."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    # --- how faults read (override per document)
+
+    def invalid(self, key: str, value: Any, expected: str) -> UserError:
+        return UserError(f"{self.where}: {key} = {shown(value)}: invalid", hint=f"expected {expected}")
+
+    def unknown(self, key: str, known: list[str]) -> UserError:
+        return UserError(f"{self.where}: unknown key {key!r}", hint="known keys here: " + ", ".join(known))
+
+    def missing(self, key: str, tp: Any) -> UserError:
+        return UserError(f"{self.where}: missing key {key!r}", hint=f"add {key} ({type_name(tp)})")
+
+    # --- the walk
+
+    def load(self, cls: type, table: Any, prefix: str = "", **given: Any) -> Any:
+        """TABLE as CLS; GIVEN fields are set by the caller (never read from TABLE)."""
+        if not isinstance(table, dict):
+            raise self.invalid(prefix, table, "a table")
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for key in table:
+            if key not in fields or key in given:
+                raise self.unknown(join(prefix, key), [n for n in fields if n not in given])
+        kwargs = dict(given)
+        for name, f in fields.items():
+            if name in given:
+                continue
+            key = join(prefix, name)
+            if name in table:
+                kwargs[name] = self.value(hints[name], table[name], key, f.metadata)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise self.missing(key, hints[name])
+        return cls(**kwargs)
+
+    def value(self, tp: Any, value: Any, key: str, meta: Mapping[str, Any]) -> Any:
+        origin = typing.get_origin(tp)
+        if origin in (types.UnionType, typing.Union):
+            if value is None:
+                return None
+            (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+            return self.value(inner, value, key, meta)
+        if dataclasses.is_dataclass(tp):
+            return self.load(typing.cast(type, tp), value, key)
+        element = {"check": meta["each"]} if "each" in meta else {}
+        if origin is tuple:
+            if not isinstance(value, list):
+                raise self.invalid(key, value, type_name(tp))
+            inner = typing.get_args(tp)[0]
+            return tuple(self.value(inner, v, f"{key}[{i}]", element) for i, v in enumerate(value))
+        if origin is Mapping:
+            if not isinstance(value, dict):
+                raise self.invalid(key, value, type_name(tp))
+            inner = typing.get_args(tp)[1]
+            out = {}
+            for k, v in value.items():
+                keys = meta.get("keys")
+                if keys is not None and (hint := keys(k)) is not None:
+                    raise self.invalid(join(key, k), v, hint)
+                out[k] = self.value(inner, v, join(key, k), element)
+            return types.MappingProxyType(out)
+        # bool is not a number, and a number is not a bool; numbers are finite and bounded
+        ok = type(value) is tp or (tp is float and type(value) is int)
+        if ok and tp is float:
+            ok = math.isfinite(value) and abs(value) <= 1e15
+            value = float(value) if ok else value
+        if ok and tp is int:
+            ok = -MAX_INT <= value <= 10**15
+        if not ok:
+            raise self.invalid(key, value, type_name(tp) + (" (finite, at most 15 digits)" if tp in (int, float) else ""))
+        fn = meta.get("check")
+        if fn is not None and (hint := fn(value)) is not None:
+            raise self.invalid(key, value, hint)
+        return value
+
+
+def plain(value: Any) -> Any:
+    """A dataclass tree as JSON-ready dicts and lists."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    return value
