@@ -65,6 +65,8 @@ def mkosi_arguments(config: Config, generated: Path, sandbox: Path, repart: Path
         # while mkosi's scripts run
         f"--build-sources={ROOT}:appliance,{signing_key.parent}:signing-key",
         f"--environment=APPLIANCE_SIGNING_KEY_NAME={signing_key.name}",
+        # image/mkosi.postinst sets the kernel image transfer's TriesLeft= from it
+        f"--environment=APPLIANCE_BOOT_TRIES={config.update.boot_tries}",
         "-C", str(IMAGE_DIR),
         f"--extra-tree={generated}",
         f"--repart-directory={IMAGE_DIR / 'mkosi.repart'}",

@@ -141,6 +141,7 @@ def _qemu_command(disk: Path, vars_fd: Path, credentials: dict[str, str]) -> lis
         "-drive", f"if=virtio,format=raw,file={disk},cache=unsafe,discard=unmap",
         "-nic", "user,model=virtio-net-pci",
         "-device", "virtio-rng-pci",
+        "-device", "i6300esb",  # a hardware watchdog, as servers have (systemd.watchdog_sec= arms it)
         "-display", "none", "-monitor", "none",
     ]
     for name, value in credentials.items():

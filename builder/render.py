@@ -152,6 +152,9 @@ def install_os_settings(config: Config, tree: Path) -> None:
         f"AuthorizedKeysFile /{LIB}/ssh/authorized_keys\n"
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n",
     )
+    # No boot menu editor: without Secure Boot it would let anyone at the console change the
+    # kernel command line (init=/bin/sh). Copied to the ESP with /efi.
+    _write(tree / "efi/loader/loader.conf", "# SPDX-License-Identifier: MIT\neditor no\n")
     # Bounded engine logs: the compose stack kept log_max_size x log_max_files.
     size = int(config.engine.log_max_size[:-1]) * config.engine.log_max_files
     _write(

@@ -11,13 +11,17 @@ from pathlib import Path
 import pytest
 
 from appliance import config
+from appliance.errors import UserError
 from builder import engine_store, render
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # What only test machinery does: act on a plan or a boot-check request passed in as a credential,
-# or write to a serial port other than the console (ttyS1 is often the BMC's serial-over-LAN).
-TEST_MACHINERY = re.compile(r"bootcheck|appliance\.plan|ttyS[1-9]|/dev/hvc|hvc[0-9]|ImportCredential=appliance")
+# or write to a serial port other than the console (ttyS1 is often the BMC's serial-over-LAN),
+# or inject a fault (the synthetic bad versions' units).
+TEST_MACHINERY = re.compile(
+    r"bootcheck|appliance\.plan|ttyS[1-9]|/dev/hvc|hvc[0-9]|ImportCredential=appliance|appliance\.demo\.fault|sysrq-trigger"
+)
 
 
 def _tree(profile: str, tmp_path: Path) -> Path:
@@ -92,7 +96,8 @@ def test_demo_tree_has_the_boot_check(demo_tree: Path) -> None:
     assert "enable appliance-bootcheck.service" in presets
     # Only the demo package, its unit and its preset are test machinery.
     assert {n.split("/")[-1] for n in found} <= {"appliance-bootcheck.service", "appliance-bootcheck-trial.service",
-                                                "20-appliance-demo.preset", "bootcheck.py", "__init__.py"}
+                                                "20-appliance-demo.preset", "bootcheck.py", "__init__.py",
+                                                "appliance-demo-fault.service", "appliance-demo-panic.service"}
 
 
 def test_bootcheck_is_not_an_applianctl_verb() -> None:
@@ -131,3 +136,60 @@ def test_every_service_within_exposure_limit(profile: str, production_tree: Path
     scores = {u.name: _exposure(u) for u in units}
     over = {n: s for n, s in scores.items() if s > EXCEPTIONS.get(n, EXPOSURE_LIMIT)}
     assert over == {}, scores
+
+
+# ------------------------------------------------------------------------- boot robustness
+def test_boot_deadline_counts_from_the_assessment_deadline(production_tree: Path, demo_tree: Path) -> None:
+    for profile, tree in (("production", production_tree), ("demo", demo_tree)):
+        c = config.load(ROOT / "appliance.toml", profile)
+        timer = (tree / "usr/lib/systemd/system/appliance-boot-deadline.timer").read_text()
+        assert f"OnBootSec={c.update.assessment_deadline_s + 300}s" in timer
+        # only on counted boots (systemd-boot sets this variable for an entry with tries left)
+        assert "ConditionPathExists=/sys/firmware/efi/efivars/LoaderBootCountPath-" in timer
+        preset = (tree / "usr/lib/systemd/system-preset/10-appliance.preset").read_text()
+        assert "enable appliance-boot-deadline.timer" in preset
+
+
+def test_boot_menu_editor_off(production_tree: Path) -> None:
+    assert (production_tree / "efi/loader/loader.conf").read_text().splitlines()[-1] == "editor no"
+
+
+def test_kernel_reboots_on_panic_and_arms_the_watchdog() -> None:
+    mkosi_conf = (ROOT / "image/mkosi.conf").read_text()
+    for word in ("panic=10", "oops=panic", "systemd.watchdog_sec=", "systemd.crash_action=reboot"):
+        assert word in mkosi_conf, word
+
+
+def test_lean_initrd_keeps_what_reaching_usr_needs() -> None:
+    text = (ROOT / "image/mkosi.conf").read_text()
+    assert "KernelModulesInitrdExclude=.*" in text
+    include = text.split("KernelModulesInitrdInclude=")[1].split("Packages=")[0]
+    patterns = [re.compile(line.strip()) for line in include.splitlines() if line.strip()]
+    needed = ["drivers/block/virtio_blk.ko.xz", "drivers/nvme/host/nvme.ko.xz", "drivers/ata/ahci.ko.xz",
+              "drivers/md/dm-verity.ko.xz", "fs/erofs/erofs.ko.xz", "fs/ext4/ext4.ko.xz", "fs/fat/vfat.ko.xz",
+              "drivers/usb/storage/usb-storage.ko.xz", "drivers/watchdog/i6300esb.ko.xz"]
+    for path in needed:
+        assert any(p.search(path) for p in patterns), path
+    for path in ("drivers/gpu/drm/amd/amdgpu/amdgpu.ko.xz", "drivers/net/wireless/intel/iwlwifi/iwlwifi.ko.xz"):
+        assert not any(p.search(path) for p in patterns), path
+
+
+def test_bad_versions_use_words_the_demo_units_act_on(demo_tree: Path, production_tree: Path) -> None:
+    from builder import faults
+
+    demo = config.load(ROOT / "appliance.toml", "demo")
+    units = {p.name: p.read_text() for p in (demo_tree / "usr/lib/systemd/system").iterdir()}
+    for fault, words in faults.FAULTS.items():
+        bad = faults.bad_version(demo, "9.9.9", fault, assessment_deadline_s=60)
+        assert bad.config.appliance.version == "9.9.9" and bad.config.update.assessment_deadline_s == 60
+        assert bad.mkosi_args == (f"--kernel-command-line={' '.join(words)}",)
+        for word in words:
+            if word.startswith("systemd.mask="):
+                assert word.removeprefix("systemd.mask=") in units, word
+            else:  # a demo unit acts on it, and no production unit does
+                assert any(f"ConditionKernelCommandLine={word}" in text for text in units.values()), word
+                assert not any(word in p.read_text() for p in (production_tree / "usr/lib/systemd/system").iterdir())
+    with pytest.raises(UserError, match="demo profile only"):
+        faults.bad_version(config.load(ROOT / "appliance.toml", "production"), "9.9.9", "panic")
+    with pytest.raises(UserError, match="unknown fault"):
+        faults.bad_version(demo, "9.9.9", "gremlins")
