@@ -21,7 +21,8 @@ import binascii
 import hashlib
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -29,6 +30,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from appliance import schema
 from appliance.errors import UserError
 from appliance.hashing import DIGEST, SHA256
 
@@ -137,52 +139,30 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 
 def _fail(field: str, value: Any, expected: str) -> ManifestError:
-    shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
     return ManifestError(
-        f"manifest: {field} = {shown}: expected {expected}", hint="the manifest was not written by this builder"
+        f"manifest: {field} = {schema.shown(value)}: expected {expected}", hint="the manifest was not written by this builder"
     )
 
 
-def _string(regex: re.Pattern[str], expected: str) -> Callable[[str, Any], None]:
-    def check(field: str, value: Any) -> None:
-        if not isinstance(value, str) or not regex.match(value):
-            raise _fail(field, value, expected)
+class _Loader(schema.Loader):
+    """The manifest's wording of the loader's faults."""
 
-    return check
+    def invalid(self, key: str, value: Any, expected: str) -> ManifestError:
+        return _fail(key, value, expected)
 
+    def unknown(self, key: str, known: list[str]) -> ManifestError:
+        return ManifestError(f"manifest: unknown field {key!r}", hint="known fields here: " + ", ".join(sorted(known)))
 
-def _one_of(*choices: str) -> Callable[[str, Any], None]:
-    def check(field: str, value: Any) -> None:
-        if value not in choices:
-            raise _fail(field, value, "one of " + ", ".join(choices))
-
-    return check
+    def missing(self, key: str, tp: Any) -> ManifestError:
+        return ManifestError(f"manifest: missing field {key!r}", hint="the manifest is incomplete")
 
 
-def _object(fields: Mapping[str, Callable[[str, Any], None]]) -> Callable[[str, Any], None]:
-    def check(field: str, value: Any) -> None:
-        if not isinstance(value, dict):
-            raise _fail(field, value, "an object with " + ", ".join(sorted(fields)))
-        unknown = sorted(set(value) - set(fields))
-        if unknown:
-            raise ManifestError(
-                f"manifest: unknown field {_join(field, unknown[0])!r}",
-                hint="known fields here: " + ", ".join(sorted(fields)),
-            )
-        for name, sub in fields.items():
-            if name not in value:
-                raise ManifestError(
-                    f"manifest: missing field {_join(field, name)!r}", hint="the manifest is incomplete"
-                )
-            sub(_join(field, name), value[name])
-
-    return check
+def _string(regex: re.Pattern[str], expected: str) -> dict[str, Any]:
+    return schema.check(lambda v: None if regex.match(v) else expected)
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+def _one_of(*choices: str) -> dict[str, Any]:
+    return schema.check(lambda v: None if v in choices else "one of " + ", ".join(choices))
 
 
 def is_repo_path(value: str) -> bool:
@@ -196,36 +176,58 @@ def is_abs_path(value: str) -> bool:
     return is_repo_path(value[1:])
 
 
-def _repo_path(field: str, value: Any) -> None:
-    if not isinstance(value, str) or not is_repo_path(value):
-        raise _fail(field, value, "a path relative to the project root, without '..'")
+@dataclass(frozen=True)
+class File:
+    """A file the release carries: where it comes from in the project, where it goes, its hash."""
+
+    kind: str = field(metadata=_one_of(*KINDS))
+    path: str = field(
+        metadata=schema.check(lambda v: None if is_repo_path(v) else "a path relative to the project root, without '..'")
+    )
+    target: str = field(
+        metadata=schema.check(lambda v: None if v == "" or is_abs_path(v) else "an absolute path without '..' (or \"\" for a diff)")
+    )
+    sha256: str = field(metadata=_string(SHA256, "64 lower-case hex digits"))
 
 
-def _target(field: str, value: Any) -> None:
-    if not isinstance(value, str) or not (value == "" or is_abs_path(value)):
-        raise _fail(field, value, "an absolute path without '..' (or \"\" for a diff)")
+@dataclass(frozen=True)
+class EngineImage:
+    reference: str = field(metadata=_string(_REF, "an image reference such as vllm/vllm-openai-rocm@sha256:..."))
+    digest: str = field(metadata=_string(DIGEST, "'sha256:' and 64 lower-case hex digits"))
+    # the read-only image store on its own partition (builder/engine_store.py)
+    store_label: str = field(metadata=_string(re.compile(r"^engine_[0-9a-f]{12}$"), "engine_ and 12 hex digits"))
+    store_roothash: str = field(metadata=_string(SHA256, "the store's dm-verity root hash: 64 lower-case hex digits"))
 
 
-_FILE = _object(
-    {
-        "kind": _one_of(*KINDS),
-        "path": _repo_path,
-        "target": _target,
-        "sha256": _string(SHA256, "64 lower-case hex digits"),
-    }
-)
+@dataclass(frozen=True)
+class ModelRef:
+    id: str = field(metadata=_string(_MODEL_ID, "a model id such as org/name"))
+    revision: str = field(metadata=_string(_REVISION, "40 lower-case hex digits"))
 
 
-def _files(field: str, value: Any) -> None:
-    if not isinstance(value, list):
-        raise _fail(field, value, "a list of files")
+@dataclass(frozen=True)
+class Manifest:
+    """The signed release manifest, as the schema loader reads it."""
+
+    version: str = field(metadata=_string(VERSION, "numbers joined by dots, e.g. 1.4.0"))
+    min_version: str = field(metadata=_string(VERSION, "numbers joined by dots, e.g. 1.0.0"))
+    build_time: str = field(metadata=_string(_TIME, "a UTC time such as 2026-08-04T12:00:00Z"))
+    profile: str = field(metadata=_one_of(*PROFILES))
+    engine_image: EngineImage
+    model: ModelRef
+    kernel_version: str = field(metadata=_string(_TEXT, "a kernel release such as 6.12.38+deb13-amd64"))
+    files: tuple[File, ...]
+    signer: str = field(metadata=_string(KEY_ID, "a key id: 16 lower-case hex digits"))
+
+
+def _check_files(files: tuple[File, ...]) -> None:
+    """Rules across the file list: each file once, unique device names and targets, firmware in place."""
     seen: set[tuple[str, str]] = set()
     device_names: set[tuple[str, str]] = set()
     targets: set[str] = set()
-    for i, entry in enumerate(value):
-        where = f"{field}[{i}]"
-        _FILE(where, entry)
-        kind, path, target = entry["kind"], entry["path"], entry["target"]
+    for i, entry in enumerate(files):
+        where = f"files[{i}]"
+        kind, path, target = entry.kind, entry.path, entry.target
         if (kind, path) in seen:
             raise ManifestError(f"manifest: {where}: {kind} {path} is listed twice", hint="list each file once")
         seen.add((kind, path))
@@ -248,42 +250,22 @@ def _files(field: str, value: Any) -> None:
         targets.add(target)
 
 
-FIELDS: Mapping[str, Callable[[str, Any], None]] = {
-    "version": _string(VERSION, "numbers joined by dots, e.g. 1.4.0"),
-    "min_version": _string(VERSION, "numbers joined by dots, e.g. 1.0.0"),
-    "build_time": _string(_TIME, "a UTC time such as 2026-08-04T12:00:00Z"),
-    "profile": _one_of(*PROFILES),
-    "engine_image": _object(
-        {
-            "reference": _string(_REF, "an image reference such as vllm/vllm-openai-rocm@sha256:..."),
-            "digest": _string(DIGEST, "'sha256:' and 64 lower-case hex digits"),
-            # the read-only image store on its own partition (builder/engine_store.py)
-            "store_label": _string(re.compile(r"^engine_[0-9a-f]{12}$"), "engine_ and 12 hex digits"),
-            "store_roothash": _string(SHA256, "the store's dm-verity root hash: 64 lower-case hex digits"),
-        }
-    ),
-    "model": _object(
-        {
-            "id": _string(_MODEL_ID, "a model id such as org/name"),
-            "revision": _string(_REVISION, "40 lower-case hex digits"),
-        }
-    ),
-    "kernel_version": _string(_TEXT, "a kernel release such as 6.12.38+deb13-amd64"),
-    "files": _files,
-    "signer": _string(KEY_ID, "a key id: 16 lower-case hex digits"),
-}
-_MANIFEST = _object(FIELDS)
+def load(manifest: Any) -> Manifest:
+    """MANIFEST (parsed JSON) as the typed model, checked by the schema loader (unknown fields refused)."""
+    model: Manifest = _Loader("manifest").load(Manifest, manifest)
+    _check_files(model.files)
+    if version_tuple(model.min_version) > version_tuple(model.version):
+        raise ManifestError(
+            f"manifest: min_version {model.min_version} is newer than version {model.version}",
+            hint="min_version is the oldest version this release may be installed over",
+        )
+    return model
 
 
 def validate(manifest: Any) -> dict[str, Any]:
     """Check MANIFEST against the schema (unknown fields refused); return it."""
-    _MANIFEST("", manifest)
+    load(manifest)
     assert isinstance(manifest, dict)
-    if version_tuple(manifest["min_version"]) > version_tuple(manifest["version"]):
-        raise ManifestError(
-            f"manifest: min_version {manifest['min_version']} is newer than version {manifest['version']}",
-            hint="min_version is the oldest version this release may be installed over",
-        )
     return manifest
 
 
