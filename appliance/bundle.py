@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 
-from appliance import manifest
+from appliance import manifest, schema
 from appliance.errors import Refused, UserError
 from appliance.hashing import DIGEST, SHA256
 
@@ -87,71 +89,84 @@ def source_names(index: dict[str, Any]) -> dict[str, str]:
 
 
 def _bad(field: str, value: Any, expected: str) -> Refused:
-    shown = repr(value)
-    return Refused(f"bundle.json: {field} = {shown[:60]}: expected {expected}", hint=NOT_OURS)
+    return Refused(f"bundle.json: {field} = {schema.shown(value, 60)}: expected {expected}", hint=NOT_OURS)
 
 
-def validate_index(index: Any) -> dict[str, Any]:
-    """Check the schema of a parsed bundle.json (unknown fields refused); return it."""
-    fields = {
-        "format", "version", "min_version", "profile", "engine_digest", "usrhash", "files", "partition_sizes", "manifest_sha256", "signer",
-    }
-    if not isinstance(index, dict):
-        raise _bad("bundle", index, "an object")
-    if set(index) != fields:
-        extra, missing = sorted(set(index) - fields), sorted(fields - set(index))
-        raise Refused(
-            f"bundle.json: {'unknown field ' + repr(extra[0]) if extra else 'missing field ' + repr(missing[0])}",
-            hint="the bundle was written by another version of the builder",
-        )
-    if index["format"] != BUNDLE_FORMAT:
-        raise _bad("format", index["format"], f"{BUNDLE_FORMAT}")
-    for key, regex, expected in (
-        ("version", manifest.VERSION, "numbers joined by dots"),
-        ("min_version", manifest.VERSION, "numbers joined by dots"),
-        ("engine_digest", DIGEST, "sha256: and 64 hex digits"),
-        ("usrhash", SHA256, "64 hex digits"),
-        ("manifest_sha256", SHA256, "64 hex digits"),
-        ("signer", manifest.KEY_ID, "a key id of 16 hex digits"),
-    ):
-        if not isinstance(index[key], str) or not regex.match(index[key]):
-            raise _bad(key, index[key], expected)
-    if index["profile"] not in manifest.PROFILES:
-        raise _bad("profile", index["profile"], "one of " + ", ".join(manifest.PROFILES))
-    if manifest.version_tuple(index["min_version"]) > manifest.version_tuple(index["version"]):
-        raise _bad("min_version", index["min_version"], f"not newer than version {index['version']}")
-    files = index["files"]
-    if not isinstance(files, list) or not files:
-        raise _bad("files", files, "a list of files")
-    names = []
-    for i, f in enumerate(files):
-        if not isinstance(f, dict) or set(f) != {"name", "sha256", "size"}:
-            raise _bad(f"files[{i}]", f, "an object with name, sha256, size")
-        if not isinstance(f["name"], str) or not _NAME.match(f["name"]):
-            raise _bad(f"files[{i}].name", f["name"], "a plain file name")
-        if not isinstance(f["sha256"], str) or not SHA256.match(f["sha256"]):
-            raise _bad(f"files[{i}].sha256", f["sha256"], "64 hex digits")
-        if not isinstance(f["size"], int) or isinstance(f["size"], bool) or f["size"] < 0:
-            raise _bad(f"files[{i}].size", f["size"], "a size in bytes")
-        names.append(f["name"])
-    short = engine_short(index["engine_digest"])
-    with_engine = f"engine_{short}.raw" in names
-    wanted = set(payload_names(index["version"], index["engine_digest"], with_engine).values())
+class _Loader(schema.Loader):
+    """bundle.json's wording of the loader's faults: every one refuses the bundle (exit 1)."""
+
+    def invalid(self, key: str, value: Any, expected: str) -> Refused:
+        return _bad(key or "bundle", value, expected)
+
+    def unknown(self, key: str, known: list[str]) -> Refused:
+        return Refused(f"bundle.json: unknown field {key!r}", hint="the bundle was written by another version of the builder")
+
+    def missing(self, key: str, tp: Any) -> Refused:
+        return Refused(f"bundle.json: missing field {key!r}", hint="the bundle was written by another version of the builder")
+
+
+def _string(regex: re.Pattern[str], expected: str) -> dict[str, Any]:
+    return schema.check(lambda v: None if regex.match(v) else expected)
+
+
+_SIZE = schema.check(lambda v: None if v >= 0 else "a size in bytes")
+
+
+@dataclass(frozen=True)
+class BundleFile:
+    name: str = field(metadata=_string(_NAME, "a plain file name"))
+    sha256: str = field(metadata=_string(SHA256, "64 hex digits"))
+    size: int = field(metadata=_SIZE)
+
+
+@dataclass(frozen=True)
+class BundleIndex:
+    """bundle.json, as the schema loader reads it."""
+
+    format: int = field(metadata=schema.check(lambda v: None if v == BUNDLE_FORMAT else f"{BUNDLE_FORMAT}"))
+    version: str = field(metadata=_string(manifest.VERSION, "numbers joined by dots"))
+    min_version: str = field(metadata=_string(manifest.VERSION, "numbers joined by dots"))
+    profile: str = field(metadata=schema.check(lambda v: None if v in manifest.PROFILES else "one of " + ", ".join(manifest.PROFILES)))
+    engine_digest: str = field(metadata=_string(DIGEST, "sha256: and 64 hex digits"))
+    usrhash: str = field(metadata=_string(SHA256, "64 hex digits"))
+    files: tuple[BundleFile, ...]
+    # the /usr images are shipped without their trailing zeros; these are their full sizes
+    partition_sizes: Mapping[str, int] = field(metadata=schema.each(lambda v: None if v >= 0 else "a size in bytes"))
+    manifest_sha256: str = field(metadata=_string(SHA256, "64 hex digits"))
+    signer: str = field(metadata=_string(manifest.KEY_ID, "a key id of 16 hex digits"))
+
+
+def load_index(index: Any) -> BundleIndex:
+    """A parsed bundle.json as the typed model: the schema loader, then the rules across fields."""
+    model: BundleIndex = _Loader("bundle.json").load(BundleIndex, index)
+    if manifest.version_tuple(model.min_version) > manifest.version_tuple(model.version):
+        raise _bad("min_version", model.min_version, f"not newer than version {model.version}")
+    if not model.files:
+        raise _bad("files", [], "a list of files")
+    names = [f.name for f in model.files]
+    with_engine = f"engine_{engine_short(model.engine_digest)}.raw" in names
+    wanted = set(payload_names(model.version, model.engine_digest, with_engine).values())
     if len(names) != len(set(names)) or set(names) != wanted:
         odd = sorted(set(names) ^ wanted)
         raise Refused(
             f"bundle.json: the file list is not that of a release bundle (differs in {', '.join(odd) or 'duplicates'})",
             hint=NOT_OURS,
         )
-    # the /usr images are shipped without their trailing zeros; these are their full sizes
-    sizes, os_names = index["partition_sizes"], payload_names(index["version"], index["engine_digest"], False)
+    os_names = payload_names(model.version, model.engine_digest, False)
     trimmed = {os_names["usr"], os_names["usr-verity"]}
-    if not isinstance(sizes, dict) or set(sizes) != trimmed:
-        raise _bad("partition_sizes", sizes, f"the full sizes of {' and '.join(sorted(trimmed))}")
-    by_name = {f["name"]: f["size"] for f in files}
-    for name, size in sizes.items():
-        if not isinstance(size, int) or isinstance(size, bool) or size < by_name[name]:
+    if set(model.partition_sizes) != trimmed:
+        raise _bad("partition_sizes", dict(model.partition_sizes), f"the full sizes of {' and '.join(sorted(trimmed))}")
+    by_name = {f.name: f.size for f in model.files}
+    for name, size in model.partition_sizes.items():
+        if size < by_name[name]:
             raise _bad(f"partition_sizes.{name}", size, f"a size of at least the file's {by_name[name]} bytes")
+    return model
+
+
+def validate_index(index: Any) -> dict[str, Any]:
+    """Check the schema of a parsed bundle.json (unknown fields refused); return it."""
+    load_index(index)
+    assert isinstance(index, dict)
     return index
 
 

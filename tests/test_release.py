@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fake_release import bundle, demo_config, fake_build, make_signing, usrhash_for
 
 from appliance import bundle as bundle_format
 from appliance import manifest
-from appliance.errors import UserError
+from appliance.errors import Refused, UserError
 from builder import release as rel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,3 +102,38 @@ def test_cli_parser_wires_release(tmp_path: Path) -> None:
     rel.add_parser(sub)
     args = parser.parse_args(["release", "--output", str(tmp_path / "b"), "--previous", "1.0.0"])
     assert args.func is rel.cmd_release and args.previous == "1.0.0"
+
+
+# ----------------------------------------------------------------------------------- the index's schema
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda i: i.update(extra=1), r"unknown field 'extra'"),
+        (lambda i: i.pop("signer"), r"missing field 'signer'"),
+        (lambda i: i["files"][0].update(size=True), r"files\[0\]\.size = True"),  # a bool is not a size
+        (lambda i: i["files"][0].update(size=1.0), r"files\[0\]\.size = 1\.0"),
+        (lambda i: i["files"][0].update(size=10**30), r"files\[0\]\.size"),
+        (lambda i: i["files"][0].update(size=-1), r"files\[0\]\.size = -1"),
+        (lambda i: i.update(format=2), r"format = 2"),
+        (lambda i: i["partition_sizes"].update(x=1), r"partition_sizes"),
+        (lambda i: i.update(files=[]), r"files"),
+    ],
+)
+def test_index_schema_refusals_are_one_line(tmp_path: Path, signing: tuple[Path, Path], change: Any, match: str) -> None:
+    key, _ = signing
+    index = json.loads((bundle(tmp_path, key) / "bundle.json").read_text())
+    assert bundle_format.load_index(index).version == "2.0.0"
+    change(index)
+    with pytest.raises(Refused, match=match) as e:
+        bundle_format.validate_index(index)
+    assert e.value.exit_status == 1 and "\n" not in e.value.message and e.value.hint
+
+
+def test_manifest_loads_as_the_typed_model(tmp_path: Path, signing: tuple[Path, Path]) -> None:
+    key, _ = signing
+    data = manifest.parse_canonical((bundle(tmp_path, key) / "manifest.json").read_bytes())
+    model = manifest.load(data)
+    assert model.version == data["version"] and model.engine_image.digest == data["engine_image"]["digest"]
+    assert [f.path for f in model.files] == [f["path"] for f in data["files"]]
