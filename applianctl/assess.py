@@ -1,13 +1,17 @@
-"""`applianctl assess`: judge a new version by whether it serves (appliance-assess.service).
+"""`applianctl assess`: judge a new version by what its clients get (appliance-assess.service).
 
 Runs on a boot under boot counting only (systemd-boot set LoaderBootCountPath, or the booted
 entry's name carries +LEFT[-DONE]); on any other boot the version was judged good already and
 this is a no-op, so an engine that fails later on a good version is restarted by its unit, never
 rolled back.
 
-Within update.assessment_deadline_s the engine must answer its health check and then the
-runbook's smoke completion ("Calculate 17 * 23..." must contain 391), straight on the engine's
-loopback port. Success: exit 0, boot-complete.target is reached and systemd-bless-boot marks the
+Within update.assessment_deadline_s the runbook's smoke completion ("Calculate 17 * 23..." must
+contain 391, applianctl.smoke) must succeed the way a client reaches the appliance: through the
+proxy, over TLS, on the public port (proxy.https_port), with the configured server name as SNI
+and Host, trusting the appliance's own CA (paths.TLS_DIR/ca.crt; the system's CAs with ACME).
+It connects to 127.0.0.1: the proxy admits the appliance's own loopback besides allowed_cidrs.
+So a version that breaks the proxy, TLS or the engine is judged bad; one whose proxy never
+listens too. Success: exit 0, boot-complete.target is reached and systemd-bless-boot marks the
 entry good. Failure: the reason goes to /var/lib/appliance/update/last-assessment.json and the
 machine reboots; each boot uses up one try, and when none is left systemd-boot falls back to the
 previous version by itself.
@@ -18,45 +22,67 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import requests
-
 from appliance import atomic as state
-from appliance import manifest
+from appliance import manifest, paths
+from appliance.config import Config, load_device
 from appliance.errors import UserError
 from appliance.run import run
-from applianctl import config as appliance_config
 from applianctl import slots, smoke
 
 POLL_S = 5.0
+ATTEMPT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how the assessment reaches the appliance, as a client does."""
+
+    url: str
+    server_name: str | None
+    ca: Path | None  # None: the system's CAs
+
+    def describe(self) -> str:
+        return f"{self.url} as {self.server_name}" if self.server_name else self.url
+
+
+def client_target(config: Config, url: str | None = None) -> Target:
+    """The proxy's public port on loopback, its server name and the appliance CA (a --url
+    overrides the address, for a test or a look at the engine alone)."""
+    if url:
+        return Target(url.rstrip("/"), None, None)
+    ca = paths.TLS_DIR / "ca.crt" if config.proxy.tls == "internal" else None
+    return Target(f"https://127.0.0.1:{config.proxy.https_port}", config.proxy.hostname, ca)
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def wait_serving(base: str, health_path: str, model: str, deadline_s: float, poll_s: float = POLL_S) -> tuple[bool, str]:
-    """(True, "") once the engine is healthy and the smoke completion right within DEADLINE_S;
-    else (False, why) naming the last thing that was wrong."""
-    session = requests.Session()
-    session.trust_env = False
+def wait_serving(target: Target, model: str, deadline_s: float, poll_s: float = POLL_S) -> tuple[bool, str]:
+    """(True, "") once the smoke completion through TARGET is right within DEADLINE_S; else
+    (False, why) naming the last thing that was wrong."""
     end = time.monotonic() + deadline_s
-    why = f"engine not healthy within {deadline_s:g} s"
+    why = f"nothing answered on {target.describe()}"
     while True:
         left = end - time.monotonic()
         if left <= 0:
-            return False, why
-        try:
-            r = session.get(base + health_path, timeout=min(5.0, max(left, 0.1)))
-            healthy = r.status_code == 200
-        except requests.RequestException:
-            healthy = False
-        if healthy:
-            result = smoke.smoke(session, base, model, timeout=min(120.0, max(end - time.monotonic(), 1.0)))
+            return False, f"no right smoke completion through {target.describe()} within {deadline_s:g} s (last: {why})"
+        if target.ca is not None and not target.ca.is_file():
+            why = f"the appliance CA {target.ca} does not exist (appliance-tls.service)"
+        else:
+            verify: bool | str = str(target.ca) if target.ca is not None else True
+            session = smoke.session_for(target.url, target.server_name, verify)
+            try:
+                result = smoke.smoke(session, target.url, model, timeout=min(ATTEMPT_TIMEOUT_S, max(left, 0.5)))
+            finally:
+                session.close()
             if result.ok:
                 return True, ""
-            why = f"smoke completion not right within {deadline_s:g} s: {result.message}"
+            why = result.message
         time.sleep(min(poll_s, max(end - time.monotonic(), 0)))
 
 
@@ -65,21 +91,20 @@ def demote_newer(host: slots.Host, version: str) -> list[str]:
     stays the default, as the operator asked."""
     demoted = []
     for entry in slots.entries(host):
-        if manifest.version_tuple(entry.version) > manifest.version_tuple(version) and entry.state != "bad":
-            target = entry.path.with_name(f"appliance_{entry.version}+0.efi")
+        if manifest.version_tuple(entry.version) > manifest.version_tuple(version) and entry.state != slots.BAD:
+            target = entry.renamed(0)
             entry.path.rename(target)
+            state.fsync_dir(target.parent)
             demoted.append(target.name)
-    if demoted and host.esp is not None:
-        state.fsync_dir(host.esp / "EFI" / "Linux")
     return demoted
 
 
 def assess(
-    config: dict[str, Any],
+    config: Config,
     *,
     host: slots.Host | None = None,
     deadline_s: float | None = None,
-    engine_url: str | None = None,
+    url: str | None = None,
     poll_s: float = POLL_S,
     reboot: Callable[[], None] | None = None,
     say: Callable[[str], None] = print,
@@ -92,20 +117,22 @@ def assess(
     try:
         version = slots.running_manifest()["version"]
     except UserError:
-        version = config.get("appliance", {}).get("version")
-    deadline = float(deadline_s if deadline_s is not None else config.get("update", {}).get("assessment_deadline_s", 3600))
-    engine = config["engine"]
-    base = (engine_url or f"http://127.0.0.1:{engine['port']}").rstrip("/")
-    health_path = engine.get("health", {}).get("path", "/health")
-    model = str(engine.get("served_model_name") or config["model"]["id"])
-    say(f"assessing {version} (entry {counting.get('entry')}, {counting.get('tries_left')} tries left): serving within {deadline:g} s")
-    ok, why = wait_serving(base, health_path, model, deadline, poll_s)
+        version = config.appliance.version
+    deadline = float(deadline_s if deadline_s is not None else config.update.assessment_deadline_s)
+    model = config.served_model
+    target = client_target(config, url)
+    say(
+        f"assessing {version} (entry {counting.get('entry')}, {counting.get('tries_left')} tries left): "
+        f"the smoke completion through {target.describe()} within {deadline:g} s"
+    )
+    ok, why = wait_serving(target, model, deadline, poll_s)
     record: dict[str, Any] = {
         "version": version,
         "ok": ok,
         "entry": counting.get("entry"),
         "tries_left": counting.get("tries_left"),
         "deadline_s": deadline,
+        "through": target.describe(),
         "at": _now(),
     }
     if ok:
@@ -114,7 +141,7 @@ def assess(
         if last.get("downgrade") and last.get("version") == version:
             record["demoted"] = demote_newer(host, version)
         state.write_json_atomic(slots.last_assessment_path(), record)
-        say(f"{version} serves: judged good")
+        say(f"{version} serves its clients: judged good")
         return 0
     record["reason"] = f"rolled back: {why}"
     state.write_json_atomic(slots.last_assessment_path(), record)
@@ -128,14 +155,15 @@ def _reboot() -> None:
 
 
 def cmd_assess(args: argparse.Namespace) -> int:
-    config = appliance_config.load()
-    return assess(config, deadline_s=args.deadline, engine_url=args.url, poll_s=args.poll)
+    config = load_device()
+    return assess(config, deadline_s=args.deadline, url=args.url, poll_s=args.poll)
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("assess", help="judge this boot's version by whether it serves (boot assessment)")
+    p = subparsers.add_parser("assess", help="judge this boot's version by what its clients get (boot assessment)")
     p.add_argument("--deadline", type=float, help="seconds to serve (default: update.assessment_deadline_s)")
-    p.add_argument("--url", help="the engine's base URL (default: http://127.0.0.1:{engine.port})")
-    p.add_argument("--poll", type=float, default=POLL_S, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--url", help="base URL to judge instead of the proxy (default: https://127.0.0.1:{proxy.https_port} as proxy.hostname)"
+    )
+    p.add_argument("--poll", type=float, default=POLL_S, help="seconds between attempts (default 5)")
     p.set_defaults(func=cmd_assess)
-

@@ -57,7 +57,7 @@ def check_judged(view: slots.View) -> None:
         raise UserError(
             f"refused: the running version {running} is on trial ({why}); slot {other.name if other else '?'} "
             "may hold the only version known to be good",
-            hint="wait until this boot's assessment has passed (applianctl slots shows it judged good), then run the same command again",
+            hint="wait until this boot's assessment has passed (`applianctl slots` shows it judged good), then run the same command again",
         )
     if state == slots.BAD:
         raise UserError(
@@ -232,9 +232,9 @@ def _print_plan(p: dict[str, Any]) -> None:
 def cmd_update(args: argparse.Namespace) -> int:
     spec = args.source
     if args.from_config:
-        from applianctl import config as appliance_config
+        from appliance.config import load_device
 
-        spec = appliance_config.load().get("update", {}).get("url", "")
+        spec = load_device().update.url
         if not spec:
             print("update.url is empty: no automatic update check")
             return 0

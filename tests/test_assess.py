@@ -1,19 +1,32 @@
-"""`applianctl assess` against the stand-in engine: a version that serves is judged good; one whose
-engine never becomes ready is recorded as rolled back and the machine (a fake systemctl) reboots."""
+"""`applianctl assess` judges what clients get: the smoke completion through the real Caddy (the
+Caddyfile the builder renders), over TLS with the appliance's own CA (applianctl.tls), on the
+public port, in front of the stand-in engine. A version whose proxy never listens, whose TLS is
+not the appliance's, or whose engine answers wrong is recorded as rolled back and the machine (a
+fake systemctl) reboots."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from appliance import config as config_mod
 from appliance import paths
-from applianctl import assess, slots
-from standin.testing import StandinProcess
+from appliance.config import Config
+from applianctl import assess, slots, tls
+from builder.proxy import render_caddyfile
+from standin.testing import StandinProcess, free_port, port_open
 
+ROOT = Path(__file__).resolve().parents[1]
+CADDY = shutil.which("caddy") or "/usr/bin/caddy"
 MODEL = "standin/tiny-demo"
 
 
@@ -22,9 +35,54 @@ def _efi_var(directory: Path, name: str, value: str) -> None:
     (directory / f"{name}-{slots.EFI_LOADER_GUID}").write_bytes(b"\x06\0\0\0" + (value + "\0").encode("utf-16-le"))
 
 
+@dataclasses.dataclass(frozen=True)
+class Live:
+    config: Config  # the proxy's public port and the engine's port as running here
+    tls_dir: Path
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    """The stand-in engine behind the real Caddy with the appliance's own certificates."""
+    if not os.access(CADDY, os.X_OK):
+        pytest.skip("needs Debian's caddy (apt install caddy)")
+    base = tmp_path_factory.mktemp("assess-live")
+    engine = StandinProcess(["--served-model-name", MODEL]).wait_ready()
+    caddy = None
+    sock_dir = Path(tempfile.mkdtemp(prefix="as-"))  # a unix socket path must stay short
+    try:
+        demo = config_mod.load(ROOT / "appliance.toml", "demo")
+        config = dataclasses.replace(
+            demo,
+            proxy=dataclasses.replace(demo.proxy, https_port=free_port(), http="redirect", tls="internal"),
+            engine=dataclasses.replace(demo.engine, port=engine.port),
+        )
+        assert config.served_model == MODEL
+        tls_dir = base / "tls"
+        tls.generate(tls_dir, config.proxy.hostname, tls.host_addresses(), group="appliance-no-such-group")
+        caddyfile = base / "Caddyfile"
+        caddyfile.write_text(render_caddyfile(config, tls_dir=tls_dir, http_port=free_port(), admin=f"unix/{sock_dir}/admin.sock"))
+        env = {**os.environ, "HOME": str(base), "XDG_DATA_HOME": str(base / "data"), "XDG_CONFIG_HOME": str(base / "config")}
+        log = (base / "caddy.log").open("wb")
+        caddy = subprocess.Popen([CADDY, "run", "--config", str(caddyfile), "--adapter", "caddyfile"], env=env, stdout=log, stderr=log)
+        end = time.monotonic() + 20
+        while not port_open(config.proxy.https_port):
+            if caddy.poll() is not None or time.monotonic() > end:
+                pytest.fail(f"caddy did not listen:\n{(base / 'caddy.log').read_text()[-3000:]}")
+            time.sleep(0.1)
+        yield Live(config, tls_dir)
+    finally:
+        if caddy is not None:
+            caddy.terminate()
+            caddy.wait(timeout=10)
+        engine.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
 @pytest.fixture
-def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> slots.Host:
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, live: Live) -> slots.Host:
     monkeypatch.setattr(paths, "STATE_DIR", tmp_path / "state")
+    monkeypatch.setattr(paths, "TLS_DIR", live.tls_dir)
     monkeypatch.setattr(paths, "MANIFEST", tmp_path / "no-manifest.json")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -41,13 +99,8 @@ def _on_trial(host: slots.Host) -> None:
     _efi_var(host.efivars, "LoaderBootCountPath", "\\EFI\\Linux\\appliance_2.0.0+2-1.efi")
 
 
-def _config(port: int, deadline: int = 600) -> dict[str, Any]:
-    return {
-        "appliance": {"version": "2.0.0"},
-        "engine": {"port": port, "served_model_name": MODEL, "health": {"path": "/health"}},
-        "model": {"id": MODEL},
-        "update": {"assessment_deadline_s": deadline},
-    }
+def _version(config: Config) -> Config:
+    return dataclasses.replace(config, appliance=dataclasses.replace(config.appliance, version="2.0.0"))
 
 
 def _calls(tmp_path: Path) -> list[str]:
@@ -55,64 +108,100 @@ def _calls(tmp_path: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
-def test_a_version_that_serves_is_judged_good(tmp_path: Path, host: slots.Host) -> None:
+def _record() -> dict[str, object]:
+    data: dict[str, object] = json.loads(slots.last_assessment_path().read_text())
+    return data
+
+
+def test_a_version_that_serves_through_the_proxy_is_judged_good(tmp_path: Path, host: slots.Host, live: Live) -> None:
     _on_trial(host)
-    engine = StandinProcess(["--served-model-name", MODEL]).wait_ready()
-    try:
-        code = assess.assess(_config(engine.port), host=host, deadline_s=20, poll_s=0.2, say=lambda s: None)
-    finally:
-        engine.stop()
+    code = assess.assess(_version(live.config), host=host, deadline_s=20, poll_s=0.2, say=lambda s: None)
     assert code == 0
-    record = json.loads(slots.last_assessment_path().read_text())
+    record = _record()
     assert record["ok"] is True and record["version"] == "2.0.0" and record["tries_left"] == 2
+    assert record["through"] == f"https://127.0.0.1:{live.config.proxy.https_port} as {live.config.proxy.hostname}"
     assert _calls(tmp_path) == []
 
 
-def test_an_engine_that_never_becomes_ready_is_rolled_back(tmp_path: Path, host: slots.Host) -> None:
+def test_a_version_whose_proxy_never_listens_is_rolled_back_though_the_engine_serves(
+    tmp_path: Path, host: slots.Host, live: Live
+) -> None:
     _on_trial(host)
-    engine = StandinProcess(["--served-model-name", MODEL], env={"STANDIN_NEVER_READY": "1"})
-    try:
-        code = assess.assess(_config(engine.port), host=host, deadline_s=2, poll_s=0.2, say=lambda s: None)
-    finally:
-        engine.stop()
+    silent = dataclasses.replace(live.config, proxy=dataclasses.replace(live.config.proxy, https_port=free_port()))
+    assert port_open(live.config.engine.port)  # the engine itself answers on loopback
+    code = assess.assess(_version(silent), host=host, deadline_s=2, poll_s=0.2, say=lambda s: None)
     assert code == 1
-    record = json.loads(slots.last_assessment_path().read_text())
-    assert record["ok"] is False and record["version"] == "2.0.0"
-    assert record["reason"] == "rolled back: engine not healthy within 2 s"
+    reason = str(_record()["reason"])
+    assert reason.startswith(f"rolled back: no right smoke completion through https://127.0.0.1:{silent.proxy.https_port}")
+    assert "within 2 s" in reason and "ConnectionError" in reason
     assert _calls(tmp_path) == ["systemctl reboot"]
 
 
-def test_a_wrong_smoke_answer_is_rolled_back(tmp_path: Path, host: slots.Host) -> None:
+def test_a_proxy_with_a_certificate_the_appliance_ca_did_not_sign_is_rolled_back(
+    tmp_path: Path, host: slots.Host, live: Live, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _on_trial(host)
-    engine = StandinProcess(["--served-model-name", "some/other-model"]).wait_ready()
-    try:
-        code = assess.assess(_config(engine.port), host=host, deadline_s=2, poll_s=0.2, say=lambda s: None)
-    finally:
-        engine.stop()
+    other = tmp_path / "other-tls"
+    tls.generate(other, live.config.proxy.hostname, tls.host_addresses(), group="appliance-no-such-group")
+    monkeypatch.setattr(paths, "TLS_DIR", other)  # the CA this version trusts is not the proxy's
+    code = assess.assess(_version(live.config), host=host, deadline_s=2, poll_s=0.2, say=lambda s: None)
     assert code == 1
-    assert "smoke completion not right" in json.loads(slots.last_assessment_path().read_text())["reason"]
+    assert "TLS failed" in str(_record()["reason"])
     assert _calls(tmp_path) == ["systemctl reboot"]
 
 
-def test_a_version_judged_good_is_never_assessed_or_rolled_back(tmp_path: Path, host: slots.Host) -> None:
+def test_a_missing_appliance_ca_is_rolled_back(tmp_path: Path, host: slots.Host, live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
+    _on_trial(host)
+    monkeypatch.setattr(paths, "TLS_DIR", tmp_path / "no-tls")
+    code = assess.assess(_version(live.config), host=host, deadline_s=1, poll_s=0.2, say=lambda s: None)
+    assert code == 1
+    assert "does not exist" in str(_record()["reason"])
+
+
+def test_a_wrong_smoke_answer_is_rolled_back(tmp_path: Path, host: slots.Host, live: Live) -> None:
+    _on_trial(host)
+    args = tuple("some/other-model" if a == MODEL else a for a in live.config.engine.args)
+    other_model = dataclasses.replace(live.config, engine=dataclasses.replace(live.config.engine, args=args))
+    assert other_model.served_model == "some/other-model"
+    code = assess.assess(_version(other_model), host=host, deadline_s=2, poll_s=0.2, say=lambda s: None)
+    assert code == 1
+    assert "does not list some/other-model" in str(_record()["reason"])
+    assert _calls(tmp_path) == ["systemctl reboot"]
+
+
+def test_a_version_judged_good_is_never_assessed_or_rolled_back(tmp_path: Path, host: slots.Host, live: Live) -> None:
     _efi_var(host.efivars, "LoaderEntrySelected", "appliance_2.0.0.efi")  # blessed: no counter
-    code = assess.assess(_config(1), host=host, deadline_s=1, poll_s=0.1, say=lambda s: None)
+    silent = dataclasses.replace(live.config, proxy=dataclasses.replace(live.config.proxy, https_port=free_port()))
+    code = assess.assess(_version(silent), host=host, deadline_s=1, poll_s=0.1, say=lambda s: None)
     assert code == 0
     assert not slots.last_assessment_path().exists()
     assert _calls(tmp_path) == []
 
 
-def test_the_unit_is_ordered_before_boot_complete() -> None:
-    import configparser
+def _unit(name: str) -> dict[str, dict[str, list[str]]]:
+    """A unit file as {section: {key: [values]}} (keys may repeat)."""
+    out: dict[str, dict[str, list[str]]] = {}
+    section = ""
+    for line in (ROOT / "units" / name).read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            out.setdefault(section, {})
+            continue
+        key, _, value = line.partition("=")
+        out[section].setdefault(key.strip(), []).append(value.strip())
+    return out
 
-    unit = Path(__file__).resolve().parents[1] / "units/appliance-assess.service"
-    parser = configparser.ConfigParser(interpolation=None, strict=False)
-    parser.optionxform = str  # type: ignore[assignment,method-assign]
-    parser.read_string(unit.read_text())
-    assert parser["Unit"]["Before"] == "boot-complete.target"
+
+def test_the_unit_is_ordered_before_boot_complete() -> None:
+    unit = _unit("appliance-assess.service")
+    assert unit["Unit"]["Before"] == ["boot-complete.target"]
     # the deadline counts from boot: not after the engine's start job, which lasts the start period
-    assert "appliance-engine.service" not in parser["Unit"]["After"].split()
-    assert "appliance-engine.service" in parser["Unit"]["Wants"].split()
-    assert parser["Service"]["Type"] == "oneshot"
-    assert parser["Service"]["ExecStart"] == "/usr/bin/applianctl assess"
-    assert parser["Install"]["RequiredBy"] == "boot-complete.target"
+    after = " ".join(unit["Unit"]["After"]).split()
+    assert "appliance-engine.service" not in after
+    assert "appliance-engine.service" in " ".join(unit["Unit"]["Wants"]).split()
+    assert unit["Service"]["Type"] == ["oneshot"]
+    assert unit["Service"]["ExecStart"] == ["/usr/bin/applianctl assess"]
+    assert unit["Install"]["RequiredBy"] == ["boot-complete.target"]

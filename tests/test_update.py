@@ -14,7 +14,7 @@ import ssl
 import stat
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -573,7 +573,12 @@ def _cli(
 
 
 def test_the_command_and_the_timer_refuse_in_one_line_during_a_trial(
-    tmp_path: Path, device: Device, signing: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    device: Device,
+    signing: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    appliance_json: Callable[[str], Path],
 ) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")
@@ -583,8 +588,10 @@ def test_the_command_and_the_timer_refuse_in_one_line_during_a_trial(
     lines = err.splitlines()
     assert len(lines) == 2 and lines[1].startswith("hint: ")
     assert lines[0].startswith("applianctl: refused: the running version 1.0.0 is on trial")
-    config = tmp_path / "appliance.json"
-    config.write_text(json.dumps({"update": {"url": str(b)}}))
+    config = appliance_json("demo")
+    data = json.loads(config.read_text())
+    data["update"]["url"] = "https://updates.invalid/demo/"  # never contacted: refused before any network
+    config.write_text(json.dumps(data))
     monkeypatch.setenv("APPLIANCE_CONFIG", str(config))
     code, _, err = _cli(["update", "--from-config", "--yes"], device, trusted, monkeypatch, capsys)
     assert code == 2 and "is on trial" in err
@@ -611,24 +618,31 @@ def test_check_says_what_would_be_installed_and_writes_nothing(
     assert not (device.root / "state").exists() and device.writes() == []
 
 
-def test_not_enough_free_space_is_refused_before_downloading(tmp_path: Path, device: Device, signing: Any) -> None:
-    key, trusted = signing
-    b = bundle(tmp_path, key, "2.0.0", usr_bytes=300_000)
-    staging = slots.staging_dir()
-    staging.mkdir(parents=True)
-    free = update_stage_free(staging)
-    with pytest.raises(UserError, match="MiB free, the bundle needs") as e:
-        run_update(device, str(b), trusted, space_margin=free)  # the bundle itself does not fit beside the margin
-    assert "plus a margin" in e.value.message and e.value.exit_status == 2
-    assert not list(staging.rglob("*.part")) and not list(staging.rglob("*.raw"))
-    assert device.sysupdate_calls() == []
-    assert run_update(device, str(b), trusted, space_margin=0) == 0
-
-
-def update_stage_free(path: Path) -> int:
+def test_not_enough_free_space_is_refused_before_downloading(
+    tmp_path: Path, device: Device, signing: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from applianctl import update_stage
 
-    return update_stage.free_bytes(path)
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0", usr_bytes=300_000)
+    need = sum(f.stat().st_size for f in b.iterdir() if not f.name.startswith("bundle.json"))
+    real = update_stage.free_bytes
+    asked: list[Path] = []
+
+    def free(path: Path) -> int:
+        asked.append(path)
+        assert real(path) > 0
+        return need + update_stage.SPACE_MARGIN_BYTES - 1  # one byte short of the bundle plus the margin
+
+    monkeypatch.setattr(update_stage, "free_bytes", free)
+    with pytest.raises(UserError, match="MiB free, the bundle needs") as e:
+        run_update(device, str(b), trusted)
+    assert "plus a margin of 512 MiB" in e.value.message and e.value.exit_status == 2
+    assert asked and asked[0] == slots.staging_dir() / "2.0.0", "the file system of the staging directory (/var)"
+    assert not list(slots.staging_dir().rglob("*.part")) and not list(slots.staging_dir().rglob("*.raw"))
+    assert device.sysupdate_calls() == []
+    monkeypatch.setattr(update_stage, "free_bytes", lambda path: need + update_stage.SPACE_MARGIN_BYTES)
+    assert run_update(device, str(b), trusted) == 0
 
 
 def test_a_version_with_leading_zeros_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
