@@ -43,6 +43,7 @@ from typing import Any
 from appliance import manifest, paths
 from appliance.bundle import USR_TYPE, USR_VERITY_TYPE, partuuids_from_usrhash
 from appliance.errors import UserError
+from appliance.hashing import SHA256
 from appliance.run import run
 
 EFI_LOADER_GUID = "4a67b082-0a4c-41cf-b6c7-440b29bb8c4f"
@@ -229,7 +230,7 @@ def slots(host: Host, running_version: str | None = None) -> list[Slot]:
     if not usr:
         raise UserError("no /usr partition on the disk", hint="is APPLIANCE_DISK the appliance's disk?")
     usrhash = booted_usrhash(host)
-    booted_uuid = partuuids_from_usrhash(usrhash)[0] if usrhash and re.fullmatch(r"[0-9a-f]{64}", usrhash) else None
+    booted_uuid = partuuids_from_usrhash(usrhash)[0] if usrhash and SHA256.match(usrhash) else None
     out = []
     for i, part in enumerate(usr[:2]):
         by_label = running_version is not None and part.version == running_version

@@ -8,7 +8,6 @@ file matches, 1 otherwise (one line on stderr naming the file).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import stat
 import sys
@@ -17,6 +16,7 @@ from typing import Any
 
 from appliance import manifest, paths
 from appliance.atomic import write_json_atomic
+from appliance.hashing import sha256_file
 
 
 def firmware_dir() -> Path:
@@ -115,14 +115,10 @@ def _check_file(path: Path, sha256: str) -> str:
         return f"{path}: is a symlink, expected a regular file"
     if not stat.S_ISREG(st.st_mode):
         return f"{path}: not a regular file"
-    digest = hashlib.sha256()
     try:
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
+        actual = sha256_file(path)
     except OSError as e:
         return f"{path}: cannot read ({e.strerror})"
-    actual = digest.hexdigest()
     if actual != sha256:
         return f"{path}: sha256 {actual}, manifest says {sha256}"
     return ""
