@@ -191,6 +191,8 @@ def _unlink_unless_open(dir_fd: int, name: str, seen: os.stat_result, trust_proc
         try:
             _race_point("before-unlink", name)
             # The name must still be the file we hold: re-check device and inode right before.
+            # (What is left between this stat and unlinkat: /dev/shm is sticky, so only the entry's
+            # owner or root could swap it in that instant.)
             now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                 raise _Skip(f"replaced by another file ({_kind(now.st_mode) if not stat.S_ISREG(now.st_mode) else 'inode changed'})")

@@ -141,6 +141,16 @@ def test_every_variant_is_valid_for_caddy(
         site_routes = site["handle"][0]["routes"]
     assert "match" not in site_routes[-1]
     assert json.dumps(site_routes[-1]["handle"]).count('"status_code": 403') == 1
+    # Before anything else: a request target not in canonical form gets 400.
+    assert site_routes[0]["match"] == [
+        {"not": [{"vars_regexp": {"{http.request.orig_uri}": {"pattern": proxy_mod.CANONICAL_RE}}}]}
+    ]
+    assert '"status_code": 400' in json.dumps(site_routes[0]["handle"])
+    engine = next(r for r in site_routes if '"reverse_proxy"' in json.dumps(r["handle"]))
+    assert engine["match"][0]["vars_regexp"] == {
+        "{http.request.orig_uri}": {"pattern": proxy_mod.allowed_re(list(config.proxy.allowed_paths))}
+    }
+    assert engine["match"][0]["remote_ip"]["ranges"][-2:] == ["127.0.0.1/32", "::1/128"]
 
 
 @pytest.mark.parametrize(("profile", "mode", "http", "metrics"), VARIANTS)
