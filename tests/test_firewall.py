@@ -288,3 +288,21 @@ def test_ssh_only_with_keys_and_port_80_only_with_redirect(net: Net, tmp_path: P
     assert net.probe(cli, "192.0.2.1", 80) == "dropped"
     net.load(_config("production", ssh=False, http="close"), tmp_path)
     assert net.probe(cli, "192.0.2.1", 22) == "dropped"
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_loads_with_only_the_units_capability(net: Net, tmp_path: Path) -> None:
+    """CapabilityBoundingSet=CAP_NET_ADMIN is enough for nft, and is needed (control: none fails)."""
+    (bounding,) = re.findall(r"^CapabilityBoundingSet=(.+)$", UNIT.read_text(), re.M)
+    assert bounding.split() == ["CAP_NET_ADMIN"]
+    path = tmp_path / "appliance-firewall.nft"
+    path.write_text(_ruleset(_config()))
+
+    def load(caps: str) -> subprocess.CompletedProcess[str]:
+        setpriv = ["setpriv", f"--bounding-set=-all{caps}", "--inh-caps=-all", "--no-new-privs"]
+        return net.run(net.appliance, *setpriv, NFT, "-f", str(path), check=False)
+
+    assert load("").returncode != 0
+    done = load(",+net_admin")
+    assert done.returncode == 0, done.stderr
+    assert "table inet appliance" in net.run(net.appliance, NFT, "list", "tables").stdout
