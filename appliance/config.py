@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import schema
-from appliance.errors import ConfigError
+from appliance.errors import ConfigError, UserError
 from appliance.hashing import DIGEST as _DIGEST
 from appliance.hashing import SHA256 as _SHA256
 from appliance.schema import Check
@@ -369,8 +369,8 @@ class Config:
 class _Loader(schema.Loader):
     """appliance.toml's (and appliance.json's) wording of the loader's faults."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(str(path))
+    def __init__(self, path: Path, collect: list[UserError] | None = None) -> None:
+        super().__init__(str(path), collect)
 
     def invalid(self, key: str, value: Any, expected: str) -> ConfigError:
         shown = repr(value) if not isinstance(value, dict) else "{...}"
@@ -396,6 +396,22 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 
 def load(path: Path, profile: str = "production") -> Config:
     """Parse and check PATH for PROFILE; raise ConfigError with a one-line message on any fault."""
+    config = _load(path, profile, None)
+    assert config is not None
+    return config
+
+
+def problems(path: Path, profile: str = "production") -> tuple[Config | None, list[UserError]]:
+    """Every fault of PATH for PROFILE (not only the first), and the configuration when there is none."""
+    found: list[UserError] = []
+    try:
+        config = _load(path, profile, found)
+    except ConfigError as e:  # the file itself cannot be read or parsed
+        return None, [e]
+    return (config if not found else None), found
+
+
+def _load(path: Path, profile: str, collect: list[UserError] | None) -> Config | None:
     import tomllib
 
     if profile not in PROFILES:
@@ -412,8 +428,15 @@ def load(path: Path, profile: str = "production") -> Config:
         raise ConfigError(f"{path}: unknown profile(s) {unknown}", hint="profiles.demo is the only profile section")
     if profile != "production":
         raw = _merge(raw, profiles.get(profile, {}))
-    config: Config = _Loader(path).load(Config, raw, "", profile=profile)
-    _cross_checks(path, config)
+    config: Config | None = _Loader(path, collect).load(Config, raw, "", profile=profile)
+    if config is not None:
+        try:
+            _cross_checks(path, config)
+        except ConfigError as e:
+            if collect is None:
+                raise
+            collect.append(e)
+            return None
     return config
 
 

@@ -58,11 +58,24 @@ def shown(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class Loader:
-    """Walk a dataclass tree over parsed data. Subclasses word the faults for their document."""
+class _Incomplete(Exception):
+    """A table had faults (already collected): it cannot be built, and its parent notes no more."""
 
-    def __init__(self, where: str) -> None:
+
+class Loader:
+    """Walk a dataclass tree over parsed data. Subclasses word the faults for their document.
+
+    By default the first fault is raised. With `collect` (a list), every fault is appended to it
+    and `load` returns None when there was any: `validate` reports them all in one run."""
+
+    def __init__(self, where: str, collect: list[UserError] | None = None) -> None:
         self.where = where
+        self.collect = collect
+
+    def _fault(self, error: UserError) -> None:
+        if self.collect is None:
+            raise error
+        self.collect.append(error)
 
     # --- how faults read (override per document)
 
@@ -79,22 +92,38 @@ class Loader:
 
     def load(self, cls: type, table: Any, prefix: str = "", **given: Any) -> Any:
         """TABLE as CLS; GIVEN fields are set by the caller (never read from TABLE)."""
+        try:
+            return self._load(cls, table, prefix, **given)
+        except _Incomplete:
+            return None
+
+    def _load(self, cls: type, table: Any, prefix: str = "", **given: Any) -> Any:
         if not isinstance(table, dict):
-            raise self.invalid(prefix, table, "a table")
+            self._fault(self.invalid(prefix, table, "a table"))
+            raise _Incomplete
         hints = typing.get_type_hints(cls)
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        faults = len(self.collect or ())
+        incomplete = False
         for key in table:
             if key not in fields or key in given:
-                raise self.unknown(join(prefix, key), [n for n in fields if n not in given])
+                self._fault(self.unknown(join(prefix, key), [n for n in fields if n not in given]))
         kwargs = dict(given)
         for name, f in fields.items():
             if name in given:
                 continue
             key = join(prefix, name)
             if name in table:
-                kwargs[name] = self.value(hints[name], table[name], key, f.metadata)
+                try:
+                    kwargs[name] = self.value(hints[name], table[name], key, f.metadata)
+                except _Incomplete:
+                    incomplete = True
+                except UserError as e:
+                    self._fault(e)
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise self.missing(key, hints[name])
+                self._fault(self.missing(key, hints[name]))
+        if incomplete or len(self.collect or ()) > faults:
+            raise _Incomplete
         return cls(**kwargs)
 
     def value(self, tp: Any, value: Any, key: str, meta: Mapping[str, Any]) -> Any:
@@ -105,7 +134,7 @@ class Loader:
             (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
             return self.value(inner, value, key, meta)
         if dataclasses.is_dataclass(tp):
-            return self.load(typing.cast(type, tp), value, key)
+            return self._load(typing.cast(type, tp), value, key)
         element = {"check": meta["each"]} if "each" in meta else {}
         if origin is tuple:
             if not isinstance(value, list):

@@ -28,7 +28,7 @@ def _load(args: argparse.Namespace) -> config_model.Config:
 def cmd_validate(args: argparse.Namespace) -> int:
     from builder import validate
 
-    return validate.report(_load(args), ROOT, args.config)
+    return validate.run(Path(args.config), args.profile, ROOT, debug=getattr(args, "debug", False))
 
 
 def cmd_render(args: argparse.Namespace) -> int:

@@ -7,8 +7,10 @@ that one run lists every problem, one line each.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+from appliance import config as config_model
 from appliance.config import Config
 from appliance.errors import UserError
 from builder import pins, tuning
@@ -40,17 +42,21 @@ def _render_problems(config: Config) -> list[UserError]:
     return found
 
 
-def report(config: Config, root: Path, config_path: str) -> int:
-    """Print every problem (one line each) and one hint; 2 if there were any, else 0."""
-    import sys
-
-    found = problems(config, root)
+def run(config_path: Path, profile: str, root: Path, debug: bool = False) -> int:
+    """validate: every fault of the configuration, then (when it loads) every other problem a
+    build would refuse; one line each and one hint, exit 2; or one line saying it is valid."""
+    config, found = config_model.problems(config_path, profile)
+    if config is not None:
+        found += problems(config, root)
     if not found:
+        assert config is not None
         print(f"{config_path}: profile {config.profile} is valid (engine {config.engine.reference})")
         return 0
+    if debug:
+        raise found[0]  # --debug: the first problem with its traceback
     for e in found:
         print(f"error: {e.message}", file=sys.stderr)
     hints = list(dict.fromkeys(e.hint for e in found if e.hint)) or ["fix each line above"]
-    first = hints[0] if len(hints) == 1 else f"{len(found)} problems, each on its own line above; for the first: {hints[0]}"
+    first = hints[0] if len(found) == 1 else f"{len(found)} problems, each on its own line above; for the first: {hints[0]}"
     print(f"hint: {first}", file=sys.stderr)
     return 2

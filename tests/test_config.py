@@ -258,3 +258,18 @@ def test_device_loads_the_image_json_as_the_same_model(tmp_path: Path) -> None:
         del tampered["engine"]["surprise"]
         with pytest.raises(ConfigError, match="served_model_name"):
             config.from_json(tampered, path)
+
+
+def test_validate_reports_every_configuration_fault_in_one_run(tmp_path: Path) -> None:
+    path = _with(tmp_path, 'revision = "7872f01b1d1fe23eabc4c98b48bffcef5a386062"', 'revision = "main"')
+    text = path.read_text().replace("\nmargin_gib = 8\n", "\nmargin_gib = inf\n", 1)
+    text = text.replace("\nhttps_port = 443\n", "\nhttps_port = true\n", 1)
+    path.write_text(text)
+    result = _cli("--config", str(path), "validate")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().split("\n")
+    assert len(lines) == 4, result.stderr
+    assert "model.revision = 'main'" in lines[0]
+    assert "engine.shm.margin_gib = inf" in lines[1]
+    assert "proxy.https_port = True" in lines[2]
+    assert lines[3].startswith("hint: 3 problems")
