@@ -93,6 +93,7 @@ def test_rendered_into_the_image_where_the_unit_loads_it(tmp_path: Path) -> None
     assert (tmp_path / "tree" / loaded.lstrip("/")).read_text() == _ruleset(c)
     preset = (tmp_path / "tree/usr/lib/systemd/system-preset/10-appliance.preset").read_text()
     assert "enable appliance-firewall.service" in preset.splitlines()
+    assert "disable nftables.service" in preset.splitlines()  # its /etc/nftables.conf flushes the ruleset
 
 
 def test_unit_runs_before_the_network_and_never_opens_on_stop() -> None:
