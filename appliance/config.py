@@ -71,15 +71,16 @@ def _is_cidr(value: str) -> str | None:
 
 def _is_abs_path(value: str) -> str | None:
     parts = value.split("/")
-    if not value.startswith("/") or ".." in parts or _UNSAFE.search(value) or " " in value:
-        return "an absolute path without '..', spaces or quotes, e.g. /opt/aiter-configs/table.csv"
+    # ':' separates a mount's source, target and options (Volume=, AddDevice=)
+    if not value.startswith("/") or ".." in parts or _UNSAFE.search(value) or " " in value or ":" in value:
+        return "an absolute path without '..', ':', spaces or quotes, e.g. /opt/aiter-configs/table.csv"
     return None
 
 
 def _is_repo_file(value: str) -> str | None:
     parts = value.split("/")
-    if value.startswith("/") or ".." in parts or _UNSAFE.search(value) or " " in value or not value:
-        return "a path relative to the project root, without '..', e.g. overlays/demo/file.py"
+    if value.startswith("/") or ".." in parts or _UNSAFE.search(value) or " " in value or ":" in value or not value:
+        return "a path relative to the project root, without '..' or ':', e.g. overlays/demo/file.py"
     return None
 
 

@@ -88,6 +88,11 @@ BAD = [
     ('"--trust-remote-code",', '"--trust-remote-code; rm -rf /",', "engine.args"),
     ('version = "1.0.0"', 'version = "one"', "appliance.version"),
     ('allowed_paths = ["/v1/chat/completions"', 'allowed_paths = ["/v1/chat completions"', "proxy.allowed_paths[0]"),
+    # ':' would split a Volume= into other fields; a huge number, inf and a bool do not render
+    ('target = "/opt/aiter-configs/dsv4', 'target = "/opt/aiter:configs/dsv4', "engine.tuning[0].target"),
+    ("margin_gib = 8\n", "margin_gib = inf\n", "engine.shm.margin_gib"),
+    ("stop_timeout_s = 120", "stop_timeout_s = 100000000000000000000", "engine.stop_timeout_s"),
+    ('port = 8000', 'port = true', "engine.port"),
 ]
 
 
