@@ -348,10 +348,6 @@ class Config:
         """The model name clients ask for: --served-model-name, else the model id."""
         return self.engine.served_model_name or self.model.id
 
-    @property
-    def health_path(self) -> str:
-        return self.engine.health.path
-
     def to_json(self) -> dict[str, Any]:
         """The configuration as the device reads it (/usr/lib/appliance/appliance.json)."""
         data = schema.plain(self)
