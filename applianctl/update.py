@@ -36,7 +36,7 @@ from appliance.errors import Refused, UserError
 from appliance.run import run
 from applianctl import slots
 from applianctl.update_fetch import Deadline, open_source
-from applianctl.update_install import link_sources, locked, prepare_slot, sysupdate_commands
+from applianctl.update_install import boot_tries, link_sources, locked, prepare_slot, sysupdate_commands
 from applianctl.update_stage import SPACE_MARGIN_BYTES, check_space, stage, staging_for, to_fetch
 from applianctl.update_verify import check_engine, check_fits, check_policy, check_staged, check_strict
 
@@ -210,7 +210,8 @@ def update(
         )
         shutil.rmtree(slots.source_dir(), ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
-    say(f"installed {version} into slot {inactive.name}; it boots next, on trial (3 tries)")
+    tries = boot_tries()
+    say(f"installed {version} into slot {inactive.name}; it boots next, on trial ({tries if tries else 'counted'} tries)")
     if reboot:
         run(["systemctl", "reboot"], "systemctl reboot", "reboot by hand")
     return 0

@@ -21,6 +21,21 @@ from appliance.errors import UserError
 from appliance.run import run
 from applianctl import slots
 
+UKI_TRANSFER = Path("/usr/lib/sysupdate.d/90-uki.transfer")
+
+
+def boot_tries(transfer: Path = UKI_TRANSFER) -> int | None:
+    """The tries a new version gets: TriesLeft= of the kernel image's transfer (set at build from
+    update.boot_tries); None when it cannot be read."""
+    try:
+        for line in transfer.read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "TriesLeft" and value.strip().isdigit():
+                return int(value.strip())
+    except OSError:
+        pass
+    return None
+
 
 def sysupdate_program() -> str:
     return shutil.which("systemd-sysupdate") or "/usr/lib/systemd/systemd-sysupdate"

@@ -10,6 +10,7 @@ import configparser
 import http.server
 import json
 import os
+import shutil
 import ssl
 import stat
 import sys
@@ -656,3 +657,50 @@ def test_a_version_with_leading_zeros_is_refused(tmp_path: Path, device: Device,
     (b / "bundle.json").write_bytes(data)
     (b / "bundle.json.sig").write_bytes(manifest.encode_signature(manifest.load_private_key(key).sign(data)))
     _refused(device, str(b), trusted, "no leading zeros")
+
+
+# ----------------------------------------------------------------------------------- units
+
+
+def _unit(name: str) -> dict[str, dict[str, list[str]]]:
+    """A unit file as {section: {key: [values]}} (keys may repeat)."""
+    out: dict[str, dict[str, list[str]]] = {}
+    section = ""
+    for line in (Path(__file__).resolve().parents[1] / "units" / name).read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            out.setdefault(section, {})
+            continue
+        key, _, value = line.partition("=")
+        out[section].setdefault(key.strip(), []).append(value.strip())
+    return out
+
+
+def test_the_update_unit_runs_only_after_the_boot_was_judged() -> None:
+    unit = _unit("appliance-update.service")
+    assert "boot-complete.target" in " ".join(unit["Unit"]["Requires"]).split()
+    after = " ".join(unit["Unit"]["After"]).split()
+    assert "boot-complete.target" in after and "systemd-bless-boot.service" in after
+    service = unit["Service"]
+    assert service["ExecStart"] == ["/usr/bin/applianctl update --from-config --yes"]
+    assert service["TimeoutStartSec"] == ["4h 10min"] and up.DEFAULT_DEADLINE_S < 4 * 3600 + 600
+    assert service["MemoryMax"] == ["512M"]
+    assert service["CapabilityBoundingSet"] == ["CAP_SYS_ADMIN CAP_LINUX_IMMUTABLE"]
+    assert service["ProtectSystem"] == ["strict"] and service["NoNewPrivileges"] == ["yes"]
+    timer = _unit("appliance-update.timer")
+    assert "Unit" not in timer["Timer"], "the timer starts appliance-update.service, whose ordering applies"
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+@pytest.mark.parametrize("name", ["appliance-update.service", "appliance-assess.service"])
+def test_the_units_are_sandboxed_to_at_most_3(name: str) -> None:
+    import re
+    import subprocess
+
+    unit = Path(__file__).resolve().parents[1] / "units" / name
+    out = subprocess.run(["systemd-analyze", "security", "--offline=true", str(unit)], capture_output=True, text=True).stdout
+    found = re.findall(r"Overall exposure level for \S+: ([0-9.]+)", out)
+    assert found and float(found[0]) <= 3.0, out[-2000:]
