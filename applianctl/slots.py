@@ -303,7 +303,7 @@ def parse_bootctl_list(text: str) -> list[Entry]:
             continue
         left, done = item.get("triesLeft"), item.get("triesDone")
         if (left is None) != (entry.tries_left is None) or (isinstance(left, int) and left != entry.tries_left):
-            raise ValueError(f"{item['path']}: triesLeft {left!r} disagrees with the file name")
+            raise ValueError(f"{entry.path.name}: triesLeft {left!r} disagrees with the file name")
         out.append(
             Entry(
                 entry.path,
@@ -329,7 +329,7 @@ def read_entries(host: Host) -> tuple[list[Entry], str]:
             raise OSError((proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1])
         found = parse_bootctl_list(proc.stdout)
     except (OSError, ValueError, subprocess.TimeoutExpired) as e:
-        found, source = _scan_entries(host), f"ESP scan (bootctl: {str(e)[:120] or type(e).__name__})"
+        found, source = _scan_entries(host), f"ESP scan (bootctl: {str(e)[:160] or type(e).__name__})"
     return sorted(found, key=lambda e: manifest.version_tuple(e.version), reverse=True), source
 
 
