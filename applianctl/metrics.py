@@ -68,16 +68,43 @@ def _text_format(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def _parsers() -> tuple[Any, Any]:
+    """prometheus_client's two parser modules, without running the package's __init__.
+
+    The package's __init__ imports its HTTP exposition server (http.server, wsgiref, email, ...):
+    about 100 ms, a third of the time `applianctl status` may take, for code status never runs.
+    The parsers need only metrics_core, samples and validation, so when the package is not yet
+    imported it is registered bare (its __path__ only) and the parsers imported from it.
+    """
+    import importlib
+    import importlib.util
+    import sys
+
+    bare = None
+    if "prometheus_client" not in sys.modules:
+        spec = importlib.util.find_spec("prometheus_client")
+        if spec is not None and spec.submodule_search_locations is not None:
+            bare = importlib.util.module_from_spec(spec)  # not executed: no __init__ side effects
+            sys.modules["prometheus_client"] = bare
+    try:
+        return (
+            importlib.import_module("prometheus_client.parser"),
+            importlib.import_module("prometheus_client.openmetrics.parser"),
+        )
+    finally:
+        # Whoever imports the package later gets the whole package (its __init__ runs then).
+        if bare is not None and sys.modules.get("prometheus_client") is bare:
+            del sys.modules["prometheus_client"]
+
+
 def parse(text: str, content_type: str = "") -> list[Sample]:
     """Every sample in TEXT: OpenMetrics when CONTENT_TYPE says so or the text ends in `# EOF`,
     the Prometheus text format otherwise."""
-    # Imported here: status imports this module whether or not the engine answers.
-    from prometheus_client import parser
-    from prometheus_client.openmetrics import parser as openmetrics_parser
+    parser, openmetrics_parser = _parsers()
 
     try:
         if content_type.startswith(OPENMETRICS) or text.rstrip().endswith("# EOF"):
-            families = list(openmetrics_parser.text_string_to_metric_families(text))  # type: ignore[no-untyped-call]
+            families = list(openmetrics_parser.text_string_to_metric_families(text))
         else:
             families = list(parser.text_string_to_metric_families(_text_format(text)))
     except (ValueError, TypeError, IndexError) as e:

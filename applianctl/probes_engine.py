@@ -3,8 +3,10 @@ startup report the engine's first minutes left)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -20,58 +22,92 @@ def engine_url(config: Config, src: Sources) -> str:
     return src.engine_url or f"http://127.0.0.1:{config.engine.port}"
 
 
-def probe_engine(config: Config, src: Sources) -> Part:
-    import requests  # imported in the probe's thread, beside the other probes' work
+MAX_BODY = 8 * 1024 * 1024  # /metrics of a large engine is a few hundred KiB
 
+
+class _Engine:
+    """GETs on one keep-alive loopback connection, each within what is left of the budget.
+    The standard library's http.client, not requests: status is timed from interpreter start,
+    and importing requests costs more than all the engine's answers."""
+
+    def __init__(self, base: str, http_timeout: float, budget_s: float) -> None:
+        url = urllib.parse.urlsplit(base)
+        self.conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80, timeout=http_timeout)
+        self.http_timeout = http_timeout
+        self.end = time.monotonic() + budget_s
+
+    def _left(self, path: str) -> float:
+        left = min(self.http_timeout, self.end - time.monotonic())
+        if left <= 0:
+            raise TimeoutError(f"no time left for {path}")
+        return left
+
+    def connect(self) -> None:
+        self.conn.timeout = self._left("connect")
+        self.conn.connect()
+
+    def get(self, path: str) -> tuple[int, str, bytes]:
+        left = self._left(path)
+        if self.conn.sock is not None:
+            self.conn.sock.settimeout(left)
+        self.conn.timeout = left
+        self.conn.request("GET", path)
+        response = self.conn.getresponse()
+        body = response.read(MAX_BODY)
+        return response.status, response.getheader("Content-Type") or "", body
+
+
+def probe_engine(config: Config, src: Sources) -> Part:
     from applianctl import metrics
 
     base = engine_url(config, src)
     http_timeout = probes.HTTP_TIMEOUT_S
-    end = time.monotonic() + probes.ENGINE_BUDGET_S
-    session = requests.Session()
-    session.trust_env = False  # never through a proxy from the environment
-
-    def get(path: str) -> requests.Response:
-        left = min(http_timeout, end - time.monotonic())
-        if left <= 0:
-            raise requests.Timeout(f"no time left for {path}")
-        return session.get(base + path, timeout=(left, left))
-
-    health_path = config.health_path
+    engine = _Engine(base, http_timeout, probes.ENGINE_BUDGET_S)
+    health_path = config.engine.health.path
     details: dict[str, Any] = {"url": base}
     try:
-        r = get(health_path)
-    except requests.ConnectionError as e:
-        if isinstance(e, requests.ConnectTimeout):
+        try:
+            engine.connect()
+        except ConnectionRefusedError:
+            return Part(DOWN, f"{base}{health_path}: connection refused", {**details, "refused": True})
+        except TimeoutError:
             return Part(DOWN, f"{base}{health_path}: no connection within {http_timeout:g} s", details)
-        return Part(DOWN, f"{base}{health_path}: connection refused", {**details, "refused": True})
-    except requests.Timeout:
-        return Part(DOWN, f"{base}{health_path}: no answer within {http_timeout:g} s", details)
-    except requests.RequestException as e:
-        return Part(DOWN, f"{base}{health_path}: {type(e).__name__}", details)
-    details["health"] = r.status_code
-    if r.status_code != 200:
-        return Part(DOWN, f"{health_path} answered HTTP {r.status_code}", details)
+        except OSError as e:
+            return Part(DOWN, f"{base}{health_path}: {e.strerror or type(e).__name__}", details)
+        try:
+            status, _, _ = engine.get(health_path)
+        except TimeoutError:
+            return Part(DOWN, f"{base}{health_path}: no answer within {http_timeout:g} s", details)
+        except (OSError, http.client.HTTPException) as e:
+            return Part(DOWN, f"{base}{health_path}: {type(e).__name__}", details)
+        details["health"] = status
+        if status != 200:
+            return Part(DOWN, f"{health_path} answered HTTP {status}", details)
 
-    problems: list[str] = []
-    want = config.served_model
-    try:
-        r = get("/v1/models")
-        r.raise_for_status()
-        details["models"] = [str(m.get("id")) for m in r.json().get("data", [])]
-        if want not in details["models"]:
-            problems.append(f"/v1/models does not list {want}")
-    except (requests.RequestException, ValueError, AttributeError) as e:
-        details["models"] = None
-        problems.append(f"/v1/models: {type(e).__name__}")
-    try:
-        r = get("/metrics")
-        r.raise_for_status()
-        details["metrics"] = metrics.engine_summary(metrics.parse(r.text, r.headers.get("Content-Type", "")))
-    except (requests.RequestException, metrics.ParseError) as e:
-        details["metrics"] = None
-        problems.append(f"/metrics: {type(e).__name__}: {e}".splitlines()[0])
-    return Part(DEGRADED if problems else OK, "; ".join(problems), details)
+        problems: list[str] = []
+        want = config.served_model
+        try:
+            status, _, body = engine.get("/v1/models")
+            if status != 200:
+                raise ValueError(f"HTTP {status}")
+            details["models"] = [str(m.get("id")) for m in json.loads(body).get("data", [])]
+            if want not in details["models"]:
+                problems.append(f"/v1/models does not list {want}")
+        except (OSError, http.client.HTTPException, ValueError, AttributeError) as e:
+            details["models"] = None
+            said = str(e) if isinstance(e, ValueError) and str(e).startswith("HTTP ") else type(e).__name__
+            problems.append(f"/v1/models: {said}")
+        try:
+            status, content_type, body = engine.get("/metrics")
+            if status != 200:
+                raise metrics.ParseError(f"HTTP {status}")
+            details["metrics"] = metrics.engine_summary(metrics.parse(body.decode("utf-8", "replace"), content_type))
+        except (OSError, http.client.HTTPException, metrics.ParseError) as e:
+            details["metrics"] = None
+            problems.append(f"/metrics: {type(e).__name__}: {e}".splitlines()[0])
+        return Part(DEGRADED if problems else OK, "; ".join(problems), details)
+    finally:
+        engine.conn.close()
 
 
 def probe_startup(config: Config, path: Path | None = None) -> Part:

@@ -143,3 +143,16 @@ def test_openmetrics_with_exemplars_and_unknown_families() -> None:
 def test_a_truncated_openmetrics_scrape_is_refused() -> None:
     with pytest.raises(metrics.ParseError):
         metrics.parse("# TYPE a counter\na_total 1\n", "application/openmetrics-text")
+
+
+def test_the_parsers_load_without_the_package_server_and_the_package_stays_whole() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from applianctl import metrics; metrics.parse('a 1\\n');"
+        "assert 'http.server' not in sys.modules and 'wsgiref.simple_server' not in sys.modules, 'exposition imported';"
+        "import prometheus_client; from prometheus_client import parser; assert prometheus_client.Counter and parser.text_string_to_metric_families"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -556,10 +556,10 @@ def test_proxy_through_the_real_caddy(tree: Path, config: Config, live_proxy: Li
     assert part.details["listening"] is True
     assert config.proxy.hostname in part.details["certificate"]["names"]
     assert part.details["certificate"]["days_left"] > 30
-    assert part.details["request"]["path"] == config.health_path
+    assert part.details["request"]["path"] == config.engine.health.path
     assert part.details["request"]["status"] == 200
     line = status.summary("proxy", part.to_json())
-    assert line.startswith(f"certificate for {config.proxy.hostname}") and f"GET {config.health_path} HTTP 200" in line
+    assert line.startswith(f"certificate for {config.proxy.hostname}") and f"GET {config.engine.health.path} HTTP 200" in line
     # The server certificate runs out: degraded before it does.
     later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=part.details["certificate"]["days_left"] - 3)
     soon = probes_proxy.probe_proxy(config, src, now=later)
@@ -614,7 +614,7 @@ def test_proxy_that_cannot_reach_the_engine_is_degraded(
     assert part.state == probes.DEGRADED, part.reason
     code = part.details["request"]["status"]
     assert code in (502, 503)  # 503 once Caddy's active health check has marked the engine down
-    assert part.reason == f"GET {config.health_path} through the proxy: HTTP {code}"
+    assert part.reason == f"GET {config.engine.health.path} through the proxy: HTTP {code}"
 
 
 
