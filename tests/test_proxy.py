@@ -675,6 +675,13 @@ TARGETS: list[tuple[bytes, str]] = [
     (b"/", "refuse"),
     (b"/v1/models.json", "refuse"),
     (b"/.well-known/../v1/models", "refuse"),
+    # trailing dots and near misses that some normalizers strip
+    (b"/v1/models.", "refuse"),
+    (b"/health..", "refuse"),
+    (b"/v1/models%2e", "refuse"),
+    (b"/v1/models~", "refuse"),
+    (b"/v1/models/~", "refuse"),
+    (b"/v1/./../v1/models", "refuse"),
 ]
 
 
@@ -816,6 +823,20 @@ def test_engine_gets_exactly_an_allowed_path_or_nothing(raw_live: RawLive, targe
 )
 def test_noncanonical_forms_get_400(raw_live: RawLive, target: bytes) -> None:
     assert _raw_request(raw_live, target, source="127.0.0.3")[0] == 400
+
+
+@needs_caddy
+@needs_caddy
+@pytest.mark.parametrize(
+    ("method", "target"),
+    [(b"CONNECT", b"appliance.local:443"), (b"CONNECT", b"127.0.0.1:8000"), (b"OPTIONS", b"*"),
+     (b"GET", b"127.0.0.1:8000/v1/models")],
+)
+def test_other_request_target_forms_never_reach_the_engine(raw_live: RawLive, method: bytes, target: bytes) -> None:
+    status, probe = _raw_request(raw_live, target, source="127.0.0.3", method=method)
+    assert _seen(raw_live, probe) == []
+    # Go's HTTP server answers "OPTIONS *" itself (200, empty) before any handler of Caddy's runs.
+    assert status in (400, 403, 405) or (method, target, status) == (b"OPTIONS", b"*", 200)
 
 
 @needs_caddy
