@@ -152,7 +152,8 @@ def test_the_parsers_load_without_the_package_server_and_the_package_stays_whole
     code = (
         "import sys; from applianctl import metrics; metrics.parse('a 1\\n');"
         "assert 'http.server' not in sys.modules, 'exposition imported';"
-        "import prometheus_client; from prometheus_client import parser; assert prometheus_client.Counter and parser.text_string_to_metric_families"
+        "import prometheus_client; from prometheus_client import parser;"
+        "assert prometheus_client.Counter and parser.text_string_to_metric_families"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
