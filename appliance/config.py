@@ -348,6 +348,11 @@ class Config:
         """The model name clients ask for: --served-model-name, else the model id."""
         return self.engine.served_model_name or self.model.id
 
+    @property
+    def health_path(self) -> str:
+        """The engine's readiness path (engine.health.path), as probes and the proxy ask for it."""
+        return self.engine.health.path
+
     def to_json(self) -> dict[str, Any]:
         """The configuration as the device reads it (/usr/lib/appliance/appliance.json)."""
         data = schema.plain(self)
