@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from appliance.config import load_device
 from applianctl import __version__
 
 BEGIN, END = "APPLIANCE-REPORT-BEGIN", "APPLIANCE-REPORT-END"
@@ -146,8 +147,8 @@ def engine_environment() -> dict[str, Any]:
 def collect() -> dict[str, Any]:
     usr_source = _run(["findmnt", "-no", "SOURCE,FSTYPE,OPTIONS", "/usr"]).split()
     root_disk = _run(["lsblk", "-no", "PKNAME", _run(["findmnt", "-no", "SOURCE", "/"]).strip()]).strip()
-    config = json.loads(Path("/usr/lib/appliance/appliance.json").read_text())
-    smoke = smoke_engine(config["engine"]["port"], config["engine"]["served_model_name"])
+    config = load_device()
+    smoke = smoke_engine(config.engine.port, config.served_model)
     proxy_smoke = _run(["/usr/bin/applianctl", "smoke"], timeout=120)
     status, status_text = _status()
     units = _json(["systemctl", "list-units", "--failed", "--output=json"]) or []
@@ -384,16 +385,16 @@ def run_netprobe(wait_s: float = 120) -> dict[str, Any]:
     (bounded), so nothing else happens to the engine meanwhile. The engine's health on the
     bridge address, from the guest itself, before and after: the negatives were not because
     the engine was down."""
-    config = json.loads(Path("/usr/lib/appliance/appliance.json").read_text())
+    config = load_device()
     inspected = _json(["podman", "inspect", "appliance-engine"]) or [{}]
     networks = (inspected[0] if isinstance(inspected, list) and inspected else {}).get("NetworkSettings", {}).get("Networks") or {}
     bridge = next((n.get("IPAddress") for n in networks.values() if n.get("IPAddress")), "")
-    port = int(config["engine"]["port"])
-    health = config["engine"].get("health", {}).get("path", "/health")
+    port = config.engine.port
+    health = config.engine.health.path
     inside_before = _http_status(f"http://{bridge}:{port}{health}") if bridge else "no bridge address"
     since = _run(["date", "+%Y-%m-%d %H:%M:%S"]).strip()
-    question = {"bridge": bridge, "engine_port": port, "https_port": int(config.get("proxy", {}).get("https_port", 443)),
-                "http_port": int(config.get("proxy", {}).get("http_port", 80)), "done_path": NETPROBE_DONE}
+    question = {"bridge": bridge, "engine_port": port, "https_port": config.proxy.https_port,
+                "http_port": 80, "done_path": NETPROBE_DONE}
     with open(REPORT_PORT, "w") as report_port:
         report_port.write(f"\n{ASK} netprobe {json.dumps(question)}\n")
     started = time.monotonic()
