@@ -459,7 +459,7 @@ def _write_report(path: str, report: dict[str, Any]) -> None:
 
 
 def _running_version() -> str:
-    return str(json.loads(Path("/usr/lib/appliance/appliance.json").read_text())["appliance"]["version"])
+    return load_device().appliance.version
 
 
 def main_trial(args: argparse.Namespace) -> int:
