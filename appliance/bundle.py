@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryptography.exceptions import InvalidSignature
-
 from appliance import manifest, schema
 from appliance.errors import Refused, UserError
 from appliance.hashing import DIGEST, SHA256
+from appliance.patterns import VERSION
 
 BUNDLE_INDEX = "bundle.json"
 BUNDLE_SIG = "bundle.json.sig"
@@ -124,8 +123,8 @@ class BundleIndex:
     """bundle.json, as the schema loader reads it."""
 
     format: int = field(metadata=schema.check(lambda v: None if v == BUNDLE_FORMAT else f"{BUNDLE_FORMAT}"))
-    version: str = field(metadata=_string(manifest.VERSION, "numbers joined by dots"))
-    min_version: str = field(metadata=_string(manifest.VERSION, "numbers joined by dots"))
+    version: str = field(metadata=_string(VERSION, "numbers joined by dots"))
+    min_version: str = field(metadata=_string(VERSION, "numbers joined by dots"))
     profile: str = field(metadata=schema.check(lambda v: None if v in manifest.PROFILES else "one of " + ", ".join(manifest.PROFILES)))
     engine_digest: str = field(metadata=_string(DIGEST, "sha256: and 64 hex digits"))
     usrhash: str = field(metadata=_string(SHA256, "64 hex digits"))
@@ -179,14 +178,7 @@ def verify_index(data: bytes, sig: bytes, keys_dir: Path) -> dict[str, Any]:
     keys = manifest.trusted_keys(keys_dir)
     if not keys:
         raise UserError(f"{keys_dir}: no trusted keys (*.pub)", hint="the image is damaged")
-    signed_by = None
-    for kid, key in keys.items():
-        try:
-            key.verify(signature, data)
-        except InvalidSignature:
-            continue
-        signed_by = kid
-        break
+    signed_by = manifest.signer_of(data, signature, keys)
     if signed_by is None:
         claimed = manifest.claimed_signer(data)
         if claimed is not None and claimed not in keys:
@@ -234,7 +226,7 @@ def pe_sections(path: Path) -> dict[str, bytes]:
 
 
 def uki_facts(path: Path) -> dict[str, str | None]:
-    """usrhash= from the kernel image's command line and IMAGEmanifest.VERSION from its os-release."""
+    """usrhash= from the kernel image's command line and IMAGE_VERSION from its os-release."""
     try:
         sections = pe_sections(path)
     except (OSError, ValueError, struct.error) as e:
@@ -242,5 +234,5 @@ def uki_facts(path: Path) -> dict[str, str | None]:
     cmdline = sections.get(".cmdline", b"").decode("utf-8", "replace").rstrip("\0").split()
     usrhash = next((a.split("=", 1)[1] for a in cmdline if a.startswith("usrhash=")), None)
     osrel = sections.get(".osrel", b"").decode("utf-8", "replace")
-    m = re.search(r"^IMAGEmanifest.VERSION=\"?([^\"\n]*)\"?$", osrel, re.M)
+    m = re.search(r"^IMAGE_VERSION=\"?([^\"\n]*)\"?$", osrel, re.M)
     return {"usrhash": usrhash, "image_version": m.group(1) if m else None}

@@ -23,6 +23,9 @@ from appliance import schema
 from appliance.errors import ConfigError, UserError
 from appliance.hashing import DIGEST as _DIGEST
 from appliance.hashing import SHA256 as _SHA256
+from appliance.patterns import MODEL_ID as _MODEL_ID
+from appliance.patterns import REVISION as _REVISION
+from appliance.patterns import VERSION as _VERSION
 from appliance.schema import Check
 
 PROFILES = ("production", "demo")
@@ -33,10 +36,7 @@ GIB = 1 << 30
 
 
 _DNS_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
-_REVISION = re.compile(r"^[0-9a-f]{40}$")
-_VERSION = re.compile(r"^[0-9]+(\.[0-9]+){0,3}$")
 _IMAGE_NAME = re.compile(r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
-_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _EMAIL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _CAPABILITY = re.compile(r"^[A-Z_]+$")

@@ -33,6 +33,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from appliance import schema
 from appliance.errors import UserError
 from appliance.hashing import DIGEST, SHA256
+from appliance.patterns import MODEL_ID as _MODEL_ID
+from appliance.patterns import REVISION as _REVISION
+from appliance.patterns import VERSION
 
 KINDS = ("overlay", "tuning", "firmware", "diff")
 PROFILES = ("production", "demo")
@@ -45,11 +48,8 @@ FIRMWARE_UPDATES_DIR = "/usr/lib/firmware/updates/amdgpu"
 SIGNATURE_BYTES = 64
 MAX_MANIFEST_BYTES = 1 << 20
 
-VERSION = re.compile(r"^[0-9]+(\.[0-9]+){0,3}$")
 _TIME = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z$")
 KEY_ID = re.compile(r"^[0-9a-f]{16}$")
-_REVISION = re.compile(r"^[0-9a-f]{40}$")
-_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")
 _TEXT = re.compile(r"^[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?$")
 _SEGMENT = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]*$")
@@ -394,20 +394,24 @@ def sign(manifest: Mapping[str, Any], private_key_path: Path) -> bytes:
     return encode_signature(key.sign(data))
 
 
+def signer_of(data: bytes, signature: bytes, keys: Mapping[str, Ed25519PublicKey]) -> str | None:
+    """The id of the trusted key whose signature over DATA this is; None when none of them made it."""
+    for kid, key in keys.items():
+        try:
+            key.verify(signature, data)
+        except InvalidSignature:
+            continue
+        return kid
+    return None
+
+
 def verify(manifest_bytes: bytes, sig_bytes: bytes, trusted_keys_dir: Path) -> dict[str, Any]:
     """Check the signature against the trusted keys, then the manifest; return the manifest."""
     signature = decode_signature(sig_bytes)
     keys = trusted_keys(trusted_keys_dir)
     if not keys:
         raise ManifestError(f"{trusted_keys_dir}: no trusted keys (*.pub)", hint="the image is damaged")
-    signed_by = None
-    for kid, key in keys.items():
-        try:
-            key.verify(signature, manifest_bytes)
-        except InvalidSignature:
-            continue
-        signed_by = kid
-        break
+    signed_by = signer_of(manifest_bytes, signature, keys)
     if signed_by is None:
         claimed = claimed_signer(manifest_bytes)
         if claimed is not None and claimed not in keys:

@@ -137,3 +137,10 @@ def test_manifest_loads_as_the_typed_model(tmp_path: Path, signing: tuple[Path, 
     model = manifest.load(data)
     assert model.version == data["version"] and model.engine_image.digest == data["engine_image"]["digest"]
     assert [f.path for f in model.files] == [f["path"] for f in data["files"]]
+
+
+def test_the_kernel_image_facts_are_read_back(tmp_path: Path, signing: tuple[Path, Path]) -> None:
+    key, _ = signing
+    b = bundle(tmp_path, key)
+    facts = bundle_format.uki_facts(b / "appliance_2.0.0.efi")
+    assert facts == {"usrhash": usrhash_for("2.0.0"), "image_version": "2.0.0"}
