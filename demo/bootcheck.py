@@ -346,9 +346,12 @@ def run_update_on_trial(url: str) -> dict[str, Any]:
     """`applianctl update URL` while this version is not judged yet: it must be refused (one
     line), and neither slot nor the boot entries may change."""
     trial = _on_trial()
+    hashing = time.monotonic()
     before = _slot_hashes()
+    hashing_s = round(time.monotonic() - hashing, 1)
     proc = subprocess.run(_update_command(url), capture_output=True, text=True, timeout=1800, check=False)
     return {
+        "hashing_seconds": hashing_s,
         "url": url,
         "trial": trial,
         "exit": proc.returncode,
@@ -428,6 +431,7 @@ def run_step(version: str, step: dict[str, Any], engine_healthy: bool) -> dict[s
     marker = _marker(version, step)
     if marker.exists():
         return None
+    started = time.monotonic()
     if step["do"] == "faults":
         outcome: dict[str, Any] = run_fault_scenarios() if engine_healthy else {"skipped": "the engine never became healthy"}
     elif step["do"] == "refusals":
@@ -438,7 +442,8 @@ def run_step(version: str, step: dict[str, Any], engine_healthy: bool) -> dict[s
         outcome = run_update_on_trial(str(step["url"]))
     else:
         outcome = run_update(str(step["url"]))
-    outcome = {"do": step["do"], "version": version, **outcome}
+    # how long each step took, for whoever makes the journey shorter
+    outcome = {"do": step["do"], "version": version, **outcome, "seconds": round(time.monotonic() - started, 1)}
     MARKER_DIR.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps(outcome))
     return outcome
