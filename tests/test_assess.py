@@ -205,3 +205,21 @@ def test_the_unit_is_ordered_before_boot_complete() -> None:
     assert unit["Service"]["Type"] == ["oneshot"]
     assert unit["Service"]["ExecStart"] == ["/usr/bin/applianctl assess"]
     assert unit["Install"]["RequiredBy"] == ["boot-complete.target"]
+    # loopback only (the proxy), and the ESP writable for demote_newer
+    assert unit["Service"]["IPAddressDeny"] == ["any"] and unit["Service"]["IPAddressAllow"] == ["localhost"]
+    assert "-/efi" in unit["Service"]["ReadWritePaths"][0].split()
+
+
+def test_a_downgrade_judged_good_marks_newer_entries_out_of_tries(tmp_path: Path, host: slots.Host, live: Live) -> None:
+    from appliance import atomic
+
+    _on_trial(host)
+    assert host.esp is not None
+    linux = host.esp / "EFI/Linux"
+    linux.mkdir(parents=True)
+    (linux / "appliance_2.0.0+2-1.efi").write_bytes(b"uki 2")
+    (linux / "appliance_3.0.0.efi").write_bytes(b"uki 3")
+    atomic.write_json_atomic(slots.last_update_path(), {"version": "2.0.0", "downgrade": True})
+    assert assess.assess(_version(live.config), host=host, deadline_s=20, poll_s=0.2, say=lambda s: None) == 0
+    assert sorted(p.name for p in linux.iterdir()) == ["appliance_2.0.0+2-1.efi", "appliance_3.0.0+0.efi"]
+    assert _record()["demoted"] == ["appliance_3.0.0+0.efi"]
