@@ -92,6 +92,12 @@ def _is_url(value: str) -> str | None:
     return None
 
 
+def _is_weights_source(value: str) -> str | None:
+    if value == "" or (value.startswith("/") and _is_abs_path(value) is None) or (value.startswith("https://") and _is_url(value) is None):
+        return None
+    return "an https:// URL of a mirror, an absolute directory, or \"\""
+
+
 def _is_arg(value: str) -> str | None:
     if _UNSAFE.search(value.replace("%", "")) or not value:
         return "a non-empty argument without quotes, backslashes, '$', ';', braces or control characters"
@@ -170,6 +176,11 @@ class Model:
     id: str = field(metadata=_check(_pattern(_MODEL_ID, "a Hugging Face model id, e.g. deepseek-ai/DeepSeek-V4-Flash-0731")))
     revision: str = field(metadata=_check(_pattern(_REVISION, "a full commit hash: 40 lower-case hex digits")))
     cache_dir: str = field(default="/var/lib/appliance/huggingface", metadata=_check(_is_abs_path))
+    # The signed weights manifest (python3 -m builder weights pin), a file of this repository;
+    # "" ships none and the weights are not checked (issue 14).
+    weights_manifest: str = field(default="", metadata=_check(lambda v: None if v == "" else _is_repo_file(v)))
+    # Where `applianctl model fetch` gets the weights by default: an https:// mirror or a directory.
+    source: str = field(default="", metadata=_check(_is_weights_source))
 
     # Where the engine container sees cache_dir (the compose stack's Hugging Face cache mount).
     container_cache: typing.ClassVar[str] = "/root/.cache/huggingface"

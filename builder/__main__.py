@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     release.add_parser(sub)
 
+    from builder import weights
+
+    weights.add_parser(sub)
+
     p = sub.add_parser("keys", help="make a release signing key pair (Ed25519)")
     p.add_argument("action", choices=["generate"], help="generate: write a new key pair")
     p.add_argument("--directory", help="where to write release.key and release.pub (default: keys/, never committed)")

@@ -1,0 +1,212 @@
+"""`python3 -m builder weights pin|demo`: the weights manifest of the configured model and revision.
+
+    python3 -m builder weights pin                    # from the Hub's file tree (LFS SHA-256 of large files)
+    python3 -m builder weights pin --from SNAPSHOT    # also every file's fs-verity digest (and SHA-256 computed)
+    python3 -m builder --profile demo weights demo --output DIR   # the demo's generated weights and their manifest
+
+Large files: the Hub's tree API gives their SHA-256 (`lfs.sha256`), which is what the manifest pins.
+Small files have only a git blob SHA-1 there, so their SHA-256 is computed: from the local copy with
+--from, else from a download through huggingface_hub, checked against that blob SHA-1 first. With
+--from the local copy must agree with the Hub's tree (same files, sizes and hashes) unless --offline,
+which pins the directory as it is (a mirror operator without Hub access, and the demo).
+
+huggingface_hub runs on the build host only; it is never in the image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from appliance import config as config_model
+from appliance import fsverity
+from appliance import weights as wm
+from appliance.atomic import atomic_write
+from appliance.errors import UserError
+from appliance.hashing import sha256_file
+
+ROOT = Path(__file__).resolve().parents[1]
+HUB_HINT = "check the model id and revision in appliance.toml and the network; or pin a local copy with --from DIR --offline"
+
+
+@dataclass(frozen=True)
+class HubFile:
+    """One file of the Hub's tree at the revision: its size, git blob SHA-1 and, for LFS files, SHA-256."""
+
+    path: str
+    size: int
+    blob_id: str
+    lfs_sha256: str | None
+
+
+def hub_files(model_id: str, revision: str, api: Any = None) -> list[HubFile]:
+    """The snapshot's files as the Hub lists them (HfApi.list_repo_tree, recursive)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.hf_api import RepoFile
+
+    api = api or HfApi()
+    try:
+        entries = list(api.list_repo_tree(model_id, recursive=True, revision=revision))
+    except (HfHubHTTPError, OSError) as e:
+        why = str(e).splitlines()[0][:200]
+        raise UserError(f"{model_id}@{revision}: the Hub's file list is not available ({why})", hint=HUB_HINT) from None
+    files = [
+        HubFile(e.path, e.size, e.blob_id, e.lfs.sha256 if e.lfs is not None else None) for e in entries if isinstance(e, RepoFile)
+    ]
+    if not files:
+        raise UserError(f"{model_id}@{revision}: the Hub lists no files", hint=HUB_HINT)
+    return files
+
+
+def git_blob_sha1(path: Path) -> str:
+    """The git blob id of a file, as the Hub reports it for small (non-LFS) files."""
+    digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode(), usedforsecurity=False)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _download_small(model_id: str, revision: str, entry: HubFile, directory: Path) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(model_id, entry.path, revision=revision, local_dir=directory))
+    except Exception as e:  # the library raises many types (HTTP, offline, entry not found)
+        raise UserError(f"{entry.path}: download from the Hub failed ({str(e).splitlines()[0][:200]})", hint=HUB_HINT) from None
+
+
+def local_files(directory: Path) -> dict[str, Path]:
+    """Every regular file under DIRECTORY by its relative path (links followed: a Hugging Face cache
+    snapshot links into its blobs), leaving out huggingface_hub's own .cache/."""
+    if not directory.is_dir():
+        raise UserError(f"{directory}: no such directory", hint="--from takes the snapshot directory (the files the engine loads)")
+    out: dict[str, Path] = {}
+    for path in sorted(directory.rglob("*")):
+        rel = path.relative_to(directory).as_posix()
+        if rel == ".cache" or rel.startswith(".cache/") or not path.is_file():
+            continue
+        out[rel] = path
+    if not out:
+        raise UserError(f"{directory}: no files", hint="--from takes the snapshot directory (the files the engine loads)")
+    return out
+
+
+def pin(model_id: str, revision: str, source: Path | None, offline: bool, api: Any = None) -> wm.WeightsManifest:
+    """The weights manifest from the Hub's tree and/or a local copy (see the module's docstring)."""
+    local = local_files(source) if source is not None else None
+    if offline:
+        if local is None:
+            raise UserError("--offline needs --from DIR", hint="pin a local copy of the snapshot: --from DIR --offline")
+        return wm.make(model_id, revision, [_local_entry(rel, p) for rel, p in local.items()])
+    hub = hub_files(model_id, revision, api)
+    if local is not None:
+        missing = sorted({f.path for f in hub} - set(local))
+        extra = sorted(set(local) - {f.path for f in hub})
+        if missing or extra:
+            what = f"{missing[0]} is missing" if missing else f"{extra[0]} is not in the Hub's snapshot"
+            hint = "--from takes exactly the snapshot at the pinned revision"
+            raise UserError(f"{source}: {what} ({len(missing)} missing, {len(extra)} extra)", hint=hint)
+    files = []
+    with tempfile.TemporaryDirectory(prefix="weights-pin-") as tmp:
+        for entry in hub:
+            path = local[entry.path] if local is not None else None
+            if path is None and entry.lfs_sha256 is None:
+                path = _download_small(model_id, revision, entry, Path(tmp))
+            files.append(_checked_entry(entry, path))
+    return wm.make(model_id, revision, files)
+
+
+def _local_entry(rel: str, path: Path) -> wm.WeightFile:
+    return wm.WeightFile(rel, path.stat().st_size, sha256_file(path), fsverity.digest_file(path))
+
+
+def _checked_entry(entry: HubFile, path: Path | None) -> wm.WeightFile:
+    """ENTRY's manifest line; the local copy at PATH (if any) must match what the Hub says."""
+    if path is None:
+        assert entry.lfs_sha256 is not None
+        return wm.WeightFile(entry.path, entry.size, entry.lfs_sha256)
+    size = path.stat().st_size
+    if size != entry.size:
+        raise UserError(f"{entry.path}: {size} bytes here, {entry.size} on the Hub", hint="copy the snapshot again")
+    line = _local_entry(entry.path, path)
+    if entry.lfs_sha256 is not None and line.sha256 != entry.lfs_sha256:
+        raise UserError(f"{entry.path}: SHA-256 {line.sha256} differs from the Hub's {entry.lfs_sha256}", hint="copy the snapshot again")
+    if entry.lfs_sha256 is None and git_blob_sha1(path) != entry.blob_id:
+        raise UserError(f"{entry.path}: git blob id differs from the Hub's {entry.blob_id}", hint="copy the snapshot again")
+    return line
+
+
+# ----------------------------------------------------------------------------------- demo weights
+
+DEMO_SEED = 14
+MIB = 1 << 20
+# About 128 MiB in a few files; sizes not multiples of a block or a fetch chunk on purpose.
+DEMO_SIZES = {
+    "model-00001-of-00003.safetensors": 48 * MIB + 1234,
+    "model-00002-of-00003.safetensors": 48 * MIB - 777,
+    "model-00003-of-00003.safetensors": 32 * MIB + 4097,
+}
+
+
+def demo_files() -> Iterable[tuple[str, bytes]]:
+    """The demo's weights, the same bytes on every machine (a seeded generator)."""
+    yield "config.json", b'{"architectures": ["StandinForCausalLM"], "model_type": "standin"}\n'
+    index = "".join(f'"{name}": {size},' for name, size in DEMO_SIZES.items())
+    yield "model.safetensors.index.json", ('{"sizes": {' + index.rstrip(",") + "}}\n").encode()
+    rng = random.Random(DEMO_SEED)
+    for name, size in DEMO_SIZES.items():
+        yield name, rng.randbytes(size)
+
+
+def demo_manifest(model_id: str, revision: str) -> wm.WeightsManifest:
+    files = [wm.WeightFile(n, len(d), hashlib.sha256(d).hexdigest(), fsverity.digest_bytes(d)) for n, d in demo_files()]
+    return wm.make(model_id, revision, files)
+
+
+def write_demo(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, data in demo_files():
+        atomic_write(directory / name, data)
+
+
+# ----------------------------------------------------------------------------------- command
+
+
+def default_output(config: config_model.Config) -> Path:
+    return ROOT / (config.model.weights_manifest or f"weights/{config.profile}.json")
+
+
+def cmd_weights(args: argparse.Namespace) -> int:
+    config = config_model.load(Path(args.config), args.profile)
+    output = Path(args.output_manifest) if args.output_manifest else default_output(config)
+    if args.action == "demo":
+        model = demo_manifest(config.model.id, config.model.revision)
+        if args.output:
+            write_demo(Path(args.output))
+    else:
+        model = pin(config.model.id, config.model.revision, Path(args.source) if args.source else None, args.offline)
+    data = wm.dumps(model)
+    atomic_write(output, data)
+    print(f"{output}: {model.model}@{model.revision}, {len(model.files)} files, {model.total_bytes} bytes, sha256 {wm.sha256(data)}")
+    return 0
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register `weights` on the builder's subparsers."""
+    p: argparse.ArgumentParser = sub.add_parser("weights", help="pin the model's weights: write the weights manifest")
+    p.add_argument("action", choices=["pin", "demo"], help="pin: the configured model and revision; demo: the demo's generated weights")
+    p.add_argument("--from", dest="source", help="pin: a local copy of the snapshot (adds each file's fs-verity digest)")
+    p.add_argument("--offline", action="store_true", help="pin: do not ask the Hub; pin the --from directory as it is")
+    p.add_argument("--output", help="demo: also write the generated weights into this directory")
+    p.add_argument("--manifest", dest="output_manifest",
+                   help="where to write the manifest (default: model.weights_manifest, else weights/PROFILE.json)")
+    p.set_defaults(func=cmd_weights)
+    return p
