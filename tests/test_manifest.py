@@ -1,4 +1,4 @@
-"""The signed release manifest (applianctl/manifest.py), signing keys (builder/keys.py) and
+"""The signed release manifest (appliance/manifest.py), signing keys (builder/keys.py) and
 `applianctl verify` (applianctl/verify.py)."""
 
 from __future__ import annotations
