@@ -5,6 +5,10 @@ systemd expands `%` specifiers in most settings (`%p` is the unit's prefix, so a
 and command lines on white space. These filters turn a value into the text systemd reads back as
 that value; the configuration model refuses what cannot be written this way (control characters,
 quotes, backslashes, `$`).
+
+Quadlet reads Environment= and Exec= with systemd's word splitting (podman's
+pkg/systemd/parser/split.go follows extract_first_word) and writes the words back into the
+generated ExecStart= quoted but with `%` untouched, so `%%` reaches systemd, which makes it `%`.
 """
 
 from __future__ import annotations

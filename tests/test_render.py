@@ -200,3 +200,23 @@ def test_any_accepted_environment_value_renders_exactly(production: config.Confi
         assert environment(unit)["X"] == value
 
     check()
+
+
+def test_any_accepted_engine_argument_renders_as_one_exact_word(production: config.Config) -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    data = production.to_json()
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=20))
+    def check(value: str) -> None:
+        trial = {**data, "engine": {**data["engine"], "args": [*data["engine"]["args"], "--note", value]}}
+        try:
+            c = config.from_json(trial, Path("appliance.json"))
+        except config.ConfigError:
+            return
+        unit = parse_unit(render.render_template("appliance-engine.container.j2", c, _store(c)))
+        assert systemd_words(unit["Exec"][0])[-2:] == ["--note", value]
+
+    check()
