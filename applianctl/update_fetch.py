@@ -21,15 +21,15 @@ import os
 import socket
 import ssl
 import stat
-import sys
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Protocol
 
+from appliance import progress
 from appliance.errors import Refused, UserError
 
 CHUNK = 1 << 16  # one read: small, so the deadline is checked often
@@ -61,24 +61,20 @@ class Deadline:
 
 
 class Progress:
-    """A one-line progress bar on a terminal; silent otherwise."""
+    """Absolute byte counts for appliance.progress (a bar on a terminal, a line every few seconds
+    in the journal)."""
 
-    def __init__(self, name: str, total: int, stream: Any = None) -> None:
-        self.stream = stream or sys.stderr
-        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.name, self.total, self.last = name, max(total, 1), 0.0
+    def __init__(self, name: str, total: int) -> None:
+        self.bar = progress.Progress(f"downloading {name}", total=total, unit="B")
+        self.done = 0
 
     def update(self, done: int) -> None:
-        now = time.monotonic()
-        if not self.enabled or (now - self.last < 0.2 and done < self.total):
-            return
-        self.last = now
-        width = 30
-        filled = int(width * done / self.total)
-        self.stream.write(f"\r{self.name[:40]:40} [{'#' * filled}{'.' * (width - filled)}] {100 * done // self.total:3d}%")
-        if done >= self.total:
-            self.stream.write("\n")
-        self.stream.flush()
+        if done > self.done:
+            self.bar.advance(done - self.done)
+            self.done = done
+
+    def finish(self, failed: bool) -> None:
+        self.bar.finish(failed=failed)
 
 
 class Source(Protocol):
@@ -120,24 +116,32 @@ def _write_until(chunks: Iterator[bytes], fout: IO[bytes], have: int, size: int,
 def _resumable(fetch_once: Callable[[Path, int, int, Progress], None], name: str, part: Path, size: int, deadline: Deadline) -> None:
     """Call FETCH_ONCE until PART holds SIZE bytes; a dropped connection is retried (resumed) a
     few times within the run. Refusals and the deadline are not retried."""
-    progress = Progress(name, size)
-    for attempt in range(FETCH_ATTEMPTS):
-        deadline.left()
-        have = part.stat().st_size if part.exists() else 0
-        if have > size:
-            part.unlink()
-            have = 0
-        if have == size:
-            progress.update(size)
-            return
-        try:
-            fetch_once(part, have, size, progress)
-        except OSError as e:
-            if attempt == FETCH_ATTEMPTS - 1:
-                raise UserError(f"{name}: download failed ({e})"[:300], hint=RESUME) from None
-            time.sleep(min(min(2**attempt, 10) * 0.1, deadline.left()))
-    if not part.exists() or part.stat().st_size != size:
-        raise UserError(f"{name}: download incomplete", hint=RESUME)
+    have = part.stat().st_size if part.exists() else 0
+    if have == size:
+        return
+    bar = Progress(name, size)
+    bar.update(min(have, size))
+    ok = False
+    try:
+        for attempt in range(FETCH_ATTEMPTS):
+            deadline.left()
+            have = part.stat().st_size if part.exists() else 0
+            if have > size:
+                part.unlink()
+                have = 0
+            if have == size:
+                break
+            try:
+                fetch_once(part, have, size, bar)
+            except OSError as e:
+                if attempt == FETCH_ATTEMPTS - 1:
+                    raise UserError(f"{name}: download failed ({e})"[:300], hint=RESUME) from None
+                time.sleep(min(min(2**attempt, 10) * 0.1, deadline.left()))
+        if not part.exists() or part.stat().st_size != size:
+            raise UserError(f"{name}: download incomplete", hint=RESUME)
+        ok = True
+    finally:
+        bar.finish(failed=not ok)
 
 
 # ----------------------------------------------------------------------------------- directory

@@ -321,3 +321,10 @@ def test_an_oversized_index_in_a_directory_is_refused(tmp_path: Path) -> None:
     (tmp_path / "bundle.json").write_bytes(b" " * (LIMIT + 1))
     with pytest.raises(Refused, match="larger than"):
         uf.open_source(str(tmp_path), None, uf.Deadline(10)).read_small("bundle.json", LIMIT)
+
+
+def test_a_download_reports_progress_in_the_journal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "f.raw").write_bytes(b"q" * 5000)
+    uf.open_source(str(tmp_path), None, uf.Deadline(10)).fetch("f.raw", tmp_path / "out.part", 5000)
+    err = capsys.readouterr().err.splitlines()
+    assert err and err[-1].startswith("downloading f.raw: 4.9 KiB/4.9 KiB (100%)") and "done in" in err[-1]
