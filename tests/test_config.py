@@ -278,3 +278,18 @@ def test_validate_reports_every_configuration_fault_in_one_run(tmp_path: Path) -
     assert "engine.shm.margin_gib = inf" in lines[1]
     assert "proxy.https_port = True" in lines[2]
     assert lines[3].startswith("hint: 3 problems")
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "key"),
+    [
+        ('VLLM_ROCM_USE_AITER = "1"', 'VLLM_ROCM_USE_AITER = "1\\" X=\\"2"', "engine.env.VLLM_ROCM_USE_AITER"),
+        ('VLLM_ROCM_USE_AITER = "1"', 'VLLM_ROCM_USE_AITER = "$HOME"', "engine.env.VLLM_ROCM_USE_AITER"),
+        ('"--kv-offloading-size", "96"', '"--kv-offloading-size", "1e999"', "kv-offloading-size"),
+    ],
+)
+def test_hostile_values_are_refused_by_validate_in_one_line(tmp_path: Path, old: str, new: str, key: str) -> None:
+    result = _cli("--config", str(_with(tmp_path, old, new)), "validate")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().split("\n")
+    assert len(lines) == 2 and key in lines[0] and lines[1].startswith("hint: ")
