@@ -11,13 +11,14 @@ temporary tree; the paths of the appliance's own files come from `appliance.path
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from appliance.run import call
 
 OK = "ok"
 DEGRADED = "degraded"
@@ -87,9 +88,7 @@ def run_command(argv: Sequence[str], timeout: float) -> tuple[int, str]:
     """Run ARGV; return its exit status and standard output. Raise ToolMissing when it is not
     installed and subprocess.TimeoutExpired when it takes longer than TIMEOUT seconds."""
     try:
-        proc = subprocess.run(
-            list(argv), capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL
-        )
+        proc = call(argv, timeout)
     except FileNotFoundError:
         raise ToolMissing(argv[0]) from None
     return proc.returncode, proc.stdout

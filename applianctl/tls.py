@@ -39,6 +39,7 @@ from appliance import paths
 from appliance.atomic import atomic_write
 from appliance.config import load_device
 from appliance.errors import UserError
+from appliance.run import call
 
 PROXY_UNIT = "appliance-proxy.service"
 PROXY_GROUP = "caddy"  # Debian's caddy package creates it; appliance-proxy.service runs as caddy
@@ -280,8 +281,10 @@ def host_interfaces() -> list[ipaddress.IPv4Interface | ipaddress.IPv6Interface]
     ]
     ip = shutil.which("ip") or "/usr/sbin/ip"
     try:
-        out = subprocess.run([ip, "-j", "addr", "show"], capture_output=True, text=True, check=True, timeout=10).stdout
-        links = json.loads(out)
+        proc = call([ip, "-j", "addr", "show"], timeout=10)
+        if proc.returncode != 0:
+            raise OSError(f"ip exited with status {proc.returncode}")
+        links = json.loads(proc.stdout)
     except (OSError, subprocess.SubprocessError, json.JSONDecodeError) as e:
         print(f"applianctl tls: cannot read the host's addresses ({e}); loopback only", file=sys.stderr)
         links = []
@@ -446,7 +449,7 @@ def reload_proxy() -> None:
     if not Path("/run/systemd/system").is_dir():
         print("applianctl tls: not running under systemd; proxy not reloaded", file=sys.stderr)
         return
-    done = subprocess.run(["systemctl", "--no-block", "try-reload-or-restart", PROXY_UNIT], check=False)
+    done = call(["systemctl", "--no-block", "try-reload-or-restart", PROXY_UNIT])
     if done.returncode != 0:
         raise UserError(f"systemctl try-reload-or-restart {PROXY_UNIT} failed", hint=f"journalctl -u {PROXY_UNIT}")
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 from typing import Any
 
 from appliance import paths
 from appliance.errors import UserError
+from appliance.run import call
 
 LOG_UNITS = {
     "engine": paths.ENGINE_UNIT,
@@ -63,7 +63,7 @@ def run_control(args: argparse.Namespace) -> int:
     if args.verb in ("start", "restart"):
         # An operator's start is deliberate: it must not be refused because the unit's start limit
         # (five starts an hour, there to stop a crash loop) was used up by earlier failures.
-        subprocess.run(["systemctl", "reset-failed", argv[-1]], check=False, capture_output=True)
+        call(["systemctl", "reset-failed", argv[-1]])
     return _exec(argv)
 
 
