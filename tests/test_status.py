@@ -4,6 +4,7 @@ mocked on a private bus, recorded GPU output, and a temporary tree for every fil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import io
@@ -197,38 +198,43 @@ def _wait_for(ready: Any, proc: subprocess.Popen[bytes], log: Path) -> None:
     pytest.fail(f"caddy did not listen: {log.read_text()[-2000:]}")
 
 
-@pytest.fixture(scope="module")
-def live_proxy(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveProxy]:
-    """The real Caddy with the demo's rendered Caddyfile and certificates from applianctl.tls, in
-    front of the stand-in engine: what the proxy part probes on the appliance."""
+@contextlib.contextmanager
+def running_caddy(base: Path, https_port: int, engine_port: int) -> Iterator[LiveProxy]:
+    """The real Caddy with the demo's rendered Caddyfile and certificates from applianctl.tls,
+    forwarding to ENGINE_PORT: what the proxy part probes on the appliance."""
     from applianctl import tls
     from builder.proxy import render_caddyfile
 
     caddy = shutil.which("caddy")
     if caddy is None:
         pytest.skip("needs Debian's caddy (apt install caddy)")
-    base = tmp_path_factory.mktemp("proxy")
-    port, engine_port = free_port(), int(engine.rsplit(":", 1)[1])
-    config = builder_config.load(ROOT / "appliance.toml", "demo")
+    live = LiveProxy(https_port, engine_port, base / "tls")
+    loaded = builder_config.load(ROOT / "appliance.toml", "demo")
     config = dataclasses.replace(
-        config,
-        proxy=dataclasses.replace(config.proxy, https_port=port),
-        engine=dataclasses.replace(config.engine, port=engine_port),
+        loaded,
+        proxy=dataclasses.replace(loaded.proxy, https_port=https_port),
+        engine=dataclasses.replace(loaded.engine, port=engine_port),
     )
-    tls.generate(base / "tls", config.proxy.hostname, tls.host_addresses(), group="appliance-no-such-group")
+    tls.generate(live.tls_dir, config.proxy.hostname, tls.host_addresses(), group="appliance-no-such-group")
     sock_dir = Path(tempfile.mkdtemp(prefix="st-"))  # a unix socket path must stay short
     caddyfile = base / "Caddyfile"
-    caddyfile.write_text(render_caddyfile(config, tls_dir=base / "tls", http_port=free_port(), admin=f"unix/{sock_dir}/admin.sock"))
+    caddyfile.write_text(render_caddyfile(config, tls_dir=live.tls_dir, http_port=free_port(), admin=f"unix/{sock_dir}/admin.sock"))
     log = base / "caddy.log"
     env = {**os.environ, "HOME": str(base), "XDG_DATA_HOME": str(base / "data"), "XDG_CONFIG_HOME": str(base / "config")}
     with log.open("wb") as out:
         proc = subprocess.Popen([caddy, "run", "--config", str(caddyfile), "--adapter", "caddyfile"], env=env, stdout=out, stderr=out)
     try:
-        _wait_for(("127.0.0.1", port), proc, log)
-        yield LiveProxy(port, engine_port, base / "tls")
+        _wait_for(("127.0.0.1", https_port), proc, log)
+        yield live
     finally:
         stop(proc)
         shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def live_proxy(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveProxy]:
+    with running_caddy(tmp_path_factory.mktemp("proxy"), free_port(), int(engine.rsplit(":", 1)[1])) as live:
+        yield live
 
 
 def behind(config: Config, proxy: LiveProxy, monkeypatch: pytest.MonkeyPatch) -> Config:
@@ -588,29 +594,9 @@ def test_proxy_that_cannot_reach_the_engine_is_degraded(
     tree: Path, config: Config, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The real Caddy in front of a port nobody listens on: it answers 502 or 503."""
-    from applianctl import tls
-    from builder.proxy import render_caddyfile
-
-    caddy = shutil.which("caddy")
-    if caddy is None:
-        pytest.skip("needs Debian's caddy (apt install caddy)")
-    port = free_port()
-    dead = LiveProxy(port, free_port(), tmp_path / "tls")
-    config = behind(config, dead, monkeypatch)
-    tls.generate(dead.tls_dir, config.proxy.hostname, tls.host_addresses(), group="appliance-no-such-group")
-    sock_dir = Path(tempfile.mkdtemp(prefix="st-"))
-    caddyfile = tmp_path / "Caddyfile"
-    caddyfile.write_text(render_caddyfile(config, tls_dir=dead.tls_dir, http_port=free_port(), admin=f"unix/{sock_dir}/admin.sock"))
-    log = tmp_path / "caddy.log"
-    env = {**os.environ, "HOME": str(tmp_path), "XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
-    with log.open("wb") as out:
-        proc = subprocess.Popen([caddy, "run", "--config", str(caddyfile), "--adapter", "caddyfile"], env=env, stdout=out, stderr=out)
-    try:
-        _wait_for(("127.0.0.1", port), proc, log)
+    with running_caddy(tmp_path, free_port(), free_port()) as dead:
+        config = behind(config, dead, monkeypatch)
         part = probes_proxy.probe_proxy(config, sources(tree, "http://127.0.0.1:1"))
-    finally:
-        stop(proc)
-        shutil.rmtree(sock_dir, ignore_errors=True)
     assert part.state == probes.DEGRADED, part.reason
     code = part.details["request"]["status"]
     assert code in (502, 503)  # 503 once Caddy's active health check has marked the engine down
