@@ -44,7 +44,7 @@ from appliance import manifest, paths
 from appliance.bundle import USR_TYPE, USR_VERITY_TYPE, partuuids_from_usrhash
 from appliance.errors import UserError
 from appliance.hashing import SHA256
-from appliance.run import run
+from appliance.run import call, run
 
 EFI_LOADER_GUID = "4a67b082-0a4c-41cf-b6c7-440b29bb8c4f"
 BOOTCTL_TIMEOUT_S = 10.0
@@ -324,7 +324,7 @@ def read_entries(host: Host) -> tuple[list[Entry], str]:
         argv.append(f"--esp-path={host.esp}")
     source = "bootctl"
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=BOOTCTL_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL)
+        proc = call(argv, BOOTCTL_TIMEOUT_S)
         if proc.returncode != 0:
             raise OSError((proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1])
         found = parse_bootctl_list(proc.stdout)
