@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from appliance import config
-from appliance.errors import ConfigError
+from appliance.errors import ConfigError, UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 APPLIANCE_TOML = ROOT / "appliance.toml"
@@ -293,3 +293,30 @@ def test_hostile_values_are_refused_by_validate_in_one_line(tmp_path: Path, old:
     assert result.returncode == 2 and "Traceback" not in result.stderr
     lines = result.stderr.strip().split("\n")
     assert len(lines) == 2 and key in lines[0] and lines[1].startswith("hint: ")
+
+
+def test_validate_lists_pin_and_table_problems_together(tmp_path: Path) -> None:
+    """A project where an overlay is missing AND a (pinned) tuning table is malformed: one run
+    names both, each as the build would refuse it."""
+    import shutil
+
+    from builder import pins, tuning, validate
+
+    root = tmp_path / "project"
+    for top in ("overlays", "tuning", "firmware"):
+        shutil.copytree(ROOT / top, root / top, symlinks=True)
+    shutil.copyfile(APPLIANCE_TOML, root / "appliance.toml")
+    demo = config.load(APPLIANCE_TOML, "demo")
+    (table,) = demo.engine.tuning
+    (overlay,) = demo.engine.overlays
+    (root / table.file).write_text("not,a,tuning,table\n1,2,3\n")
+    pins.write_sums(root)  # the broken table is pinned: only its format is wrong
+    (root / overlay.file).unlink()
+    found = [e.message for e in validate.problems(demo, root)]
+    assert any(m.startswith(f"{overlay.file}: missing") for m in found), found
+    with pytest.raises(UserError) as table_error:
+        tuning.validate(root / table.file, table.file)
+    assert table_error.value.message in found
+    with pytest.raises(UserError) as first:
+        pins.check(demo, root)  # the build stops at the first
+    assert first.value.message == found[0]
