@@ -171,7 +171,8 @@ def test_environment_values_with_percent_and_spaces_round_trip(production: confi
     c = _with_engine(production, env=env, args=(*production.engine.args, "--note", "a b %h"))
     text = render.render_template("appliance-engine.container.j2", c, _store(c))
     unit = parse_unit(text)
-    assert environment(unit) == env
+    # the engine always runs offline on the verified snapshot (issue 14), whatever engine.env says
+    assert environment(unit) == {**env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     assert systemd_words(unit["Exec"][0])[-2:] == ["--note", "a b %h"]
     # systemd itself accepts every line as written (quadlet parses these settings by its rules)
     if shutil.which("systemd-analyze"):
@@ -220,3 +221,29 @@ def test_any_accepted_engine_argument_renders_as_one_exact_word(production: conf
         assert systemd_words(unit["Exec"][0])[-2:] == ["--note", value]
 
     check()
+
+
+def test_the_image_carries_the_core_and_applianctl_runs_from_it(tmp_path: Path, production: config.Config) -> None:
+    """applianctl in the image imports appliance/ (and never builder/) from the image's own tree,
+    with Debian's python3 and no project checkout: it loads the build's appliance.json."""
+    import json
+    import sys
+
+    render.install_applianctl(tmp_path)
+    site = tmp_path / "usr/lib/python3/dist-packages"
+    assert (site / "appliance" / "config.py").is_file() and not (site / "builder").exists()
+    (tmp_path / "appliance.json").write_text(json.dumps(production.to_json()))
+    python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+    code = (
+        f"import sys; sys.path[:0] = [{str(site)!r}]\n"
+        "import appliance.config, applianctl.__main__, applianctl.status, applianctl.update\n"
+        "assert appliance.config.__file__.startswith(sys.path[0]), appliance.config.__file__\n"
+        "assert 'builder' not in sys.modules\n"
+        "print(appliance.config.load_device().served_model)\n"
+    )
+    done = subprocess.run(
+        [python, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True, check=False,
+        env={"APPLIANCE_CONFIG": str(tmp_path / "appliance.json"), "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == production.served_model
