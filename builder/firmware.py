@@ -9,6 +9,12 @@ in the kernel's order: updates/<kver>/, updates/, <kver>/, then the top.
 
 `check_pinned_blobs()` checks that the blobs pinned in firmware/amdgpu.sha256 are in the
 image's usr/lib/firmware/updates/amdgpu/ with their pinned hashes.
+
+Why not kmod's `modinfo -F firmware PATH` (measured on Debian 13's amdgpu.ko.xz, 6.12.118): the
+same 646 names in the same time (0.68 s against 0.57 s here), but it needs kmod on the build host
+(not installed by default), Debian 12's kmod 30 is built without zlib (a .ko.gz is "not found"),
+and a path not ending in .ko[.xz|.zst] is taken for a module name and looked up in the host's
+own /lib/modules, which would silently read the build host's driver instead of the image's.
 """
 
 from __future__ import annotations
