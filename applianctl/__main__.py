@@ -33,6 +33,7 @@ COMMAND_MODULES = {
     "assess": "applianctl.assess",
     "rollback": "applianctl.rollback",
     "slots": "applianctl.slots_cmd",
+    "model": "applianctl.model",
 }
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from appliance.atomic import replace_dir
 from appliance.config import Config
 from appliance.errors import UserError
-from builder import engine_image, engine_store, keys, mirror, pins, render, tuning
+from builder import engine_image, engine_store, keys, mirror, pins, render, tuning, weights
 from builder.run import HOST_CACHE, mkosi_command, run
 
 log = logging.getLogger("builder")
@@ -107,7 +107,7 @@ def release_plan(config: Config, artifacts: list[pins.PinnedArtifact], store: en
             "store_label": store.label,
             "store_roothash": store.roothash,
         },
-        "model": {"id": config.model.id, "revision": config.model.revision},
+        "model": {"id": config.model.id, "revision": config.model.revision, **weights.release_pin(config)},
         "files": [{"kind": a.kind, "path": a.path, "sha256": a.sha256, "target": a.target} for a in artifacts],
         "gpu_required": config.gpu.required,
     }

@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 
 from appliance.config import Config, PinnedFile
-from builder import unit_values
+from builder import unit_values, weights
 from builder.engine_store import MOUNT_POINT, EngineStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,3 +212,4 @@ def generate_tree(config: Config, tree: Path, store: EngineStore) -> None:
         install_demo(tree)
     install_engine_files(config, tree)
     install_os_settings(config, tree)
+    weights.install(config, tree)  # the signed weights manifest (issue 14), when configured

@@ -210,3 +210,36 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="where to write the manifest (default: model.weights_manifest, else weights/PROFILE.json)")
     p.set_defaults(func=cmd_weights)
     return p
+
+
+# ----------------------------------------------------------------------------------- into the image
+
+
+def manifest_bytes(config: config_model.Config) -> bytes | None:
+    """The configured weights manifest, checked (loads, pins the configured model and revision); None if none."""
+    if not config.model.weights_manifest:
+        return None
+    path = ROOT / config.model.weights_manifest
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file (model.weights_manifest)",
+                        hint=f"write it with: python3 -m builder --profile {config.profile} weights pin") from None
+    model = wm.loads(data, str(path))
+    if (model.model, model.revision) != (config.model.id, config.model.revision):
+        raise UserError(f"{path} pins {model.model}@{model.revision}, the configuration {config.model.id}@{config.model.revision}",
+                        hint=f"pin again: python3 -m builder --profile {config.profile} weights pin")
+    return data
+
+
+def install(config: config_model.Config, tree: Path) -> None:
+    """/usr/lib/appliance/weights.json in the image tree, when the configuration names one."""
+    data = manifest_bytes(config)
+    if data is not None:
+        atomic_write(tree / "usr/lib/appliance" / wm.FILE_NAME, data)
+
+
+def release_pin(config: config_model.Config) -> dict[str, str]:
+    """What the signed release manifest's model entry adds: the weights manifest's SHA-256."""
+    data = manifest_bytes(config)
+    return {"weights_sha256": wm.sha256(data)} if data is not None else {}

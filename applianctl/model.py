@@ -1,0 +1,87 @@
+"""`applianctl model fetch [SOURCE]` and `applianctl model verify`: the command line of the weights.
+
+fetch: applianctl/model_fetch.py; verify (run by appliance-model-verify.service, which the engine
+requires): applianctl/model_verify.py. Both read the image's signed weights manifest
+(applianctl/model_store.py); an image without one has nothing to fetch or check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from appliance.atomic import write_json_atomic
+from appliance.config import load_device
+from appliance.errors import UserError
+from applianctl import model_store
+from applianctl.model_verity import Kernel, Verity
+
+
+def _store() -> model_store.Store | None:
+    manifest = model_store.load_manifest()
+    if manifest is None:
+        return None
+    return model_store.open_store(load_device(), manifest)
+
+
+def cmd_fetch(args: argparse.Namespace, verity: Verity | None = None) -> int:
+    from applianctl import model_fetch
+
+    store = _store()
+    if store is None:
+        raise UserError(f"{model_store.WEIGHTS_MANIFEST}: this image pins no weights", hint="nothing to fetch")
+    spec = args.source or store.default_source(load_device())
+    source = model_fetch.open_source(spec, args.ca, args.layout, store.manifest.model, store.manifest.revision)
+    summary = model_fetch.fetch(store, source, verity or Kernel(), workers=args.jobs)
+    write_json_atomic(store.host_dir / model_store.FETCH_STATE,
+                      {"source": spec, "revision": store.manifest.revision, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    if args.json:
+        print(json.dumps({"source": spec, **summary}, sort_keys=True))
+    else:
+        print(f"weights {store.manifest.model}@{store.manifest.revision[:12]}: {summary['files']} files, {summary['bytes']} bytes "
+              f"in place and sealed ({summary['fetched_files']} fetched, {summary['fetched_bytes']} bytes, {summary['elapsed_s']} s)")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace, verity: Verity | None = None) -> int:
+    from applianctl import model_verify
+
+    store = _store()
+    if store is None:
+        result = {"ok": True, "reason": "", "checked": False}
+        message = "model verify: this image pins no weights; nothing to check"
+    else:
+        result = model_verify.check(store, verity or Kernel())
+        message = f"model verify: {result['files']} files, {result['bytes']} bytes, every fs-verity digest as signed"
+    write_json_atomic(model_store.VERIFY_RESULT, result)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    if not result["ok"]:
+        print(f"{result['reason']}", file=sys.stderr)
+        print("hint: applianctl model fetch puts the signed files back; the engine stays stopped until then", file=sys.stderr)
+        return 1
+    if not args.json:
+        print(message)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("model", help="the model's weights: fetch them, verify them")
+    verbs = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    f = verbs.add_parser("fetch", help="fetch the signed weights onto /var, check and seal every file (resumable)")
+    f.add_argument("source", nargs="?", default="",
+                   help="an https:// mirror (Hub layout BASE/resolve/REVISION/PATH or BASE/PATH) or a directory "
+                        "(default: /var/lib/appliance/host/model-source, else model.source)")
+    f.add_argument("--ca", help="the PEM CA that signed the mirror's certificate (default: the system's)")
+    f.add_argument("--layout", choices=["auto", "hub", "plain"], default="auto",
+                   help="the mirror's layout (auto: hub when the URL ends with the model id)")
+    f.add_argument("--jobs", type=int, default=4, help="files fetched at once (default: 4)")
+    f.add_argument("--json", action="store_true", help="print the summary as JSON")
+    v = verbs.add_parser("verify", help="check every weight file's fs-verity digest against the signed manifest")
+    v.add_argument("--json", action="store_true", help="print the result as JSON")
+    v.set_defaults(func=cmd_verify)
+    for verb in (f, v):  # as applianctl's global options: before or after the verb
+        verb.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    f.set_defaults(func=cmd_fetch)

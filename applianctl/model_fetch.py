@@ -1,0 +1,427 @@
+"""`applianctl model fetch [SOURCE]`: the pinned weights onto /var, every byte checked, resumable.
+
+SOURCE: an https:// mirror in the Hub's layout (BASE/resolve/REVISION/PATH, e.g. BASE =
+https://mirror.example/ORG/NAME) or a plain one (BASE/PATH), or a local directory (a USB disk, a
+network share, a Hugging Face snapshot directory). HTTPS goes through the updater's bounded client
+(applianctl/update_fetch.py: HTTPS only, the CA given or the system's, redirects only to the same
+scheme, host and port, one deadline); the byte cap of each file is its size in the signed manifest.
+
+Resume, power cut included: each file is written to .partial/ on /var in CHUNK_BYTES (8 MiB)
+chunks; at every chunk boundary the file is fsync'd and a small journal beside it records the
+length that is on disk and the SHA-256 of each chunk. A resumed file is cut back to the journal's
+length (bytes after it may not have reached the disk) and continues with a Range request there, so
+at most one chunk per file in flight is fetched twice.
+
+The SHA-256 of the whole file is what the manifest pins, and hashlib cannot save a hash's state, so
+a resumed file re-hashes its verified prefix from the local disk (checking each chunk against the
+journal on the way, which catches a partial file changed at rest). Reading back is local and
+sequential, far faster than the network, and happens only on resume; per-chunk hashes in the
+manifest would avoid it but would make the manifest depend on our chunk size and could not use the
+Hub's own LFS hashes.
+
+A file is renamed into the snapshot only after its SHA-256 equals the manifest's; it is sealed with
+fs-verity first, and its fs-verity digest checked against the manifest's or, where the manifest has
+none, recorded in per-host state for the check before every start (applianctl/model_verify.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import json
+import os
+import shutil
+import stat
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from appliance import progress
+from appliance import weights as wm
+from appliance.atomic import fsync_dir, write_json_atomic
+from appliance.errors import Refused, UserError
+from applianctl import update_fetch
+from applianctl.model_store import Store
+from applianctl.model_verity import Verity
+
+CHUNK_BYTES = 8 << 20  # fsync + journal granularity: the most a resume fetches twice per file
+READ_BYTES = 1 << 20  # one read from a directory source
+WORKERS = 4  # files fetched at once
+ATTEMPTS = 5  # tries per file within one run (a dropped connection resumes)
+DEADLINE_S = 7 * 24 * 3600.0  # the whole run; 156 GiB at 10 MB/s takes under 5 hours
+RETRY_HINT = "run the same command again: the download resumes where it stopped"
+
+
+class _Stopped(UserError):
+    """Another file failed: this one stops where it is (its journal stays valid)."""
+
+
+class Source(Protocol):
+    spec: str
+
+    def open(self, path: str, start: int) -> tuple[Iterator[bytes], int]:
+        """PATH's bytes from START on (the iterator) and the offset they really start at (0 when
+        the source cannot start in the middle)."""
+
+
+# ----------------------------------------------------------------------------------- sources
+
+
+class DirSource:
+    """A local directory: links are followed (a Hugging Face snapshot links into its blobs), but
+    only a regular file is read; whatever it holds is checked against the manifest."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        if not Path(spec).is_dir():
+            raise UserError(f"{spec}: no such directory", hint="SOURCE is an https:// mirror or a directory holding the snapshot's files")
+
+    def open(self, path: str, start: int) -> tuple[Iterator[bytes], int]:
+        full = Path(self.spec) / path
+        try:
+            fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise Refused(f"{path}: missing from {self.spec}", hint="copy the whole snapshot") from None
+        except OSError as e:
+            raise UserError(f"{path}: cannot read {full} ({e.strerror})", hint="check the source directory") from None
+        f = os.fdopen(fd, "rb")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            f.close()
+            raise Refused(f"{path}: {full} is not a regular file", hint="the source holds the snapshot's files")
+        f.seek(start)
+
+        def chunks() -> Iterator[bytes]:
+            with f:
+                while data := f.read(READ_BYTES):
+                    yield data
+
+        return chunks(), start
+
+
+class HttpsSource:
+    """An HTTPS mirror, through the updater's bounded client."""
+
+    def __init__(self, spec: str, ca: str | None, layout: str, revision: str, deadline: update_fetch.Deadline) -> None:
+        self.spec, self.layout, self.revision = spec, layout, revision
+        self.client = update_fetch.HttpsSource(spec, ca, deadline)
+
+    def name(self, path: str) -> str:
+        quoted = urllib.parse.quote(path)
+        return f"resolve/{self.revision}/{quoted}" if self.layout == "hub" else quoted
+
+    def open(self, path: str, start: int) -> tuple[Iterator[bytes], int]:
+        headers = {"Range": f"bytes={start}-"} if start else {}
+        ctx = self.client._get(self.name(path), headers)
+        try:
+            resp, sock = ctx.__enter__()
+        except OSError as e:
+            raise OSError(f"{path}: {e}") from None
+        status = resp.status
+        if status not in (200, 206):
+            ctx.__exit__(None, None, None)
+            if status == 416 and start:
+                return iter(()), 0  # the server has fewer bytes than we do: start over
+            if status in (401, 403, 404, 410):
+                raise Refused(f"{path}: the server answered HTTP {status} for {self.client.url(self.name(path))}",
+                              hint="check SOURCE (and --layout): the mirror must hold this revision's files")
+            raise OSError(f"{path}: the server answered HTTP {status}")
+        offset = 0
+        if status == 206 and (resp.getheader("Content-Range") or "").startswith(f"bytes {start}-"):
+            offset = start
+
+        def chunks() -> Iterator[bytes]:
+            try:
+                yield from self.client._chunks(resp, sock)
+            finally:
+                ctx.__exit__(None, None, None)
+
+        return chunks(), offset
+
+
+def open_source(spec: str, ca: str | None, layout: str, model_id: str, revision: str) -> Source:
+    if not spec:
+        raise UserError("no SOURCE given, and none configured",
+                        hint="give one (`applianctl model fetch https://MIRROR/ORG/NAME` or `applianctl model fetch DIR`), "
+                        "or set model.source")
+    if "://" not in spec:
+        if ca:
+            raise UserError("--ca applies to an https:// SOURCE only", hint="leave out --ca for a directory")
+        return DirSource(spec)
+    if layout == "auto":
+        layout = "hub" if urllib.parse.urlsplit(spec).path.rstrip("/").endswith("/" + model_id) else "plain"
+    return HttpsSource(spec, ca, layout, revision, update_fetch.Deadline(DEADLINE_S))
+
+
+# ----------------------------------------------------------------------------------- one file
+
+
+@dataclass
+class Journal:
+    """What is durably on disk of a partial file: LENGTH bytes, in chunks with these SHA-256s."""
+
+    length: int
+    chunks: list[str]
+
+
+def _journal_path(part: Path) -> Path:
+    return part.with_name(part.name + ".journal")
+
+
+def read_journal(part: Path, entry: wm.WeightFile) -> Journal:
+    try:
+        data: Any = json.loads(_journal_path(part).read_text())
+        length, chunks = int(data["length"]), list(data["chunks"])
+        if data["sha256"] != entry.sha256 or data["size"] != entry.size or not 0 <= length <= entry.size:
+            raise ValueError("another file")
+        if len(chunks) != -(-length // CHUNK_BYTES):
+            raise ValueError("chunk count")
+        return Journal(length, [str(c) for c in chunks])
+    except (OSError, ValueError, KeyError, TypeError):
+        return Journal(0, [])
+
+
+def write_journal(part: Path, entry: wm.WeightFile, journal: Journal) -> None:
+    write_json_atomic(_journal_path(part), {"sha256": entry.sha256, "size": entry.size, "length": journal.length, "chunks": journal.chunks})
+
+
+class FileFetch:
+    """One file from SOURCE into PART, then sealed and renamed to TARGET."""
+
+    def __init__(self, entry: wm.WeightFile, store: Store, source: Source, verity: Verity,
+                 advance: Callable[[int, bool], None], stop: threading.Event) -> None:
+        self.entry, self.store, self.source, self.verity = entry, store, source, verity
+        self.advance, self.stop = advance, stop
+        self.counted = 0  # bytes of this file shown as done (a retry does not count them twice)
+        self.part = store.partial / (entry.path + ".part")
+        self.target = store.target(entry.path)
+
+    def resume_point(self) -> tuple[Journal, Any]:
+        """Cut PART back to what the journal vouches for, re-hash it (checking each chunk); the
+        journal and the hash of the prefix."""
+        journal = read_journal(self.part, self.entry)
+        self.part.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        with open(self.part, "a+b") as f:
+            if os.fstat(f.fileno()).st_size < journal.length:
+                journal = Journal(0, [])
+            f.truncate(journal.length)
+            f.seek(0)
+            for i, expected in enumerate(journal.chunks):
+                chunk = f.read(min(CHUNK_BYTES, journal.length - i * CHUNK_BYTES))
+                if not hmac.compare_digest(hashlib.sha256(chunk).hexdigest(), expected):
+                    journal = Journal(0, [])  # changed at rest: from the start
+                    f.truncate(0)
+                    digest = hashlib.sha256()
+                    break
+                digest.update(chunk)
+            os.fsync(f.fileno())
+        return journal, digest
+
+    def run(self) -> int:
+        """Fetch (retrying dropped connections), check, seal, rename. Returns the bytes fetched."""
+        fetched = 0
+        if self.part.exists() and self.verity.measure(self.part) is not None:
+            attempts = 0  # sealed, then cut before the rename: only the rename is left
+            self.advance(self.entry.size, False)
+        else:
+            attempts = ATTEMPTS
+        for attempt in range(attempts):
+            journal, digest = self.resume_point()
+            if attempt == 0 and journal.length:
+                self.counted = journal.length
+                self.advance(journal.length, False)
+            try:
+                fetched += self._download(journal, digest)
+                break
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    hint = "free space on /var (applianctl status shows the disk part), then run the same command again"
+                    raise UserError(f"{self.entry.path}: the disk is full ({self.part.parent})", hint=hint) from None
+                if attempt == ATTEMPTS - 1 or self.stop.is_set():
+                    raise UserError(f"{self.entry.path}: download failed ({e})".splitlines()[0][:300], hint=RETRY_HINT) from None
+                time.sleep(min(2**attempt, 10) * 0.2)
+        self._finish()
+        return fetched
+
+    def _download(self, journal: Journal, digest: Any) -> int:
+        entry = self.entry
+        fetched = 0
+        if journal.length < entry.size:
+            fetched, digest = self._stream(journal, digest)
+        if not hmac.compare_digest(digest.hexdigest(), entry.sha256):
+            self.discard()
+            raise Refused(f"{entry.path}: SHA-256 {digest.hexdigest()} is not the signed manifest's {entry.sha256}; "
+                          "the source sent other bytes (removed)", hint="fix or replace the source; the file was not used")
+        return fetched
+
+    def discard(self) -> None:
+        self.part.unlink(missing_ok=True)
+        _journal_path(self.part).unlink(missing_ok=True)
+
+    def _stream(self, journal: Journal, digest: Any) -> tuple[int, Any]:
+        """Append the source's bytes from the journal's length on; the bytes fetched and the digest
+        of the whole file (DIGEST, or a new one when the source starts from the beginning)."""
+        entry = self.entry
+        chunks, offset = self.source.open(entry.path, journal.length)
+        if offset != journal.length:
+            if offset:
+                raise OSError(f"the source resumed at byte {offset}, not {journal.length}")
+            journal, digest = Journal(0, []), hashlib.sha256()  # the source starts from the beginning: so do we
+        fetched = 0
+        with open(self.part, "r+b") as f:
+            f.truncate(journal.length)
+            f.seek(journal.length)
+            have = journal.length
+            chunk_hash = hashlib.sha256()
+            for data in chunks:
+                if self.stop.is_set():
+                    raise _Stopped(f"{entry.path}: stopped (another file failed)", hint=RETRY_HINT)
+                if have + len(data) > entry.size:
+                    raise Refused(f"{entry.path}: the source sent more than the {entry.size} bytes the signed manifest gives",
+                                  hint="the source does not hold this revision's file")
+                view = memoryview(data)
+                while view:
+                    room = CHUNK_BYTES - have % CHUNK_BYTES
+                    piece, view = view[:room], view[room:]
+                    f.write(piece)
+                    digest.update(piece)
+                    chunk_hash.update(piece)
+                    have += len(piece)
+                    fetched += len(piece)
+                    if have > self.counted:
+                        self.advance(have - self.counted, True)
+                        self.counted = have
+                    if have % CHUNK_BYTES == 0 or have == entry.size:
+                        f.flush()
+                        os.fsync(f.fileno())
+                        journal = Journal(have, [*journal.chunks, chunk_hash.hexdigest()])
+                        write_journal(self.part, entry, journal)
+                        chunk_hash = hashlib.sha256()
+        if have < entry.size:
+            raise OSError(f"the source ended after {have} of {entry.size} bytes")
+        return fetched, digest
+
+    def _finish(self) -> None:
+        """Seal, check the fs-verity digest, rename into the snapshot. Idempotent after a cut."""
+        entry = self.entry
+        if self.part.exists():
+            if self.part.stat().st_size != entry.size or read_journal(self.part, entry).length != entry.size:
+                raise UserError(f"{entry.path}: the partial file is incomplete", hint=RETRY_HINT)
+            self.verity.enable(self.part)
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self.part, self.target)
+            fsync_dir(self.target.parent)
+            _journal_path(self.part).unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------------- all files
+
+
+class _Progress(progress.Progress):
+    """appliance.progress with an ETA."""
+
+    def line(self, now: float | None = None) -> str:
+        now = now if now is not None else self.clock()
+        text = super().line(now)
+        rate = self.done_here / max(now - self.started, 1e-9) if self.done_here else 0
+        if self.total and rate > 0:
+            left = max(self.total - self.done, 0) / rate
+            text += f", ETA {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
+        return text
+
+    done_here = 0.0  # bytes fetched in this run (what the rate is from; a resumed prefix is not)
+
+
+def _sealed(store: Store, entry: wm.WeightFile, verity: Verity, recorded: dict[str, str]) -> bool:
+    """ENTRY is in place: the right size, sealed, with the expected fs-verity digest."""
+    target = store.target(entry.path)
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+        return False
+    measured = verity.measure(target)
+    expected = entry.fsverity or recorded.get(entry.path, "")
+    return measured is not None and bool(expected) and hmac.compare_digest(measured, expected)
+
+
+def free_bytes(path: Path) -> int:
+    while not path.exists():
+        path = path.parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def needed_bytes(store: Store, todo: list[wm.WeightFile]) -> int:
+    """What the files still need on disk: the bytes not yet durable, plus the fs-verity Merkle tree
+    (stored past the end of each file: about 1/127 of it)."""
+    need = 0
+    for entry in todo:
+        have = read_journal(store.partial / (entry.path + ".part"), entry).length
+        need += entry.size - have + entry.size // 127 + 2 * 4096
+    return need
+
+
+def fetch(store: Store, source: Source, verity: Verity, workers: int = WORKERS, out: Any = None) -> dict[str, Any]:
+    """Fetch every file of STORE's manifest that is not in place; returns a summary."""
+    recorded = store.recorded()
+    todo = [e for e in store.manifest.files if not _sealed(store, e, verity, recorded)]
+    for entry in todo:  # a file in the snapshot that is not exactly right is fetched again
+        target = store.target(entry.path)
+        if target.exists() or target.is_symlink():
+            target.unlink()
+    need, free = needed_bytes(store, todo), free_bytes(store.partial)
+    if need > free:
+        raise UserError(f"not enough space for the weights: {need} bytes needed, {free} free on {store.partial.parent}",
+                        hint="free space on /var or give the appliance a larger disk")
+    store.partial.mkdir(parents=True, exist_ok=True)
+    total = sum(e.size for e in todo)
+    lock, stop = threading.Lock(), threading.Event()
+    started = time.monotonic()
+    bar = _Progress(f"fetching {len(todo)} weight files", total=total, out=out)
+    with bar:
+
+        def advance(n: int, new: bool) -> None:
+            with lock:
+                if new:
+                    bar.done_here += n
+                bar.advance(n)
+
+        def one(entry: wm.WeightFile) -> int:
+            try:
+                n = FileFetch(entry, store, source, verity, advance, stop).run()
+                _check_or_record(store, entry, verity.measure(store.target(entry.path)), recorded, lock)
+            except BaseException:
+                stop.set()
+                raise
+            return n
+
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            futures = [pool.submit(one, e) for e in todo]
+            errors = [e for e in (f.exception() for f in futures) if e is not None]
+        if errors:  # the file that failed first, not one stopped because of it
+            raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
+    shutil.rmtree(store.partial, ignore_errors=True)
+    return {"files": len(store.manifest.files), "fetched_files": len(todo), "fetched_bytes": int(bar.done_here),
+            "bytes": store.manifest.total_bytes, "elapsed_s": round(time.monotonic() - started, 3)}
+
+
+def _check_or_record(store: Store, entry: wm.WeightFile, digest: str | None, recorded: dict[str, str], lock: threading.Lock) -> None:
+    if digest is None:
+        raise UserError(f"{entry.path}: not sealed with fs-verity after sealing", hint="check that /var supports fs-verity")
+    if entry.fsverity:
+        if not hmac.compare_digest(digest, entry.fsverity):
+            store.target(entry.path).unlink()
+            raise Refused(f"{entry.path}: fs-verity digest {digest} is not the signed manifest's {entry.fsverity} (removed)",
+                          hint="the file's SHA-256 matched: report this; run the same command again")
+        return
+    with lock:
+        recorded[entry.path] = digest
+        store.record(recorded)

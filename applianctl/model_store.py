@@ -1,0 +1,98 @@
+"""Where the model's weights live on the device, and what the device knows about them.
+
+- The signed weights manifest: /usr/lib/appliance/weights.json, whose SHA-256 the signed release
+  manifest pins (model.weights_sha256); both are on the verity-protected /usr.
+- The snapshot: config.model.weights_dir on /var (the Hugging Face cache layout the engine is
+  given), each file sealed with fs-verity once its SHA-256 is proven.
+- Partial downloads: CACHE_DIR/.partial/REVISION/ on the same file system, so that a finished file
+  is renamed into place, never copied.
+- The fs-verity digests the device measured for files whose manifest line has none:
+  /var/lib/appliance/host/weights-verity.json (per-host state that survives upgrades).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from appliance import paths
+from appliance import weights as wm
+from appliance.atomic import write_json_atomic
+from appliance.config import Config
+from appliance.errors import UserError
+from appliance.hashing import SHA256
+from appliance.manifest import ManifestError
+
+WEIGHTS_MANIFEST = paths.LIB_DIR / wm.FILE_NAME
+HOST_DIR = Path(os.environ.get("APPLIANCE_HOST_DIR", str(paths.STATE_DIR / "host")))
+RECORDED = "weights-verity.json"
+HOST_SOURCE = "model-source"  # one line: the per-host default SOURCE for `applianctl model fetch`
+VERIFY_RESULT = paths.RUN_DIR / "model-verify.json"
+FETCH_STATE = "weights-fetch.json"  # the last fetch: source, time (per-host state)
+
+
+@dataclass(frozen=True)
+class Store:
+    manifest: wm.WeightsManifest
+    snapshot: Path
+    partial: Path
+    host_dir: Path
+
+    def target(self, path: str) -> Path:
+        return self.snapshot / path
+
+    def recorded(self) -> dict[str, str]:
+        """The digests this device measured for this revision ({} when none or another revision)."""
+        try:
+            data: Any = json.loads((self.host_dir / RECORDED).read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            raise UserError(f"{self.host_dir / RECORDED}: unreadable ({e})", hint="run applianctl model fetch again") from None
+        if not isinstance(data, dict) or data.get("revision") != self.manifest.revision or not isinstance(data.get("files"), dict):
+            return {}
+        return {k: v for k, v in data["files"].items() if isinstance(k, str) and isinstance(v, str) and SHA256.match(v)}
+
+    def record(self, digests: dict[str, str]) -> None:
+        write_json_atomic(
+            self.host_dir / RECORDED,
+            {"model": self.manifest.model, "revision": self.manifest.revision, "files": dict(sorted(digests.items()))},
+        )
+
+    def default_source(self, config: Config) -> str:
+        """The per-host setting if there is one, else the configuration's model.source."""
+        try:
+            line = (self.host_dir / HOST_SOURCE).read_text().strip()
+        except FileNotFoundError:
+            line = ""
+        return line or config.model.source
+
+
+def load_manifest(path: Path | None = None, release: Path | None = None) -> wm.WeightsManifest | None:
+    """The image's weights manifest, None when the image ships none. Its SHA-256 must be the one the
+    release manifest pins (appliance-verify checks that manifest's signature before every start)."""
+    path = path or WEIGHTS_MANIFEST
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    release = release or paths.MANIFEST
+    try:
+        pinned = json.loads(release.read_bytes()).get("model", {}).get("weights_sha256", "")
+    except (OSError, ValueError, AttributeError) as e:
+        raise UserError(f"{release}: unreadable ({e})", hint="the image is damaged") from None
+    if pinned != wm.sha256(data):
+        raise ManifestError(f"{path}: SHA-256 {wm.sha256(data)} is not the one the release manifest pins ({pinned or 'none'})",
+                            hint="the image is damaged")
+    return wm.loads(data, str(path))
+
+
+def open_store(config: Config, manifest: wm.WeightsManifest) -> Store:
+    if (manifest.model, manifest.revision) != (config.model.id, config.model.revision):
+        raise UserError(f"{WEIGHTS_MANIFEST}: pins {manifest.model}@{manifest.revision}, the configuration serves "
+                        f"{config.model.id}@{config.model.revision}", hint="the image is damaged")
+    cache = Path(config.model.cache_dir)
+    return Store(manifest, Path(config.model.weights_dir), cache / ".partial" / manifest.revision, HOST_DIR)

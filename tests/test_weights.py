@@ -1,0 +1,423 @@
+"""Weights: the manifest from the Hub's own response objects, the fs-verity digest against
+`fsverity digest`, fetch (resume after a cut at several points, a wrong byte from an HTTPS server,
+a file too large, a full disk), and the check before every start.
+
+The build host's kernel has no fs-verity: sealing and measuring go through FakeVerity, which seals
+by inode and measures by computing the digest in user space (so a byte changed at rest shows)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import http.server
+import ipaddress
+import json
+import os
+import shutil
+import ssl
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance import fsverity
+from appliance import weights as wm
+from appliance.errors import UserError
+from appliance.manifest import ManifestError
+from applianctl import model_fetch, model_store, model_verify, tls
+from builder import weights
+
+MODEL, REV = "org/model", "a" * 40
+
+
+# ----------------------------------------------------------------------------------- fs-verity digest
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 128 * 4096, 128 * 4096 + 1, 3 * 1024 * 1024 + 17])
+def test_fsverity_digest_matches_the_tool(tmp_path: Path, size: int) -> None:
+    data = hashlib.sha256(str(size).encode()).digest() * (size // 32 + 1)
+    path = tmp_path / "f"
+    path.write_bytes(data[:size])
+    ours = fsverity.digest_file(path)
+    assert ours == fsverity.digest_bytes(data[:size])
+    if shutil.which("fsverity") is None:
+        pytest.skip("fsverity is not installed (make setup installs it)")
+    out = subprocess.run(["fsverity", "digest", str(path)], capture_output=True, text=True, check=True).stdout
+    assert out.split()[0] == f"sha256:{ours}"
+
+
+def test_fsverity_known_vector_empty_file() -> None:
+    # `fsverity digest` of an empty file (fsverity-utils 1.5): SHA-256 of the descriptor with a zero root
+    assert fsverity.digest_bytes(b"") == "3d248ca542a24fc62d1c43b916eae5016878e2533c88238480b26128a1f1af95"
+
+
+# ----------------------------------------------------------------------------------- pin
+
+
+def _blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
+
+
+class FakeApi:
+    """HfApi with list_repo_tree answering the library's own RepoFile/RepoFolder objects."""
+
+    def __init__(self, files: dict[str, bytes], lfs: set[str]) -> None:
+        from huggingface_hub.hf_api import RepoFile, RepoFolder
+
+        self.entries: list[Any] = [RepoFolder(path="sub", oid="0" * 40)]
+        for name, data in files.items():
+            info = {"size": len(data), "oid": hashlib.sha256(data).hexdigest(), "pointerSize": 134} if name in lfs else None
+            self.entries.append(RepoFile(path=name, size=len(data), oid=_blob_sha1(data), lfs=info))
+        self.calls: list[tuple[str, str | None]] = []
+
+    def list_repo_tree(self, repo_id: str, *, recursive: bool = False, revision: str | None = None, **kw: Any) -> Iterator[Any]:
+        self.calls.append((repo_id, revision))
+        assert recursive
+        return iter(self.entries)
+
+
+FILES = {"config.json": b'{"a": 1}\n', "sub/model.safetensors": b"\x01" * 10000}
+
+
+def test_pin_from_hub_objects_uses_lfs_sha256_and_downloads_small_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    api = FakeApi(FILES, lfs={"sub/model.safetensors"})
+    downloaded = []
+
+    def fake_download(repo_id: str, filename: str, *, revision: str, local_dir: Path) -> str:
+        downloaded.append(filename)
+        path = Path(local_dir) / filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(FILES[filename])
+        return str(path)
+
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", fake_download)
+    model = weights.pin(MODEL, REV, None, offline=False, api=api)
+    assert api.calls == [(MODEL, REV)]
+    assert downloaded == ["config.json"]  # the LFS file is never downloaded: the Hub gives its SHA-256
+    by = {f.path: f for f in model.files}
+    assert by["sub/model.safetensors"].sha256 == hashlib.sha256(FILES["sub/model.safetensors"]).hexdigest()
+    assert by["sub/model.safetensors"].fsverity == ""  # not computed without the file: the device records it
+    assert by["config.json"].sha256 == hashlib.sha256(FILES["config.json"]).hexdigest()
+    assert model.total_bytes == sum(len(d) for d in FILES.values())
+    assert wm.loads(wm.dumps(model)) == model
+
+
+def test_pin_from_a_local_copy_adds_fsverity_and_refuses_a_differing_copy(tmp_path: Path) -> None:
+    for name, data in FILES.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    api = FakeApi(FILES, lfs={"sub/model.safetensors"})
+    model = weights.pin(MODEL, REV, tmp_path, offline=False, api=api)
+    assert all(f.fsverity == fsverity.digest_bytes(FILES[f.path]) for f in model.files)
+    (tmp_path / "sub/model.safetensors").write_bytes(b"\x02" * 10000)
+    with pytest.raises(UserError, match=r"sub/model.safetensors: SHA-256 .* differs from the Hub's"):
+        weights.pin(MODEL, REV, tmp_path, offline=False, api=api)
+    (tmp_path / "config.json").write_bytes(b'{"a": 2}\n')
+    with pytest.raises(UserError, match=r"config\.json: git blob id differs"):
+        weights.pin(MODEL, REV, tmp_path, offline=False, api=FakeApi({**FILES, "sub/model.safetensors": b"\x02" * 10000}, set()))
+
+
+def test_weights_manifest_refusals() -> None:
+    good = wm.make(MODEL, REV, [wm.WeightFile("a", 1, "0" * 64)])
+    plain = {"model": MODEL, "revision": REV, "total_bytes": 1, "files": [{"path": "a", "size": 1, "sha256": "0" * 64}]}
+    assert wm.from_plain(plain) == dataclasses.replace(good)
+    for change, message in (
+        ({"total_bytes": 2}, "total_bytes = 2, but the files add up to 1"),
+        ({"files": [{"path": "../a", "size": 1, "sha256": "0" * 64}]}, r"files\[0\].path"),
+        ({"files": [{"path": "a", "size": 1, "sha256": "0" * 64, "x": 1}]}, "unknown field"),
+        ({"files": [{"path": "a", "size": 1, "sha256": "0" * 64}] * 2, "total_bytes": 2}, "a is listed twice"),
+    ):
+        with pytest.raises(ManifestError, match=message):
+            wm.from_plain({**plain, **change})
+    with pytest.raises(ManifestError, match="canonical"):
+        wm.loads(wm.dumps(good) + b" ")
+
+
+def test_demo_manifest_is_committed_and_deterministic() -> None:
+    from builder.weights import ROOT
+
+    committed = wm.loads((ROOT / "weights/demo.json").read_bytes())
+    assert committed == weights.demo_manifest(committed.model, committed.revision)
+    assert 120 << 20 < committed.total_bytes < 136 << 20 and len(committed.files) == 5
+
+
+# ----------------------------------------------------------------------------------- fetch
+
+
+class FakeVerity:
+    """Seals by inode; measures by computing the digest from the bytes now in the file."""
+
+    def __init__(self) -> None:
+        self.sealed: set[tuple[int, int]] = set()
+
+    def enable(self, path: Path) -> None:
+        st = os.stat(path)
+        self.sealed.add((st.st_dev, st.st_ino))
+
+    def measure(self, path: Path) -> str | None:
+        st = os.stat(path)
+        return fsverity.digest_file(path) if (st.st_dev, st.st_ino) in self.sealed else None
+
+
+def _snapshot(tmp_path: Path, sizes: dict[str, int], with_fsverity: bool = True) -> tuple[Path, wm.WeightsManifest]:
+    src = tmp_path / "src"
+    files = []
+    for i, (name, size) in enumerate(sizes.items()):
+        data = (hashlib.sha256(f"{i}".encode()).digest() * (size // 32 + 1))[:size]
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(data)
+        files.append(wm.WeightFile(name, size, hashlib.sha256(data).hexdigest(), fsverity.digest_bytes(data) if with_fsverity else ""))
+    return src, wm.make(MODEL, REV, files)
+
+
+def _store(tmp_path: Path, manifest: wm.WeightsManifest) -> model_store.Store:
+    cache = tmp_path / "var/huggingface"
+    return model_store.Store(manifest, cache / "snapshot", cache / ".partial" / REV, tmp_path / "var/host")
+
+
+SIZES = {"config.json": 100, "a.safetensors": 3 * model_fetch.CHUNK_BYTES + 12345, "sub/b.safetensors": model_fetch.CHUNK_BYTES}
+
+
+def test_fetch_from_a_directory_seals_records_and_verifies(tmp_path: Path) -> None:
+    src, manifest = _snapshot(tmp_path, SIZES, with_fsverity=False)
+    store, verity = _store(tmp_path, manifest), FakeVerity()
+    summary = model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)
+    assert summary["fetched_bytes"] == manifest.total_bytes
+    for name in SIZES:
+        assert (store.snapshot / name).read_bytes() == (src / name).read_bytes()
+        assert verity.measure(store.snapshot / name) is not None
+    assert set(store.recorded()) == set(SIZES)  # no digests in the manifest: the device recorded them
+    assert not store.partial.exists()
+    assert model_verify.check(store, verity)["ok"]
+    # run again: nothing fetched
+    assert model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)["fetched_files"] == 0
+
+
+class PowerCut(BaseException):
+    """The power goes: nothing of the fetch runs after it (not an Exception: no retry catches it)."""
+
+
+class CutSource:
+    """A directory source whose bytes stop (like a power cut) after CUT bytes of one file."""
+
+    def __init__(self, inner: model_fetch.DirSource, path: str, cut: int) -> None:
+        self.spec, self.inner, self.path, self.cut = inner.spec, inner, path, cut
+        self.starts: list[int] = []
+
+    def open(self, path: str, start: int) -> tuple[Iterator[bytes], int]:
+        chunks, offset = self.inner.open(path, start)
+        if path != self.path:
+            return chunks, offset
+        self.starts.append(start)
+
+        def cut() -> Iterator[bytes]:
+            have = start
+            for data in chunks:
+                if have + len(data) >= self.cut:
+                    yield data[: self.cut - have]
+                    raise PowerCut  # the process dies here; nothing else runs
+                have += len(data)
+                yield data
+
+        return cut(), offset
+
+
+@pytest.mark.parametrize("cut", [1, model_fetch.CHUNK_BYTES - 1, model_fetch.CHUNK_BYTES, model_fetch.CHUNK_BYTES + 1,
+                                 2 * model_fetch.CHUNK_BYTES + 777, 3 * model_fetch.CHUNK_BYTES + 12344])
+def test_resume_after_a_cut_fetches_at_most_one_chunk_again(tmp_path: Path, cut: int) -> None:
+    src, manifest = _snapshot(tmp_path, SIZES)
+    store, verity = _store(tmp_path, manifest), FakeVerity()
+    source = CutSource(model_fetch.DirSource(str(src)), "a.safetensors", cut)
+    with pytest.raises(PowerCut):
+        model_fetch.fetch(store, source, verity, workers=1)
+    part = store.partial / "a.safetensors.part"
+    # what the cut left: bytes after the journal's length may be lost (a power cut): drop them
+    journal = model_fetch.read_journal(part, manifest.file("a.safetensors"))  # type: ignore[arg-type]
+    with open(part, "r+b") as f:
+        f.truncate(max(journal.length, min(cut, part.stat().st_size)))
+        f.seek(journal.length)
+        f.write(b"\xff" * (min(cut, part.stat().st_size) - journal.length))  # garbage past the journal
+    source.cut = 1 << 62
+    model_fetch.fetch(store, source, verity, workers=1)
+    resumed_at = source.starts[-1]
+    assert resumed_at == journal.length and cut - resumed_at <= model_fetch.CHUNK_BYTES
+    assert (store.snapshot / "a.safetensors").read_bytes() == (src / "a.safetensors").read_bytes()
+    assert model_verify.check(store, verity)["ok"]
+
+
+def test_a_partial_file_changed_at_rest_starts_over(tmp_path: Path) -> None:
+    src, manifest = _snapshot(tmp_path, SIZES)
+    store, verity = _store(tmp_path, manifest), FakeVerity()
+    source = CutSource(model_fetch.DirSource(str(src)), "a.safetensors", 2 * model_fetch.CHUNK_BYTES + 5)
+    with pytest.raises(PowerCut):
+        model_fetch.fetch(store, source, verity, workers=1)
+    part = store.partial / "a.safetensors.part"
+    with open(part, "r+b") as f:
+        f.seek(10)
+        f.write(b"X")
+    source.cut = 1 << 62
+    model_fetch.fetch(store, source, verity, workers=1)
+    assert source.starts[-1] == 0
+    assert (store.snapshot / "a.safetensors").read_bytes() == (src / "a.safetensors").read_bytes()
+
+
+def test_a_file_too_large_is_refused_naming_it(tmp_path: Path) -> None:
+    src, manifest = _snapshot(tmp_path, SIZES)
+    with open(src / "sub/b.safetensors", "ab") as f:
+        f.write(b"!")
+    store = _store(tmp_path, manifest)
+    with pytest.raises(UserError, match=r"^sub/b.safetensors: the source sent more than the 8388608 bytes"):
+        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity())
+    assert not (store.snapshot / "sub/b.safetensors").exists()
+
+
+def test_not_enough_space_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, manifest = _snapshot(tmp_path, SIZES)
+    store = _store(tmp_path, manifest)
+    monkeypatch.setattr(model_fetch, "free_bytes", lambda path: manifest.total_bytes // 2)
+    with pytest.raises(UserError, match=r"not enough space for the weights: [0-9]+ bytes needed"):
+        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity())
+    assert not store.partial.exists()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)]).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_is_one_line_naming_the_file(tmp_path: Path, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, manifest = _snapshot(tmp_path, SIZES)
+    store = model_store.Store(manifest, small_tmpfs / "snapshot", small_tmpfs / ".partial" / REV, tmp_path / "host")
+    monkeypatch.setattr(model_fetch, "free_bytes", lambda path: 1 << 40)  # as if the space went while fetching
+    with pytest.raises(UserError, match=r"^(a|sub/b).safetensors: the disk is full") as e:
+        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity(), workers=1)
+    assert "\n" not in e.value.message
+
+
+# ----------------------------------------------------------------------------------- HTTPS mirror
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    root: Path
+    flip: str = ""
+    log: list[tuple[str, str]]
+
+    def do_GET(self) -> None:
+        name = self.path.lstrip("/")
+        if "/resolve/" in self.path:  # BASE/resolve/REVISION/PATH
+            name = self.path.split("/resolve/", 1)[1].split("/", 1)[1]
+        path = self.root / name
+        if not path.is_file():
+            self.send_error(404)
+            return
+        data = bytearray(path.read_bytes())
+        if name == self.flip:
+            data[len(data) // 2] ^= 1
+        start = 0
+        rng = self.headers.get("Range")
+        self.log.append((self.path, rng or ""))
+        if rng:
+            start = int(rng.removeprefix("bytes=").rstrip("-"))
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(data) - start))
+        self.end_headers()
+        self.wfile.write(bytes(data[start:]))
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def mirror(tmp_path: Path) -> Iterator[tuple[str, str, type[_Handler]]]:
+    """A local HTTPS server (Python's ssl) over tmp_path/src, in the Hub's resolve/REV/PATH layout."""
+    tls.generate(tmp_path / "tls", "mirror.test", [ipaddress.ip_address("127.0.0.1")], group="nonexistent-group")
+    handler = type("H", (_Handler,), {"root": tmp_path / "src", "log": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tmp_path / "tls/server.crt", tmp_path / "tls/server.key")
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}/{MODEL}/", str(tmp_path / "tls/ca.crt"), handler
+    finally:
+        server.shutdown()
+
+
+def test_fetch_over_https_and_a_wrong_byte_is_refused_naming_the_file(tmp_path: Path, mirror: tuple[str, str, type[_Handler]]) -> None:
+    url, ca, handler = mirror
+    _, manifest = _snapshot(tmp_path, SIZES)
+    store, verity = _store(tmp_path, manifest), FakeVerity()
+    handler.flip = "sub/b.safetensors"
+    source = model_fetch.open_source(url, ca, "auto", MODEL, REV)
+    with pytest.raises(UserError, match=r"^sub/b.safetensors: SHA-256 [0-9a-f]{64} is not the signed manifest's") as e:
+        model_fetch.fetch(store, source, verity, workers=3)
+    assert "\n" not in e.value.message
+    assert not (store.snapshot / "sub/b.safetensors").exists() and not (store.partial / "sub/b.safetensors.part").exists()
+    assert all(p.startswith(f"/{MODEL}/resolve/{REV}/") for p, _ in handler.log)  # the Hub's layout
+    handler.flip = ""
+    model_fetch.fetch(store, model_fetch.open_source(url, ca, "auto", MODEL, REV), verity, workers=3)
+    assert model_verify.check(store, verity)["ok"]
+
+
+def test_https_resume_asks_for_the_journal_length(tmp_path: Path, mirror: tuple[str, str, type[_Handler]]) -> None:
+    url, ca, handler = mirror
+    _, manifest = _snapshot(tmp_path, SIZES)
+    store, verity = _store(tmp_path, manifest), FakeVerity()
+    inner = model_fetch.open_source(url, ca, "hub", MODEL, REV)
+    cut = CutSource(inner, "a.safetensors", 2 * model_fetch.CHUNK_BYTES + 100)  # type: ignore[arg-type]
+    with pytest.raises(PowerCut):
+        model_fetch.fetch(store, cut, verity, workers=1)
+    cut.cut = 1 << 62
+    model_fetch.fetch(store, cut, verity, workers=1)
+    ranges = [r for p, r in handler.log if p.endswith("/a.safetensors")]
+    assert ranges[-1] == f"bytes={2 * model_fetch.CHUNK_BYTES}-"
+    assert model_verify.check(store, verity)["ok"]
+
+
+# ----------------------------------------------------------------------------------- verify
+
+
+def test_verify_names_a_missing_changed_unsealed_or_extra_file(tmp_path: Path) -> None:
+    src, manifest = _snapshot(tmp_path, SIZES)
+    store, verity = _store(tmp_path, manifest), FakeVerity()
+    model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)
+    assert model_verify.check(store, verity) == {"ok": True, "reason": "", "revision": REV, "files": 3, "bytes": manifest.total_bytes}
+    target = store.snapshot / "a.safetensors"
+    data = bytearray(target.read_bytes())
+    data[5] ^= 1
+    target.write_bytes(bytes(data))  # same inode: the fake stays "sealed"; the digest changes
+    result = model_verify.check(store, verity)
+    assert result["reason"] == "model weights: a.safetensors was changed (its fs-verity digest is not the signed one)"
+    assert result["file"] == "a.safetensors"
+    target.unlink()
+    assert model_verify.check(store, verity)["reason"] == "model weights: a.safetensors is missing"
+    target.write_bytes((src / "a.safetensors").read_bytes())
+    assert model_verify.check(store, verity)["reason"] == "model weights: a.safetensors is not sealed with fs-verity"
+    verity.enable(target)
+    (store.snapshot / "evil.py").write_text("import os\n")
+    assert model_verify.check(store, verity)["reason"] == "model weights: evil.py is in the snapshot but not in the signed manifest"
+
+
+def test_load_manifest_requires_the_release_pin(tmp_path: Path) -> None:
+    _, manifest = _snapshot(tmp_path, {"x": 10})
+    data = wm.dumps(manifest)
+    (tmp_path / "weights.json").write_bytes(data)
+    (tmp_path / "manifest.json").write_text(json.dumps({"model": {"weights_sha256": wm.sha256(data)}}))
+    assert model_store.load_manifest(tmp_path / "weights.json", tmp_path / "manifest.json") == manifest
+    (tmp_path / "manifest.json").write_text('{"model": {}}')
+    with pytest.raises(ManifestError, match="is not the one the release manifest pins"):
+        model_store.load_manifest(tmp_path / "weights.json", tmp_path / "manifest.json")
+    assert model_store.load_manifest(tmp_path / "none.json", tmp_path / "manifest.json") is None
