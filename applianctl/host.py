@@ -1,0 +1,187 @@
+"""Per-host settings: the signed install plan in /var/lib/appliance/host made into the files the
+system reads, on every boot (`appliance-host.service`, before the network comes up).
+
+The plan lives on /var, outside the A/B slots, so it survives upgrades and rollbacks; what it
+renders goes to /run (systemd-networkd's runtime directory, the transient host name), so each
+version renders it with its own code and nothing of an older version's rendering lingers.
+A plan that is absent leaves the image's defaults (DHCP on every Ethernet link, the image's host
+name and keys); a plan that is present but not signed by a trusted key is refused and also leaves
+the defaults, and status says so.
+
+Rendered: systemd-networkd .netdev/.network files (static IPv4/IPv6, bond, VLAN, MTU, DNS, NTP),
+the host name, the SSH authorized keys (a file sshd reads besides the image's), and the proxy's
+per-host settings (host name, allowlist, ACME e-mail) as JSON for the proxy's renderer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from appliance import paths
+from appliance import plan as plan_model
+from appliance.atomic import atomic_write, write_json_atomic
+from appliance.config import Config, load_device
+from appliance.errors import UserError
+from appliance.run import call
+
+HOST_DIR = paths.STATE_DIR / "host"  # plan.json, plan.json.sig, authorized_keys
+NETWORK_RUN_DIR = Path(os.environ.get("APPLIANCE_NETWORK_RUN_DIR", "/run/systemd/network"))
+RESULT = paths.RUN_DIR / "host.json"  # what status shows
+PREFIX = "10-appliance-host"  # sorts before the image's 80-appliance-ethernet.network
+BOND = "bond0"
+
+
+def _match(interface: str) -> str:
+    return f"MACAddress={interface}" if plan_model._MAC.fullmatch(interface) else f"Name={interface}"
+
+
+def _section(name: str, lines: list[str]) -> str:
+    return f"[{name}]\n" + "".join(line + "\n" for line in lines)
+
+
+def network_files(net: plan_model.Network) -> dict[str, str]:
+    """FILE NAME -> CONTENT of the systemd-networkd files for NET."""
+    files: dict[str, str] = {}
+    head = "# Rendered by appliance-host.service from the signed install plan; do not edit.\n"
+    mtu = [f"MTUBytes={net.mtu}"] if net.mtu else []
+    uplink = BOND if net.bond else None
+    ip_link = f"vlan{net.vlan}" if net.vlan else None
+
+    if net.bond:
+        bond = ["Mode=" + net.bond, "MIIMonitorSec=100ms"]
+        if net.bond == "802.3ad":
+            bond += ["LACPTransmitRate=fast", "TransmitHashPolicy=layer3+4"]
+        files[f"{PREFIX}-{BOND}.netdev"] = head + _section("NetDev", [f"Name={BOND}", "Kind=bond", *mtu]) + "\n" + _section("Bond", bond)
+        for i, member in enumerate(net.interfaces):
+            files[f"{PREFIX}-member{i}.network"] = (
+                head + _section("Match", [_match(member), "Type=ether"]) + "\n" + (_section("Link", mtu) + "\n" if mtu else "")
+                + _section("Network", [f"Bond={BOND}"])
+            )
+    if net.vlan:
+        files[f"{PREFIX}-vlan{net.vlan}.netdev"] = (
+            head + _section("NetDev", [f"Name=vlan{net.vlan}", "Kind=vlan", *mtu]) + "\n" + _section("VLAN", [f"Id={net.vlan}"])
+        )
+
+    addressing = ["DHCP=yes" if net.dhcp else "DHCP=no"]
+    addressing += [f"Address={a}" for a in net.addresses]
+    addressing += [f"Gateway={g}" for g in net.gateways]
+    addressing += [f"DNS={d}" for d in net.dns]
+    if net.domains:
+        addressing.append("Domains=" + " ".join(net.domains))
+    addressing += [f"NTP={n}" for n in net.ntp]
+
+    # The link that carries the addresses: the VLAN, else the bond, else the one interface.
+    carrier_match = _section("Match", [f"Name={uplink}"]) if uplink else _section("Match", [_match(net.interfaces[0]), "Type=ether"])
+    if ip_link:
+        carrier = [f"VLAN={ip_link}", "LinkLocalAddressing=no", "ConfigureWithoutCarrier=yes"]
+        files[f"{PREFIX}-uplink.network"] = (
+            head + carrier_match + "\n" + (_section("Link", mtu) + "\n" if mtu else "") + _section("Network", carrier)
+        )
+        files[f"{PREFIX}-{ip_link}.network"] = head + _section("Match", [f"Name={ip_link}"]) + "\n" + _section("Network", addressing)
+    else:
+        files[f"{PREFIX}-uplink.network"] = (
+            head + carrier_match + "\n" + (_section("Link", mtu) + "\n" if mtu else "") + _section("Network", addressing)
+        )
+    return files
+
+
+def render(plan: plan_model.Plan, config: Config) -> dict[str, str]:
+    """Every file the plan sets, by path relative to the rendering root:
+    network/NAME for systemd-networkd, hostname, authorized_keys, proxy.json."""
+    out: dict[str, str] = {}
+    if plan.network is not None:
+        out.update({f"network/{name}": text for name, text in network_files(plan.network).items()})
+    if plan.hostname:
+        out["hostname"] = plan.hostname + "\n"
+    if plan.ssh is not None:
+        out["authorized_keys"] = "".join(k + "\n" for k in plan.ssh.authorized_keys)
+    eff = plan.effective(config)
+    out["proxy.json"] = json.dumps(
+        {"hostname": eff["proxy_hostname"], "allowed_cidrs": eff["proxy_allowed_cidrs"], "acme_email": eff["proxy_acme_email"]},
+        indent=2, sort_keys=True,
+    ) + "\n"
+    return out
+
+
+def _clear_rendered(directory: Path) -> None:
+    for old in directory.glob(f"{PREFIX}-*"):
+        old.unlink()
+
+
+def apply(config: Config, host_dir: Path = HOST_DIR, network_dir: Path = NETWORK_RUN_DIR, result: Path = RESULT,
+          trusted_keys: Path = paths.TRUSTED_KEYS_DIR, set_hostname: bool = True) -> dict[str, Any]:
+    """Verify the plan in HOST_DIR and render it; write RESULT (status reads it). Returns RESULT's content."""
+    network_dir.mkdir(parents=True, exist_ok=True)
+    _clear_rendered(network_dir)
+    try:
+        plan = plan_model.load_signed(host_dir, trusted_keys)
+    except UserError as e:
+        doc: dict[str, Any] = {"ok": False, "reason": f"plan refused: {e.message}", "source": "image defaults"}
+        write_json_atomic(result, doc)
+        return doc
+    if plan is None:
+        doc = {"ok": True, "reason": "", "source": "image defaults", "settings": _defaults(config)}
+        write_json_atomic(result, doc)
+        return doc
+    files = render(plan, config)
+    for name, text in files.items():
+        if name.startswith("network/"):
+            atomic_write(network_dir / name.removeprefix("network/"), text.encode())
+    # sshd reads this besides the image's own file (AuthorizedKeysFile names both).
+    keys = host_dir / "authorized_keys"
+    if "authorized_keys" in files:
+        atomic_write(keys, files["authorized_keys"].encode(), 0o644)
+    else:
+        keys.unlink(missing_ok=True)
+    atomic_write(host_dir / "proxy.json", files["proxy.json"].encode())
+    if set_hostname and plan.hostname:
+        # Transient: /etc belongs to the factory image; the plan on /var is the lasting record.
+        try:
+            socket.sethostname(plan.hostname)
+        except OSError as e:
+            doc = {"ok": False, "reason": f"cannot set the host name: {e.strerror}", "source": "plan"}
+            write_json_atomic(result, doc)
+            return doc
+    doc = {"ok": True, "reason": "", "source": "plan", "settings": plan.effective(config),
+           "network_files": sorted(n.removeprefix("network/") for n in files if n.startswith("network/"))}
+    write_json_atomic(result, doc)
+    return doc
+
+
+def _defaults(config: Config) -> dict[str, Any]:
+    return plan_model.Plan().effective(config)
+
+
+def addresses() -> list[str]:
+    """The host's global addresses (for the console and the install summary)."""
+    try:
+        proc = call(["ip", "-j", "address", "show", "scope", "global"], timeout=2)
+        data = json.loads(proc.stdout or "[]")
+    except (OSError, ValueError):
+        return []
+    return [f"{a['local']}/{a['prefixlen']}" for link in data for a in link.get("addr_info", []) if "local" in a]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m applianctl.host", description="render the install plan's per-host settings")
+    parser.add_argument("action", choices=["apply", "show"])
+    args = parser.parse_args(argv)
+    config = load_device()
+    if args.action == "apply":
+        doc = apply(config)
+        print(doc["reason"] or f"host settings from the {doc['source']}")
+        # A refused plan leaves the image's defaults: the boot goes on, status reports it.
+        return 0
+    print(json.dumps(json.loads(RESULT.read_text()) if RESULT.exists() else {}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    from appliance.errors import run_reporting
+
+    raise SystemExit(run_reporting(lambda: main(), prefix="error: ", debug=False))
