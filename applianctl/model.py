@@ -31,7 +31,7 @@ def cmd_fetch(args: argparse.Namespace, verity: Verity | None = None) -> int:
 
     store = _store()
     if store is None:
-        raise UserError(f"{model_store.WEIGHTS_MANIFEST}: this image pins no weights", hint="nothing to fetch")
+        raise UserError(f"{model_store.weights_manifest()}: this image pins no weights", hint="nothing to fetch")
     spec = args.source or store.default_source(load_device())
     source = model_fetch.open_source(spec, args.ca, args.layout, store.manifest.model, store.manifest.revision)
     summary = model_fetch.fetch(store, source, verity or Kernel(), workers=args.jobs)
@@ -55,7 +55,7 @@ def cmd_verify(args: argparse.Namespace, verity: Verity | None = None) -> int:
     else:
         result = model_verify.check(store, verity or Kernel())
         message = f"model verify: {result['files']} files, {result['bytes']} bytes, every fs-verity digest as signed"
-    write_json_atomic(model_store.VERIFY_RESULT, result)
+    write_json_atomic(model_store.verify_result(), result)
     if args.json:
         print(json.dumps(result, sort_keys=True))
     if not result["ok"]:

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,22 @@ from appliance.errors import UserError
 from appliance.hashing import SHA256
 from appliance.manifest import ManifestError
 
-WEIGHTS_MANIFEST = paths.LIB_DIR / wm.FILE_NAME
-HOST_DIR = Path(os.environ.get("APPLIANCE_HOST_DIR", str(paths.STATE_DIR / "host")))
 RECORDED = "weights-verity.json"
 HOST_SOURCE = "model-source"  # one line: the per-host default SOURCE for `applianctl model fetch`
-VERIFY_RESULT = paths.RUN_DIR / "model-verify.json"
 FETCH_STATE = "weights-fetch.json"  # the last fetch: source, time (per-host state)
+
+
+# Read at each call, so that tests (and APPLIANCE_* overrides) that move appliance.paths move these.
+def weights_manifest() -> Path:
+    return paths.LIB_DIR / wm.FILE_NAME
+
+
+def host_dir() -> Path:
+    return paths.STATE_DIR / "host"
+
+
+def verify_result() -> Path:
+    return paths.RUN_DIR / "model-verify.json"
 
 
 @dataclass(frozen=True)
@@ -74,7 +83,7 @@ class Store:
 def load_manifest(path: Path | None = None, release: Path | None = None) -> wm.WeightsManifest | None:
     """The image's weights manifest, None when the image ships none. Its SHA-256 must be the one the
     release manifest pins (appliance-verify checks that manifest's signature before every start)."""
-    path = path or WEIGHTS_MANIFEST
+    path = path or weights_manifest()
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -92,7 +101,7 @@ def load_manifest(path: Path | None = None, release: Path | None = None) -> wm.W
 
 def open_store(config: Config, manifest: wm.WeightsManifest) -> Store:
     if (manifest.model, manifest.revision) != (config.model.id, config.model.revision):
-        raise UserError(f"{WEIGHTS_MANIFEST}: pins {manifest.model}@{manifest.revision}, the configuration serves "
+        raise UserError(f"{weights_manifest()}: pins {manifest.model}@{manifest.revision}, the configuration serves "
                         f"{config.model.id}@{config.model.revision}", hint="the image is damaged")
     cache = Path(config.model.cache_dir)
-    return Store(manifest, Path(config.model.weights_dir), cache / ".partial" / manifest.revision, HOST_DIR)
+    return Store(manifest, Path(config.model.weights_dir), cache / ".partial" / manifest.revision, host_dir())

@@ -26,6 +26,7 @@ from applianctl import probes_os as os_slots
 from applianctl import probes_proxy as proxy
 from applianctl import probes_shm as shm
 from applianctl import probes_tls as tls
+from applianctl import probes_weights as weights
 from applianctl.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
 SCHEMA = 1
@@ -34,6 +35,7 @@ EXIT_STATUS = {OK: 0, NOT_CONFIGURED: 0, DEGRADED: 1, DOWN: 2}
 # The parts, in the order they are shown.
 PARTS = (
     "os", "slots", "units", "engine", "proxy", "startup", "verify", "preflight", "shm-check", "gpu", "shm", "disk", "tls",
+    "weights",
 )
 
 
@@ -53,6 +55,7 @@ def probe_table(config: Config, src: Sources) -> dict[str, Callable[[], Part]]:
         "shm": lambda: shm.probe_shm(config, src, paths.SHM_DIR),
         "disk": lambda: disk.probe_disk(config, paths.STATE_DIR),
         "tls": lambda: tls.probe_tls(config, paths.TLS_DIR),
+        "weights": lambda: weights.probe_weights(config),
     }
     assert tuple(table) == PARTS
     return table
@@ -170,6 +173,9 @@ def summary(name: str, part: Mapping[str, Any]) -> str:
         return f"CA {d['ca_sha256'][:23]}..., expires {d['ca_not_after'][:10]}"
     if name == "verify":
         return " ".join(f"{k} {d[k]}" for k in ("version", "signer") if k in d)
+    if name == "weights" and d.get("files") is not None:
+        verified = ", verified" if d.get("verified") else ""
+        return f"revision {d['revision'][:12]}, {d['files']} files, {d['bytes'] / 1024**3:.1f} GiB{verified}"
     return ""
 
 

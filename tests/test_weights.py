@@ -402,6 +402,7 @@ def test_verify_names_a_missing_changed_unsealed_or_extra_file(tmp_path: Path) -
     result = model_verify.check(store, verity)
     assert result["reason"] == "model weights: a.safetensors was changed (its fs-verity digest is not the signed one)"
     assert result["file"] == "a.safetensors"
+    os.link(target, tmp_path / "keep")  # the old inode stays in use: the new file cannot reuse its number
     target.unlink()
     assert model_verify.check(store, verity)["reason"] == "model weights: a.safetensors is missing"
     target.write_bytes((src / "a.safetensors").read_bytes())
@@ -421,3 +422,66 @@ def test_load_manifest_requires_the_release_pin(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match="is not the one the release manifest pins"):
         model_store.load_manifest(tmp_path / "weights.json", tmp_path / "manifest.json")
     assert model_store.load_manifest(tmp_path / "none.json", tmp_path / "manifest.json") is None
+
+
+# ----------------------------------------------------------------------------------- command line and status
+
+
+@pytest.fixture
+def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, wm.WeightsManifest, Path]:
+    """A device tree: appliance.json (demo profile, model cache in tmp), weights.json pinned by manifest.json."""
+    from appliance import config as config_model
+    from appliance import paths
+    from builder.weights import ROOT
+
+    demo = config_model.load(ROOT / "appliance.toml", "demo")
+    cache = tmp_path / "var/huggingface"
+    demo = dataclasses.replace(demo, model=dataclasses.replace(demo.model, id=MODEL, revision=REV, cache_dir=str(cache)))
+    lib, run, state = tmp_path / "lib", tmp_path / "run", tmp_path / "state"
+    for d in (lib, run, state):
+        d.mkdir()
+    (lib / "appliance.json").write_text(json.dumps(demo.to_json()))
+    monkeypatch.setenv("APPLIANCE_CONFIG", str(lib / "appliance.json"))
+    for name, value in {"LIB_DIR": lib, "RUN_DIR": run, "STATE_DIR": state, "MANIFEST": lib / "manifest.json"}.items():
+        monkeypatch.setattr(paths, name, value)
+    src, manifest = _snapshot(tmp_path, {"config.json": 10, "w.safetensors": 5000})
+    data = wm.dumps(manifest)
+    (lib / "weights.json").write_bytes(data)
+    (lib / "manifest.json").write_text(json.dumps({"model": {"weights_sha256": wm.sha256(data)}}))
+    return src, manifest, Path(demo.model.weights_dir)
+
+
+def test_model_fetch_and_verify_commands(device: tuple[Path, wm.WeightsManifest, Path], monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from appliance import paths
+    from applianctl import model, probes, probes_weights
+    from applianctl.__main__ import main
+
+    src, _, snapshot = device
+    verity = FakeVerity()
+    monkeypatch.setattr(model, "Kernel", lambda: verity)
+    assert main(["model", "verify"]) == 1
+    assert capsys.readouterr().err.splitlines()[0] == "model weights: config.json is missing"
+    part = probes_weights.probe_weights(_config())
+    assert (part.state, part.details["file"], part.details["verified"]) == (probes.DOWN, "config.json", False)
+    assert main(["model", "fetch", str(src)]) == 0
+    assert "2 files, 5010 bytes in place and sealed" in capsys.readouterr().out
+    assert main(["model", "verify", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    part = probes_weights.probe_weights(_config())
+    assert (part.state, part.details["verified"], part.details["source"], part.details["files"]) == (probes.OK, True, str(src), 2)
+    (snapshot / "w.safetensors").write_bytes(b"\0" * 5000)  # the same inode, other bytes
+    assert main(["model", "verify"]) == 1
+    changed = "w.safetensors was changed (its fs-verity digest is not the signed one)"
+    assert capsys.readouterr().err.startswith(f"model weights: {changed}\nhint: ")
+    part = probes_weights.probe_weights(_config())
+    assert (part.state, part.reason) == (probes.DOWN, changed)
+    (paths.LIB_DIR / "weights.json").unlink()
+    assert main(["model", "verify"]) == 0
+    assert probes_weights.probe_weights(_config()).state == probes.NOT_CONFIGURED
+
+
+def _config() -> Any:
+    from appliance.config import load_device
+
+    return load_device()

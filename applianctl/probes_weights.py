@@ -1,0 +1,53 @@
+"""Status part `weights`: the model snapshot the signed weights manifest pins, and whether the last
+check before an engine start (applianctl model verify) found every file exactly as signed.
+
+Status reads that check's result file rather than measuring again: it stays within its deadline
+and reports what the engine was started on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from appliance.config import Config
+from appliance.errors import UserError
+from applianctl import model_store
+from applianctl.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
+
+
+def _read(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+
+
+def probe_weights(config: Config, manifest: Path | None = None, release: Path | None = None,
+                  result: Path | None = None, host_dir: Path | None = None) -> Part:
+    try:
+        model = model_store.load_manifest(manifest, release)
+    except UserError as e:
+        return Part(DOWN, e.message, {"revision": config.model.revision, "files": None, "bytes": None, "verified": False,
+                                      "source": None, "file": None})
+    if model is None:
+        return Part(NOT_CONFIGURED, "this image pins no weights (no weights manifest)",
+                    {"revision": config.model.revision, "files": None, "bytes": None, "verified": None, "source": None, "file": None})
+    fetched = _read((host_dir or model_store.host_dir()) / model_store.FETCH_STATE)
+    source = fetched.get("source") if isinstance(fetched, dict) else None
+    details: dict[str, Any] = {"revision": model.revision, "files": len(model.files), "bytes": model.total_bytes,
+                               "verified": None, "source": source or config.model.source or None, "file": None}
+    checked = _read(result or model_store.verify_result())
+    if checked is None:
+        return Part(DEGRADED, "not checked yet (applianctl model verify runs before the engine starts)", details)
+    if not isinstance(checked, dict) or not isinstance(checked.get("ok"), bool):
+        return Part(DEGRADED, f"{result or model_store.verify_result()}: unreadable", details)
+    if checked.get("revision") != model.revision:
+        return Part(DEGRADED, "the last check was of another revision", details)
+    details["verified"] = checked["ok"]
+    if not checked["ok"]:
+        details["file"] = checked.get("file")
+        return Part(DOWN, str(checked.get("reason", "the weights are not as signed")).removeprefix("model weights: "), details)
+    return Part(OK, "", details)
