@@ -6,6 +6,7 @@ previous output, so a failed build leaves the previous image untouched.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import shutil
@@ -57,6 +58,15 @@ def write_sandbox(config: Config, sandbox: Path) -> None:
     sources.write_text(mirror.sources_deb822(mirrors, config.os.release, ("main", "non-free-firmware")))
 
 
+def emergency_reboot_credential() -> str:
+    """The kernel command line word that gives emergency.service image/initrd/emergency-reboot.conf
+    as a drop-in (systemd 256+: the systemd.unit-dropin.UNIT credential), in the initrd too, whose
+    units mkosi builds and this project does not otherwise touch."""
+    lines = (IMAGE_DIR / "initrd/emergency-reboot.conf").read_text().splitlines()
+    text = "".join(line + "\n" for line in lines if not line.startswith("#"))  # the kernel command line is short
+    return f"systemd.set_credential_binary=systemd.unit-dropin.emergency.service:{base64.b64encode(text.encode()).decode()}"
+
+
 def mkosi_arguments(config: Config, generated: Path, sandbox: Path, repart: Path, out: Path, signing_key: Path) -> list[str]:
     """The options the builder adds to image/mkosi.conf; `make bench` runs plain mkosi with the same."""
     MKOSI_CACHE.mkdir(parents=True, exist_ok=True)
@@ -76,6 +86,7 @@ def mkosi_arguments(config: Config, generated: Path, sandbox: Path, repart: Path
         f"--cache-directory={MKOSI_CACHE}",
         f"--output-directory={out}",
         f"--image-version={config.appliance.version}",
+        f"--kernel-command-line={emergency_reboot_credential()}",
         f"--hostname={config.os.hostname}",
     ]
 

@@ -177,7 +177,9 @@ def install_os_settings(config: Config, tree: Path) -> None:
         f"d {config.model.cache_dir} 0755 root root -\n"
         f"d {config.engine.aiter_cache_dir} 0755 root root -\n"
         f"d {config.engine.crash_dir} 0700 root root -\n"
-        "d /var/lib/appliance 0755 root root -\n",
+        "d /var/lib/appliance 0755 root root -\n"
+        # per-host settings that survive upgrades (docs/disk-layout.md): /var is never written by one
+        "d /var/lib/appliance/host 0700 root root -\n",
     )
 
 
