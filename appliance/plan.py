@@ -273,7 +273,7 @@ def verify(data: bytes, sig: bytes, trusted_keys_dir: Path, where: str = PLAN_JS
     try:
         signature = manifest.decode_signature(sig)
     except manifest.ManifestError as e:
-        raise PlanRefused(f"{where}: {e.message}", hint="sign the plan with python3 -m builder plan") from None
+        raise PlanRefused(f"{where}: {e.message}", hint="sign the plan: python3 -m builder plan PLAN.toml") from None
     keys = manifest.trusted_keys(trusted_keys_dir)
     signed_by = manifest.signer_of(data, signature, keys)
     if signed_by is None:
@@ -298,5 +298,5 @@ def load_signed(directory: Path, trusted_keys_dir: Path) -> Plan | None:
         data, sig = data_path.read_bytes(), sig_path.read_bytes()
     except FileNotFoundError as e:
         raise PlanRefused(f"{e.filename}: missing (a plan needs plan.json and plan.json.sig)",
-                          hint="sign the plan with python3 -m builder plan") from None
+                          hint="sign the plan: python3 -m builder plan PLAN.toml") from None
     return verify(data, sig, trusted_keys_dir, str(data_path))

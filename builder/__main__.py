@@ -165,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     weights.add_parser(sub)
 
+    from builder import installer_media, plan
+
+    plan.add_parser(sub)
+    installer_media.add_parsers(sub)
+
     p = sub.add_parser("keys", help="make a release signing key pair (Ed25519)")
     p.add_argument("action", choices=["generate"], help="generate: write a new key pair")
     p.add_argument("--directory", help="where to write release.key and release.pub (default: keys/, never committed)")

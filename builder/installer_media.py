@@ -1,0 +1,246 @@
+"""`python3 -m builder installer` and `python3 -m builder flash DEVICE`: installer media from a
+built release, and writing one to a USB stick.
+
+Three forms, all carrying the same installer kernel image (a UKI: the release's kernel with an
+initrd that holds the installer, `python3 -m installer`, and runs it from RAM):
+
+    installer_VERSION.raw (+ .bmap)  a GPT disk image for USB sticks: an ESP whose removable-media
+                                     path EFI/BOOT/BOOTX64.EFI is the installer UKI, and a payload
+                                     partition (ext4, label appliance-payload) holding the release's
+                                     disk image, its signed manifest and, when given, a signed plan
+    installer_VERSION.iso            the same for BMC virtual media: ISO 9660 with an El Torito EFI
+                                     boot image (a FAT image with the same BOOTX64.EFI) and the
+                                     payload files in the ISO's tree
+    installer_VERSION.efi            the UKI alone, for UEFI HTTP boot: the installer then takes the
+                                     release from the plan's update URL (a signed bundle over HTTPS)
+                                     and the plan from a systemd credential
+
+Every output is written under a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from appliance import plan as plan_model
+from appliance.errors import UserError
+
+MIB = 1 << 20
+PAYLOAD_LABEL = "appliance-payload"
+ESP_TYPE = "C12A7328-F81F-11D2-BA4B-00A0C93EC93B"
+LINUX_TYPE = "0FC63DAF-8483-4772-8E79-3D69D8477DE4"
+
+
+def _run(argv: Sequence[str | Path], what: str, hint: str, input_text: str | None = None) -> str:
+    args = [str(a) for a in argv]
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, check=False, input=input_text)
+    except FileNotFoundError:
+        raise UserError(f"{what}: {args[0]} is not installed", hint=hint) from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise UserError(f"{what} failed: {last}", hint=hint)
+    return proc.stdout
+
+
+TOOLS_HINT = "install the media tools: apt-get install dosfstools mtools e2fsprogs xorriso bmap-tools"
+
+
+def esp_image(uki: Path, path: Path) -> None:
+    """A FAT image whose EFI/BOOT/BOOTX64.EFI is UKI (the firmware's default path on removable media)."""
+    size_mib = (uki.stat().st_size + 8 * MIB) // MIB + 8
+    with open(path, "wb") as f:
+        f.truncate(size_mib * MIB)
+    _run(["mkfs.vfat", "-F", "32" if size_mib >= 64 else "16", "-n", "INSTALLER", path], "making the ESP", TOOLS_HINT)
+    _run(["mmd", "-i", path, "::EFI", "::EFI/BOOT"], "making the ESP", TOOLS_HINT)
+    _run(["mcopy", "-i", path, uki, "::EFI/BOOT/BOOTX64.EFI"], "copying the installer UKI", TOOLS_HINT)
+
+
+def payload_files(build_out: Path, version: str, plan_dir: Path | None) -> dict[str, Path]:
+    """NAME ON THE MEDIUM -> SOURCE: the release's disk image and signed manifest, and the plan."""
+    files = {
+        f"appliance_{version}.raw": build_out / f"appliance_{version}.raw",
+        "manifest.json": build_out / "manifest.json",
+        "manifest.json.sig": build_out / "manifest.json.sig",
+    }
+    if plan_dir is not None:
+        files[f"plan/{plan_model.PLAN_JSON}"] = plan_dir / plan_model.PLAN_JSON
+        files[f"plan/{plan_model.PLAN_SIG}"] = plan_dir / plan_model.PLAN_SIG
+    for name, src in files.items():
+        if not src.is_file():
+            raise UserError(f"{src}: no such file (needed on the medium as {name})",
+                            hint="build the release first (python3 -m builder build) and sign the plan (python3 -m builder plan PLAN.toml)")
+    return files
+
+
+def _stage(files: dict[str, Path], directory: Path) -> None:
+    for name, src in files.items():
+        dst = directory / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        # keeps the disk image's holes: the /usr slots are mostly zeros
+        _run(["cp", "--sparse=always", "--reflink=auto", src, dst], f"staging {name}", "check the free space in out/")
+
+
+def _apparent(files: dict[str, Path]) -> int:
+    return sum(p.stat().st_size for p in files.values())
+
+
+def usb_image(esp: Path, files: dict[str, Path], out: Path, work: Path) -> None:
+    """GPT: the ESP, then the payload partition (ext4 made from the staged files)."""
+    stage = work / "payload"
+    _stage(files, stage)
+    payload = work / "payload.ext4"
+    size = (_apparent(files) * 11 // 10 + 64 * MIB) // MIB * MIB
+    with open(payload, "wb") as f:
+        f.truncate(size)
+    _run(["mkfs.ext4", "-q", "-F", "-L", PAYLOAD_LABEL, "-d", stage, "-O", "^has_journal", "-E", "root_owner=0:0", payload],
+         "making the payload file system", TOOLS_HINT)
+    esp_mib, payload_mib = esp.stat().st_size // MIB, size // MIB
+    with open(out, "wb") as f:
+        f.truncate((1 + esp_mib + payload_mib + 1) * MIB)
+    table = (f"label: gpt\nstart=2048, size={esp_mib * 2048}, type={ESP_TYPE}, name=INSTALLER\n"
+             f"size={payload_mib * 2048}, type={LINUX_TYPE}, name={PAYLOAD_LABEL}\n")
+    _run(["sfdisk", "-q", out], "writing the partition table", TOOLS_HINT, input_text=table)
+    for src, offset_mib in ((esp, 1), (payload, 1 + esp_mib)):
+        _run(["dd", f"if={src}", f"of={out}", "bs=1M", f"seek={offset_mib}", "conv=notrunc,sparse", "status=none"],
+             "writing a partition", TOOLS_HINT)
+
+
+def iso_image(esp: Path, files: dict[str, Path], out: Path, work: Path) -> None:
+    """ISO 9660 (Rock Ridge, Joliet) with an El Torito EFI boot image for BMC virtual media."""
+    stage = work / "iso"
+    _stage(files, stage)
+    shutil.copyfile(esp, stage / "efiboot.img")
+    _run(["xorriso", "-as", "mkisofs", "-iso-level", "3", "-R", "-J", "-V", "APPLIANCE_INSTALLER",
+          "-e", "efiboot.img", "-no-emul-boot", "-isohybrid-gpt-basdat", "-o", out, stage],
+         "making the ISO", TOOLS_HINT)
+
+
+def make(build_out: Path, version: str, uki: Path, plan_dir: Path | None, output: Path, forms: Sequence[str]) -> dict[str, Path]:
+    """Write each of FORMS (usb, iso, efi) into OUTPUT; return what was written."""
+    if not uki.is_file():
+        raise UserError(f"{uki}: no installer kernel image", hint="give --installer-uki (docs/install.md: how it is built)")
+    files = payload_files(build_out, version, plan_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    with tempfile.TemporaryDirectory(prefix=".installer-", dir=output) as tmp:
+        work = Path(tmp)
+        esp = work / "esp.img"
+        esp_image(uki, esp)
+        for form in forms:
+            final = output / f"installer_{version}.{ {'usb': 'raw', 'iso': 'iso', 'efi': 'efi'}[form] }"
+            part = work / final.name
+            if form == "usb":
+                usb_image(esp, files, part, work)
+                bmap = work / (final.name + ".bmap")
+                _run(["bmaptool", "create", "-o", bmap, part], "making the block map", TOOLS_HINT)
+                os.replace(bmap, output / bmap.name)
+                written["bmap"] = output / bmap.name
+            elif form == "iso":
+                iso_image(esp, files, part, work)
+            else:
+                shutil.copyfile(uki, part)
+            os.replace(part, final)
+            written[form] = final
+    return written
+
+
+# ------------------------------------------------------------------------------ flash
+
+
+def flash_refusal(device: str, doc: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    """Why DEVICE may not be flashed ("" when it may), and its lsblk node. DOC: `lsblk --json -O -b`."""
+    node = next((n for n in doc.get("blockdevices", []) if n.get("path") == device or f"/dev/{n.get('name')}" == device), None)
+    if node is None:
+        return f"{device} is not a whole disk", None
+    if node.get("type") != "disk":
+        return f"{device} is a {node.get('type')}, not a whole disk", node
+
+    def mounts(n: dict[str, Any]) -> list[str]:
+        own = [m for m in (n.get("mountpoints") or [n.get("mountpoint")]) if m]
+        return own + [m for c in n.get("children") or [] for m in mounts(c)]
+
+    used = mounts(node)
+    if used:
+        system = [m for m in used if m in ("/", "/usr", "/boot", "/boot/efi", "/efi", "/var", "[SWAP]")]
+        kind = "a system disk" if system else "mounted"
+        return f"{device} is {kind} (mounted at {', '.join(used)})", node
+    if node.get("ro"):
+        return f"{device} is read-only", node
+    return "", node
+
+
+def describe(node: dict[str, Any]) -> str:
+    size = int(node.get("size") or 0)
+    what = " ".join(str(node.get(k) or "").strip() for k in ("vendor", "model") if node.get(k)).strip() or "unknown model"
+    serial = str(node.get("serial") or "-").strip()
+    removable = ", removable" if node.get("rm") or node.get("hotplug") else ""
+    return f"{node.get('path')}: {what}, serial {serial}, {size / (1 << 30):.1f} GiB, {node.get('tran') or 'no transport'}{removable}"
+
+
+def flash(image: Path, device: str, yes: bool, lsblk_json: str | None = None) -> int:
+    bmap = image.with_name(image.name + ".bmap")
+    if not image.is_file() or not bmap.is_file():
+        raise UserError(f"{image} or {bmap.name} is missing", hint="make them: python3 -m builder installer --installer-uki UKI")
+    doc = json.loads(lsblk_json if lsblk_json is not None else _run(["lsblk", "--json", "-O", "-b"], "listing disks", TOOLS_HINT))
+    why, node = flash_refusal(device, doc)
+    if why:
+        raise UserError(f"refusing to write {device}: {why}", hint="name the USB stick (lsblk -o PATH,MODEL,SIZE,TRAN,MOUNTPOINTS)")
+    assert node is not None
+    print(f"about to overwrite {describe(node)}")
+    if int(node.get("size") or 0) < image.stat().st_size:
+        raise UserError(f"{device} is smaller than {image.name}", hint="use a larger stick")
+    if not yes:
+        answer = input(f"type the device name ({device}) to write it: ")
+        if answer.strip() != device:
+            print("nothing written")
+            return 1
+    _run(["bmaptool", "copy", "--bmap", bmap, image, device], f"writing {device}", "check the stick and try again")
+    print(f"{device}: written and verified against {bmap.name}")
+    return 0
+
+
+# ------------------------------------------------------------------------------ CLI glue
+
+
+def cmd_installer(args: argparse.Namespace) -> int:
+    from appliance import config as config_model
+    from builder import build
+
+    config = config_model.load(Path(args.config), args.profile)
+    out = Path(args.build_output) if args.build_output else build.output_dir(config)
+    output = Path(args.output) if args.output else build.ROOT / "out" / "installer" / f"{config.profile}-{config.appliance.version}"
+    written = make(out, config.appliance.version, Path(args.installer_uki), Path(args.plan) if args.plan else None, output,
+                   args.form or ["usb", "iso", "efi"])
+    for form, path in written.items():
+        print(f"{form}: {path} ({path.stat().st_size} bytes)")
+    return 0
+
+
+def cmd_flash(args: argparse.Namespace) -> int:
+    return flash(Path(args.image), args.device, args.yes)
+
+
+def add_parsers(sub: Any) -> None:
+    """Register `installer` and `flash` (builder/__main__.py: installer_media.add_parsers(sub))."""
+    p = sub.add_parser("installer", help="make installer media (USB image + bmap, ISO, HTTP-boot UKI) from the last build")
+    p.add_argument("--installer-uki", required=True, help="the installer kernel image (docs/install.md)")
+    p.add_argument("--plan", help="a signed plan directory (python3 -m builder plan) to put on the medium")
+    p.add_argument("--form", action="append", choices=["usb", "iso", "efi"], help="only these forms (repeatable; default: all)")
+    p.add_argument("--build-output", help="the build's output directory (default: out/PROFILE)")
+    p.add_argument("--output", help="where to write the media (default: out/installer/PROFILE-VERSION)")
+    p.set_defaults(func=cmd_installer)
+
+    p = sub.add_parser("flash", help="write an installer USB image to a stick with bmaptool (refuses mounted and system disks)")
+    p.add_argument("device", help="the whole stick, e.g. /dev/sdb")
+    p.add_argument("--image", required=True, help="installer_VERSION.raw (its .bmap beside it)")
+    p.add_argument("--yes", action="store_true", help="do not ask before writing (the model and size are still shown)")
+    p.set_defaults(func=cmd_flash)

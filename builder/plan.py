@@ -1,0 +1,55 @@
+"""`python3 -m builder plan PLAN.toml`: check an install plan and sign it with the release key.
+
+Writes plan.json (canonical JSON) and plan.json.sig (Ed25519, the release manifest's encoding)
+into a new directory, renamed into place once both are written. The installer and the appliance
+accept a plan only with a signature by a key the release trusts (appliance/plan.py). The plan is
+also checked against the configuration it will meet: the image's defaults fill what it leaves out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from appliance import config as config_model
+from appliance import plan as plan_model
+from appliance.atomic import atomic_write, replace_dir
+
+
+def write(plan_toml: Path, key: Path, output: Path) -> plan_model.Plan:
+    plan = plan_model.load_toml(plan_toml)
+    data, sig = plan_model.sign(plan, key)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    atomic_write(tmp / plan_model.PLAN_JSON, data)
+    atomic_write(tmp / plan_model.PLAN_SIG, sig)
+    replace_dir(tmp, output)
+    return plan
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from builder import build
+
+    config = config_model.load(Path(args.config), args.profile)
+    key = build.signing_key_for(config, Path(args.signing_key) if args.signing_key else None)
+    source = Path(args.plan)
+    output = Path(args.output) if args.output else source.with_suffix("")
+    plan = write(source, key, output)
+    print(f"signed install plan in {output}/ ({plan_model.PLAN_JSON}, {plan_model.PLAN_SIG})")
+    if args.show:
+        print(json.dumps(plan.effective(config), indent=2))
+    return 0
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register `plan` on the builder's subparsers (builder/__main__.py: plan.add_parser(sub))."""
+    p: argparse.ArgumentParser = sub.add_parser("plan", help="check an install plan (TOML) and sign it with the release key")
+    p.add_argument("plan", help="the plan, e.g. hosts/gpu-07.toml (docs/install.md)")
+    p.add_argument("--output", help="the directory for plan.json and plan.json.sig (default: the plan's path without .toml)")
+    p.add_argument("--signing-key", help="the release signing key (default: as for build)")
+    p.add_argument("--show", action="store_true", help="print the host's settings, the image's defaults filled in")
+    p.set_defaults(func=cmd_plan)
+    return p
