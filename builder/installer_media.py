@@ -64,13 +64,17 @@ def esp_image(uki: Path, path: Path) -> None:
     _run(["mcopy", "-i", path, uki, "::EFI/BOOT/BOOTX64.EFI"], "copying the installer UKI", TOOLS_HINT)
 
 
-def payload_files(build_out: Path, version: str, plan_dir: Path | None) -> dict[str, Path]:
-    """NAME ON THE MEDIUM -> SOURCE: the release's disk image and signed manifest, and the plan."""
+def payload_files(build_out: Path, version: str, plan_dir: Path | None, bundle_dir: Path | None = None) -> dict[str, Path]:
+    """NAME ON THE MEDIUM -> SOURCE: the release's disk image and signed manifest, the signed bundle
+    index (its usrhash is what the installer checks the written /usr against), and the plan."""
     files = {
         f"appliance_{version}.raw": build_out / f"appliance_{version}.raw",
         "manifest.json": build_out / "manifest.json",
         "manifest.json.sig": build_out / "manifest.json.sig",
     }
+    if bundle_dir is not None:
+        files["bundle.json"] = bundle_dir / "bundle.json"
+        files["bundle.json.sig"] = bundle_dir / "bundle.json.sig"
     if plan_dir is not None:
         files[f"plan/{plan_model.PLAN_JSON}"] = plan_dir / plan_model.PLAN_JSON
         files[f"plan/{plan_model.PLAN_SIG}"] = plan_dir / plan_model.PLAN_SIG
@@ -124,11 +128,12 @@ def iso_image(esp: Path, files: dict[str, Path], out: Path, work: Path) -> None:
          "making the ISO", TOOLS_HINT)
 
 
-def make(build_out: Path, version: str, uki: Path, plan_dir: Path | None, output: Path, forms: Sequence[str]) -> dict[str, Path]:
+def make(build_out: Path, version: str, uki: Path, plan_dir: Path | None, output: Path, forms: Sequence[str],
+         bundle_dir: Path | None = None) -> dict[str, Path]:
     """Write each of FORMS (usb, iso, efi) into OUTPUT; return what was written."""
     if not uki.is_file():
         raise UserError(f"{uki}: no installer kernel image", hint="give --installer-uki (docs/install.md: how it is built)")
-    files = payload_files(build_out, version, plan_dir)
+    files = payload_files(build_out, version, plan_dir, bundle_dir)
     output.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
     with tempfile.TemporaryDirectory(prefix=".installer-", dir=output) as tmp:
@@ -218,8 +223,9 @@ def cmd_installer(args: argparse.Namespace) -> int:
     config = config_model.load(Path(args.config), args.profile)
     out = Path(args.build_output) if args.build_output else build.output_dir(config)
     output = Path(args.output) if args.output else build.ROOT / "out" / "installer" / f"{config.profile}-{config.appliance.version}"
+    bundle_dir = Path(args.bundle) if args.bundle else build.ROOT / "out" / "bundles" / f"{config.profile}-{config.appliance.version}"
     written = make(out, config.appliance.version, Path(args.installer_uki), Path(args.plan) if args.plan else None, output,
-                   args.form or ["usb", "iso", "efi"])
+                   args.form or ["usb", "iso", "efi"], bundle_dir)
     for form, path in written.items():
         print(f"{form}: {path} ({path.stat().st_size} bytes)")
     return 0
@@ -236,6 +242,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--plan", help="a signed plan directory (python3 -m builder plan) to put on the medium")
     p.add_argument("--form", action="append", choices=["usb", "iso", "efi"], help="only these forms (repeatable; default: all)")
     p.add_argument("--build-output", help="the build's output directory (default: out/PROFILE)")
+    p.add_argument("--bundle", help="the release bundle (python3 -m builder release; default: out/bundles/PROFILE-VERSION)")
     p.add_argument("--output", help="where to write the media (default: out/installer/PROFILE-VERSION)")
     p.set_defaults(func=cmd_installer)
 

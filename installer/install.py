@@ -1,0 +1,206 @@
+"""The install: one disk chosen by the signed plan, written with systemd-repart from the release's
+disk image, /usr and the engine store checked block by block against the signed root hashes, the
+plan put where the appliance keeps per-host settings, a firmware boot entry for the new disk put
+first, and a one-page summary.
+
+    systemd-repart --empty=force --copy-from=IMAGE --definitions=/usr/lib/repart.d TARGET
+
+copies the image's partitions (same types, labels and UUIDs, so the UKI's usrhash= finds /usr)
+and creates slot B and /var exactly as a first boot would (docs/disk-layout.md). A target that
+already holds this version is not written again: the install is idempotent.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from appliance import bundle, manifest
+from appliance import plan as plan_model
+from appliance.errors import UserError
+from appliance.run import run
+from installer import disks, select
+
+REPART_DEFINITIONS = Path("/usr/lib/repart.d")
+VAR_LABEL = "appliance-var"
+HOST_SUBDIR = "lib/appliance/host"  # on /var: /var/lib/appliance/host
+BOOT_LABEL = "Appliance"
+SYSTEMD_BOOT = r"\EFI\systemd\systemd-bootx64.efi"
+GIB = 1 << 30
+# what the layout adds to the image: slot B and its verity, root grown to 1 GiB, /var's minimum
+LAYOUT_EXTRA = 3 * GIB + 64 * (1 << 20) + 1 * GIB + 1 * GIB
+
+Runner = Callable[[Sequence[str]], str]
+
+
+def _run(argv: Sequence[str]) -> str:
+    return run(list(argv), f"{argv[0]}", hint="the install stopped; the candidates and the console log say where", timeout=3600)
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What the installer installs: the release's disk image and its signed facts."""
+
+    image: Path
+    version: str
+    usrhash: str
+    engine_label: str
+    engine_roothash: str
+
+
+def load_payload(directory: Path, trusted_keys: Path) -> Payload:
+    """The release on the medium (or a downloaded bundle directory), its signatures checked first."""
+    index = bundle.verify_index((directory / bundle.BUNDLE_INDEX).read_bytes(), (directory / bundle.BUNDLE_SIG).read_bytes(),
+                                trusted_keys)
+    man = manifest.verify((directory / "manifest.json").read_bytes(), (directory / "manifest.json.sig").read_bytes(), trusted_keys)
+    if man["version"] != index["version"]:
+        raise UserError(f"{directory}: bundle {index['version']} but manifest {man['version']}", hint="the medium is inconsistent")
+    image = directory / f"appliance_{index['version']}.raw"
+    if not image.is_file():
+        raise UserError(f"{image}: missing", hint="the medium is incomplete; make it again with python3 -m builder installer")
+    eng = man["engine_image"]
+    return Payload(image, index["version"], index["usrhash"], eng["store_label"], eng["store_roothash"])
+
+
+def required_bytes(image: Path) -> int:
+    return image.stat().st_size + LAYOUT_EXTRA
+
+
+def _by_partuuid(runner: Runner, disk: str, label: str | None = None, partuuid: str | None = None) -> str:
+    doc = json.loads(runner(["lsblk", "--json", "-O", "-b", disk]))
+    for node in doc["blockdevices"][0].get("children") or []:
+        if (label and node.get("partlabel") == label) or (partuuid and (node.get("partuuid") or "").lower() == partuuid):
+            return str(node["path"])
+    raise UserError(f"{disk}: no partition {label or partuuid} after writing", hint="the image's layout is not what this installer expects")
+
+
+def verify_written(runner: Runner, disk: str, payload: Payload) -> list[str]:
+    """/usr and the engine store on DISK checked block by block against the signed root hashes."""
+    data_uuid, hash_uuid = bundle.partuuids_from_usrhash(payload.usrhash)
+    usr = _by_partuuid(runner, disk, partuuid=data_uuid.lower())
+    usr_verity = _by_partuuid(runner, disk, partuuid=hash_uuid.lower())
+    runner(["veritysetup", "verify", usr, usr_verity, payload.usrhash])
+    engine = _by_partuuid(runner, disk, label=payload.engine_label)
+    engine_verity = _by_partuuid(runner, disk, label=payload.engine_label + "-verity")
+    runner(["veritysetup", "verify", engine, engine_verity, payload.engine_roothash])
+    return [f"/usr {usr} verified (root hash {payload.usrhash[:16]}...)",
+            f"engine store {engine} verified (root hash {payload.engine_roothash[:16]}...)"]
+
+
+def write_plan(runner: Runner, disk: str, plan_dir: Path) -> None:
+    """The signed plan into /var/lib/appliance/host on the new disk's /var (made by systemd-repart)."""
+    var = _by_partuuid(runner, disk, label=VAR_LABEL)
+    mnt = Path(tempfile.mkdtemp(prefix="appliance-var-"))
+    runner(["mount", var, str(mnt)])
+    try:
+        host = mnt / HOST_SUBDIR
+        host.mkdir(parents=True, exist_ok=True)
+        os.chmod(host, 0o700)
+        for name in (plan_model.PLAN_JSON, plan_model.PLAN_SIG):
+            shutil.copyfile(plan_dir / name, host / name)
+        os.sync()
+    finally:
+        runner(["umount", str(mnt)])
+        if not os.path.ismount(mnt):  # never remove what is still mounted there
+            shutil.rmtree(mnt, ignore_errors=True)
+
+
+def boot_first(runner: Runner, disk: str) -> str:
+    """A firmware boot entry for systemd-boot on DISK's ESP, first in BootOrder; older entries with
+    our label are removed first, so installing again does not pile them up."""
+    doc = json.loads(runner(["lsblk", "--json", "-O", "-b", disk]))
+    esp = next(n for n in doc["blockdevices"][0].get("children") or [] if (n.get("parttype") or "").lower() == bundle_esp())
+    partn = str(esp.get("partn") or esp["path"].rstrip("0123456789p")[-1:])
+    listing = runner(["efibootmgr"])
+    for line in listing.splitlines():
+        if line.startswith("Boot") and line[4:8].isalnum() and BOOT_LABEL in line:
+            runner(["efibootmgr", "--quiet", "--bootnum", line[4:8], "--delete-bootnum"])
+    runner(["efibootmgr", "--quiet", "--create", "--disk", disk, "--part", partn, "--loader", SYSTEMD_BOOT, "--label", BOOT_LABEL])
+    order = runner(["efibootmgr"])
+    new = next(line[4:8] for line in order.splitlines() if line.startswith("Boot") and BOOT_LABEL in line and line[4:8] != "Orde")
+    rest = next((line.split(":", 1)[1].strip() for line in order.splitlines() if line.startswith("BootOrder")), "")
+    runner(["efibootmgr", "--quiet", "--bootorder", ",".join([new, *[b for b in rest.split(",") if b and b != new]])])
+    return new
+
+
+def bundle_esp() -> str:
+    return "c12a7328-f81f-11d2-ba4b-00a0c93ec93b"
+
+
+def ssh_fingerprint(key_line: str) -> str:
+    """OpenSSH's SHA256 fingerprint of an authorized key line (as ssh-keygen -l prints it)."""
+    blob = base64.b64decode(key_line.split()[1])
+    return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
+
+
+def summary(choice: select.Choice, payload: Payload, plan: plan_model.Plan, steps: list[str], seconds: float, signer: str) -> str:
+    disk = choice.disk
+    net = plan.network
+    addresses = ", ".join(net.addresses) + (" + DHCP" if net.dhcp else "") if net else "DHCP on every Ethernet link (image default)"
+    lines = [
+        "=" * 72,
+        f" Appliance {payload.version} installed" + (" (already there: nothing written)" if choice.installed else ""),
+        "=" * 72,
+        f" disk        {disk.path}  {disk.model or '-'}  serial {disk.serial or '-'}  {disk.size / GIB:.1f} GiB",
+        f" host name   {plan.hostname or '(image default)'}",
+        f" addresses   {addresses}",
+    ]
+    if net and net.bond:
+        lines.append(f" links       bond {net.bond} over {', '.join(net.interfaces)}" + (f", VLAN {net.vlan}" if net.vlan else ""))
+    keys = plan.ssh.authorized_keys if plan.ssh else ()
+    lines.append(f" SSH keys    {len(keys)}" + "".join(f"\n             {ssh_fingerprint(k)} {' '.join(k.split()[2:])}" for k in keys))
+    lines += [
+        f" release key {signer} (signed the release and this plan)",
+        f" /usr        {payload.usrhash[:32]}...",
+        " CA          made on first boot: its fingerprint is on the appliance's console (tty1)",
+        *[f" checked     {s}" for s in steps],
+        f" took        {seconds:.0f} s",
+        "=" * 72,
+    ]
+    return "\n".join(lines)
+
+
+def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: Runner = _run,
+            listing: tuple[dict[str, Any], dict[str, dict[str, str]]] | None = None, boot_partuuid: str | None = None,
+            dry_run: bool = False, json_out: bool = False, signer: str = "", reboot: bool = True,
+            out: Callable[[str], None] = print) -> int:
+    """Choose, write, verify, record the plan, make the boot entry, summarise. Returns an exit status."""
+    if plan.target is None:
+        raise UserError("the install plan has no [target]", hint="name the disk: target.serial, wwn, model or by_path")
+    started = time.monotonic()
+    doc, udev = listing if listing is not None else disks.read(runner)
+    found = disks.from_lsblk(doc, udev)
+    boot = disks.boot_partuuid() if boot_partuuid is None else boot_partuuid
+    try:
+        choice = select.choose(found, plan.target, boot_partuuid=boot, required_bytes=required_bytes(payload.image),
+                               version=payload.version)
+    except select.NoSafeChoice as e:
+        out(select.dumps(e.candidates, None) if json_out else select.table(e.candidates, None))
+        raise
+    out(select.dumps(choice.candidates, choice.disk) if json_out else select.table(choice.candidates, choice.disk))
+    if dry_run:
+        out(f"dry run: would {'leave' if choice.installed else 'write'} {choice.disk.path}"
+            + (f" (it already holds {payload.version})" if choice.installed else f" with appliance {payload.version}"))
+        return 0
+    steps: list[str] = []
+    if not choice.installed:
+        runner(["systemd-repart", "--dry-run=no", "--empty=force", f"--copy-from={payload.image}",
+                f"--definitions={REPART_DEFINITIONS}", choice.disk.path])
+        runner(["udevadm", "settle"])
+        steps = verify_written(runner, choice.disk.path, payload)
+        write_plan(runner, choice.disk.path, plan_dir)
+        entry = boot_first(runner, choice.disk.path)
+        steps.append(f"firmware boot entry Boot{entry} first in BootOrder")
+    out(summary(choice, payload, plan, steps, time.monotonic() - started, signer))
+    if reboot and not choice.installed:
+        runner(["systemctl", "reboot"])
+    return 0

@@ -1,0 +1,141 @@
+"""The install's command lines and order (a recording runner in place of the tools, as osbuild's
+mock_command), the dry run and the refusals writing nothing, and installing the same version
+again changing nothing. The listings start from the build host's recorded lsblk output; the
+selection itself is proven against the recorded decoy matrix (tests/test_select.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance import plan as plan_model
+from installer import install, select
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "disks"
+USRHASH = "a" * 32 + "b" * 32
+GIB = 1 << 30
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIK0wmN/Cr3JXqmLW7u+g9pTh+wyqDHpSQEIQczXkVx9q ops@example.net"
+
+
+def _host_listing() -> dict[str, Any]:
+    return json.loads((FIXTURES / "build-host.json").read_text())["lsblk"]  # type: ignore[no-any-return]
+
+
+def _as_spare_disk(doc: dict[str, Any], partitions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The recorded /dev/vda as if it were an unmounted spare disk with a serial (and PARTITIONS)."""
+    doc = copy.deepcopy(doc)
+    vda = next(n for n in doc["blockdevices"] if n["name"] == "vda")
+    vda.update(serial="S64ANS0T512345", mountpoint=None, mountpoints=[None], children=partitions or [])
+    return doc
+
+
+class Recorder:
+    """Records each command (one list per call) and answers the few that print something."""
+
+    def __init__(self, layout: dict[str, Any]) -> None:
+        self.calls: list[list[str]] = []
+        self.layout = layout
+        self.boot_entries = "BootCurrent: 0001\nBootOrder: 0001,0000\nBoot0000* UiApp\nBoot0001* UEFI USB\n"
+
+    def __call__(self, argv: Sequence[str]) -> str:
+        self.calls.append(list(argv))
+        if argv[0] == "lsblk":
+            return json.dumps(self.layout)
+        if argv[:1] == ["efibootmgr"] and "--create" in argv:
+            self.boot_entries += "Boot0003* Appliance\n"
+        if list(argv) == ["efibootmgr"]:
+            return self.boot_entries
+        return ""
+
+
+def _payload(tmp_path: Path) -> install.Payload:
+    image = tmp_path / "appliance_1.0.0.raw"
+    with open(image, "wb") as f:
+        f.truncate(4 * GIB)
+    return install.Payload(image, "1.0.0", USRHASH, "engine_0123456789ab", "c" * 64)
+
+
+def _plan(tmp_path: Path) -> tuple[plan_model.Plan, Path]:
+    plan = plan_model.Plan(hostname="gpu-07", target=plan_model.Target(serial="S64ANS0T512345"),
+                           network=plan_model.Network(interfaces=("ens1f0",), addresses=("192.0.2.10/24",)),
+                           ssh=plan_model.Ssh(authorized_keys=(KEY,)))
+    plan_dir = tmp_path / "plan"
+    plan_dir.mkdir()
+    for name in (plan_model.PLAN_JSON, plan_model.PLAN_SIG):
+        (plan_dir / name).write_text("signed elsewhere")
+    return plan, plan_dir
+
+
+WRITTEN = [
+    {"path": "/dev/vda1", "partuuid": "", "parttype": install.bundle_esp(), "partlabel": "esp", "partn": 1, "type": "part"},
+    {"path": "/dev/vda2", "partuuid": "aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa", "parttype": install.disks.USR_TYPE,
+     "partlabel": "appliance_1.0.0", "partn": 2, "type": "part"},
+    {"path": "/dev/vda3", "partuuid": "bbbbbbbb-bbbb-bbbb-bbbb-bbbbbbbbbbbb", "parttype": "77ff5f63-e7b6-4633-acf4-1565b864c0e6",
+     "partlabel": "appliance_1.0.0_verity", "partn": 3, "type": "part"},
+    {"path": "/dev/vda4", "partuuid": "", "parttype": "0fc63daf", "partlabel": "engine_0123456789ab", "partn": 4, "type": "part"},
+    {"path": "/dev/vda5", "partuuid": "", "parttype": "0fc63daf", "partlabel": "engine_0123456789ab-verity", "partn": 5, "type": "part"},
+    {"path": "/dev/vda9", "partuuid": "", "parttype": "4d21b016", "partlabel": "appliance-var", "partn": 9, "type": "part"},
+]
+
+
+def test_install_writes_verifies_records_the_plan_and_boots_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    written = _as_spare_disk(_host_listing(), WRITTEN)
+    rec = Recorder({"blockdevices": [next(n for n in written["blockdevices"] if n["name"] == "vda")]})
+    plan, plan_dir = _plan(tmp_path)
+    copied: list[Path] = []
+    monkeypatch.setattr(install.shutil, "copyfile", lambda src, dst: copied.append(Path(dst)))
+    out: list[str] = []
+    status = install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(_as_spare_disk(_host_listing()), {}),
+                             boot_partuuid="", signer="0123456789abcdef", out=out.append)
+    assert status == 0
+    tools = [c[0] if c[0] != "efibootmgr" or len(c) == 1 else "efibootmgr " + c[2] for c in rec.calls if c[0] != "lsblk"]
+    assert tools == ["systemd-repart", "udevadm", "veritysetup", "veritysetup", "mount", "umount",
+                     "efibootmgr", "efibootmgr --create", "efibootmgr", "efibootmgr --bootorder", "systemctl"]
+    repart = rec.calls[0]
+    assert repart == ["systemd-repart", "--dry-run=no", "--empty=force", f"--copy-from={tmp_path / 'appliance_1.0.0.raw'}",
+                      "--definitions=/usr/lib/repart.d", "/dev/vda"]
+    verity = [c for c in rec.calls if c[0] == "veritysetup"]
+    assert verity[0] == ["veritysetup", "verify", "/dev/vda2", "/dev/vda3", USRHASH]
+    assert verity[1] == ["veritysetup", "verify", "/dev/vda4", "/dev/vda5", "c" * 64]
+    assert next(c for c in rec.calls if c[0] == "mount")[1] == "/dev/vda9"
+    assert sorted(p.name for p in copied) == [plan_model.PLAN_JSON, plan_model.PLAN_SIG]
+    assert all(p.parent.as_posix().endswith("lib/appliance/host") for p in copied)
+    create = next(c for c in rec.calls if "--create" in c)
+    assert create[create.index("--disk") + 1] == "/dev/vda" and create[create.index("--part") + 1] == "1"
+    assert next(c for c in rec.calls if "--bootorder" in c)[-1] == "0003,0001,0000"
+    page = out[-1]
+    assert "Appliance 1.0.0 installed" in page and "192.0.2.10/24" in page and "S64ANS0T512345" in page
+    assert "SHA256:" in page and "ops@example.net" in page
+
+
+def test_dry_run_and_refusals_write_nothing(tmp_path: Path) -> None:
+    plan, plan_dir = _plan(tmp_path)
+    rec = Recorder({})
+    out: list[str] = []
+    install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(_as_spare_disk(_host_listing()), {}), boot_partuuid="",
+                    dry_run=True, out=out.append)
+    assert rec.calls == [] and "dry run: would write /dev/vda" in out[-1]
+    with pytest.raises(select.NoSafeChoice, match="no disk matches"):  # the host's real listing: no serial, mounted
+        install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(_host_listing(), {}), boot_partuuid="", out=out.append)
+    assert rec.calls == []
+    assert "in use (mounted at" in out[-1]  # the candidates table was shown
+
+
+def test_the_same_version_again_changes_nothing(tmp_path: Path) -> None:
+    plan, plan_dir = _plan(tmp_path)
+    rec = Recorder({})
+    out: list[str] = []
+    installed = _as_spare_disk(_host_listing(), WRITTEN)
+    install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(installed, {}), boot_partuuid="", out=out.append)
+    assert rec.calls == []
+    assert "already there: nothing written" in out[-1]
+
+
+def test_ssh_fingerprint_matches_ssh_keygen() -> None:
+    # what `ssh-keygen -lf` printed for this key line
+    assert install.ssh_fingerprint(KEY) == "SHA256:FHsTyFHNmvNpw4o7+rp+M1yqMyBF8vXSBRkZtkQ0RKY"
