@@ -60,7 +60,8 @@ class Store:
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as e:
-            raise UserError(f"{self.host_dir / RECORDED}: unreadable ({e})", hint="run applianctl model fetch again") from None
+            hint = "fetch the weights again: `applianctl model fetch`"
+            raise UserError(f"{self.host_dir / RECORDED}: unreadable ({e})", hint=hint) from None
         if not isinstance(data, dict) or data.get("revision") != self.manifest.revision or not isinstance(data.get("files"), dict):
             return {}
         return {k: v for k, v in data["files"].items() if isinstance(k, str) and isinstance(v, str) and SHA256.match(v)}

@@ -13,7 +13,9 @@
 - the lean boot path: the unified kernel image's size and the time from power-on (QEMU started,
   TCG) to a healthy engine (systemd reports the engine unit started, which is Notify=healthy),
   the demo image as built against the same image built with every module and firmware file in
-  its initrd (mkosi's default, the "before").
+  its initrd (mkosi's default, the "before");
+- the weights: fetch against curl, the check before every start against sha256sum
+  (builder/bench_weights.py).
 """
 
 from __future__ import annotations
@@ -297,7 +299,10 @@ def bench_boot(demo: config.Config) -> None:
 
 def main() -> int:
     demo = config.load(ROOT / "appliance.toml", "demo")
-    benches = [bench_status, bench_preload, bench_bundle_bytes, bench_slot_write, bench_rebuild, bench_boot]
+    from builder.bench_weights import bench_weights_check, bench_weights_fetch  # issue 14
+
+    benches = [bench_status, bench_preload, bench_bundle_bytes, bench_slot_write, bench_rebuild, bench_boot,
+               bench_weights_fetch, bench_weights_check]
     only = os.environ.get("BENCH_ONLY")  # e.g. BENCH_ONLY=bench_boot make bench
     for bench in benches:
         if only and bench.__name__ not in only.split(","):
