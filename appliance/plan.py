@@ -104,6 +104,17 @@ class Network:
     bond: str = field(default="", metadata=_when(lambda v: v in ("", *BOND_MODES), '"" or a bonding mode: ' + ", ".join(BOND_MODES)))
     vlan: int = field(default=0, metadata=_when(lambda v: 0 <= v <= 4094, "0 (no VLAN) or a VLAN id from 1 to 4094"))
 
+    def summary(self) -> str:
+        """One line: the links, the addressing."""
+        link = f"bond0 ({self.bond}: {', '.join(self.interfaces)})" if self.bond else self.interfaces[0]
+        if self.vlan:
+            link += f", VLAN {self.vlan}"
+        if self.mtu:
+            link += f", MTU {self.mtu}"
+        addressing = [*self.addresses, *(["DHCP"] if self.dhcp else [])]
+        via = f" via {', '.join(self.gateways)}" if self.gateways else ""
+        return f"{link}: {', '.join(addressing)}{via}"
+
 
 @dataclass(frozen=True)
 class Ssh:
@@ -167,7 +178,7 @@ class Plan:
         proxy = self.proxy or Proxy()
         return {
             "hostname": self.hostname or config.os.hostname,
-            "network": schema.plain(self.network) if self.network else "dhcp (image default)",
+            "network": self.network.summary() if self.network else "DHCP on every Ethernet link (image default)",
             "ssh_authorized_keys": list(self.ssh.authorized_keys if self.ssh else config.os.ssh_authorized_keys),
             "proxy_hostname": proxy.hostname or config.proxy.hostname,
             "proxy_allowed_cidrs": list(proxy.allowed_cidrs if proxy.allowed_cidrs is not None else config.proxy.allowed_cidrs),

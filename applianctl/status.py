@@ -22,6 +22,7 @@ from applianctl import gpu, probes, systemd
 from applianctl import probes_disk as disk
 from applianctl import probes_engine as engine
 from applianctl import probes_files as files
+from applianctl import probes_host as host
 from applianctl import probes_os as os_slots
 from applianctl import probes_proxy as proxy
 from applianctl import probes_shm as shm
@@ -35,7 +36,7 @@ EXIT_STATUS = {OK: 0, NOT_CONFIGURED: 0, DEGRADED: 1, DOWN: 2}
 # The parts, in the order they are shown.
 PARTS = (
     "os", "slots", "units", "engine", "proxy", "startup", "verify", "preflight", "shm-check", "gpu", "shm", "disk", "tls",
-    "weights",
+    "weights", "host",
 )
 
 
@@ -56,6 +57,7 @@ def probe_table(config: Config, src: Sources) -> dict[str, Callable[[], Part]]:
         "disk": lambda: disk.probe_disk(config, paths.STATE_DIR),
         "tls": lambda: tls.probe_tls(config, paths.TLS_DIR),
         "weights": lambda: weights.probe_weights(config),
+        "host": lambda: host.probe_host(config, src, paths.RUN_DIR / "host.json"),
     }
     assert tuple(table) == PARTS
     return table
@@ -176,6 +178,8 @@ def summary(name: str, part: Mapping[str, Any]) -> str:
     if name == "weights" and d.get("files") is not None:
         verified = ", verified" if d.get("verified") else ""
         return f"revision {d['revision'][:12]}, {d['files']} files, {d['bytes'] / 1024**3:.1f} GiB{verified}"
+    if name == "host":
+        return f"{d['hostname']} {', '.join(d['addresses'] or [])} (settings from the {d['source'] or 'image defaults'})"
     return ""
 
 

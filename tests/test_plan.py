@@ -263,3 +263,36 @@ def test_real_networkd_reads_the_rendered_files_without_a_complaint(tmp_path: Pa
 def test_the_networkd_check_can_fail(tmp_path: Path) -> None:
     complaints, _ = _networkd_complaints({"05-bad.network": "[Match]\nName=x\n[Network]\nAdress=192.0.2.1/24\nVLAN=\n"}, tmp_path)
     assert any("Unknown key" in c for c in complaints), complaints
+
+
+# ------------------------------------------------------------------------------ status
+
+
+def test_status_part_host_follows_what_apply_wrote(tmp_path: Path, release_keys: tuple[Path, Path]) -> None:
+    from applianctl import probes, probes_host
+
+    def ip(argv: object, timeout: float) -> tuple[int, str]:
+        return 0, json.dumps([{"ifname": "vlan120", "addr_info": [{"local": "192.0.2.10", "prefixlen": 24}]}])
+
+    src = probes.Sources(run=ip)
+    config, result = _config(), tmp_path / "host.json"
+    absent = probes_host.probe_host(config, src, result)
+    assert absent.state == probes.NOT_CONFIGURED and absent.details["settings"]["hostname"] == config.os.hostname
+
+    private, trusted = release_keys
+    host_dir = tmp_path / "host"
+    host_dir.mkdir()
+    data, sig = plan_model.sign(_plan(tmp_path, BOND_VLAN), private)
+    (host_dir / plan_model.PLAN_JSON).write_bytes(data)
+    (host_dir / plan_model.PLAN_SIG).write_bytes(sig)
+    host.apply(config, host_dir, tmp_path / "net", result, trusted, set_hostname=False)
+    ok = probes_host.probe_host(config, src, result)
+    assert ok.state == probes.OK and ok.details["source"] == "plan" and ok.details["addresses"] == ["192.0.2.10/24"]
+    assert ok.details["settings"]["network"] == (
+        "bond0 (802.3ad: ens1f0, 52:54:00:12:34:57), VLAN 120, MTU 9000: 192.0.2.10/24, 2001:db8::10/64 via 192.0.2.1, 2001:db8::1")
+
+    (host_dir / plan_model.PLAN_JSON).write_bytes(data.replace(b"gpu-07", b"gpu-08"))  # changed after signing
+    host.apply(config, host_dir, tmp_path / "net", result, trusted, set_hostname=False)
+    refused = probes_host.probe_host(config, src, result)
+    assert refused.state == probes.DEGRADED and "not signed by a key this release trusts" in refused.reason
+    assert refused.details["settings"]["hostname"] == config.os.hostname  # the image's defaults apply
