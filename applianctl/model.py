@@ -53,8 +53,9 @@ def cmd_verify(args: argparse.Namespace, verity: Verity | None = None) -> int:
         result = {"ok": True, "reason": "", "checked": False}
         message = "model verify: this image pins no weights; nothing to check"
     else:
-        result = model_verify.check(store, verity or Kernel())
+        result = model_verify.check(store, verity or Kernel(), deep=args.deep)
         message = f"model verify: {result['files']} files, {result['bytes']} bytes, every fs-verity digest as signed"
+        message += ", every byte read back" if args.deep else ""
     write_json_atomic(model_store.verify_result(), result)
     if args.json:
         print(json.dumps(result, sort_keys=True))
@@ -81,6 +82,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     f.add_argument("--json", action="store_true", help="print the summary as JSON")
     v = verbs.add_parser("verify", help="check every weight file's fs-verity digest against the signed manifest")
     v.add_argument("--json", action="store_true", help="print the result as JSON")
+    v.add_argument("--deep", action="store_true",
+                   help="also read every byte through fs-verity (minutes; finds blocks changed on the disk behind the file system)")
     v.set_defaults(func=cmd_verify)
     for verb in (f, v):  # as applianctl's global options: before or after the verb
         verb.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")

@@ -389,8 +389,8 @@ def needed_bytes(store: Store, todo: list[wm.WeightFile]) -> int:
 
 def fetch(store: Store, source: Source, verity: Verity, workers: int = WORKERS, out: Any = None) -> dict[str, Any]:
     """Fetch every file of STORE's manifest that is not in place; returns a summary."""
-    recorded = store.recorded()
-    todo = [e for e in store.manifest.files if not _sealed(store, e, verity, recorded)]
+    recorded, corrupt = store.recorded(), store.corrupt()
+    todo = [e for e in store.manifest.files if e.path in corrupt or not _sealed(store, e, verity, recorded)]
     for entry in todo:  # a file in the snapshot that is not exactly right is fetched again
         target = store.target(entry.path)
         if target.exists() or target.is_symlink():
@@ -416,6 +416,8 @@ def fetch(store: Store, source: Source, verity: Verity, workers: int = WORKERS, 
             try:
                 n = FileFetch(entry, store, source, verity, advance, stop).run()
                 _check_or_record(store, entry, verity.measure(store.target(entry.path)), recorded, lock)
+                with lock:
+                    store.clear_corrupt(entry.path)
             except BaseException:
                 stop.set()
                 raise

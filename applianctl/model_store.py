@@ -26,6 +26,7 @@ from appliance.hashing import SHA256
 from appliance.manifest import ManifestError
 
 RECORDED = "weights-verity.json"
+CORRUPT = "weights-corrupt.json"  # files whose bytes the kernel refused on a read (model verify --deep)
 HOST_SOURCE = "model-source"  # one line: the per-host default SOURCE for `applianctl model fetch`
 FETCH_STATE = "weights-fetch.json"  # the last fetch: source, time (per-host state)
 
@@ -71,6 +72,27 @@ class Store:
             self.host_dir / RECORDED,
             {"model": self.manifest.model, "revision": self.manifest.revision, "files": dict(sorted(digests.items()))},
         )
+
+    def corrupt(self) -> dict[str, dict[str, Any]]:
+        """Files a read through fs-verity refused: {path: {"inode": N, "reason": TEXT}}. They stay
+        refused by the check before every start until fetched again (a new file, a new inode)."""
+        try:
+            data: Any = json.loads((self.host_dir / CORRUPT).read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError):
+            return {"?": {"inode": -1, "reason": f"{self.host_dir / CORRUPT} is unreadable"}}
+        files = data.get("files") if isinstance(data, dict) and data.get("revision") == self.manifest.revision else None
+        return {k: v for k, v in (files or {}).items() if isinstance(v, dict)}
+
+    def mark_corrupt(self, path: str, inode: int, reason: str) -> None:
+        files = {**self.corrupt(), path: {"inode": inode, "reason": reason}}
+        write_json_atomic(self.host_dir / CORRUPT, {"revision": self.manifest.revision, "files": files})
+
+    def clear_corrupt(self, path: str) -> None:
+        files = self.corrupt()
+        if files.pop(path, None) is not None:
+            write_json_atomic(self.host_dir / CORRUPT, {"revision": self.manifest.revision, "files": files})
 
     def default_source(self, config: Config) -> str:
         """The per-host setting if there is one, else the configuration's model.source."""

@@ -7,6 +7,13 @@ sealed file's digest costs the same for 1 KiB and 10 GiB, so the check takes mil
 re-hashing 156 GiB would take minutes; the kernel then checks every byte the engine reads against
 that digest's Merkle tree. No other file may be in the snapshot (the engine runs code from it with
 --trust-remote-code). The first fault is one line naming the file; the engine stays stopped.
+
+What the digest cannot show is a block changed on the disk behind the file system's back (a
+failing disk, an offline edit): the digest is of the signed contents, and the kernel refuses the
+changed block only when it is read (EIO; the engine reads every weight when it loads). `--deep`
+reads every byte through fs-verity, like a RAID scrub, and records a refused file in per-host
+state; from then on the check before every start refuses it too (naming it, in constant time)
+until `applianctl model fetch` replaces it.
 """
 
 from __future__ import annotations
@@ -14,14 +21,18 @@ from __future__ import annotations
 import hmac
 import os
 import stat
+from pathlib import Path
 from typing import Any
 
 from appliance import weights as wm
 from applianctl.model_store import Store
 from applianctl.model_verity import Verity
 
+READ_BYTES = 4 << 20
 
-def _fault(entry: wm.WeightFile, store: Store, verity: Verity, recorded: dict[str, str]) -> str | None:
+
+def _fault(entry: wm.WeightFile, store: Store, verity: Verity, recorded: dict[str, str],
+           corrupt: dict[str, dict[str, Any]]) -> str | None:
     target = store.target(entry.path)
     try:
         st = os.lstat(target)
@@ -29,6 +40,8 @@ def _fault(entry: wm.WeightFile, store: Store, verity: Verity, recorded: dict[st
         return f"{entry.path} is missing"
     if not stat.S_ISREG(st.st_mode):
         return f"{entry.path} is not a regular file"
+    if entry.path in corrupt and corrupt[entry.path].get("inode") == st.st_ino:
+        return f"{entry.path}: {corrupt[entry.path].get('reason', 'a block was refused on read')}"
     if st.st_size != entry.size:
         return f"{entry.path} has {st.st_size} bytes, the signed manifest {entry.size}"
     measured = verity.measure(target)
@@ -54,13 +67,29 @@ def _extra(store: Store) -> str | None:
     return None
 
 
-def check(store: Store, verity: Verity) -> dict[str, Any]:
+def read_all(path: Path) -> None:
+    """Read every byte of PATH (through fs-verity: each block checked against the Merkle tree)."""
+    with open(path, "rb", buffering=0) as f:
+        while f.read(READ_BYTES):
+            pass
+
+
+def check(store: Store, verity: Verity, deep: bool = False) -> dict[str, Any]:
     """The result of the check: ok, the reason (one line), and what was checked."""
     manifest = store.manifest
-    result: dict[str, Any] = {"revision": manifest.revision, "files": len(manifest.files), "bytes": manifest.total_bytes}
-    recorded = store.recorded()
+    result: dict[str, Any] = {"revision": manifest.revision, "files": len(manifest.files), "bytes": manifest.total_bytes,
+                              "deep": deep}
+    recorded, corrupt = store.recorded(), store.corrupt()
     for entry in manifest.files:
-        fault = _fault(entry, store, verity, recorded)
+        fault = _fault(entry, store, verity, recorded, corrupt)
+        if fault is None and deep:
+            target = store.target(entry.path)
+            try:
+                read_all(target)
+            except OSError as e:
+                fault = f"a block was refused on read ({e.strerror}): the file changed on the disk"
+                store.mark_corrupt(entry.path, os.stat(target).st_ino, fault)
+                fault = f"{entry.path}: {fault}"
         if fault is not None:
             return {"ok": False, "reason": f"model weights: {fault}", "file": entry.path, **result}
     extra = _extra(store)

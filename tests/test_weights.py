@@ -8,6 +8,7 @@ by inode and measures by computing the digest in user space (so a byte changed a
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import http.server
 import ipaddress
@@ -394,7 +395,8 @@ def test_verify_names_a_missing_changed_unsealed_or_extra_file(tmp_path: Path) -
     src, manifest = _snapshot(tmp_path, SIZES)
     store, verity = _store(tmp_path, manifest), FakeVerity()
     model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)
-    assert model_verify.check(store, verity) == {"ok": True, "reason": "", "revision": REV, "files": 3, "bytes": manifest.total_bytes}
+    expected = {"ok": True, "reason": "", "revision": REV, "files": 3, "bytes": manifest.total_bytes, "deep": False}
+    assert model_verify.check(store, verity) == expected
     target = store.snapshot / "a.safetensors"
     data = bytearray(target.read_bytes())
     data[5] ^= 1
@@ -410,6 +412,30 @@ def test_verify_names_a_missing_changed_unsealed_or_extra_file(tmp_path: Path) -
     verity.enable(target)
     (store.snapshot / "evil.py").write_text("import os\n")
     assert model_verify.check(store, verity)["reason"] == "model weights: evil.py is in the snapshot but not in the signed manifest"
+
+
+def test_a_block_refused_on_read_is_named_and_refused_until_fetched_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, manifest = _snapshot(tmp_path, SIZES)
+    store, verity = _store(tmp_path, manifest), FakeVerity()
+    model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)
+    read_all = model_verify.read_all
+
+    def eio_for_a(path: Path) -> None:  # what fs-verity does with a block changed on the disk
+        if path.name == "a.safetensors":
+            raise OSError(errno.EIO, "Input/output error")
+        read_all(path)
+
+    monkeypatch.setattr(model_verify, "read_all", eio_for_a)
+    assert model_verify.check(store, verity)["ok"]  # the digest is of the signed contents: constant time cannot see it
+    result = model_verify.check(store, verity, deep=True)
+    assert result["reason"] == ("model weights: a.safetensors: a block was refused on read (Input/output error): "
+                                "the file changed on the disk")
+    again = model_verify.check(store, verity)  # from now on before every start too
+    assert (again["ok"], again["file"]) == (False, "a.safetensors")
+    monkeypatch.setattr(model_verify, "read_all", read_all)
+    summary = model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)
+    assert summary["fetched_files"] == 1 and store.corrupt() == {}
+    assert model_verify.check(store, verity, deep=True)["ok"]
 
 
 def test_load_manifest_requires_the_release_pin(tmp_path: Path) -> None:
