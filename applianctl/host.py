@@ -167,13 +167,39 @@ def addresses() -> list[str]:
     return [f"{a['local']}/{a['prefixlen']}" for link in data for a in link.get("addr_info", []) if "local" in a]
 
 
+def privileged(result: Path = RESULT, runner: Any = call) -> list[str]:
+    """The steps that need privileges, from what `apply` (sandboxed, unprivileged) decided: the host
+    name, and SSH when the plan brings keys (the image's firewall and preset open it only for the
+    image's own keys). Returns what was done."""
+    try:
+        doc = json.loads(result.read_text())
+    except (OSError, ValueError):
+        return []
+    if doc.get("source") != "plan" or not doc.get("ok"):
+        return []
+    done = []
+    settings = doc.get("settings", {})
+    if settings.get("hostname"):
+        socket.sethostname(settings["hostname"])
+        done.append(f"host name {settings['hostname']}")
+    if settings.get("ssh_authorized_keys"):
+        runner(["nft", "add", "rule", "inet", "appliance", "input", "tcp", "dport", "22", "accept"])
+        runner(["systemctl", "--no-block", "start", "ssh.service"])
+        done.append("SSH opened for the plan's keys")
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m applianctl.host", description="render the install plan's per-host settings")
-    parser.add_argument("action", choices=["apply", "show"])
+    parser.add_argument("action", choices=["apply", "privileged", "show"],
+                        help="apply: render the plan (unprivileged); privileged: host name and SSH; show: what was applied")
     args = parser.parse_args(argv)
+    if args.action == "privileged":
+        print("; ".join(privileged()) or "nothing to do")
+        return 0
     config = load_device()
     if args.action == "apply":
-        doc = apply(config)
+        doc = apply(config, set_hostname=False)
         print(doc["reason"] or f"host settings from the {doc['source']}")
         # A refused plan leaves the image's defaults: the boot goes on, status reports it.
         return 0

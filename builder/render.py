@@ -148,8 +148,8 @@ def install_os_settings(config: Config, tree: Path) -> None:
     _write(tree / LIB / "ssh/authorized_keys", keys)
     _write(
         tree / "etc/ssh/sshd_config.d/50-appliance.conf",
-        "# Keys from appliance.toml only; no passwords, ever.\n"
-        f"AuthorizedKeysFile /{LIB}/ssh/authorized_keys\n"
+        "# Keys from appliance.toml and from the host's signed install plan (appliance-host.service); no passwords, ever.\n"
+        f"AuthorizedKeysFile /{LIB}/ssh/authorized_keys /var/lib/appliance/host/authorized_keys\n"
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n",
     )
     # No boot menu editor: without Secure Boot it would let anyone at the console change the
