@@ -62,7 +62,7 @@ def _status() -> tuple[dict[str, Any], str]:
 
 # The units the engine Requires=: when one of them failed, the engine will not start.
 ENGINE_REQUIREMENTS = ("appliance-verify.service", "appliance-preflight.service", "appliance-shm-clean.service",
-                       "appliance-engine-store.service")
+                       "appliance-engine-store.service", "appliance-model-verify.service")
 
 
 def wait_for_engine(deadline_s: float) -> bool:
