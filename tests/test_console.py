@@ -1,0 +1,33 @@
+"""The first console's text: name, addresses, CA fingerprint and the status, escaped for agetty."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance import config as config_model
+from applianctl import console, probes, status
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_console_text(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    config = config_model.load(REPO / "appliance.toml", "demo")
+    doc: dict[str, Any] = {"schema": 1, "state": "degraded", "reason": "engine: a\\b", "appliance": config.appliance.name,
+                           "version": config.appliance.version, "profile": "demo", "generated_at": "2026-11-30T14:00:00Z",
+                           "elapsed_s": 0.1, "parts": {"engine": {"state": "degraded", "reason": "a\\b"}}}
+    monkeypatch.setattr(status, "collect", lambda config, src: doc)
+    monkeypatch.setenv("APPLIANCE_STATE_DIR", str(tmp_path))
+
+    def ip(argv: object, timeout: float) -> tuple[int, str]:
+        return 0, json.dumps([{"addr_info": [{"local": "192.0.2.10", "prefixlen": 24}]}])
+
+    text = console.text(config, probes.Sources(run=ip))
+    assert f"{config.appliance.name} {config.appliance.version}" in text
+    assert "addresses:  192.0.2.10/24" in text
+    assert "CA SHA-256: (" in text  # no CA in this tree yet: the reason is shown instead
+    assert "a\\\\b" in text and "a\\b " not in text.replace("a\\\\b", "")  # agetty escapes doubled
+    assert "engine" in text
