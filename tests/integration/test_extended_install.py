@@ -1,0 +1,161 @@
+"""Extended QEMU scenario (make test-extended): flashing a bare-metal host from a blank disk.
+
+NOT RUN YET: written without QEMU time (the lead kept QEMU for H5/H6 in this session); the first
+run will tell what it misses. What it does:
+
+    boot 1  the installer (installer_VERSION.raw as a USB stick) on a machine with a blank target
+            NVMe (serial TARGET-0001) beside decoys: another NVMe, a disk holding an ext4 file
+            system, a disk too small; first an ambiguous plan (any QEMU NVMe) must stop with the
+            candidates and write nothing, then the medium's plan installs onto TARGET-0001 and the
+            installer reboots (QEMU exits: -no-reboot)
+    host    the decoys hashed before and after: unchanged; the target holds the release's layout
+    boot 2  without the medium, from the target through the firmware boot entry the installer
+            made (same OVMF variable store): the demo's boot check reports; status part `host`
+            shows the plan applied, its static address and its SSH key
+
+The installer kernel image comes from `make installer-uki` (installer/mkosi/); without one the
+test is skipped and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance import config
+from builder import build, installer_media, keys, qemu, release
+from builder import plan as builder_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+INSTALLER_UKI = ROOT / "out" / "installer" / "appliance-installer.efi"
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
+
+GIB = 1 << 30
+MAC = "52:54:00:12:34:56"  # QEMU's first NIC
+# name, GiB, QEMU device, content
+DISKS = [
+    ("target", 16, "nvme,serial=TARGET-0001", "blank"),
+    ("decoy-nvme", 16, "nvme,serial=DECOY-0002", "blank"),
+    ("decoy-data", 16, "virtio-blk-pci,serial=DATA-0003", "ext4"),
+    ("decoy-small", 2, "virtio-blk-pci,serial=SMALL-0004", "blank"),
+]
+AMBIGUOUS_UNIT = """[Unit]
+Description=Install with an ambiguous plan first: it must write nothing
+Before=appliance-installer.service
+[Service]
+Type=oneshot
+ExecStart=/bin/sh -c 'mkdir -p /run/ambiguous && cp $CREDENTIALS_DIRECTORY/plan.json $CREDENTIALS_DIRECTORY/plan.json.sig /run/ambiguous/; \
+python3 -m installer --json --no-reboot --plan /run/ambiguous > /dev/ttyS1 2>&1; echo "AMBIGUOUS-EXIT $?" > /dev/ttyS1'
+LoadCredential=plan.json:ambiguous.plan.json
+LoadCredential=plan.json.sig:ambiguous.plan.json.sig
+"""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _sign(tmp: Path, name: str, text: str, key: Path) -> Path:
+    toml = tmp / f"{name}.toml"
+    toml.write_text(text)
+    builder_plan.write(toml, key, tmp / name)
+    return tmp / name
+
+
+@pytest.fixture(scope="module")
+def install_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if not INSTALLER_UKI.exists():
+        pytest.skip(f"no installer kernel image at {INSTALLER_UKI} (make installer-uki)")
+    work = tmp_path_factory.mktemp("install")
+    demo = config.load(ROOT / "appliance.toml", "demo")
+    result = build.build(demo)
+    key = build.signing_key_for(demo, None)
+    bundle = work / "bundle"
+    release.make_bundle(demo, result.disk_image.parent, bundle, key, None, None)
+    _, ssh_pub = keys.generate(work / "ssh")  # an Ed25519 key; its OpenSSH form below
+    from cryptography.hazmat.primitives import serialization
+
+    pub = serialization.load_pem_public_key(ssh_pub.read_bytes())
+    ssh_line = pub.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode() + " journey@test"
+    real = _sign(work, "real", f"""hostname = "gpu-07"
+[network]
+interfaces = ["{MAC}"]
+addresses = ["10.0.2.15/24"]
+gateways = ["10.0.2.2"]
+dns = ["10.0.2.3"]
+[ssh]
+authorized_keys = ["{ssh_line}"]
+[target]
+serial = "TARGET-0001"
+""", key)
+    ambiguous = _sign(work, "ambiguous", '[target]\nmodel = "QEMU NVMe Ctrl"\n', key)
+    media = installer_media.make(result.disk_image.parent, demo.appliance.version, INSTALLER_UKI, real, work / "media", ["usb"], bundle)
+
+    disks = {}
+    for name, gib, _, content in DISKS:
+        path = work / f"{name}.raw"
+        subprocess.run(["truncate", "-s", f"{gib}G", str(path)], check=True)
+        if content == "ext4":
+            subprocess.run(["mkfs.ext4", "-q", "-L", "data", str(path)], check=True)
+        disks[name] = path
+    before = {name: _sha256(p) for name, p in disks.items() if name != "target"}
+
+    vars_fd = work / "OVMF_VARS.fd"
+    shutil.copyfile(qemu.OVMF_VARS, vars_fd)
+    base = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-smp", "2", "-m", "4096", "-no-reboot",
+            "-drive", f"if=pflash,format=raw,readonly=on,file={qemu.OVMF_CODE}", "-drive", f"if=pflash,format=raw,file={vars_fd}",
+            "-nic", "user,model=virtio-net-pci", "-display", "none", "-monitor", "none", "-device", "qemu-xhci,id=xhci"]
+    for i, (name, _, device, _) in enumerate(DISKS):
+        kind, _, opts = device.partition(",")
+        base += ["-drive", f"if=none,id=d{i},format=raw,file={disks[name]}", "-device", f"{kind},drive=d{i},{opts}"]
+    creds = {"systemd.extra-unit.appliance-ambiguous.service": AMBIGUOUS_UNIT,
+             "systemd.unit-dropin.appliance-installer.service":
+                 "[Unit]\nAfter=appliance-ambiguous.service\nWants=appliance-ambiguous.service\n",
+             "ambiguous.plan.json": (ambiguous / "plan.json").read_text(),
+             "ambiguous.plan.json.sig": (ambiguous / "plan.json.sig").read_text()}
+    cmd1 = [*base, "-drive", f"if=none,id=medium,format=raw,readonly=on,file={media['usb']}",
+            "-device", "usb-storage,drive=medium,serial=MEDIUM-0005,bus=xhci.0",
+            *[a for n, v in creds.items() for a in ("-smbios", f"type=11,value=io.systemd.credential:{n}={v}")],
+            "-serial", f"file:{work}/install-console.log", "-serial", f"file:{work}/install-report.log"]
+    proc = subprocess.run(cmd1, stdin=subprocess.DEVNULL, capture_output=True, timeout=3600, check=False)
+    after = {name: _sha256(p) for name, p in disks.items() if name != "target"}
+    table = json.loads(subprocess.run(["sfdisk", "-J", str(disks["target"])], capture_output=True, text=True, check=True).stdout)
+
+    guest = qemu.Guest(disks["target"], work / "boot2")
+    shutil.copyfile(vars_fd, guest.vars)  # the boot entry the installer made
+    report = guest.boot(timeout=1800)
+    return {"exit": proc.returncode, "before": before, "after": after, "table": table, "report": report,
+            "install_log": (work / "install-report.log").read_text(errors="replace"),
+            "console": (work / "install-console.log").read_text(errors="replace"), "ssh_line": ssh_line}
+
+
+def test_an_ambiguous_plan_writes_nothing(install_run: dict[str, Any]) -> None:
+    log = install_run["install_log"]
+    assert "AMBIGUOUS-EXIT 2" in log, log[-3000:]
+    assert '"chosen": null' in log
+
+
+def test_only_the_target_changed(install_run: dict[str, Any]) -> None:
+    assert install_run["before"] == install_run["after"]
+    names = [p.get("name") for p in install_run["table"]["partitiontable"]["partitions"]]
+    assert "appliance-var" in names and any(n and n.startswith("appliance_") for n in names), names
+
+
+def test_the_installed_appliance_boots_with_the_plans_address_and_key(install_run: dict[str, Any]) -> None:
+    report = install_run["report"]
+    host = report["status"]["parts"]["host"]
+    assert host["source"] == "plan", host
+    assert "10.0.2.15/24" in (host["addresses"] or [])
+    assert host["settings"]["ssh_authorized_keys"] == [install_run["ssh_line"]]
+    assert host["settings"]["hostname"] == "gpu-07"
+    assert report["failed_units"] == []
