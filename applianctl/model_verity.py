@@ -29,8 +29,8 @@ HASH_ALG_SHA256 = 1
 BLOCK_SIZE = 4096
 MAX_DIGEST = 64
 
-NO_VERITY_HINT = ("turn on the ext4 verity feature of /var: it is set when /var is made (systemd-repart's mkfs options); "
-                  "on an older /var run tune2fs -O verity on its partition while it is not mounted")
+NO_VERITY_HINT = ("/var needs the ext4 verity feature: appliance-var-verity.service sets it before /var is mounted; "
+                  "reboot once (see systemctl status appliance-var-verity.service)")
 
 
 class Verity(Protocol):
