@@ -1,0 +1,242 @@
+"""Extended QEMU scenario (make test-extended): the demo's weights fetched, resumed after a power
+cut, refused when a mirror flips a byte, and refused at rest after a byte is flipped on the disk.
+
+One demo image that pins the demo weights (weights/demo.json: about 128 MiB in 5 files, generated
+by builder.weights.demo_files), plus a test-only unit in an extra tree that runs
+tests/integration/weights_guest.py before the boot check (one stage per boot). The host serves the
+weights over HTTPS (Python's ssl, the appliance CA tooling) and logs every range it serves; each
+connection is throttled so that the power cut lands in the middle of the fetch under TCG.
+
+    boot 1  engine not started (weights absent, the start check names a file); fetch; power cut
+    boot 2  fetch resumes: each file in flight is asked for again at its journal's length, at
+            most one 8 MiB chunk (model_fetch.CHUNK_BYTES) before what the server had sent;
+            a mirror that flips a byte is refused naming the file; engine starts, status ok;
+            the guest reports one file's first extent
+    host    flips one byte of that file in the disk image (offline)
+    boot 3  the start check's digest still matches (it is of the signed contents), a plain read
+            gets EIO, `model verify --deep` names the file; restarted, the engine stays stopped
+            and status names the file
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import ipaddress
+import shutil
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from journey import reports_of
+
+from appliance import config
+from applianctl import tls
+from builder import build, qemu, weights
+
+ROOT = Path(__file__).resolve().parents[2]
+CHUNK_BYTES = 8 << 20  # applianctl.model_fetch.CHUNK_BYTES (the guest's; asserted below)
+IN_FLIGHT_SLACK = 4 << 20  # bytes the server sent that never reached the guest's disk (socket buffers, QEMU's network)
+RATE = 2 << 20  # bytes per second per connection: the fetch takes ~25 s, the cut lands inside it
+CUT_AFTER_S = 8.0
+FLIPPED_MIRROR = "model-00002-of-00003.safetensors"
+
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
+
+UNIT = """# test-only (tests/integration/test_extended_weights.py): the weights scenario, before the boot check
+[Unit]
+Description=Test-only: the weights scenario
+After=network-online.target appliance-model-verify.service appliance-engine.service
+Wants=network-online.target
+Before=appliance-bootcheck.service
+
+[Service]
+Type=oneshot
+ImportCredential=appliance.*
+Environment=APPLIANCE_PROGRESS_EVERY_S=1
+ExecStart=/usr/bin/python3 /usr/lib/appliance-test/weights_guest.py
+StandardOutput=journal+console
+StandardError=journal+console
+TimeoutStartSec=1h
+"""
+
+
+class Mirror(http.server.BaseHTTPRequestHandler):
+    """BASE/PATH over the demo weights; BASE/flipped/PATH serves FLIPPED_MIRROR with one byte changed.
+    Every request is logged with its Range and the bytes actually written to the socket."""
+
+    root: Path
+    log: list[dict[str, Any]]
+    lock = threading.Lock()
+
+    def do_GET(self) -> None:
+        name = self.path.lstrip("/")
+        flipped = name.startswith("flipped/")
+        name = name.removeprefix("flipped/")
+        path = self.root / name
+        if not path.is_file() or "/" in name:
+            self.send_error(404)
+            return
+        data = bytearray(path.read_bytes())
+        if flipped and name == FLIPPED_MIRROR:
+            data[len(data) // 3] ^= 0x01
+        rng = self.headers.get("Range") or ""
+        start = int(rng.removeprefix("bytes=").split("-")[0]) if rng.startswith("bytes=") else 0
+        entry = {"path": self.path, "range": rng, "start": start, "sent": 0, "at": time.time()}
+        with self.lock:
+            self.log.append(entry)
+        self.send_response(206 if start else 200)
+        if start:
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        self.send_header("Content-Length", str(len(data) - start))
+        self.end_headers()
+        view = memoryview(bytes(data))[start:]
+        step = RATE // 10
+        try:
+            for i in range(0, len(view), step):
+                self.wfile.write(view[i : i + step])
+                entry["sent"] += len(view[i : i + step])
+                time.sleep(0.1)
+        except OSError:
+            pass  # the guest lost power
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def mirror(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, type[Mirror]]]:
+    work = tmp_path_factory.mktemp("weights-mirror")
+    weights.write_demo(work / "www")
+    tls.generate(work / "tls", "weights.appliance.test", [ipaddress.ip_address("10.0.2.2")], group="nonexistent-group")
+    handler = type("WeightsMirror", (Mirror,), {"root": work / "www", "log": []})
+    server = http.server.ThreadingHTTPServer(("0.0.0.0", 0), handler)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(work / "tls/server.crt", work / "tls/server.key")
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        # QEMU's user network shows the host's loopback to the guest as 10.0.2.2
+        yield f"https://10.0.2.2:{server.server_address[1]}/", (work / "tls/ca.crt").read_text(), handler
+    finally:
+        server.shutdown()
+
+
+def _extra_tree(root: Path) -> Path:
+    files = {
+        "usr/lib/systemd/system/appliance-test-weights.service": UNIT,
+        "usr/lib/appliance-test/weights_guest.py": (Path(__file__).parent / "weights_guest.py").read_text(),
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    wants = root / "usr/lib/systemd/system/multi-user.target.wants"
+    wants.mkdir(parents=True, exist_ok=True)
+    (wants / "appliance-test-weights.service").symlink_to("../appliance-test-weights.service")
+    return root
+
+
+def _scenario(run: dict[str, Any], stage: str) -> dict[str, Any]:
+    blocks = [r["weights_scenario"] for r in reports_of(run) if "weights_scenario" in r]
+    found = [b for b in blocks if b["stage"] == stage]
+    assert found, f"no {stage!r} report; got {[b['stage'] for b in blocks]}"
+    return found[-1]
+
+
+def _flip_on_disk(disk: Path, offset: int) -> None:
+    with open(disk, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.fixture(scope="module")
+def weights_runs(demo_config: config.Config, mirror: tuple[str, str, type[Mirror]],
+                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from applianctl import model_fetch
+
+    assert model_fetch.CHUNK_BYTES == CHUNK_BYTES
+    url, ca, handler = mirror
+    cfg = dataclasses.replace(demo_config, model=dataclasses.replace(demo_config.model, weights_manifest="weights/demo.json"))
+    tree = _extra_tree(tmp_path_factory.mktemp("weights-tree") / "tree")
+    disk = build.build(cfg, extra_mkosi_args=(f"--extra-tree={tree}",), output=tmp_path_factory.mktemp("weights") / "out").disk_image
+    guest = qemu.Guest(disk, tmp_path_factory.mktemp("weights-guest"))
+    creds = {"appliance.weights_url": url, "appliance.weights_ca": ca, "appliance.wait": "120"}
+    runs: dict[str, Any] = {}
+    runs["cut"] = guest.boot(timeout=1800, credentials=creds, cut_power=("WEIGHTS-FETCH-START", CUT_AFTER_S))
+    runs["log_cut"] = [dict(e) for e in handler.log]
+    runs["resume"] = guest.boot(timeout=2400, credentials=creds)
+    runs["log_resume"] = [dict(e) for e in handler.log[len(runs["log_cut"]):]]
+    resume = _scenario(runs["resume"], "resume")
+    extent, var = resume["extent"], resume["var"]
+    # a byte inside the file's first extent, past the first block: on the disk image, offline
+    offset_in_file = 3 * 4096 + 123
+    assert extent["logical"] == 0 and extent["length"] > offset_in_file, extent
+    runs["flipped_at"] = var["start_bytes"] + extent["physical"] + offset_in_file
+    _flip_on_disk(guest.disk, runs["flipped_at"])
+    runs["at_rest"] = guest.boot(timeout=1800, credentials=creds)
+    runs["console"] = guest.console_log.read_text(errors="replace")
+    shutil.copyfile(guest.console_log, tmp_path_factory.mktemp("weights-console") / "console.log")
+    return runs
+
+
+def test_first_boot_keeps_the_engine_stopped_and_names_a_missing_file(weights_runs: dict[str, Any]) -> None:
+    cut = _scenario(weights_runs["cut"], "cut")
+    before = cut["before"]
+    assert before["verify"]["exit"] == 1 and before["verify"]["result"]["file"] == "config.json", before
+    assert before["engine"] != "active"
+    assert before["status"]["state"] == "down" and before["status"]["file"] == "config.json", before["status"]
+    assert weights_runs["cut"]["power_cut"], "the power was not cut during the fetch"
+
+
+def test_the_fetch_resumes_refetching_at_most_one_chunk_per_file_in_flight(weights_runs: dict[str, Any]) -> None:
+    resume = _scenario(weights_runs["resume"], "resume")
+    assert resume["fetch"]["exit"] == 0, resume["fetch"]["stderr"]
+    assert resume["verify"]["result"]["ok"], resume["verify"]
+    sent: dict[str, int] = {}
+    for e in weights_runs["log_cut"]:
+        name = e["path"].rsplit("/", 1)[-1]
+        sent[name] = max(sent.get(name, 0), e["start"] + e["sent"])
+    in_flight = {name: n for name, n in sent.items() if name in resume["partials_after_cut"]}
+    assert in_flight, f"no partial file after the cut: {resume['partials_after_cut']}"
+    first_ranges = {}
+    for e in weights_runs["log_resume"]:
+        name = e["path"].rsplit("/", 1)[-1]
+        if not e["path"].startswith("/flipped/"):
+            first_ranges.setdefault(name, e["start"])
+    for name, before_cut in in_flight.items():
+        left = resume["partials_after_cut"][name]
+        assert first_ranges[name] == left["journal_length"], (name, first_ranges[name], left)
+        refetched = before_cut - first_ranges[name]
+        assert refetched <= CHUNK_BYTES + IN_FLIGHT_SLACK, (name, refetched, left)
+
+
+def test_a_byte_flipped_on_the_mirror_is_refused_naming_the_file(weights_runs: dict[str, Any]) -> None:
+    resume = _scenario(weights_runs["resume"], "resume")
+    flipped = resume["flipped_mirror"]
+    assert flipped["exit"] == 1, flipped
+    first = flipped["stderr"].strip().splitlines()
+    assert any(line.startswith(f"applianctl: {FLIPPED_MIRROR}: SHA-256 ") and "is not the signed manifest's" in line
+               for line in first), flipped["stderr"]
+    assert resume["restored"]["exit"] == 0, resume["restored"]
+    assert resume["status"]["state"] == "ok" and resume["status"]["verified"] is True, resume["status"]
+    assert weights_runs["resume"]["engine_became_healthy"], weights_runs["resume"].get("status_text")
+
+
+def test_a_byte_flipped_at_rest_is_refused_and_keeps_the_engine_stopped(weights_runs: dict[str, Any]) -> None:
+    at_rest = _scenario(weights_runs["at_rest"], "at-rest")
+    name = "model-00001-of-00003.safetensors"
+    # the digest is of the signed contents: the constant-time check cannot see a changed block...
+    assert at_rest["verify"]["result"]["ok"], at_rest["verify"]
+    # ...but the kernel refuses it on any read, and the deep check names the file
+    assert at_rest["plain_read"]["exit"] != 0 and "Input/output error" in at_rest["plain_read"]["stderr"], at_rest["plain_read"]
+    deep = at_rest["deep"]
+    assert deep["exit"] == 1 and deep["result"]["file"] == name, deep
+    assert at_rest["engine"] != "active", at_rest["engine"]
+    status = at_rest["status"]
+    assert status["state"] == "down" and status["file"] == name and name in status["reason"], status

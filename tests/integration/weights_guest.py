@@ -1,0 +1,156 @@
+"""Test-only, inside the guest (tests/integration/test_extended_weights.py puts it in an extra tree of
+a demo image that pins the demo weights): the weights scenario, one stage per boot, driven by the
+host through credentials, and reported as a JSON block on the second serial port (beside the boot
+check's report, which follows it).
+
+    boot 1  the engine did not start (weights absent); `applianctl model fetch` from the host's
+            HTTPS server; the host cuts the power in the middle
+    boot 2  what the cut left in .partial (each journal's length and the file's size), the fetch
+            again (it resumes), verify; a mirror that flips a byte is refused naming the file,
+            and the good one puts it back; the engine is started; the extents of one file are
+            reported so the host can flip a byte of it on the disk image offline
+    boot 3  the constant-time check still passes (the digest is of the signed contents), a plain
+            read gets EIO, `model verify --deep` names the file and records it; the engine
+            restarted is refused by the start check and stays stopped
+
+Runs as root before the boot check (appliance-test-weights.service, After= the engine's start).
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+STATE = Path("/var/lib/appliance-test/weights-stage")
+BEGIN, END = "APPLIANCE-REPORT-BEGIN", "APPLIANCE-REPORT-END"
+FLIP_FILE = "model-00001-of-00003.safetensors"
+FS_IOC_FIEMAP = 0xC020660B
+
+
+def credential(name: str) -> str:
+    return (Path(os.environ["CREDENTIALS_DIRECTORY"]) / name).read_text().strip()
+
+
+def run(*argv: str, timeout: float = 1800) -> dict[str, Any]:
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"argv": list(argv), "exit": None, "stdout": "", "stderr": f"{type(e).__name__}: {e}"}
+    sys.stdout.write(proc.stderr[-3000:])  # progress lines and errors on the console, for the host
+    sys.stdout.flush()
+    return {"argv": list(argv), "exit": proc.returncode, "stdout": proc.stdout[-4000:], "stderr": proc.stderr[-4000:]}
+
+
+def verify(*extra: str) -> dict[str, Any]:
+    out = run("/usr/bin/applianctl", "model", "verify", "--json", *extra)
+    try:
+        out["result"] = json.loads(out["stdout"].strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        out["result"] = None
+    return out
+
+
+def weights_status() -> Any:
+    out = run("/usr/bin/applianctl", "status", "--json", "--timeout-scale", "20", timeout=120)
+    try:
+        return json.loads(out["stdout"])["parts"].get("weights")
+    except (ValueError, KeyError):
+        return out
+
+
+def snapshot() -> Path:
+    config = json.loads(Path("/usr/lib/appliance/appliance.json").read_text())
+    return Path(config["model"]["weights_dir"])
+
+
+def partials() -> dict[str, Any]:
+    """What a cut left: each partial file's size and its journal's verified length."""
+    config = json.loads(Path("/usr/lib/appliance/appliance.json").read_text())
+    root = Path(config["model"]["cache_dir"]) / ".partial"
+    out: dict[str, Any] = {}
+    for part in sorted(root.rglob("*.part")):
+        journal = part.with_name(part.name + ".journal")
+        length = json.loads(journal.read_text())["length"] if journal.exists() else None
+        out[part.name.removesuffix(".part")] = {"size": part.stat().st_size, "journal_length": length}
+    return out
+
+
+def fiemap_first_extent(path: Path) -> dict[str, int]:
+    """The file's first extent (FIEMAP): logical and physical byte offsets and length."""
+    header = struct.pack("=QQLLLL", 0, 2**64 - 1, 1, 0, 1, 0)  # start, length, FIEMAP_FLAG_SYNC, mapped, count=1, reserved
+    buf = array.array("B", header + b"\0" * 56)
+    with open(path, "rb") as f:
+        fcntl.ioctl(f.fileno(), FS_IOC_FIEMAP, buf, True)
+    logical, physical, length = struct.unpack_from("=QQQ", buf, 32)
+    return {"logical": logical, "physical": physical, "length": length}
+
+
+def var_partition_start() -> dict[str, Any]:
+    source = subprocess.run(["findmnt", "-no", "SOURCE", "/var"], capture_output=True, text=True, check=False).stdout.strip()
+    name = Path(os.path.realpath(source)).name
+    start = int(Path(f"/sys/class/block/{name}/start").read_text()) * 512
+    return {"device": source, "start_bytes": start}
+
+
+def report(stage: str, data: dict[str, Any]) -> None:
+    block = json.dumps({"weights_scenario": {"stage": stage, **data}})
+    with open("/dev/ttyS1", "w") as port:
+        port.write(f"{BEGIN}\n{block}\n{END}\n")
+
+
+def main() -> int:
+    STATE.parent.mkdir(parents=True, exist_ok=True)
+    stage = STATE.read_text().strip() if STATE.exists() else "fresh"
+    url, ca = credential("appliance.weights_url"), Path("/run/appliance-test-ca.pem")
+    ca.write_text(credential("appliance.weights_ca") + "\n")
+    fetch = ("/usr/bin/applianctl", "model", "fetch", url, "--ca", str(ca), "--layout", "plain")
+    if stage == "fresh":
+        before = {"verify": verify(), "status": weights_status(),
+                  "engine": run("systemctl", "is-active", "appliance-engine.service")["stdout"].strip()}
+        STATE.write_text("fetching\n")
+        os.sync()
+        report("cut", {"before": before})
+        print("WEIGHTS-FETCH-START", flush=True)  # the host cuts the power a few seconds after this line
+        report("cut", {"before": before, "fetch": run(*fetch)})  # only if the host did not cut in time
+        return 0
+    if stage == "fetching":
+        left = partials()
+        resumed = run(*fetch)
+        after = verify()
+        flipped = run("rm", "-f", str(snapshot() / "model-00002-of-00003.safetensors"))
+        flipped = run(*fetch[:3], url.rstrip("/") + "/flipped/", *fetch[4:])
+        restored = run(*fetch)
+        started = run("systemctl", "start", "appliance-engine.service", timeout=900)
+        target = snapshot() / FLIP_FILE
+        STATE.write_text("flipped\n")
+        os.sync()
+        report("resume", {"partials_after_cut": left, "fetch": resumed, "verify": after, "flipped_mirror": flipped,
+                          "restored": restored, "engine_start": started, "status": weights_status(),
+                          "extent": fiemap_first_extent(target), "var": var_partition_start(),
+                          "filefrag": run("filefrag", "-v", str(target))["stdout"]})
+        return 0
+    if stage == "flipped":
+        target = snapshot() / FLIP_FILE
+        quick = verify()
+        plain_read = run("sh", "-c", f"cat {target} > /dev/null")
+        deep = verify("--deep")
+        restart = run("systemctl", "restart", "appliance-engine.service", timeout=900)
+        time.sleep(5)
+        report("at-rest", {"verify": quick, "plain_read": plain_read, "deep": deep, "engine_restart": restart,
+                           "engine": run("systemctl", "is-active", "appliance-engine.service")["stdout"].strip(),
+                           "status": weights_status()})
+        STATE.write_text("done\n")
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
