@@ -126,7 +126,7 @@ class HttpsSource:
         try:
             resp, sock = ctx.__enter__()
         except OSError as e:
-            raise OSError(f"{path}: {e}") from None
+            raise OSError(str(e)) from None
         status = resp.status
         if status not in (200, 206):
             ctx.__exit__(None, None, None)
@@ -135,7 +135,7 @@ class HttpsSource:
             if status in (401, 403, 404, 410):
                 raise Refused(f"{path}: the server answered HTTP {status} for {self.client.url(self.name(path))}",
                               hint="check SOURCE (and --layout): the mirror must hold this revision's files")
-            raise OSError(f"{path}: the server answered HTTP {status}")
+            raise OSError(f"the server answered HTTP {status}")
         offset = 0
         if status == 206 and (resp.getheader("Content-Range") or "").startswith(f"bytes {start}-"):
             offset = start

@@ -311,6 +311,7 @@ def test_a_full_disk_is_one_line_naming_the_file(tmp_path: Path, small_tmpfs: Pa
 class _Handler(http.server.BaseHTTPRequestHandler):
     root: Path
     flip: str = ""
+    fail: str = ""
     log: list[tuple[str, str]]
 
     def do_GET(self) -> None:
@@ -320,6 +321,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         path = self.root / name
         if not path.is_file():
             self.send_error(404)
+            return
+        if name == self.fail:
+            self.log.append((self.path, "503"))
+            self.send_error(503)
             return
         data = bytearray(path.read_bytes())
         if name == self.flip:
@@ -371,6 +376,19 @@ def test_fetch_over_https_and_a_wrong_byte_is_refused_naming_the_file(tmp_path: 
     handler.flip = ""
     model_fetch.fetch(store, model_fetch.open_source(url, ca, "auto", MODEL, REV), verity, workers=3)
     assert model_verify.check(store, verity)["ok"]
+
+
+def test_a_server_error_is_retried_then_one_line_naming_the_file(tmp_path: Path, mirror: tuple[str, str, type[_Handler]],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    url, ca, handler = mirror
+    _, manifest = _snapshot(tmp_path, SIZES)
+    handler.fail = "config.json"
+    monkeypatch.setattr(model_fetch.time, "sleep", lambda s: None)
+    with pytest.raises(UserError) as e:
+        model_fetch.fetch(_store(tmp_path, manifest), model_fetch.open_source(url, ca, "auto", MODEL, REV), FakeVerity())
+    assert e.value.message == "config.json: download failed (the server answered HTTP 503)"
+    assert [r for p, r in handler.log if p.endswith("/config.json")] == ["503"] * model_fetch.ATTEMPTS  # retried, then named
+    handler.fail = ""
 
 
 def test_https_resume_asks_for_the_journal_length(tmp_path: Path, mirror: tuple[str, str, type[_Handler]]) -> None:
