@@ -10,14 +10,24 @@ On a terminal (stderr is a tty) the bar is redrawn in place at most ten times a 
 journal, a pipe or a log file, one line is written every EVERY_S seconds ("downloading usr.raw:
 1.2/4.0 GiB (30%), 95.3 MiB/s") and one when the step ends, so a unit's journal shows a long
 download or hash moving without flooding it. TOTAL may be None when the size is unknown.
+
+A step whose amount cannot be counted (an external tool packing or hashing) uses step():
+
+    with progress.step("packing engine.erofs"):
+        run(["mkfs.erofs", ...])
+
+It says when the step starts, how long it has been running every EVERY_S seconds (on a terminal,
+every second in place), and how long it took.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import TracebackType
 from typing import TextIO
 
@@ -94,9 +104,55 @@ class Progress:
         self._write(f"{self.line(now)}, {end}", final=True)
 
     def _write(self, text: str, final: bool = False) -> None:
-        if self.tty:
-            self.out.write("\r\033[K" + text + ("\n" if final else ""))
-        else:
-            self.out.write(text + "\n")
-        self.out.flush()
+        _write(self.out, self.tty, text, final)
 
+
+def _write(out: TextIO, tty: bool, text: str, final: bool) -> None:
+    """On a terminal TEXT replaces the line (ended when FINAL); elsewhere it is a line of its own."""
+    if tty:
+        out.write("\r\033[K" + text + ("\n" if final else ""))
+    else:
+        out.write(text + "\n")
+    out.flush()
+
+
+@contextmanager
+def step(
+    what: str,
+    *,
+    out: TextIO | None = None,
+    tty: bool | None = None,
+    every_s: float | None = None,
+    clock: Callable[[], float] | None = None,
+) -> Iterator[None]:
+    """A step without a count: 'WHAT ...' when it starts, 'WHAT: running for N s' every EVERY_S
+    seconds (a thread writes them while the step blocks in a subprocess), 'WHAT: done in N s'."""
+    out = out or sys.stderr
+    tty = out.isatty() if tty is None else tty
+    every = every_s if every_s is not None else 1.0 if tty else EVERY_S
+    clock = clock or time.monotonic
+    started = clock()
+    lock = threading.Lock()
+
+    def say(text: str, final: bool = False) -> None:
+        with lock:  # the ticker thread and the step's end
+            _write(out, tty, text, final)
+
+    say(f"{what} ...")
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(every):
+            say(f"{what}: running for {clock() - started:.0f} s")
+
+    ticker = threading.Thread(target=tick, name=f"progress: {what}", daemon=True)
+    ticker.start()
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        stop.set()
+        ticker.join()
+        elapsed = clock() - started
+        say(f"{what}: failed after {elapsed:.1f} s" if failed else f"{what}: done in {elapsed:.1f} s", final=True)

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from appliance import atomic
+from appliance import atomic, progress
 from appliance.errors import Refused, UserError
 from appliance.hashing import sha256_file
 from applianctl import slots
@@ -61,17 +61,23 @@ def staging_for(version: str) -> Path:
     return staging
 
 
+def _sha256(path: Path, name: str) -> str:
+    """PATH's SHA-256, with progress: a /usr image takes a while to hash on a slow disk."""
+    with progress.Progress(f"verifying {name}", total=path.stat().st_size) as p:
+        return sha256_file(path, p.advance)
+
+
 def stage(index: dict[str, Any], source: Source, staging: Path) -> None:
     """Fetch every file of the bundle into STAGING, each checked against bundle.json. A file
     already staged is re-hashed, not trusted; a partial one (NAME.part) is resumed."""
     for f in to_fetch(index):
         final, part = staging / f["name"], staging / (f["name"] + ".part")
         if final.exists():
-            if final.stat().st_size == f["size"] and sha256_file(final) == f["sha256"]:
+            if final.stat().st_size == f["size"] and _sha256(final, f["name"]) == f["sha256"]:
                 continue
             final.unlink()
         source.fetch(f["name"], part, f["size"])
-        digest = sha256_file(part)
+        digest = _sha256(part, f["name"])
         if digest != f["sha256"]:
             part.unlink()
             raise Refused(

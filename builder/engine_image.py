@@ -14,9 +14,11 @@ import io
 import json
 import shutil
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from appliance import progress
 from appliance.config import Config
 from appliance.errors import UserError
 from builder.run import HOST_CACHE, run
@@ -132,6 +134,40 @@ def _check_pin(config: Config, got: str, source: str) -> None:
         )
 
 
+def _copy_layout(source: Path, staging: Path) -> None:
+    files = [f for f in source.rglob("*") if f.is_file()]
+    with progress.Progress(f"copying {source.name}", total=sum(f.stat().st_size for f in files)) as p:
+
+        def copy(src: str, dst: str) -> str:
+            shutil.copy2(src, dst)
+            p.advance(Path(src).stat().st_size)
+            return dst
+
+        shutil.copytree(source, staging, dirs_exist_ok=True, copy_function=copy)
+
+
+def _unpack_layout(source: Path, staging: Path) -> None:
+    with tarfile.open(source) as tar:
+        members = tar.getmembers()
+        # An OCI layout holds files and directories only. Checked here because Debian 12's
+        # Python 3.11.2 predates extractall's filter= (3.11.4), which is used where it exists.
+        for member in members:
+            if not (member.isfile() or member.isdir()) or member.name.startswith("/") or ".." in member.name.split("/"):
+                raise UserError(
+                    f"{source}: {member.name} is not a file or directory inside the archive",
+                    hint="pass an OCI layout archive (skopeo copy ... oci-archive:PATH) or directory",
+                )
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        with progress.Progress(f"unpacking {source.name}", total=sum(m.size for m in members)) as p:
+
+            def counted() -> Iterator[tarfile.TarInfo]:
+                for member in members:
+                    yield member
+                    p.advance(member.size)
+
+            tar.extractall(staging, members=counted(), **safe)  # type: ignore[arg-type]
+
+
 def obtain(config: Config, source: Path | None = None) -> Path:
     """The engine image pinned by CONFIG as an OCI layout in the build host's cache."""
     cached = CACHE / config.engine.digest.replace(":", "-")
@@ -143,21 +179,21 @@ def obtain(config: Config, source: Path | None = None) -> Path:
     try:
         if source is not None:
             if source.is_dir():
-                shutil.copytree(source, staging, dirs_exist_ok=True)
+                _copy_layout(source, staging)
             elif source.is_file():
-                with tarfile.open(source) as tar:
-                    tar.extractall(staging, filter="data")
+                _unpack_layout(source, staging)
             else:
                 raise UserError(f"{source}: no such OCI layout or archive", hint="check the --engine-image path")
             got, where = layout_digest(staging), str(source)
         elif config.profile == "demo":
             got, where = build_standin_layout(staging, config.engine.entrypoint), "the stand-in engine (standin/)"
         else:
-            run(
-                ["skopeo", "copy", "--quiet", f"docker://{config.engine.reference}", f"oci:{staging}:{REF_NAME}"],
-                what=f"skopeo copy {config.engine.reference}",
-                hint="no registry is reachable: pass the image as an OCI layout or archive with --engine-image PATH",
-            )
+            with progress.step(f"fetching {config.engine.reference}"):  # skopeo --quiet: no byte count to show
+                run(
+                    ["skopeo", "copy", "--quiet", f"docker://{config.engine.reference}", f"oci:{staging}:{REF_NAME}"],
+                    what=f"skopeo copy {config.engine.reference}",
+                    hint="no registry is reachable: pass the image as an OCI layout or archive with --engine-image PATH",
+                )
             got, where = layout_digest(staging), "the registry"
         _check_pin(config, got, where)
         staging.rename(cached)

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance import progress
 from appliance.config import Config
 from appliance.errors import UserError
 from builder.run import HOST_CACHE, run
@@ -73,14 +74,15 @@ def make(config: Config, layout: Path) -> EngineStore:
     try:
         with tempfile.TemporaryDirectory(prefix="engine-store-", dir="/var/tmp") as tmp:
             store, runroot = Path(tmp) / "store", Path(tmp) / "run"
-            run(
-                [
-                    "skopeo", "copy", "--quiet", "--preserve-digests", f"oci:{layout}:appliance",
-                    f"containers-storage:[overlay@{store}+{runroot}]{config.engine.image}:appliance",
-                ],
-                what="skopeo copy into the engine store",
-                hint="run `make setup` (skopeo); the store is written with podman's overlay driver",
-            )
+            with progress.step("copying the engine image into its store"):
+                run(
+                    [
+                        "skopeo", "copy", "--quiet", "--preserve-digests", f"oci:{layout}:appliance",
+                        f"containers-storage:[overlay@{store}+{runroot}]{config.engine.image}:appliance",
+                    ],
+                    what="skopeo copy into the engine store",
+                    hint="run `make setup` (skopeo); the store is written with podman's overlay driver",
+                )
             # containers/storage leaves its driver directory bind-mounted onto itself.
             run(["umount", "--recursive", "--quiet", store / "overlay"], what="umount the store")
             # Lock files and scratch space are recreated by podman as needed; keep the store minimal.
@@ -90,16 +92,18 @@ def make(config: Config, layout: Path) -> EngineStore:
                     shutil.rmtree(target)
                 else:
                     target.unlink(missing_ok=True)
-            run(
-                ["mkfs.erofs", "-T0", f"-U{_stable_uuid(digest, 'erofs')}", "--all-root", "-zlz4hc",
-                 staging / "engine.erofs", store],
-                capture=True, what="mkfs.erofs", hint="run `make setup` (erofs-utils)",
+            with progress.step("packing the engine store (mkfs.erofs)"):
+                run(
+                    ["mkfs.erofs", "-T0", f"-U{_stable_uuid(digest, 'erofs')}", "--all-root", "-zlz4hc",
+                     staging / "engine.erofs", store],
+                    capture=True, what="mkfs.erofs", hint="run `make setup` (erofs-utils)",
+                )
+        with progress.step("hashing the engine store (veritysetup format)"):
+            result = run(
+                ["veritysetup", "format", f"--salt={_salt(digest)}", f"--uuid={_stable_uuid(digest, 'verity')}",
+                 staging / "engine.erofs", staging / "engine.verity"],
+                capture=True, what="veritysetup format", hint="run `make setup` (cryptsetup-bin)",
             )
-        result = run(
-            ["veritysetup", "format", f"--salt={_salt(digest)}", f"--uuid={_stable_uuid(digest, 'verity')}",
-             staging / "engine.erofs", staging / "engine.verity"],
-            capture=True, what="veritysetup format", hint="run `make setup` (cryptsetup-bin)",
-        )
         roothash = next(
             (line.split(":", 1)[1].strip() for line in result.stdout.splitlines() if line.startswith("Root hash:")), ""
         )

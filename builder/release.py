@@ -37,15 +37,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle, manifest
+from appliance import bundle, manifest, progress
 from appliance.atomic import replace_dir
 from appliance.config import Config
 from appliance.errors import UserError
 from appliance.hashing import CHUNK, sha256_file
-
-
-def _sha256(path: Path) -> str:
-    return sha256_file(path)
 
 
 def _copy(src: Path, dst: Path) -> None:
@@ -164,18 +160,22 @@ def make_bundle(
     try:
         tmp.chmod(0o755)
         partition_sizes = {}
-        for name, src in sources.items():
-            if name in (names["usr"], names["usr-verity"]):
-                partition_sizes[name] = _copy_trimmed(src, tmp / name)
-            else:
-                _copy(src, tmp / name)
+        # the images are sparse: the bar counts their apparent size, most of it holes that cost nothing
+        with progress.Progress("copying payloads", total=sum(src.stat().st_size for src in sources.values())) as p:
+            for name, src in sources.items():
+                if name in (names["usr"], names["usr-verity"]):
+                    partition_sizes[name] = _copy_trimmed(src, tmp / name)
+                else:
+                    _copy(src, tmp / name)
+                p.advance(src.stat().st_size)
         (tmp / "manifest.json").write_bytes(manifest_data)
         (tmp / "manifest.json.sig").write_bytes(manifest_sig)
         listed = sorted([*sources, "manifest.json", "manifest.json.sig"])
-        sums = {name: _sha256(tmp / name) for name in listed}
+        with progress.Progress("hashing payloads", total=sum((tmp / name).stat().st_size for name in listed)) as p:
+            sums = {name: sha256_file(tmp / name, p.advance) for name in listed}
         (tmp / "SHA256SUMS").write_text("".join(f"{sums[n]}  {n}\n" for n in listed))
         listed.append("SHA256SUMS")
-        sums["SHA256SUMS"] = _sha256(tmp / "SHA256SUMS")
+        sums["SHA256SUMS"] = sha256_file(tmp / "SHA256SUMS")
         index = {
             "format": bundle.BUNDLE_FORMAT,
             "version": version,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
+import time
+from pathlib import Path
 
 import pytest
 
-from appliance import progress
+from appliance import hashing, progress
 
 
 class Clock:
@@ -48,3 +51,43 @@ def test_unknown_total_and_failure() -> None:
         p.advance(3 * 1024)
         raise RuntimeError("boom")
     assert out.getvalue() == "packing: 3.0 KiB, 1.5 KiB/s, failed\n"
+
+
+def test_a_step_without_a_count_says_when_it_starts_while_it_runs_and_how_long_it_took() -> None:
+    out, clock = io.StringIO(), Clock()
+    with progress.step("packing engine.erofs", out=out, tty=False, every_s=0.01, clock=clock):
+        clock.now += 42
+        for _ in range(500):  # the ticker thread writes while the step blocks
+            if out.getvalue().count("\n") >= 2:
+                break
+            time.sleep(0.01)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "packing engine.erofs ..."
+    assert lines[1] == "packing engine.erofs: running for 42 s"
+    assert lines[-1] == "packing engine.erofs: done in 42.0 s"
+
+
+def test_a_failed_step_says_so_and_the_error_passes() -> None:
+    out, clock = io.StringIO(), Clock()
+    with pytest.raises(RuntimeError), progress.step("veritysetup format", out=out, tty=False, every_s=60, clock=clock):
+        clock.now += 1.5
+        raise RuntimeError("boom")
+    assert out.getvalue() == "veritysetup format ...\nveritysetup format: failed after 1.5 s\n"
+
+
+def test_hashing_a_file_reports_every_chunk(tmp_path: Path) -> None:
+    path = tmp_path / "usr.raw"
+    path.write_bytes(b"x" * (3 * hashing.CHUNK + 5))
+    out, clock = io.StringIO(), Clock()
+    with progress.Progress("hashing usr.raw", total=path.stat().st_size, out=out, tty=False, every_s=0, clock=clock) as p:
+        digest = hashing.sha256_file(path, p.advance)
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    lines = out.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines] == [
+        "hashing usr.raw: 1.0 MiB/3.0 MiB (33%)",
+        "hashing usr.raw: 2.0 MiB/3.0 MiB (67%)",
+        "hashing usr.raw: 3.0 MiB/3.0 MiB (100%)",
+        "hashing usr.raw: 3.0 MiB/3.0 MiB (100%)",  # the last 5 bytes
+        "hashing usr.raw: 3.0 MiB/3.0 MiB (100%)",  # the end
+    ]
+    assert lines[-1].endswith("done in 0.0 s")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -144,3 +145,15 @@ def test_the_kernel_image_facts_are_read_back(tmp_path: Path, signing: tuple[Pat
     b = bundle(tmp_path, key)
     facts = bundle_format.uki_facts(b / "appliance_2.0.0.efi")
     assert facts == {"usrhash": usrhash_for("2.0.0"), "image_version": "2.0.0"}
+
+
+def test_release_reports_copying_and_hashing_the_payloads(
+    tmp_path: Path, signing: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    key, _ = signing
+    b = bundle(tmp_path, key, usr_bytes=3 << 20)
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0] for line in err] == ["copying payloads", "hashing payloads"]
+    assert all(" (100%), " in line and ", done in " in line for line in err)
+    hashed = sum((b / n).stat().st_size for n in os.listdir(b) if n not in ("SHA256SUMS", "bundle.json", "bundle.json.sig"))
+    assert err[1].startswith(f"hashing payloads: {hashed / (1 << 20):.1f} MiB/")

@@ -27,7 +27,7 @@ from appliance import atomic as state
 from appliance import paths
 from appliance.bundle import source_names
 from appliance.errors import Refused, UserError
-from applianctl import rollback, slots, update_fetch
+from applianctl import rollback, slots, update_fetch, update_stage
 from applianctl import update as up
 from builder import release as rel
 
@@ -568,6 +568,7 @@ def _cli(
     monkeypatch.setenv("APPLIANCE_EFIVARS_DIR", str(device.host.efivars))
     monkeypatch.setenv("APPLIANCE_CMDLINE", str(device.cmdline))
     monkeypatch.setenv("APPLIANCE_DISK", "/dev/vda")
+    capsys.readouterr()  # not the command's: what making the test's bundle wrote
     code = main(argv)
     out, err = capsys.readouterr()
     return code, out, err
@@ -704,3 +705,21 @@ def test_the_units_are_sandboxed_to_at_most_3(name: str) -> None:
     out = subprocess.run(["systemd-analyze", "security", "--offline=true", str(unit)], capture_output=True, text=True).stdout
     found = re.findall(r"Overall exposure level for \S+: ([0-9.]+)", out)
     assert found and float(found[0]) <= 3.0, out[-2000:]
+
+
+def test_staging_reports_each_download_and_each_verification(tmp_path: Path, signing: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    index = up.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    source = update_fetch.open_source(str(b), None, update_fetch.Deadline(60))
+    capsys.readouterr()
+    update_stage.stage(index, source, staging)
+    names = [f["name"] for f in update_stage.to_fetch(index)]
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0] for line in err] == [f"{verb} {n}" for n in names for verb in ("downloading", "verifying")]
+    assert all(" (100%), " in line and ", done in " in line for line in err)
+    # run again: what is staged is hashed again (with progress), nothing is downloaded
+    update_stage.stage(index, source, staging)
+    assert [line.split(":")[0] for line in capsys.readouterr().err.splitlines()] == [f"verifying {n}" for n in names]
