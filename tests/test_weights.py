@@ -10,19 +10,18 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
-import http.server
 import ipaddress
 import json
 import os
 import shutil
-import ssl
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import weights_mirror
+from weights_mirror import Mirror
 
 from appliance import fsverity
 from appliance import weights as wm
@@ -308,77 +307,31 @@ def test_a_full_disk_is_one_line_naming_the_file(tmp_path: Path, small_tmpfs: Pa
 # ----------------------------------------------------------------------------------- HTTPS mirror
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    root: Path
-    flip: str = ""
-    fail: str = ""
-    log: list[tuple[str, str]]
-
-    def do_GET(self) -> None:
-        name = self.path.lstrip("/")
-        if "/resolve/" in self.path:  # BASE/resolve/REVISION/PATH
-            name = self.path.split("/resolve/", 1)[1].split("/", 1)[1]
-        path = self.root / name
-        if not path.is_file():
-            self.send_error(404)
-            return
-        if name == self.fail:
-            self.log.append((self.path, "503"))
-            self.send_error(503)
-            return
-        data = bytearray(path.read_bytes())
-        if name == self.flip:
-            data[len(data) // 2] ^= 1
-        start = 0
-        rng = self.headers.get("Range")
-        self.log.append((self.path, rng or ""))
-        if rng:
-            start = int(rng.removeprefix("bytes=").rstrip("-"))
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-        else:
-            self.send_response(200)
-        self.send_header("Content-Length", str(len(data) - start))
-        self.end_headers()
-        self.wfile.write(bytes(data[start:]))
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
-def mirror(tmp_path: Path) -> Iterator[tuple[str, str, type[_Handler]]]:
-    """A local HTTPS server (Python's ssl) over tmp_path/src, in the Hub's resolve/REV/PATH layout."""
+def mirror(tmp_path: Path) -> Iterator[tuple[str, str, type[Mirror]]]:
+    """The local HTTPS mirror (tests/weights_mirror.py) over tmp_path/src."""
     tls.generate(tmp_path / "tls", "mirror.test", [ipaddress.ip_address("127.0.0.1")], group="nonexistent-group")
-    handler = type("H", (_Handler,), {"root": tmp_path / "src", "log": []})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(tmp_path / "tls/server.crt", tmp_path / "tls/server.key")
-    server.socket = ctx.wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"https://127.0.0.1:{server.server_address[1]}/{MODEL}/", str(tmp_path / "tls/ca.crt"), handler
-    finally:
-        server.shutdown()
+    with weights_mirror.serve(tmp_path / "src", tmp_path / "tls/server.crt", tmp_path / "tls/server.key") as (port, handler):
+        yield f"https://127.0.0.1:{port}/{MODEL}/", str(tmp_path / "tls/ca.crt"), handler
 
 
-def test_fetch_over_https_and_a_wrong_byte_is_refused_naming_the_file(tmp_path: Path, mirror: tuple[str, str, type[_Handler]]) -> None:
+def test_fetch_over_https_and_a_wrong_byte_is_refused_naming_the_file(tmp_path: Path, mirror: tuple[str, str, type[Mirror]]) -> None:
     url, ca, handler = mirror
     _, manifest = _snapshot(tmp_path, SIZES)
     store, verity = _store(tmp_path, manifest), FakeVerity()
-    handler.flip = "sub/b.safetensors"
+    handler.flip, handler.always_flip = frozenset({"sub/b.safetensors"}), True
     source = model_fetch.open_source(url, ca, "auto", MODEL, REV)
     with pytest.raises(UserError, match=r"^sub/b.safetensors: SHA-256 [0-9a-f]{64} is not the signed manifest's") as e:
         model_fetch.fetch(store, source, verity, workers=3)
     assert "\n" not in e.value.message
     assert not (store.snapshot / "sub/b.safetensors").exists() and not (store.partial / "sub/b.safetensors.part").exists()
-    assert all(p.startswith(f"/{MODEL}/resolve/{REV}/") for p, _ in handler.log)  # the Hub's layout
-    handler.flip = ""
+    assert all(e["path"].startswith(f"/{MODEL}/resolve/{REV}/") for e in handler.log)  # the Hub's layout
+    handler.flip = frozenset()
     model_fetch.fetch(store, model_fetch.open_source(url, ca, "auto", MODEL, REV), verity, workers=3)
     assert model_verify.check(store, verity)["ok"]
 
 
-def test_a_server_error_is_retried_then_one_line_naming_the_file(tmp_path: Path, mirror: tuple[str, str, type[_Handler]],
+def test_a_server_error_is_retried_then_one_line_naming_the_file(tmp_path: Path, mirror: tuple[str, str, type[Mirror]],
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     url, ca, handler = mirror
     _, manifest = _snapshot(tmp_path, SIZES)
@@ -387,11 +340,11 @@ def test_a_server_error_is_retried_then_one_line_naming_the_file(tmp_path: Path,
     with pytest.raises(UserError) as e:
         model_fetch.fetch(_store(tmp_path, manifest), model_fetch.open_source(url, ca, "auto", MODEL, REV), FakeVerity())
     assert e.value.message == "config.json: download failed (the server answered HTTP 503)"
-    assert [r for p, r in handler.log if p.endswith("/config.json")] == ["503"] * model_fetch.ATTEMPTS  # retried, then named
+    assert [e["status"] for e in handler.log if e["name"] == "config.json"] == [503] * model_fetch.ATTEMPTS  # retried, then named
     handler.fail = ""
 
 
-def test_https_resume_asks_for_the_journal_length(tmp_path: Path, mirror: tuple[str, str, type[_Handler]]) -> None:
+def test_https_resume_asks_for_the_journal_length(tmp_path: Path, mirror: tuple[str, str, type[Mirror]]) -> None:
     url, ca, handler = mirror
     _, manifest = _snapshot(tmp_path, SIZES)
     store, verity = _store(tmp_path, manifest), FakeVerity()
@@ -401,7 +354,7 @@ def test_https_resume_asks_for_the_journal_length(tmp_path: Path, mirror: tuple[
         model_fetch.fetch(store, cut, verity, workers=1)
     cut.cut = 1 << 62
     model_fetch.fetch(store, cut, verity, workers=1)
-    ranges = [r for p, r in handler.log if p.endswith("/a.safetensors")]
+    ranges = [e["range"] for e in handler.log if e["name"] == "a.safetensors"]
     assert ranges[-1] == f"bytes={2 * model_fetch.CHUNK_BYTES}-"
     assert model_verify.check(store, verity)["ok"]
 

@@ -21,18 +21,16 @@ connection is throttled so that the power cut lands in the middle of the fetch u
 from __future__ import annotations
 
 import dataclasses
-import http.server
 import ipaddress
 import shutil
-import ssl
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import weights_mirror
 from journey import reports_of
+from weights_mirror import Mirror
 
 from appliance import config
 from applianctl import tls
@@ -41,7 +39,7 @@ from builder import build, qemu, weights
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK_BYTES = 8 << 20  # applianctl.model_fetch.CHUNK_BYTES (the guest's; asserted below)
 IN_FLIGHT_SLACK = 4 << 20  # bytes the server sent that never reached the guest's disk (socket buffers, QEMU's network)
-RATE = 2 << 20  # bytes per second per connection: the fetch takes ~25 s, the cut lands inside it
+RATE = 2 << 20  # bytes per second per connection (the mirror's throttle): the fetch takes ~25 s, the cut lands inside it
 CUT_AFTER_S = 8.0
 FLIPPED_MIRROR = "model-00002-of-00003.safetensors"
 
@@ -65,65 +63,16 @@ TimeoutStartSec=1h
 """
 
 
-class Mirror(http.server.BaseHTTPRequestHandler):
-    """BASE/PATH over the demo weights; BASE/flipped/PATH serves FLIPPED_MIRROR with one byte changed.
-    Every request is logged with its Range and the bytes actually written to the socket."""
-
-    root: Path
-    log: list[dict[str, Any]]
-    lock = threading.Lock()
-
-    def do_GET(self) -> None:
-        name = self.path.lstrip("/")
-        flipped = name.startswith("flipped/")
-        name = name.removeprefix("flipped/")
-        path = self.root / name
-        if not path.is_file() or "/" in name:
-            self.send_error(404)
-            return
-        data = bytearray(path.read_bytes())
-        if flipped and name == FLIPPED_MIRROR:
-            data[len(data) // 3] ^= 0x01
-        rng = self.headers.get("Range") or ""
-        start = int(rng.removeprefix("bytes=").split("-")[0]) if rng.startswith("bytes=") else 0
-        entry = {"path": self.path, "range": rng, "start": start, "sent": 0, "at": time.time()}
-        with self.lock:
-            self.log.append(entry)
-        self.send_response(206 if start else 200)
-        if start:
-            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-        self.send_header("Content-Length", str(len(data) - start))
-        self.end_headers()
-        view = memoryview(bytes(data))[start:]
-        step = RATE // 10
-        try:
-            for i in range(0, len(view), step):
-                self.wfile.write(view[i : i + step])
-                entry["sent"] += len(view[i : i + step])
-                time.sleep(0.1)
-        except OSError:
-            pass  # the guest lost power
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def mirror(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, type[Mirror]]]:
+    """The demo weights over HTTPS (tests/weights_mirror.py), throttled, BASE/flipped/ with a byte changed."""
     work = tmp_path_factory.mktemp("weights-mirror")
     weights.write_demo(work / "www")
     tls.generate(work / "tls", "weights.appliance.test", [ipaddress.ip_address("10.0.2.2")], group="nonexistent-group")
-    handler = type("WeightsMirror", (Mirror,), {"root": work / "www", "log": []})
-    server = http.server.ThreadingHTTPServer(("0.0.0.0", 0), handler)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(work / "tls/server.crt", work / "tls/server.key")
-    server.socket = ctx.wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with weights_mirror.serve(work / "www", work / "tls/server.crt", work / "tls/server.key", host="0.0.0.0",
+                              flip=frozenset({FLIPPED_MIRROR}), rate=RATE) as (port, handler):
         # QEMU's user network shows the host's loopback to the guest as 10.0.2.2
-        yield f"https://10.0.2.2:{server.server_address[1]}/", (work / "tls/ca.crt").read_text(), handler
-    finally:
-        server.shutdown()
+        yield f"https://10.0.2.2:{port}/", (work / "tls/ca.crt").read_text(), handler
 
 
 def _extra_tree(root: Path) -> Path:
@@ -200,15 +149,14 @@ def test_the_fetch_resumes_refetching_at_most_one_chunk_per_file_in_flight(weigh
     assert resume["verify"]["result"]["ok"], resume["verify"]
     sent: dict[str, int] = {}
     for e in weights_runs["log_cut"]:
-        name = e["path"].rsplit("/", 1)[-1]
+        name = e["name"]
         sent[name] = max(sent.get(name, 0), e["start"] + e["sent"])
     in_flight = {name: n for name, n in sent.items() if name in resume["partials_after_cut"]}
     assert in_flight, f"no partial file after the cut: {resume['partials_after_cut']}"
     first_ranges = {}
     for e in weights_runs["log_resume"]:
-        name = e["path"].rsplit("/", 1)[-1]
         if not e["path"].startswith("/flipped/"):
-            first_ranges.setdefault(name, e["start"])
+            first_ranges.setdefault(e["name"], e["start"])
     for name, before_cut in in_flight.items():
         left = resume["partials_after_cut"][name]
         assert first_ranges[name] == left["journal_length"], (name, first_ranges[name], left)

@@ -1,0 +1,80 @@
+"""A weights mirror for tests: HTTPS (Python's ssl) over a directory, with byte ranges, logging every
+request (its Range and the bytes actually written), and switches for the faults the fetcher must
+refuse. Serves BASE/PATH and the Hub's BASE/resolve/REVISION/PATH; BASE/flipped/PATH serves PATH
+with one byte changed when PATH is in `flip`."""
+
+from __future__ import annotations
+
+import http.server
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+class Mirror(http.server.BaseHTTPRequestHandler):
+    root: Path
+    log: list[dict[str, Any]]
+    flip: frozenset[str] = frozenset()  # served with a byte changed (under flipped/ only, unless always_flip)
+    always_flip = False
+    fail = ""  # answered 503
+    rate = 0  # bytes per second per connection (0: as fast as it goes)
+
+    def do_GET(self) -> None:
+        name = self.path.lstrip("/")
+        if "/resolve/" in self.path:  # BASE/resolve/REVISION/PATH
+            name = self.path.split("/resolve/", 1)[1].split("/", 1)[1]
+        flipped = name.startswith("flipped/")
+        name = name.removeprefix("flipped/")
+        rng = self.headers.get("Range") or ""
+        start = int(rng.removeprefix("bytes=").split("-")[0]) if rng.startswith("bytes=") else 0
+        entry: dict[str, Any] = {"path": self.path, "name": name, "range": rng, "start": start, "sent": 0, "status": 200}
+        self.log.append(entry)
+        path = self.root / name
+        if name == self.fail or not path.is_file():
+            entry["status"] = 503 if name == self.fail else 404
+            self.send_error(entry["status"])
+            return
+        data = bytearray(path.read_bytes())
+        if name in self.flip and (flipped or self.always_flip):
+            data[len(data) // 3] ^= 0x01
+        if start:
+            entry["status"] = 206
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(data) - start))
+        self.end_headers()
+        view = memoryview(bytes(data))[start:]
+        step = self.rate // 10 if self.rate else len(view) or 1
+        try:
+            for i in range(0, len(view), step):
+                self.wfile.write(view[i : i + step])
+                entry["sent"] += len(view[i : i + step])
+                if self.rate:
+                    time.sleep(0.1)
+        except OSError:
+            pass  # the client went away (a power cut in the QEMU scenario)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextmanager
+def serve(root: Path, cert: Path, key: Path, host: str = "127.0.0.1", **switches: Any) -> Iterator[tuple[int, type[Mirror]]]:
+    """Serve ROOT over HTTPS; yields (port, the handler class: its `log` and switches)."""
+    handler = type("TestMirror", (Mirror,), {"root": root, "log": [], **switches})
+    server = http.server.ThreadingHTTPServer((host, 0), handler)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1], handler
+    finally:
+        server.shutdown()
+        server.server_close()
