@@ -12,7 +12,6 @@ from typing import Any
 
 from appliance.config import Config
 from appliance.errors import UserError
-from applianctl import model_store
 from applianctl.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
 
 
@@ -27,6 +26,10 @@ def _read(path: Path) -> Any:
 
 def probe_weights(config: Config, manifest: Path | None = None, release: Path | None = None,
                   result: Path | None = None, host_dir: Path | None = None) -> Part:
+    # here, not at the top: the manifest code imports cryptography, which this probe's thread
+    # then loads beside the others instead of before every probe starts
+    from applianctl import model_store
+
     try:
         model = model_store.load_manifest(manifest, release)
     except UserError as e:
