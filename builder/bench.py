@@ -299,10 +299,11 @@ def bench_boot(demo: config.Config) -> None:
 
 def main() -> int:
     demo = config.load(ROOT / "appliance.toml", "demo")
+    from builder.bench_install import bench_install  # issue 13
     from builder.bench_weights import bench_weights_check, bench_weights_fetch  # issue 14
 
     benches = [bench_status, bench_preload, bench_bundle_bytes, bench_slot_write, bench_rebuild, bench_boot,
-               bench_weights_fetch, bench_weights_check]
+               bench_weights_fetch, bench_weights_check, bench_install]
     only = os.environ.get("BENCH_ONLY")  # e.g. BENCH_ONLY=bench_boot make bench
     for bench in benches:
         if only and bench.__name__ not in only.split(","):

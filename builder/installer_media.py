@@ -138,6 +138,10 @@ def make(build_out: Path, version: str, uki: Path, plan_dir: Path | None, output
     written: dict[str, Path] = {}
     with tempfile.TemporaryDirectory(prefix=".installer-", dir=output) as tmp:
         work = Path(tmp)
+        # the installer writes the release's disk image with bmaptool (installer/install.py)
+        image_bmap = work / f"appliance_{version}.raw.bmap"
+        _run(["bmaptool", "create", "-o", image_bmap, files[f"appliance_{version}.raw"]], "making the image's block map", TOOLS_HINT)
+        files[image_bmap.name] = image_bmap
         esp = work / "esp.img"
         esp_image(uki, esp)
         for form in forms:

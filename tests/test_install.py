@@ -94,11 +94,11 @@ def test_install_writes_verifies_records_the_plan_and_boots_first(tmp_path: Path
                              boot_partuuid="", signer="0123456789abcdef", out=out.append)
     assert status == 0
     tools = [c[0] if c[0] != "efibootmgr" or len(c) == 1 else "efibootmgr " + c[2] for c in rec.calls if c[0] != "lsblk"]
-    assert tools == ["systemd-repart", "udevadm", "veritysetup", "veritysetup", "mount", "umount",
+    assert tools == ["bmaptool", "systemd-repart", "udevadm", "veritysetup", "veritysetup", "mount", "umount",
                      "efibootmgr", "efibootmgr --create", "efibootmgr", "efibootmgr --bootorder", "systemctl"]
-    repart = rec.calls[0]
-    assert repart == ["systemd-repart", "--dry-run=no", "--empty=force", f"--copy-from={tmp_path / 'appliance_1.0.0.raw'}",
-                      "--definitions=/usr/lib/repart.d", "/dev/vda"]
+    image = tmp_path / "appliance_1.0.0.raw"
+    assert rec.calls[0] == ["bmaptool", "copy", "--bmap", f"{image}.bmap", str(image), "/dev/vda"]
+    assert rec.calls[1] == ["systemd-repart", "--dry-run=no", "--definitions=/usr/lib/repart.d", "/dev/vda"]
     verity = [c for c in rec.calls if c[0] == "veritysetup"]
     assert verity[0] == ["veritysetup", "verify", "/dev/vda2", "/dev/vda3", USRHASH]
     assert verity[1] == ["veritysetup", "verify", "/dev/vda4", "/dev/vda5", "c" * 64]

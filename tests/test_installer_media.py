@@ -69,6 +69,7 @@ def test_usb_iso_and_efi_forms(tmp_path: Path) -> None:
     assert boot == uki.read_bytes()
     listing = subprocess.run(["debugfs", "-R", "ls -l /", str(payload_img)], capture_output=True, text=True, check=True).stdout
     assert "appliance_1.0.0.raw" in listing and "manifest.json.sig" in listing and "plan" in listing
+    assert "appliance_1.0.0.raw.bmap" in listing
     plan_json = subprocess.run(["debugfs", "-R", "cat /plan/plan.json", str(payload_img)], capture_output=True, check=True).stdout
     plan_sig = subprocess.run(["debugfs", "-R", "cat /plan/plan.json.sig", str(payload_img)], capture_output=True, check=True).stdout
     assert plan_model.verify(plan_json, plan_sig, _trusted(tmp_path)).hostname == "gpu-07"
