@@ -188,17 +188,6 @@ class Plan:
         }
 
 
-class _Loader(schema.Loader):
-    def invalid(self, key: str, value: Any, expected: str) -> ConfigError:
-        return ConfigError(f"{self.where}: {key} = {schema.shown(value)}: invalid", hint=f"expected {expected}")
-
-    def unknown(self, key: str, known: list[str]) -> ConfigError:
-        return ConfigError(f"{self.where}: unknown key {key!r}", hint="known keys here: " + ", ".join(known))
-
-    def missing(self, key: str, tp: Any) -> ConfigError:
-        return ConfigError(f"{self.where}: missing key {key!r}", hint=f"add {key} ({schema.type_name(tp)})")
-
-
 def _cross_checks(where: str, plan: Plan) -> None:
     net = plan.network
     if net is not None:
@@ -234,7 +223,7 @@ def _cross_checks(where: str, plan: Plan) -> None:
 
 def from_plain(data: Any, where: str) -> Plan:
     """DATA (a parsed TOML or JSON document) as a Plan, checked."""
-    plan: Plan = _Loader(where).load(Plan, data)
+    plan: Plan = cfg._Loader(Path(where)).load(Plan, data)  # worded as appliance.toml's faults
     _cross_checks(where, plan)
     return plan
 
