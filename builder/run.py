@@ -1,4 +1,5 @@
-"""Every subprocess goes through here: the command logged under --debug, a failure reported once."""
+"""Every subprocess of the builder goes through here (appliance.run underneath, the one run()
+mechanism): the command logged under --debug, a failure reported once."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from appliance.errors import UserError
+from appliance.run import checked
 
 log = logging.getLogger("builder")
 
@@ -27,22 +29,20 @@ def run(
     hint: str = "",
     timeout: float | None = None,
 ) -> subprocess.CompletedProcess[str]:
+    """appliance.run.checked with the build host's defaults: the command logged under --debug, its
+    output on the terminal unless CAPTURE, no timeout, a missing tool pointing at `make setup`."""
     args = [str(c) for c in cmd]
     log.debug("+ %s", shlex.join(args))
-    full_env = {**os.environ, **(env or {})}
-    try:
-        result = subprocess.run(
-            args, cwd=cwd, env=full_env, text=True, capture_output=capture, timeout=timeout, check=False
-        )
-    except FileNotFoundError:
-        raise UserError(f"{args[0]}: command not found", hint="run `make setup` to install the host's tools") from None
-    if result.returncode != 0:
-        detail = (result.stderr or "").strip().splitlines()[-1:] if capture else []
-        raise UserError(
-            f"{what or args[0]} failed (exit status {result.returncode})" + (f": {detail[0]}" if detail else ""),
-            hint=hint or "run again with --debug to see the command and its output",
-        )
-    return result
+    return checked(
+        args,
+        what or args[0],
+        hint or "run again with --debug to see the command and its output",
+        timeout,
+        capture=capture,
+        cwd=cwd,
+        env=env,
+        missing_hint="run `make setup` to install the host's tools",
+    )
 
 
 def mkosi_command() -> list[str]:
