@@ -47,14 +47,17 @@ class HubFile:
 
 def hub_files(model_id: str, revision: str, api: Any = None) -> list[HubFile]:
     """The snapshot's files as the Hub lists them (HfApi.list_repo_tree, recursive)."""
+    import logging
+
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
     from huggingface_hub.hf_api import RepoFile
 
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retries, unless --debug
     api = api or HfApi()
     try:
         entries = list(api.list_repo_tree(model_id, recursive=True, revision=revision))
-    except (HfHubHTTPError, OSError) as e:
+    except Exception as e:  # the library raises its own HTTP errors and its HTTP client's (httpx2.ConnectError)
         why = str(e).splitlines()[0][:200]
         raise UserError(f"{model_id}@{revision}: the Hub's file list is not available ({why})", hint=HUB_HINT) from None
     files = [

@@ -62,9 +62,11 @@ def _blob_sha1(data: bytes) -> str:
 
 
 class FakeApi:
-    """HfApi with list_repo_tree answering the library's own RepoFile/RepoFolder objects."""
+    """Installs HfApi.list_repo_tree answering the library's own RepoFile/RepoFolder objects, built
+    from the tree API's JSON as the library builds them (lfs: size, oid = SHA-256, pointerSize)."""
 
-    def __init__(self, files: dict[str, bytes], lfs: set[str]) -> None:
+    def __init__(self, files: dict[str, bytes], lfs: set[str], monkeypatch: pytest.MonkeyPatch | None = None) -> None:
+        from huggingface_hub import HfApi
         from huggingface_hub.hf_api import RepoFile, RepoFolder
 
         self.entries: list[Any] = [RepoFolder(path="sub", oid="0" * 40)]
@@ -72,18 +74,23 @@ class FakeApi:
             info = {"size": len(data), "oid": hashlib.sha256(data).hexdigest(), "pointerSize": 134} if name in lfs else None
             self.entries.append(RepoFile(path=name, size=len(data), oid=_blob_sha1(data), lfs=info))
         self.calls: list[tuple[str, str | None]] = []
+        fake = self
 
-    def list_repo_tree(self, repo_id: str, *, recursive: bool = False, revision: str | None = None, **kw: Any) -> Iterator[Any]:
-        self.calls.append((repo_id, revision))
-        assert recursive
-        return iter(self.entries)
+        def list_repo_tree(api: Any, repo_id: str, *, recursive: bool = False, revision: str | None = None, **kw: Any) -> Iterator[Any]:
+            fake.calls.append((repo_id, revision))
+            assert recursive
+            return iter(fake.entries)
+
+        if monkeypatch is not None:
+            monkeypatch.setattr(HfApi, "list_repo_tree", list_repo_tree)
+        self.list_repo_tree = lambda *a, **kw: list_repo_tree(None, *a, **kw)
 
 
 FILES = {"config.json": b'{"a": 1}\n', "sub/model.safetensors": b"\x01" * 10000}
 
 
 def test_pin_from_hub_objects_uses_lfs_sha256_and_downloads_small_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    api = FakeApi(FILES, lfs={"sub/model.safetensors"})
+    api = FakeApi(FILES, lfs={"sub/model.safetensors"}, monkeypatch=monkeypatch)
     downloaded = []
 
     def fake_download(repo_id: str, filename: str, *, revision: str, local_dir: Path) -> str:
@@ -94,7 +101,7 @@ def test_pin_from_hub_objects_uses_lfs_sha256_and_downloads_small_files(monkeypa
         return str(path)
 
     monkeypatch.setattr("huggingface_hub.hf_hub_download", fake_download)
-    model = weights.pin(MODEL, REV, None, offline=False, api=api)
+    model = weights.pin(MODEL, REV, None, offline=False)  # a real HfApi, its tree call answered by the fake
     assert api.calls == [(MODEL, REV)]
     assert downloaded == ["config.json"]  # the LFS file is never downloaded: the Hub gives its SHA-256
     by = {f.path: f for f in model.files}
@@ -103,6 +110,27 @@ def test_pin_from_hub_objects_uses_lfs_sha256_and_downloads_small_files(monkeypa
     assert by["config.json"].sha256 == hashlib.sha256(FILES["config.json"]).hexdigest()
     assert model.total_bytes == sum(len(d) for d in FILES.values())
     assert wm.loads(wm.dumps(model)) == model
+
+
+@pytest.mark.parametrize("fault", ["not found", "no network"])
+def test_pin_when_the_hub_is_unreachable_is_one_line(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    import httpx2  # the HTTP client huggingface_hub 2.x is built on: its errors carry its responses
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    url = "https://huggingface.co/api/models/org/model/tree"
+
+    def unreachable(*args: Any, **kw: Any) -> Any:
+        if fault == "no network":  # what this build host gets
+            raise httpx2.ConnectError("[Errno -2] Name or service not known")
+        response = httpx2.Response(404, request=httpx2.Request("GET", url))
+        raise HfHubHTTPError(f"404 Client Error: Repository Not Found for url: {url}", response=response)
+
+    monkeypatch.setattr(HfApi, "list_repo_tree", unreachable)
+    why = "404 Client Error" if fault == "not found" else r"\[Errno -2\] Name or service not known"
+    with pytest.raises(UserError, match=rf"^org/model@a{{40}}: the Hub's file list is not available \({why}") as e:
+        weights.pin(MODEL, REV, None, offline=False)
+    assert "\n" not in e.value.message and "--offline" in e.value.hint
 
 
 def test_pin_from_a_local_copy_adds_fsverity_and_refuses_a_differing_copy(tmp_path: Path) -> None:
