@@ -100,6 +100,27 @@ def var_partition_start() -> dict[str, Any]:
     return {"device": source, "start_bytes": start}
 
 
+def read_seconds(path: Path) -> float:
+    """Seconds to read PATH cold (page cache dropped first)."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    start = time.monotonic()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(4 << 20):
+            pass
+    return time.monotonic() - start
+
+
+def sealed_vs_unsealed(target: Path) -> dict[str, float]:
+    """Read throughput of a sealed weight file against an unsealed copy of it on the same /var."""
+    copy = Path("/var/tmp/unsealed-copy")
+    copy.write_bytes(target.read_bytes())
+    try:
+        return {"bytes": target.stat().st_size, "sealed_s": read_seconds(target), "unsealed_s": read_seconds(copy)}
+    finally:
+        copy.unlink()
+
+
 def report(stage: str, data: dict[str, Any]) -> None:
     block = json.dumps({"weights_scenario": {"stage": stage, **data}})
     with open("/dev/ttyS1", "w") as port:
@@ -135,7 +156,7 @@ def main() -> int:
         report("resume", {"partials_after_cut": left, "fetch": resumed, "verify": after, "flipped_mirror": flipped,
                           "restored": restored, "engine_start": started, "status": weights_status(),
                           "extent": fiemap_first_extent(target), "var": var_partition_start(),
-                          "filefrag": run("filefrag", "-v", str(target))["stdout"]})
+                          "filefrag": run("filefrag", "-v", str(target))["stdout"], "read": sealed_vs_unsealed(target)})
         return 0
     if stage == "flipped":
         target = snapshot() / FLIP_FILE
