@@ -71,12 +71,12 @@ def partuuids_from_usrhash(usrhash: str) -> tuple[str, str]:
     return fmt(usrhash[:32]), fmt(usrhash[32:])
 
 
-def source_names(index: dict[str, Any]) -> dict[str, str]:
+def source_names(index: BundleIndex) -> dict[str, str]:
     """Staged name -> the name systemd-sysupdate matches (sysupdate.d/*.transfer MatchPattern=):
     the partition UUIDs ride in the name (@u), derived from the root hash as systemd expects."""
-    version = index["version"]
-    usr_uuid, verity_uuid = partuuids_from_usrhash(index["usrhash"])
-    names = payload_names(version, index["engine_digest"], False)
+    version = index.version
+    usr_uuid, verity_uuid = partuuids_from_usrhash(index.usrhash)
+    names = payload_names(version, index.engine_digest, False)
     return {
         names["usr"]: f"appliance_{version}_{usr_uuid}.usr.raw",
         names["usr-verity"]: f"appliance_{version}_{verity_uuid}.usr-verity.raw",
@@ -169,7 +169,7 @@ def validate_index(index: Any) -> dict[str, Any]:
     return index
 
 
-def verify_index(data: bytes, sig: bytes, keys_dir: Path) -> dict[str, Any]:
+def verify_index(data: bytes, sig: bytes, keys_dir: Path) -> BundleIndex:
     """Check bundle.json's signature against the trusted keys FIRST, then its form and schema."""
     try:
         signature = manifest.decode_signature(sig)
@@ -188,11 +188,11 @@ def verify_index(data: bytes, sig: bytes, keys_dir: Path) -> dict[str, Any]:
             )
         raise Refused("bundle.json's signature does not match any trusted key", hint="the bundle or its signature was changed")
     try:
-        index = validate_index(manifest.parse_canonical(data))
+        index = load_index(manifest.parse_canonical(data))
     except manifest.ManifestError as e:
         raise Refused(f"bundle.json: {e.message}", hint=e.hint) from None
-    if index["signer"] != signed_by:
-        raise Refused(f"bundle.json names signer {index['signer']} but was signed by {signed_by}", hint="the bundle is inconsistent")
+    if index.signer != signed_by:
+        raise Refused(f"bundle.json names signer {index.signer} but was signed by {signed_by}", hint="the bundle is inconsistent")
     return index
 
 

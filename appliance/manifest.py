@@ -278,14 +278,15 @@ def dumps(manifest: Mapping[str, Any]) -> bytes:
 
 
 def loads(data: bytes) -> dict[str, Any]:
-    """Parse and check manifest bytes (canonical form and schema). This does NOT check a signature."""
+    """Parse and check manifest bytes (canonical form and schema); the parsed JSON (the typed
+    model: load(parse_canonical(DATA))). This does NOT check a signature."""
     return validate(parse_canonical(data))
 
 
-def device_path(entry: Mapping[str, str], engine_files_dir: Path, firmware_dir: Path | None = None) -> Path | None:
+def device_path(entry: File, engine_files_dir: Path, firmware_dir: Path | None = None) -> Path | None:
     """Where the device carries ENTRY; None for a diff (not installed)."""
-    kind = entry["kind"]
-    name = PurePosixPath(entry["path"]).name
+    kind = entry.kind
+    name = PurePosixPath(entry.path).name
     if kind in DEVICE_SUBDIRS:
         return engine_files_dir / DEVICE_SUBDIRS[kind] / name
     if kind == "firmware":
@@ -407,8 +408,8 @@ def signer_of(data: bytes, signature: bytes, keys: Mapping[str, Ed25519PublicKey
     return None
 
 
-def verify(manifest_bytes: bytes, sig_bytes: bytes, trusted_keys_dir: Path) -> dict[str, Any]:
-    """Check the signature against the trusted keys, then the manifest; return the manifest."""
+def verify(manifest_bytes: bytes, sig_bytes: bytes, trusted_keys_dir: Path) -> Manifest:
+    """Check the signature against the trusted keys, then the manifest; return the typed manifest."""
     signature = decode_signature(sig_bytes)
     keys = trusted_keys(trusted_keys_dir)
     if not keys:
@@ -424,10 +425,10 @@ def verify(manifest_bytes: bytes, sig_bytes: bytes, trusted_keys_dir: Path) -> d
         raise ManifestError(
             "manifest signature does not match any trusted key", hint="the manifest or its signature was changed"
         )
-    manifest = loads(manifest_bytes)
-    if manifest["signer"] != signed_by:
+    manifest = load(parse_canonical(manifest_bytes))
+    if manifest.signer != signed_by:
         raise ManifestError(
-            f"manifest names signer {manifest['signer']} but was signed by key {signed_by}",
+            f"manifest names signer {manifest.signer} but was signed by key {signed_by}",
             hint="the manifest is inconsistent",
         )
     return manifest

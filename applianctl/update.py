@@ -102,7 +102,7 @@ def plan(
     view = slots.read(host, running["version"])
     inactive = inactive_slot(view)
     check_fits(index, inactive)
-    version = index["version"]
+    version = index.version
     return {
         "source": spec,
         "version": version,
@@ -110,9 +110,9 @@ def plan(
         "slot": inactive.name,
         "slot_holds": inactive.version,
         "downgrade": downgrade,
-        "signer": index["signer"],
-        "download_bytes": sum(f["size"] for f in to_fetch(index)),
-        "files": [f["name"] for f in to_fetch(index)],
+        "signer": index.signer,
+        "download_bytes": sum(f.size for f in to_fetch(index)),
+        "files": [f.name for f in to_fetch(index)],
         "already_installed": inactive.version == version and view.entry(version) is not None,
         "_index": index,
         "_source": source,
@@ -174,7 +174,7 @@ def update(
         p = plan(spec, ca=ca, deadline=deadline, host=host, keys_dir=keys_dir, running=running, allow_downgrade=allow_downgrade)
         check_judged(p["_view"])  # read again under the lock
         index, source, inactive = p["_index"], p["_source"], p["_inactive"]
-        version = index["version"]
+        version = index.version
         if p["already_installed"]:
             say(f"version {version} is already installed in slot {inactive.name}; reboot to start it")
             return 0
@@ -185,7 +185,7 @@ def update(
         check_space(index, staging, space_margin)
         stage(index, source, staging)
         check_staged(index, staging, keys_dir)
-        say(f"bundle {version} verified ({len(index['files'])} files, signed by {index['signer']})")
+        say(f"bundle {version} verified ({len(index.files)} files, signed by {index.signer})")
         # 4. only now: the inactive slot
         say(f"blanking slot {inactive.name}")
         prepare_slot(host, inactive, running["version"])

@@ -13,10 +13,9 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from appliance import atomic
-from appliance.bundle import source_names
+from appliance.bundle import BundleIndex, source_names
 from appliance.errors import UserError
 from appliance.run import run
 from applianctl import slots
@@ -41,12 +40,12 @@ def sysupdate_program() -> str:
     return shutil.which("systemd-sysupdate") or "/usr/lib/systemd/systemd-sysupdate"
 
 
-def sysupdate_commands(index: dict[str, Any]) -> list[list[str]]:
+def sysupdate_commands(index: BundleIndex) -> list[list[str]]:
     """The systemd-sysupdate run: its transfers write /usr, its verity, and the kernel image last."""
-    return [[sysupdate_program(), "--no-pager", "update", index["version"]]]
+    return [[sysupdate_program(), "--no-pager", "update", index.version]]
 
 
-def link_sources(index: dict[str, Any], staging: Path) -> None:
+def link_sources(index: BundleIndex, staging: Path) -> None:
     """Fill the sysupdate source directory with exactly this bundle's verified files."""
     directory = slots.source_dir()
     shutil.rmtree(directory, ignore_errors=True)

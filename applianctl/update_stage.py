@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 from appliance import atomic, progress
+from appliance.bundle import BundleFile, BundleIndex
 from appliance.errors import Refused, UserError
 from appliance.hashing import sha256_file
 from applianctl import slots
@@ -21,9 +21,9 @@ from applianctl.update_fetch import Source
 SPACE_MARGIN_BYTES = 512 << 20
 
 
-def to_fetch(index: dict[str, Any]) -> list[dict[str, Any]]:
+def to_fetch(index: BundleIndex) -> list[BundleFile]:
     """The files of the bundle this appliance downloads (never an engine image it has: check_engine)."""
-    return [f for f in index["files"] if not f["name"].startswith("engine_")]
+    return [f for f in index.files if not f.name.startswith("engine_")]
 
 
 def free_bytes(path: Path) -> int:
@@ -31,14 +31,14 @@ def free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def check_space(index: dict[str, Any], staging: Path, margin: int = SPACE_MARGIN_BYTES) -> int:
+def check_space(index: BundleIndex, staging: Path, margin: int = SPACE_MARGIN_BYTES) -> int:
     """Refuse before downloading when STAGING's file system lacks room for the rest plus MARGIN;
     the bytes still to fetch."""
     need = 0
     for f in to_fetch(index):
-        final, part = staging / f["name"], staging / (f["name"] + ".part")
+        final, part = staging / f.name, staging / (f.name + ".part")
         have = final.stat().st_size if final.exists() else part.stat().st_size if part.exists() else 0
-        need += max(f["size"] - have, 0)
+        need += max(f.size - have, 0)
     free = free_bytes(staging)
     if free < need + margin:
         mib = 1 << 20
@@ -67,21 +67,21 @@ def _sha256(path: Path, name: str) -> str:
         return sha256_file(path, p.advance)
 
 
-def stage(index: dict[str, Any], source: Source, staging: Path) -> None:
+def stage(index: BundleIndex, source: Source, staging: Path) -> None:
     """Fetch every file of the bundle into STAGING, each checked against bundle.json. A file
     already staged is re-hashed, not trusted; a partial one (NAME.part) is resumed."""
     for f in to_fetch(index):
-        final, part = staging / f["name"], staging / (f["name"] + ".part")
+        final, part = staging / f.name, staging / (f.name + ".part")
         if final.exists():
-            if final.stat().st_size == f["size"] and _sha256(final, f["name"]) == f["sha256"]:
+            if final.stat().st_size == f.size and _sha256(final, f.name) == f.sha256:
                 continue
             final.unlink()
-        source.fetch(f["name"], part, f["size"])
-        digest = _sha256(part, f["name"])
-        if digest != f["sha256"]:
+        source.fetch(f.name, part, f.size)
+        digest = _sha256(part, f.name)
+        if digest != f.sha256:
             part.unlink()
             raise Refused(
-                f"{f['name']}: SHA-256 {digest[:16]}... does not match bundle.json",
+                f"{f.name}: SHA-256 {digest[:16]}... does not match bundle.json",
                 hint="the file was changed or damaged; nothing was written",
             )
         part.rename(final)

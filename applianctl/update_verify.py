@@ -15,49 +15,49 @@ from pathlib import Path
 from typing import Any
 
 from appliance import manifest
-from appliance.bundle import NOT_OURS, engine_short, payload_names, uki_facts
+from appliance.bundle import NOT_OURS, BundleIndex, engine_short, payload_names, uki_facts
 from appliance.errors import Refused, UserError
 from applianctl import slots
 
 
-def check_policy(index: dict[str, Any], running: dict[str, Any], allow_downgrade: bool) -> bool:
+def check_policy(index: BundleIndex, running: dict[str, Any], allow_downgrade: bool) -> bool:
     """Refuse a bundle the running version must not take; True when it is a downgrade."""
-    new, cur = index["version"], running["version"]
+    new, cur = index.version, running["version"]
     if manifest.version_tuple(new) == manifest.version_tuple(cur):
         raise Refused(f"bundle version {new} is the running version", hint="nothing to do; a newer bundle is needed to upgrade")
     downgrade = manifest.version_tuple(new) < manifest.version_tuple(cur)
     if downgrade and not allow_downgrade:
         raise Refused(f"bundle version {new} is older than the running version {cur}", hint="to go back on purpose, add --allow-downgrade")
-    if manifest.version_tuple(index["min_version"]) > manifest.version_tuple(cur):
+    if manifest.version_tuple(index.min_version) > manifest.version_tuple(cur):
         raise Refused(
-            f"bundle {new} may only be installed over {index['min_version']} or newer; this is {cur}",
-            hint=f"install an intermediate release (at least {index['min_version']}) first",
+            f"bundle {new} may only be installed over {index.min_version} or newer; this is {cur}",
+            hint=f"install an intermediate release (at least {index.min_version}) first",
         )
-    if index["profile"] != running["profile"]:
+    if index.profile != running["profile"]:
         raise Refused(
-            f"bundle is for the {index['profile']} profile; this appliance runs {running['profile']}",
+            f"bundle is for the {index.profile} profile; this appliance runs {running['profile']}",
             hint="use a bundle built with the same --profile",
         )
     return downgrade
 
 
-def check_engine(index: dict[str, Any], running: dict[str, Any]) -> None:
+def check_engine(index: BundleIndex, running: dict[str, Any]) -> None:
     """The new version must run the engine image this appliance has. A bundle for a new engine
     digest carries the engine partition image, but writing it to a second engine partition is
     not built yet: refused before anything is downloaded, rather than a version that cannot start
     its engine being installed and rolled back."""
     have = str(running["engine_image"]["digest"])
-    if index["engine_digest"] != have:
+    if index.engine_digest != have:
         raise Refused(
-            f"bundle {index['version']} runs engine image {engine_short(index['engine_digest'])}, this appliance has "
+            f"bundle {index.version} runs engine image {engine_short(index.engine_digest)}, this appliance has "
             f"{engine_short(have)}; installing a new engine image over the air is not supported yet",
             hint="release the new version with the engine digest the appliance runs, or flash an image built with the new engine",
         )
 
 
-def check_fits(index: dict[str, Any], inactive: slots.Slot) -> None:
-    sizes = index["partition_sizes"]
-    names = payload_names(index["version"], index["engine_digest"], False)
+def check_fits(index: BundleIndex, inactive: slots.Slot) -> None:
+    sizes = index.partition_sizes
+    names = payload_names(index.version, index.engine_digest, False)
     targets = [("usr", inactive.usr), ("usr-verity", inactive.verity)]
     for role, part in targets:
         if part is None:
@@ -82,39 +82,43 @@ def inactive_slot(host: slots.Host, running_version: str) -> slots.Slot:
     return others[0]
 
 
-def check_staged(index: dict[str, Any], staging: Path, keys_dir: Path) -> None:
+def check_staged(index: BundleIndex, staging: Path, keys_dir: Path) -> None:
     """What is inside the verified files agrees with the signed index."""
-    names = payload_names(index["version"], index["engine_digest"], False)
+    names = payload_names(index.version, index.engine_digest, False)
     data, sig = (staging / names["manifest"]).read_bytes(), (staging / names["manifest-sig"]).read_bytes()
-    if hashlib.sha256(data).hexdigest() != index["manifest_sha256"]:
+    if hashlib.sha256(data).hexdigest() != index.manifest_sha256:
         raise Refused("manifest.json does not match bundle.json's manifest_sha256", hint="the bundle is inconsistent")
     try:
         release = manifest.verify(data, sig, keys_dir)
     except manifest.ManifestError as e:
         raise Refused(f"the bundle's release manifest: {e.message}", hint=e.hint) from None
-    for key, want in (("version", index["version"]), ("min_version", index["min_version"]), ("profile", index["profile"])):
-        if release[key] != want:
-            raise Refused(f"the release manifest says {key} {release[key]}, bundle.json {want}", hint="the bundle is inconsistent")
-    if release["engine_image"]["digest"] != index["engine_digest"]:
+    for key, got, want in (
+        ("version", release.version, index.version),
+        ("min_version", release.min_version, index.min_version),
+        ("profile", release.profile, index.profile),
+    ):
+        if got != want:
+            raise Refused(f"the release manifest says {key} {got}, bundle.json {want}", hint="the bundle is inconsistent")
+    if release.engine_image.digest != index.engine_digest:
         raise Refused("the release manifest names another engine image than bundle.json", hint="the bundle is inconsistent")
     facts = uki_facts(staging / names["uki"])
-    if facts["usrhash"] != index["usrhash"]:
+    if facts["usrhash"] != index.usrhash:
         raise Refused(f"{names['uki']} boots usrhash {facts['usrhash']}, not bundle.json's", hint="the bundle is inconsistent")
-    if facts["image_version"] not in (None, index["version"]):
-        raise Refused(f"{names['uki']} is version {facts['image_version']}, not {index['version']}", hint="the bundle is inconsistent")
+    if facts["image_version"] not in (None, index.version):
+        raise Refused(f"{names['uki']} is version {facts['image_version']}, not {index.version}", hint="the bundle is inconsistent")
 
 
 _STRICT_VERSION = re.compile(r"^(0|[1-9][0-9]{0,8})(\.(0|[1-9][0-9]{0,8})){0,3}$")
 MAX_NAME = 128
 
 
-def check_strict(index: dict[str, Any]) -> None:
+def check_strict(index: BundleIndex) -> None:
     """Versions without leading zeros or huge numbers (1.02 and 1.2 would be one version to some
     tools and two to others), file names of bounded length."""
-    for key in ("version", "min_version"):
-        if not _STRICT_VERSION.match(index[key]):
-            raise Refused(f"bundle.json: {key} {index[key][:40]!r} is not N[.N[.N[.N]]] (no leading zeros, at most 9 digits)",
+    for key, value in (("version", index.version), ("min_version", index.min_version)):
+        if not _STRICT_VERSION.match(value):
+            raise Refused(f"bundle.json: {key} {value[:40]!r} is not N[.N[.N[.N]]] (no leading zeros, at most 9 digits)",
                           hint=NOT_OURS)
-    for f in index["files"]:
-        if len(f["name"]) > MAX_NAME:
+    for f in index.files:
+        if len(f.name) > MAX_NAME:
             raise Refused(f"bundle.json: a file name is longer than {MAX_NAME} characters", hint=NOT_OURS)

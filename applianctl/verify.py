@@ -59,14 +59,14 @@ def check() -> dict[str, Any]:
     except manifest.ManifestError as e:
         result["reason"] = e.message
         return _one_line(result)
-    result["version"] = release["version"]
-    result["signer"] = release["signer"]
+    result["version"] = release.version
+    result["signer"] = release.signer
     problem, count = _check_files(release)
     if problem:
         result["reason"] = problem
     else:
         result["ok"] = True
-        result["reason"] = f"manifest {release['version']} signed by {release['signer']}: {count} files match"
+        result["reason"] = f"manifest {release.version} signed by {release.signer}: {count} files match"
     return _one_line(result)
 
 
@@ -81,14 +81,14 @@ def _read(path: Path) -> bytes:
     return data
 
 
-def _check_files(release: dict[str, Any]) -> tuple[str, int]:
+def _check_files(release: manifest.Manifest) -> tuple[str, int]:
     expected: dict[Path, str] = {}
-    for entry in release["files"]:
+    for entry in release.files:
         where = manifest.device_path(entry, paths.ENGINE_FILES_DIR, firmware_dir())
         if where is None:
             continue
-        expected[where] = entry["sha256"]
-        problem = _check_file(where, entry["sha256"])
+        expected[where] = entry.sha256
+        problem = _check_file(where, entry.sha256)
         if problem:
             return problem, 0
     for kind_dir in sorted({paths.ENGINE_FILES_DIR / d for d in manifest.DEVICE_SUBDIRS.values()}):

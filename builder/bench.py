@@ -140,8 +140,8 @@ def bench_bundle_bytes(demo: config.Config, engine_bytes: int = 2 * 1024**3) -> 
                 f.write(os.urandom(64 * 1024**2))
         full = release.make_bundle(demo, build_copy, work / "full", key)
         same_engine = release.make_bundle(demo, build_copy, work / "upgrade", key, [demo.engine.digest])
-        total = {name: sum(f["size"] for f in index["files"]) for name, index in (("full", full), ("upgrade", same_engine))}
-        shipped_engine = sum(f["size"] for f in same_engine["files"] if f["name"].startswith("engine_"))
+        total = {name: sum(f.size for f in index.files) for name, index in (("full", full), ("upgrade", same_engine))}
+        shipped_engine = sum(f.size for f in same_engine.files if f.name.startswith("engine_"))
         print(f"{'bundle, engine digest unchanged':<44} {total['upgrade'] / 1e6:8.1f} MB  full bundle {total['full'] / 1e6:8.1f} MB"
               f"  ratio {total['upgrade'] / total['full']:5.2f}x  engine bytes shipped: {shipped_engine} (target: 0)")
     finally:
@@ -216,7 +216,7 @@ def bench_slot_write(demo: config.Config) -> None:
             for i in (3, 4):
                 _sh("sfdisk", "-q", "--part-label", loop, str(i), "_empty")
             _sh("chroot", str(root), "/usr/lib/systemd/systemd-sysupdate", "--definitions=/defs", "--no-pager",
-                "update", index["version"])
+                "update", index.version)
             _sh("sync")
 
         base = _time(plain)

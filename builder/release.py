@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -90,12 +89,12 @@ def _known_engine_digests(previous: Path | Iterable[str] | None) -> tuple[set[st
     if isinstance(previous, str | os.PathLike):
         index_path = Path(previous) / bundle.BUNDLE_INDEX
         try:
-            index = bundle.validate_index(manifest.parse_canonical(index_path.read_bytes()))
+            index = bundle.load_index(manifest.parse_canonical(index_path.read_bytes()))
         except FileNotFoundError:
             raise UserError(f"{index_path}: no such file", hint="--previous takes a bundle directory or a version") from None
         except manifest.ManifestError as e:
             raise UserError(f"{index_path}: {e.message}", hint=e.hint) from None
-        return {index["engine_digest"]}, index["version"]
+        return {index.engine_digest}, index.version
     return {str(d) for d in previous}, None
 
 
@@ -106,8 +105,8 @@ def make_bundle(
     signing_key: Path,
     previous_bundle_or_engine_digests: Path | Iterable[str] | None = None,
     previous_version: str | None = None,
-) -> dict[str, Any]:
-    """Write the bundle for CONFIG's build in BUILD_OUTPUT_DIR to BUNDLE_DIR; return bundle.json's content.
+) -> bundle.BundleIndex:
+    """Write the bundle for CONFIG's build in BUILD_OUTPUT_DIR to BUNDLE_DIR; return its index (bundle.json).
 
     PREVIOUS_BUNDLE_OR_ENGINE_DIGESTS: the bundle the target runs (a directory) or the engine
     digests it has; the engine image is left out when its digest is among them.
@@ -125,17 +124,21 @@ def make_bundle(
     manifest_sig = _read(out / "manifest.json.sig")
     signer = manifest.key_id(manifest.load_private_key(signing_key).public_key())
     try:
-        release = manifest.loads(manifest_data)
+        release = manifest.load(manifest.parse_canonical(manifest_data))
         manifest.decode_signature(manifest_sig)
     except manifest.ManifestError as e:
         raise UserError(f"{out / 'manifest.json'}: {e.message}", hint=e.hint) from None
-    for key, want in (("version", version), ("profile", config.profile), ("min_version", config.appliance.min_version)):
-        if release[key] != want:
+    for key, got, want in (
+        ("version", release.version, version),
+        ("profile", release.profile, config.profile),
+        ("min_version", release.min_version, config.appliance.min_version),
+    ):
+        if got != want:
             raise UserError(
-                f"{out}: the build is {key} {release[key]}, the configuration says {want}",
+                f"{out}: the build is {key} {got}, the configuration says {want}",
                 hint=f"build it again: python3 -m builder --profile {config.profile} build",
             )
-    if release["engine_image"]["digest"] != config.engine.digest:
+    if release.engine_image.digest != config.engine.digest:
         raise UserError(f"{out}: the build's engine image is not {config.engine.digest}", hint="build it again")
 
     names = bundle.payload_names(version, config.engine.digest, with_engine=False)
@@ -188,7 +191,7 @@ def make_bundle(
             "manifest_sha256": hashlib.sha256(manifest_data).hexdigest(),
             "signer": signer,
         }
-        bundle.validate_index(index)
+        model = bundle.load_index(index)  # what the updater will check, checked before signing
         data = manifest.canonical(index)
         signature = manifest.encode_signature(manifest.load_private_key(signing_key).sign(data))
         (tmp / bundle.BUNDLE_INDEX).write_bytes(data)
@@ -199,7 +202,7 @@ def make_bundle(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return index
+    return model
 
 
 def _read(path: Path) -> bytes:
@@ -232,9 +235,9 @@ def cmd_release(args: argparse.Namespace) -> int:
         if args.previous and Path(args.previous).is_dir():
             raise UserError("--engine-digest and a --previous bundle directory exclude each other", hint="give one of them")
     index = make_bundle(config, out, bundle, key, previous, previous_version)
-    total = sum(f["size"] for f in index["files"])
-    engine = "with" if any(f["name"].startswith("engine_") for f in index["files"]) else "without"
-    print(f"bundle {index['version']} ({config.profile}) at {bundle}: {len(index['files'])} files, {total} bytes, {engine} an engine image")
+    total = sum(f.size for f in index.files)
+    engine = "with" if any(f.name.startswith("engine_") for f in index.files) else "without"
+    print(f"bundle {index.version} ({config.profile}) at {bundle}: {len(index.files)} files, {total} bytes, {engine} an engine image")
     return 0
 
 
@@ -249,6 +252,3 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_release)
     return p
 
-
-def describe(index: dict[str, Any]) -> str:
-    return json.dumps(index, indent=2, sort_keys=True)

@@ -66,13 +66,13 @@ def load_payload(directory: Path, trusted_keys: Path) -> Payload:
     index = bundle.verify_index((directory / bundle.BUNDLE_INDEX).read_bytes(), (directory / bundle.BUNDLE_SIG).read_bytes(),
                                 trusted_keys)
     man = manifest.verify((directory / "manifest.json").read_bytes(), (directory / "manifest.json.sig").read_bytes(), trusted_keys)
-    if man["version"] != index["version"]:
-        raise UserError(f"{directory}: bundle {index['version']} but manifest {man['version']}", hint="the medium is inconsistent")
-    image = directory / f"appliance_{index['version']}.raw"
+    if man.version != index.version:
+        raise UserError(f"{directory}: bundle {index.version} but manifest {man.version}", hint="the medium is inconsistent")
+    image = directory / f"appliance_{index.version}.raw"
     if not image.is_file() or not Path(f"{image}.bmap").is_file():
         raise UserError(f"{image}: missing", hint="the medium is incomplete; make it again with python3 -m builder installer")
-    eng = man["engine_image"]
-    return Payload(image, index["version"], index["usrhash"], eng["store_label"], eng["store_roothash"])
+    eng = man.engine_image
+    return Payload(image, index.version, index.usrhash, eng.store_label, eng.store_roothash)
 
 
 def required_bytes(image: Path) -> int:

@@ -36,16 +36,16 @@ def test_bundle_round_trip(tmp_path: Path, signing: tuple[Path, Path]) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key)
     index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
-    assert index["version"] == "2.0.0" and index["profile"] == "demo"
-    assert index["usrhash"] == usrhash_for("2.0.0")
+    assert index.version == "2.0.0" and index.profile == "demo"
+    assert index.usrhash == usrhash_for("2.0.0")
     names = sorted(p.name for p in b.iterdir())
-    assert names == sorted([f["name"] for f in index["files"]] + ["bundle.json", "bundle.json.sig"])
-    for f in index["files"]:
-        data = (b / f["name"]).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == f["sha256"] and len(data) == f["size"]
+    assert names == sorted([f.name for f in index.files] + ["bundle.json", "bundle.json.sig"])
+    for f in index.files:
+        data = (b / f.name).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == f.sha256 and len(data) == f.size
     sums = dict(reversed(line.split("  ")) for line in (b / "SHA256SUMS").read_text().splitlines())
-    assert set(sums) == {f["name"] for f in index["files"]} - {"SHA256SUMS"}
-    assert index["manifest_sha256"] == hashlib.sha256((b / "manifest.json").read_bytes()).hexdigest()
+    assert set(sums) == {f.name for f in index.files} - {"SHA256SUMS"}
+    assert index.manifest_sha256 == hashlib.sha256((b / "manifest.json").read_bytes()).hexdigest()
     assert (b / "bundle.json").read_bytes() == manifest.canonical(json.loads((b / "bundle.json").read_text()))
     assert not list(tmp_path.glob(".bundle-*"))  # no temporary directory left behind
 
@@ -80,8 +80,8 @@ def test_engine_image_only_when_its_digest_is_new(tmp_path: Path, signing: tuple
     # same engine as the previous bundle: no engine bytes
     second = bundle(tmp_path, key, "2.1.0", engine=True, previous_bundle_or_engine_digests=first)
     idx2 = bundle_format.verify_index((second / "bundle.json").read_bytes(), (second / "bundle.json.sig").read_bytes(), trusted)
-    assert not any(f["name"].startswith("engine_") for f in idx2["files"])
-    assert idx2["engine_digest"] == idx1["engine_digest"]
+    assert not any(f.name.startswith("engine_") for f in idx2.files)
+    assert idx2.engine_digest == idx1["engine_digest"]
     # a new engine digest: shipped
     new_digest = "sha256:" + "ab" * 32
     third = bundle(tmp_path, key, "2.2.0", engine=True, digest=new_digest, previous_bundle_or_engine_digests=[idx1["engine_digest"]])

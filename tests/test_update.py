@@ -294,7 +294,7 @@ def test_the_usr_images_ship_without_their_trailing_zeros(tmp_path: Path, signin
     index = up.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
     shipped = (b / "appliance_2.0.0.usr.raw").stat().st_size
     assert shipped == -(-data_len // 4096) * 4096
-    assert index["partition_sizes"]["appliance_2.0.0.usr.raw"] == 3 * GIB
+    assert index.partition_sizes["appliance_2.0.0.usr.raw"] == 3 * GIB
     assert (b / "appliance_2.0.0.usr.raw").read_bytes()[:data_len] == usr.read_bytes()[:data_len]
 
 
@@ -716,7 +716,7 @@ def test_staging_reports_each_download_and_each_verification(tmp_path: Path, sig
     source = update_fetch.open_source(str(b), None, update_fetch.Deadline(60))
     capsys.readouterr()
     update_stage.stage(index, source, staging)
-    names = [f["name"] for f in update_stage.to_fetch(index)]
+    names = [f.name for f in update_stage.to_fetch(index)]
     err = capsys.readouterr().err.splitlines()
     assert [line.split(":")[0] for line in err] == [f"{verb} {n}" for n in names for verb in ("downloading", "verifying")]
     assert all(" (100%), " in line and ", done in " in line for line in err)
