@@ -157,3 +157,24 @@ def test_release_reports_copying_and_hashing_the_payloads(
     assert all(" (100%), " in line and ", done in " in line for line in err)
     hashed = sum((b / n).stat().st_size for n in os.listdir(b) if n not in ("SHA256SUMS", "bundle.json", "bundle.json.sig"))
     assert err[1].startswith(f"hashing payloads: {hashed / (1 << 20):.1f} MiB/")
+
+
+def test_the_release_command_summarises_the_bundle_and_reports_progress(
+    tmp_path: Path, signing: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from appliance.config import load
+    from builder.__main__ import main
+
+    key, trusted = signing
+    config = load(REPO / "appliance.toml", "demo")  # what the command reads
+    version = config.appliance.version
+    out = fake_build(tmp_path / "out", config, key)
+    b = tmp_path / "bundle"
+    argv = ["release", "--profile", "demo", "--config", str(REPO / "appliance.toml"), "--build-output", str(out),
+            "--signing-key", str(key), "--output", str(b), "--engine-digest", config.engine.digest]
+    assert main(argv) == 0
+    stdout, stderr = capsys.readouterr()
+    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    total = sum(f.size for f in index.files)
+    assert stdout == f"bundle {version} (demo) at {b}: {len(index.files)} files, {total} bytes, without an engine image\n"
+    assert [line.split(":")[0] for line in stderr.splitlines()] == ["copying payloads", "hashing payloads"]
