@@ -33,6 +33,7 @@ from appliance.errors import UserError
 OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
 OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
 DISK_SIZE = 12 * 1024**3
+DEVICE_TIMEOUT_S = 600
 REPORT_BEGIN = "APPLIANCE-REPORT-BEGIN"
 REPORT_END = "APPLIANCE-REPORT-END"
 ASK = "APPLIANCE-ASK"
@@ -143,6 +144,11 @@ def _qemu_command(disk: Path, vars_fd: Path, credentials: dict[str, str]) -> lis
         "-device", "virtio-rng-pci",
         "-device", "i6300esb",  # a hardware watchdog, as servers have (systemd.watchdog_sec= arms it)
         "-display", "none", "-monitor", "none",
+        # Under emulation on a busy host the disk can appear after systemd's 90 s device wait
+        # (seen: 148 s), and the initrd then goes to emergency mode, which reboots and would use
+        # up a try of a version on trial. systemd-stub appends this to the signed command line
+        # only without Secure Boot, as here; the image itself keeps the default.
+        "-smbios", f"type=11,value=io.systemd.stub.kernel-cmdline-extra=systemd.default_device_timeout_sec={DEVICE_TIMEOUT_S}",
     ]
     for name, value in credentials.items():
         # binary form: values such as a PEM certificate carry newlines
