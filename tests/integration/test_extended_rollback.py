@@ -96,7 +96,8 @@ def test_a_version_whose_proxy_never_listens_is_rolled_back_by_itself(extended_r
     assert versions[NO_PROXY]["state"] == "bad" and versions[NO_PROXY]["tries_left"] == 0, slots
     assert slots["rolled_back"], slots
     last = slots["last_assessment"]
-    assert last["version"] == NO_PROXY and not last["ok"], last  # judged by the proxy, not the engine alone
+    assert last["version"] == NO_PROXY and not last["ok"], last
+    assert "through https://127.0.0.1" in last["reason"], last  # judged through the proxy, not the engine alone
     assert after["engine_became_healthy"], after["status_text"]
 
 
