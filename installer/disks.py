@@ -9,6 +9,7 @@ or file-system signature that say it holds data.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,6 +136,8 @@ def read(runner: Runner = _run) -> tuple[dict[str, Any], dict[str, dict[str, str
     except ValueError as e:
         raise UserError(f"lsblk printed no JSON ({e})", hint="the installer needs util-linux 2.37 or newer") from None
     udev: dict[str, dict[str, str]] = {}
+    if shutil.which("udevadm") is None:  # lsblk still names serial, WWN and model; by_path needs udev
+        return doc, udev
     for node in doc.get("blockdevices", []):
         if node.get("type") == "disk" and node.get("path"):
             text = runner(["udevadm", "info", "--query=property", f"--name={node['path']}"])
