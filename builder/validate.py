@@ -13,7 +13,7 @@ from pathlib import Path
 from appliance import config as config_model
 from appliance.config import Config
 from appliance.errors import UserError
-from builder import pins, tuning
+from builder import pins, tuning, weights
 
 
 def problems(config: Config, root: Path) -> list[UserError]:
@@ -22,6 +22,7 @@ def problems(config: Config, root: Path) -> list[UserError]:
     tables = [(f.file, root / f.file) for f in config.engine.tuning if f.file not in broken and (root / f.file).is_file()]
     found += tuning.problems(tables)
     found += _render_problems(config)
+    found += weights.problems(config, root)
     return found
 
 

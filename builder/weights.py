@@ -218,11 +218,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------- into the image
 
 
-def manifest_bytes(config: config_model.Config) -> bytes | None:
+def manifest_bytes(config: config_model.Config, root: Path = ROOT) -> bytes | None:
     """The configured weights manifest, checked (loads, pins the configured model and revision); None if none."""
     if not config.model.weights_manifest:
         return None
-    path = ROOT / config.model.weights_manifest
+    path = root / config.model.weights_manifest
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -233,6 +233,15 @@ def manifest_bytes(config: config_model.Config) -> bytes | None:
         raise UserError(f"{path} pins {model.model}@{model.revision}, the configuration {config.model.id}@{config.model.revision}",
                         hint=f"pin again: python3 -m builder --profile {config.profile} weights pin")
     return data
+
+
+def problems(config: config_model.Config, root: Path) -> list[UserError]:
+    """What the build would refuse about the weights manifest (for `validate`)."""
+    try:
+        manifest_bytes(config, root)
+    except UserError as e:
+        return [e]
+    return []
 
 
 def install(config: config_model.Config, tree: Path) -> None:

@@ -510,3 +510,26 @@ def _config() -> Any:
     from appliance.config import load_device
 
     return load_device()
+
+
+def test_validate_and_build_refuse_a_missing_or_foreign_weights_manifest(tmp_path: Path) -> None:
+    from appliance import config as config_model
+    from builder import validate
+    from builder.weights import ROOT
+
+    demo = config_model.load(ROOT / "appliance.toml", "demo")
+    pinned = dataclasses.replace(demo, model=dataclasses.replace(demo.model, weights_manifest="weights/demo.json"))
+    assert weights.problems(pinned, ROOT) == []
+    assert weights.release_pin(pinned) == {"weights_sha256": hashlib.sha256((ROOT / "weights/demo.json").read_bytes()).hexdigest()}
+    missing = dataclasses.replace(demo, model=dataclasses.replace(demo.model, weights_manifest="weights/none.json"))
+    (found,) = [e for e in validate.problems(missing, ROOT) if "weights" in e.message]
+    assert found.message.endswith("weights/none.json: no such file (model.weights_manifest)")
+    assert "builder --profile demo weights pin" in found.hint
+    other = dataclasses.replace(pinned, model=dataclasses.replace(pinned.model, revision="b" * 40))
+    (found,) = weights.problems(other, ROOT)
+    assert "pins standin/tiny-demo@0000000000000000000000000000000000000001, the configuration" in found.message
+    tree = tmp_path / "tree"
+    weights.install(pinned, tree)
+    assert (tree / "usr/lib/appliance/weights.json").read_bytes() == (ROOT / "weights/demo.json").read_bytes()
+    weights.install(demo, tmp_path / "none")
+    assert not (tmp_path / "none").exists()
