@@ -533,3 +533,16 @@ def test_validate_and_build_refuse_a_missing_or_foreign_weights_manifest(tmp_pat
     assert (tree / "usr/lib/appliance/weights.json").read_bytes() == (ROOT / "weights/demo.json").read_bytes()
     weights.install(demo, tmp_path / "none")
     assert not (tmp_path / "none").exists()
+
+
+def test_sources_https_only_and_ca_for_https_only(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="only https:// is accepted"):
+        model_fetch.open_source("http://mirror.test/org/model/", None, "auto", MODEL, REV)
+    with pytest.raises(UserError, match="--ca applies to an https:// SOURCE only"):
+        model_fetch.open_source(str(tmp_path), str(tmp_path / "ca.pem"), "auto", MODEL, REV)
+    with pytest.raises(UserError, match="no SOURCE given, and none configured"):
+        model_fetch.open_source("", None, "auto", MODEL, REV)
+    hub = model_fetch.open_source(f"https://mirror.test/{MODEL}", None, "auto", MODEL, REV)
+    plain = model_fetch.open_source("https://mirror.test/weights/", None, "auto", MODEL, REV)
+    assert isinstance(hub, model_fetch.HttpsSource) and isinstance(plain, model_fetch.HttpsSource)
+    assert (hub.name("sub/a b.safetensors"), plain.name("config.json")) == (f"resolve/{REV}/sub/a%20b.safetensors", "config.json")
