@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from appliance import atomic, paths
+from appliance import atomic, paths, progress
 from appliance.bundle import BUNDLE_INDEX, BUNDLE_SIG, verify_index
 from appliance.errors import Refused, UserError
 from appliance.run import run
@@ -188,12 +188,14 @@ def update(
         say(f"bundle {version} verified ({len(index.files)} files, signed by {index.signer})")
         # 4. only now: the inactive slot
         say(f"blanking slot {inactive.name}")
-        prepare_slot(host, inactive, running["version"])
+        with progress.step(f"zeroing slot {inactive.name}"):  # blkdiscard --zeroout: no count to show
+            prepare_slot(host, inactive, running["version"])
         link_sources(index, staging)
         say(f"writing slot {inactive.name}: {version}")
-        for command in sysupdate_commands(index):
-            hint = "see journalctl -t systemd-sysupdate; run the same command again to start over"
-            run(command, "systemd-sysupdate", hint, timeout=deadline.left())
+        with progress.step(f"systemd-sysupdate {version} into slot {inactive.name}"):
+            for command in sysupdate_commands(index):
+                hint = "see journalctl -t systemd-sysupdate; run the same command again to start over"
+                run(command, "systemd-sysupdate", hint, timeout=deadline.left())
         os.sync()
         if p["downgrade"]:
             run(["bootctl", "set-oneshot", f"appliance_{version}.efi"], "bootctl set-oneshot", "select the entry in the boot menu")

@@ -723,3 +723,17 @@ def test_staging_reports_each_download_and_each_verification(tmp_path: Path, sig
     # run again: what is staged is hashed again (with progress), nothing is downloaded
     update_stage.stage(index, source, staging)
     assert [line.split(":")[0] for line in capsys.readouterr().err.splitlines()] == [f"verifying {n}" for n in names]
+
+
+def test_blanking_and_writing_the_slot_say_when_they_start_and_how_long_they_took(
+    tmp_path: Path, device: Device, signing: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    capsys.readouterr()
+    assert run_update(device, str(b), trusted) == 0
+    steps = [line for line in capsys.readouterr().err.splitlines() if "slot B" in line]
+    assert [line.split(": ")[0] for line in steps] == [
+        "zeroing slot B ...", "zeroing slot B", "systemd-sysupdate 2.0.0 into slot B ...", "systemd-sysupdate 2.0.0 into slot B"
+    ]
+    assert steps[1].startswith("zeroing slot B: done in ") and steps[3].endswith(" s")
