@@ -157,7 +157,6 @@ def _unpack_layout(source: Path, staging: Path) -> None:
                     f"{source}: {member.name} is not a file or directory inside the archive",
                     hint="pass an OCI layout archive (skopeo copy ... oci-archive:PATH) or directory",
                 )
-        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
         with progress.Progress(f"unpacking {source.name}", total=sum(m.size for m in members)) as p:
 
             def counted() -> Iterator[tarfile.TarInfo]:
@@ -165,7 +164,10 @@ def _unpack_layout(source: Path, staging: Path) -> None:
                     yield member
                     p.advance(member.size)
 
-            tar.extractall(staging, members=counted(), **safe)  # type: ignore[arg-type]
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(staging, members=counted(), filter="data")
+            else:
+                tar.extractall(staging, members=counted())
 
 
 def obtain(config: Config, source: Path | None = None) -> Path:
