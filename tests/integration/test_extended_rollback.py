@@ -10,6 +10,8 @@ One appliance, one QEMU run, no host intervention after power-on:
     base  report (1.1.0 rolled back); install 1.2.0
     1.2.0 a unit boot-complete.target waits for never finishes: the boot deadline
           (appliance-boot-deadline.timer) reboots it; no try left
+    base  report (1.2.0 rolled back); install 1.3.0
+    1.3.0 the kernel panics once multi-user.target is reached: panic= reboots it; no try left
     base  the final report
 
 The bad versions are builder.faults' synthetic bad versions (the demo built again under a new
@@ -34,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
-BASE, NO_PROXY, HANGS = "1.0.0", "1.1.0", "1.2.0"
-BAD_VERSIONS = ((NO_PROXY, "proxy-never-listens"), (HANGS, "hang-before-boot-complete"))
+BASE, NO_PROXY, HANGS, PANICS = "1.0.0", "1.1.0", "1.2.0", "1.3.0"
+# in the order they are installed; the base boots again after each one's only try
+BAD_VERSIONS = ((NO_PROXY, "proxy-never-listens"), (HANGS, "hang-before-boot-complete"), (PANICS, "panic"))
 # Short for the bad versions: the proxy-less one fails its assessment after it, the hanging one
 # is rebooted by the boot deadline (this plus 5 minutes after the kernel starts).
 BAD_DEADLINE_S = 60
@@ -61,8 +64,8 @@ def extended_run(demo_config: config.Config, https_root: tuple[Path, str, str],
         bundles[version] = f"{url}/extended-{version}/"
     plan = {BASE: [{"do": "update", "url": bundles[version]} for version, _ in BAD_VERSIONS]}
     guest = qemu.Guest(disk, tmp_path_factory.mktemp("extended-guest"))
-    # base first boot + update, the failed try, base + update, the hung try (deadline), base
-    run = guest.boot(timeout=4800, credentials={"appliance.plan": json.dumps(plan), "appliance.update_ca": ca})
+    # base first boot + update, then for each bad version its try and the base again
+    run = guest.boot(timeout=6000, credentials={"appliance.plan": json.dumps(plan), "appliance.update_ca": ca})
     return run, guest.console_log.read_text(errors="replace")
 
 
@@ -78,36 +81,45 @@ def _by_version(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {s["version"]: s for s in _slots(report)["slots"] if s["version"]}
 
 
+def _after(run: dict[str, Any], console: str, version: str) -> dict[str, Any]:
+    """The base version's report after VERSION's only try."""
+    bases = _base_reports(run)
+    index = 1 + [v for v, _ in BAD_VERSIONS].index(version)
+    assert len(bases) > index, f"{len(bases)} report(s) of the base version; console: {console[-3000:]}"
+    after = bases[index]
+    versions, slots = _by_version(after), _slots(after)
+    assert versions[BASE]["booted"] and versions[BASE]["state"] == "good", slots
+    assert versions[version]["state"] == "bad" and versions[version]["tries_left"] == 0, slots
+    assert after["engine_became_healthy"], after["status_text"]
+    return after
+
+
 def test_each_bad_version_was_installed_and_tried(extended_run: tuple[dict[str, Any], str]) -> None:
     run, console = extended_run
     updates = {s["url"].rstrip("/").rsplit("-", 1)[-1]: s for s in reports_of(run)[-1]["steps"] if s["do"] == "update"}
-    for version in (NO_PROXY, HANGS):
+    for version, _ in BAD_VERSIONS:
         assert updates[version]["exit"] == 0, updates[version]["output"]
     assert not run["timed_out"], console[-3000:]
+    assert reports_of(run)[-1]["status"]["parts"]["os"]["version"] == BASE, console[-3000:]
 
 
 def test_a_version_whose_proxy_never_listens_is_rolled_back_by_itself(extended_run: tuple[dict[str, Any], str]) -> None:
     run, console = extended_run
-    bases = _base_reports(run)
-    assert len(bases) >= 2, f"{len(bases)} report(s) of the base version; console: {console[-3000:]}"
-    after = bases[1]  # the base again, after the proxy-less version's only try
-    versions, slots = _by_version(after), _slots(after)
-    assert versions[BASE]["booted"] and versions[BASE]["state"] == "good", slots
-    assert versions[NO_PROXY]["state"] == "bad" and versions[NO_PROXY]["tries_left"] == 0, slots
+    slots = _slots(_after(run, console, NO_PROXY))
     assert slots["rolled_back"], slots
     last = slots["last_assessment"]
     assert last["version"] == NO_PROXY and not last["ok"], last
     assert "through https://127.0.0.1" in last["reason"], last  # judged through the proxy, not the engine alone
-    assert after["engine_became_healthy"], after["status_text"]
 
 
 def test_a_version_that_hangs_before_boot_complete_is_rolled_back_by_itself(extended_run: tuple[dict[str, Any], str]) -> None:
     run, console = extended_run
-    final = reports_of(run)[-1]
-    assert final["status"]["parts"]["os"]["version"] == BASE, console[-3000:]
-    versions, slots = _by_version(final), _slots(final)
-    assert versions[BASE]["booted"] and versions[BASE]["state"] == "good", slots
-    assert versions[HANGS]["state"] == "bad" and versions[HANGS]["tries_left"] == 0, slots
+    _after(run, console, HANGS)
     # the boot deadline rebooted it: boot-complete.target waits for the hung unit, whatever the assessment said
     assert "boot-complete.target not reached before the deadline" in console, console[-3000:]
-    assert final["engine_became_healthy"], final["status_text"]
+
+
+def test_a_version_that_panics_is_rolled_back_by_itself(extended_run: tuple[dict[str, Any], str]) -> None:
+    run, console = extended_run
+    _after(run, console, PANICS)
+    assert "Kernel panic" in console, console[-3000:]
