@@ -301,6 +301,7 @@ class FileFetch:
                 if self.stop.is_set():
                     raise _Stopped(f"{entry.path}: stopped (another file failed)", hint=RETRY_HINT)
                 if have + len(data) > entry.size:
+                    self.discard()  # what it sent first may well be right; a source that lies about a file is not used
                     raise Refused(f"{entry.path}: the source sent more than the {entry.size} bytes the signed manifest gives",
                                   hint="the source does not hold this revision's file")
                 view = memoryview(data)

@@ -299,7 +299,7 @@ def test_a_file_too_large_is_refused_naming_it(tmp_path: Path) -> None:
     store = _store(tmp_path, manifest)
     with pytest.raises(UserError, match=r"^sub/b.safetensors: the source sent more than the 8388608 bytes"):
         model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity())
-    assert not (store.snapshot / "sub/b.safetensors").exists()
+    assert not (store.snapshot / "sub/b.safetensors").exists() and not (store.partial / "sub/b.safetensors.part").exists()
 
 
 def test_not_enough_space_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
