@@ -57,7 +57,7 @@ def test_a_step_without_a_count_says_when_it_starts_while_it_runs_and_how_long_i
     out, clock = io.StringIO(), Clock()
     with progress.step("packing engine.erofs", out=out, tty=False, every_s=0.01, clock=clock):
         clock.now += 42
-        for _ in range(500):  # the ticker thread writes while the step blocks
+        for _ in range(3000):  # the ticker thread writes while the step blocks (generous: loaded CI hosts)
             if out.getvalue().count("\n") >= 2:
                 break
             time.sleep(0.01)
