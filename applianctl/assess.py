@@ -115,7 +115,7 @@ def assess(
         say("this boot is not on trial (no boot counting): the version was judged good already; nothing to assess")
         return 0
     try:
-        version = slots.running_manifest()["version"]
+        version = slots.running_manifest().version
     except UserError:
         version = config.appliance.version
     deadline = float(deadline_s if deadline_s is not None else config.update.assessment_deadline_s)

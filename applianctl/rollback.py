@@ -22,7 +22,7 @@ from applianctl import slots
 
 def rollback(host: slots.Host | None = None, *, force: bool = False, running_version: str | None = None) -> str:
     host = host or slots.Host()
-    running_version = running_version or slots.running_manifest()["version"]
+    running_version = running_version or slots.running_manifest().version
     view = slots.read(host, running_version)
     booted, other = view.booted, view.other
     if booted is None or other is None:

@@ -134,10 +134,10 @@ def booted_usrhash(host: Host) -> str | None:
     return value.lower() if value else None
 
 
-def running_manifest() -> dict[str, Any]:
+def running_manifest() -> manifest.Manifest:
     """The running version's release manifest (on the verity-protected /usr)."""
     try:
-        return manifest.loads(paths.MANIFEST.read_bytes())
+        return manifest.load(manifest.parse_canonical(paths.MANIFEST.read_bytes()))
     except FileNotFoundError:
         raise UserError(f"{paths.MANIFEST}: no release manifest", hint="this command runs on the appliance") from None
 
@@ -476,7 +476,7 @@ def read(host: Host | None = None, running_version: str | None = None, *, with_s
     errors: list[str] = []
     if running_version is None:
         try:
-            running_version = running_manifest()["version"]
+            running_version = running_manifest().version
         except UserError as e:
             errors.append(e.message)
     found: list[Slot] = []

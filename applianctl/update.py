@@ -33,6 +33,7 @@ from typing import Any
 from appliance import atomic, paths, progress
 from appliance.bundle import BUNDLE_INDEX, BUNDLE_SIG, verify_index
 from appliance.errors import Refused, UserError
+from appliance.manifest import Manifest
 from appliance.run import run
 from applianctl import slots
 from applianctl.update_fetch import Deadline, open_source
@@ -88,7 +89,7 @@ def plan(
     deadline: Deadline,
     host: slots.Host,
     keys_dir: Path,
-    running: dict[str, Any],
+    running: Manifest,
     allow_downgrade: bool,
 ) -> dict[str, Any]:
     """Steps 1 and 2: what installing SPEC would do. Reads the source; writes nothing."""
@@ -99,14 +100,14 @@ def plan(
     check_strict(index)
     downgrade = check_policy(index, running, allow_downgrade)
     check_engine(index, running)
-    view = slots.read(host, running["version"])
+    view = slots.read(host, running.version)
     inactive = inactive_slot(view)
     check_fits(index, inactive)
     version = index.version
     return {
         "source": spec,
         "version": version,
-        "running_version": running["version"],
+        "running_version": running.version,
         "slot": inactive.name,
         "slot_holds": inactive.version,
         "downgrade": downgrade,
@@ -133,7 +134,7 @@ def check(
     deadline_s: float = 300.0,
     host: slots.Host | None = None,
     keys_dir: Path | None = None,
-    running: dict[str, Any] | None = None,
+    running: Manifest | None = None,
 ) -> dict[str, Any]:
     """`update --check`: the plan, and whether the update would be refused now (blocked)."""
     host = host or slots.Host()
@@ -159,7 +160,7 @@ def update(
     space_margin: int = SPACE_MARGIN_BYTES,
     host: slots.Host | None = None,
     keys_dir: Path | None = None,
-    running: dict[str, Any] | None = None,
+    running: Manifest | None = None,
     confirm: Callable[[str], bool] | None = None,
     say: Callable[[str], None] = lambda line: print(line, flush=True),  # progress, seen at once through a pipe
 ) -> int:
@@ -168,7 +169,7 @@ def update(
     running = running or slots.running_manifest()
     deadline = Deadline(deadline_s)
     # 0. before anything else (no network, no lock file): never write while on trial
-    check_judged(slots.read(host, running["version"]))
+    check_judged(slots.read(host, running.version))
     with locked():
         # 1-2. the signature, before anything in the bundle is looked at; then policy and fit
         p = plan(spec, ca=ca, deadline=deadline, host=host, keys_dir=keys_dir, running=running, allow_downgrade=allow_downgrade)
@@ -178,7 +179,7 @@ def update(
         if p["already_installed"]:
             say(f"version {version} is already installed in slot {inactive.name}; reboot to start it")
             return 0
-        if confirm is not None and not confirm(f"install {version} over {running['version']} into slot {inactive.name}?"):
+        if confirm is not None and not confirm(f"install {version} over {running.version} into slot {inactive.name}?"):
             raise UserError("not confirmed", hint="add --yes to install without asking")
         # 3. room first, then every byte, proven
         staging = staging_for(version)
@@ -189,7 +190,7 @@ def update(
         # 4. only now: the inactive slot
         say(f"blanking slot {inactive.name}")
         with progress.step(f"zeroing slot {inactive.name}"):  # blkdiscard --zeroout: no count to show
-            prepare_slot(host, inactive, running["version"])
+            prepare_slot(host, inactive, running.version)
         link_sources(index, staging)
         say(f"writing slot {inactive.name}: {version}")
         with progress.step(f"systemd-sysupdate {version} into slot {inactive.name}"):
@@ -203,7 +204,7 @@ def update(
             slots.last_update_path(),
             {
                 "version": version,
-                "from_version": running["version"],
+                "from_version": running.version,
                 "slot": inactive.name,
                 "downgrade": p["downgrade"],
                 "installed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

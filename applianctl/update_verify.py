@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Any
 
 from appliance import manifest
 from appliance.bundle import NOT_OURS, BundleIndex, engine_short, payload_names, uki_facts
@@ -20,9 +19,9 @@ from appliance.errors import Refused, UserError
 from applianctl import slots
 
 
-def check_policy(index: BundleIndex, running: dict[str, Any], allow_downgrade: bool) -> bool:
+def check_policy(index: BundleIndex, running: manifest.Manifest, allow_downgrade: bool) -> bool:
     """Refuse a bundle the running version must not take; True when it is a downgrade."""
-    new, cur = index.version, running["version"]
+    new, cur = index.version, running.version
     if manifest.version_tuple(new) == manifest.version_tuple(cur):
         raise Refused(f"bundle version {new} is the running version", hint="nothing to do; a newer bundle is needed to upgrade")
     downgrade = manifest.version_tuple(new) < manifest.version_tuple(cur)
@@ -33,20 +32,20 @@ def check_policy(index: BundleIndex, running: dict[str, Any], allow_downgrade: b
             f"bundle {new} may only be installed over {index.min_version} or newer; this is {cur}",
             hint=f"install an intermediate release (at least {index.min_version}) first",
         )
-    if index.profile != running["profile"]:
+    if index.profile != running.profile:
         raise Refused(
-            f"bundle is for the {index.profile} profile; this appliance runs {running['profile']}",
+            f"bundle is for the {index.profile} profile; this appliance runs {running.profile}",
             hint="use a bundle built with the same --profile",
         )
     return downgrade
 
 
-def check_engine(index: BundleIndex, running: dict[str, Any]) -> None:
+def check_engine(index: BundleIndex, running: manifest.Manifest) -> None:
     """The new version must run the engine image this appliance has. A bundle for a new engine
     digest carries the engine partition image, but writing it to a second engine partition is
     not built yet: refused before anything is downloaded, rather than a version that cannot start
     its engine being installed and rolled back."""
-    have = str(running["engine_image"]["digest"])
+    have = running.engine_image.digest
     if index.engine_digest != have:
         raise Refused(
             f"bundle {index.version} runs engine image {engine_short(index.engine_digest)}, this appliance has "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from fake_release import usrhash_for
@@ -177,7 +178,7 @@ def test_sysupdate_257_list_is_read(machine: Machine) -> None:
 def _cli(argv: list[str], machine: Machine, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     from applianctl.__main__ import main
 
-    monkeypatch.setattr(slots, "running_manifest", lambda: {"version": "2.0.0"})
+    monkeypatch.setattr(slots, "running_manifest", lambda: SimpleNamespace(version="2.0.0"))  # all it is asked
     monkeypatch.setenv("APPLIANCE_ESP_DIR", str(machine.esp))
     monkeypatch.setenv("APPLIANCE_EFIVARS_DIR", str(machine.host.efivars))
     monkeypatch.setenv("APPLIANCE_CMDLINE", str(machine.host.cmdline))

@@ -7,6 +7,7 @@ HTTPS server on loopback with a CA made for the test."""
 from __future__ import annotations
 
 import configparser
+import dataclasses
 import http.server
 import json
 import os
@@ -24,8 +25,8 @@ from fake_release import bundle, demo_config, fake_build, make_signing, usrhash_
 from test_update_fetch import make_ca, make_server_cert
 
 from appliance import atomic as state
-from appliance import paths
-from appliance.bundle import source_names
+from appliance import manifest, paths
+from appliance.bundle import engine_short, source_names
 from appliance.errors import Refused, UserError
 from applianctl import rollback, slots, update_fetch, update_stage
 from applianctl import update as up
@@ -118,7 +119,20 @@ def signing_fixture(tmp_path: Path) -> tuple[Path, Path]:
     return make_signing(tmp_path)
 
 
-RUNNING = {"version": "1.0.0", "profile": "demo", "min_version": "0", "engine_image": {"digest": demo_config("1.0.0").engine.digest}}
+def running_manifest(version: str = "1.0.0") -> manifest.Manifest:
+    """The running version's release manifest, as slots.running_manifest() reads it from /usr."""
+    config = demo_config(version)
+    digest = config.engine.digest
+    engine = {"reference": config.engine.reference, "digest": digest, "store_label": f"engine_{engine_short(digest)}",
+              "store_roothash": "e" * 64}
+    return manifest.load({
+        "version": version, "min_version": "0", "build_time": "2026-01-01T00:00:00Z", "profile": "demo", "engine_image": engine,
+        "model": {"id": config.model.id, "revision": config.model.revision}, "kernel_version": "6.12.38+deb13-amd64",
+        "files": [], "signer": "0123456789abcdef",
+    })
+
+
+RUNNING = running_manifest()
 
 
 def run_update(device: Device, source: str, trusted: Path, **kw: Any) -> int:
@@ -225,13 +239,13 @@ def test_min_version_is_enforced(tmp_path: Path, device: Device, signing: Any) -
     b = bundle(tmp_path, key, "3.0.0", min_version="2.0.0")
     _refused(device, str(b), trusted, "only be installed over 2.0.0")
     (device.esp / "EFI/Linux/appliance_1.0.0.efi").rename(device.esp / "EFI/Linux/appliance_2.0.0.efi")  # now running 2.0.0
-    assert run_update(device, str(b), trusted, running={**RUNNING, "version": "2.0.0"}) == 0
+    assert run_update(device, str(b), trusted, running=dataclasses.replace(RUNNING, version="2.0.0")) == 0
 
 
 def test_a_bundle_of_another_profile_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")
-    _refused(device, str(b), trusted, "profile", running={**RUNNING, "profile": "production"})
+    _refused(device, str(b), trusted, "profile", running=dataclasses.replace(RUNNING, profile="production"))
 
 
 def test_a_bundle_larger_than_the_inactive_slot_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
