@@ -19,8 +19,11 @@ def test_engine_reaches_healthy_through_the_production_unit(first_boot: dict[str
     assert engine["models"] == ["standin/tiny-demo"] or "standin/tiny-demo" in str(engine)
 
 
-# What podman itself puts in a container's environment, besides the image's own variables.
+# What podman itself puts in a container's environment, besides the image's own variables, and
+# what the quadlet sets for every engine (units/appliance-engine.container.j2: weights are never
+# fetched at run time).
 PODMAN_ENV = {"PATH", "HOME", "HOSTNAME", "TERM", "container"}
+UNIT_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def test_engine_environment_in_the_running_container_equals_the_configuration(
@@ -38,7 +41,8 @@ def test_engine_environment_in_the_running_container_equals_the_configuration(
     assert {"HSA_COREDUMP_PATTERN", "STANDIN_SPACED"} <= set(expected)  # the hard cases are configured
     assert {name: seen.get(name) for name in expected} == expected, env["environ"]
     image_names = {v.partition("=")[0] for v in env["image_env"]}
-    assert set(names) - set(expected) <= PODMAN_ENV | image_names, env["environ"]
+    assert {name: seen[name] for name in set(UNIT_ENV) & set(names)} == {n: UNIT_ENV[n] for n in set(UNIT_ENV) & set(names)}
+    assert set(names) - set(expected) <= PODMAN_ENV | image_names | set(UNIT_ENV), env["environ"]
 
 
 def test_smoke_prompt_answers_391_on_the_engine_port(first_boot: dict[str, Any]) -> None:
