@@ -28,7 +28,7 @@ qemu: setup
 	$(BUILDER) --profile demo boot --interactive
 
 lint: setup
-	$(PY) -m ruff check appliance builder applianctl demo standin tests
+	$(PY) -m ruff check appliance builder applianctl demo installer standin tests
 	$(PY) -m mypy
 
 unit: setup
