@@ -104,7 +104,9 @@ class ProbeNet:
 
     def qemu_args(self) -> list[str]:
         assert self.fd is not None, "ProbeNet is used as a context manager"
-        return ["-netdev", f"tap,id=probe,fd={self.fd}", "-device", f"virtio-net-pci,netdev=probe,mac={self.MAC}"]
+        # A fixed PCI address: the firmware keeps its boot entry for the disk by PCI path, so the disk
+        # must stay where it was in the boots without this NIC (or the next run finds nothing to boot).
+        return ["-netdev", f"tap,id=probe,fd={self.fd}", "-device", f"virtio-net-pci,netdev=probe,mac={self.MAC},addr=0x10"]
 
     def _ip(self, *args: str) -> None:
         proc = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
