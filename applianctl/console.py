@@ -15,30 +15,30 @@ from pathlib import Path
 
 from appliance.atomic import atomic_write
 from appliance.config import Config, load_device
-from applianctl import probes_host, probes_tls, status
+from applianctl import status
 from applianctl.probes import Sources
 
 ISSUE = Path("/run/issue.d/50-appliance.issue")
 
 
 def text(config: Config, src: Sources | None = None) -> str:
-    src = src or Sources()
-    doc = status.collect(config, src)
+    doc = status.collect(config, src or Sources())
     out = io.StringIO()
     status.render(doc, out, colour=False)
-    tls = probes_tls.probe_tls(config)
-    addresses = probes_host.addresses(src)
+    # the CA and the addresses come from the same (guarded) probes as status: one reading
+    tls, host = doc["parts"].get("tls", {}), doc["parts"].get("host", {})
+    addresses = host.get("addresses")
     lines = [
         "",
         f"  {config.appliance.name} {config.appliance.version} on {socket.gethostname()}",
         f"  addresses:  {', '.join(addresses) if addresses else '(none yet)'}",
         f"  proxy:      https://{config.proxy.hostname}:{config.proxy.https_port}/",
-        f"  CA SHA-256: {tls.details.get('ca_sha256') or '(' + tls.reason + ')'}",
+        f"  CA SHA-256: {tls.get('ca_sha256') or '(' + str(tls.get('reason')) + ')'}",
         "",
         *("  " + line for line in out.getvalue().rstrip("\n").splitlines()),
         "",
     ]
-    # agetty reads '\' as the start of an escape sequence
+    # agetty reads a backslash as the start of an escape sequence
     return "\n".join(lines).replace("\\", "\\\\") + "\n"
 
 

@@ -178,7 +178,7 @@ def summary(name: str, part: Mapping[str, Any]) -> str:
     if name == "weights" and d.get("files") is not None:
         verified = ", verified" if d.get("verified") else ""
         return f"revision {d['revision'][:12]}, {d['files']} files, {d['bytes'] / 1024**3:.1f} GiB{verified}"
-    if name == "host":
+    if name == "host" and "hostname" in d:
         return f"{d['hostname']} {', '.join(d['addresses'] or [])} (settings from the {d['source'] or 'image defaults'})"
     return ""
 

@@ -174,7 +174,10 @@ def collect() -> dict[str, Any]:
         # the last lines of each appliance unit's journal, for whoever reads a failed test
         "journal": {
             unit: _run(["journalctl", "-o", "cat", "-u", unit, "-n", "30", "--no-pager"])[-3000:]
-            for unit in (*ENGINE_REQUIREMENTS, ENGINE, "appliance-proxy.service", "appliance-tls.service")
+            for unit in dict.fromkeys(
+                (*ENGINE_REQUIREMENTS, ENGINE, "appliance-proxy.service", "appliance-tls.service",
+                 *(u.get("unit") for u in units if isinstance(u, dict)))
+            )
         },
         "smoke_engine": smoke,
         "smoke_proxy": proxy_smoke,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +17,16 @@ def test_console_text(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     config = config_model.load(REPO / "appliance.toml", "demo")
     doc: dict[str, Any] = {"schema": 1, "state": "degraded", "reason": "engine: a\\b", "appliance": config.appliance.name,
                            "version": config.appliance.version, "profile": "demo", "generated_at": "2026-11-30T14:00:00Z",
-                           "elapsed_s": 0.1, "parts": {"engine": {"state": "degraded", "reason": "a\\b"}}}
+                           "elapsed_s": 0.1, "parts": {
+                               "engine": {"state": "degraded", "reason": "a\\b"},
+                               "host": {"state": "ok", "reason": "", "addresses": ["192.0.2.10/24"]},
+                               "tls": {"state": "down", "reason": "no CA yet"}}}
     monkeypatch.setattr(status, "collect", lambda config, src: doc)
     monkeypatch.setenv("APPLIANCE_STATE_DIR", str(tmp_path))
 
-    def ip(argv: object, timeout: float) -> tuple[int, str]:
-        return 0, json.dumps([{"addr_info": [{"local": "192.0.2.10", "prefixlen": 24}]}])
-
-    text = console.text(config, probes.Sources(run=ip))
+    text = console.text(config, probes.Sources())
     assert f"{config.appliance.name} {config.appliance.version}" in text
     assert "addresses:  192.0.2.10/24" in text
-    assert "CA SHA-256: (" in text  # no CA in this tree yet: the reason is shown instead
+    assert "CA SHA-256: (no CA yet)" in text  # no CA yet: the reason is shown instead
     assert "a\\\\b" in text and "a\\b " not in text.replace("a\\\\b", "")  # agetty escapes doubled
     assert "engine" in text

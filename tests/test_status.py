@@ -314,6 +314,17 @@ def test_a_probe_that_hangs_or_raises_is_down_and_costs_only_the_deadline() -> N
     assert parts["c"].state == probes.OK
 
 
+def test_every_part_renders_when_its_probe_timed_out() -> None:
+    """A probe past its deadline leaves only a state and a reason (the host probe timed out under
+    load on a test VM): the text must still render, or status and the console fail with it."""
+    bare = {name: {"state": probes.DOWN, "reason": "no answer within 2 s"} for name in status.PARTS}
+    doc = {"appliance": "a", "version": "1", "state": probes.DOWN, "reason": "os: no answer", "parts": bare}
+    out = io.StringIO()
+    status.render(doc, out, colour=False)
+    assert out.getvalue().count("no answer within 2 s") == len(status.PARTS)
+    assert "KeyError" not in out.getvalue()
+
+
 @pytest.mark.parametrize(
     ("states", "overall", "code"),
     [
