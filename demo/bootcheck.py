@@ -176,7 +176,7 @@ def collect() -> dict[str, Any]:
             unit: _run(["journalctl", "-o", "cat", "-u", unit, "-n", "30", "--no-pager"])[-3000:]
             for unit in dict.fromkeys(
                 (*ENGINE_REQUIREMENTS, ENGINE, "appliance-proxy.service", "appliance-tls.service",
-                 *(u.get("unit") for u in units if isinstance(u, dict)))
+                 *(str(u.get("unit")) for u in units if isinstance(u, dict)))
             )
         },
         "smoke_engine": smoke,
