@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(sub)
     installer_media.add_parsers(sub)
 
+    from builder import installer_uki
+
+    installer_uki.add_parser(sub)
+
     p = sub.add_parser("keys", help="make a release signing key pair (Ed25519)")
     p.add_argument("action", choices=["generate"], help="generate: write a new key pair")
     p.add_argument("--directory", help="where to write release.key and release.pub (default: keys/, never committed)")

@@ -132,7 +132,7 @@ def make(build_out: Path, version: str, uki: Path, plan_dir: Path | None, output
          bundle_dir: Path | None = None) -> dict[str, Path]:
     """Write each of FORMS (usb, iso, efi) into OUTPUT; return what was written."""
     if not uki.is_file():
-        raise UserError(f"{uki}: no installer kernel image", hint="give --installer-uki (docs/install.md: how it is built)")
+        raise UserError(f"{uki}: no installer kernel image", hint="build it: python3 -m builder installer-uki (or give --installer-uki)")
     files = payload_files(build_out, version, plan_dir, bundle_dir)
     output.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
@@ -198,7 +198,7 @@ def describe(node: dict[str, Any]) -> str:
 def flash(image: Path, device: str, yes: bool, lsblk_json: str | None = None) -> int:
     bmap = image.with_name(image.name + ".bmap")
     if not image.is_file() or not bmap.is_file():
-        raise UserError(f"{image} or {bmap.name} is missing", hint="make them: python3 -m builder installer --installer-uki UKI")
+        raise UserError(f"{image} or {bmap.name} is missing", hint="make them: python3 -m builder installer")
     doc = json.loads(lsblk_json if lsblk_json is not None else _run(["lsblk", "--json", "-O", "-b"], "listing disks", TOOLS_HINT))
     why, node = flash_refusal(device, doc)
     if why:
@@ -222,13 +222,14 @@ def flash(image: Path, device: str, yes: bool, lsblk_json: str | None = None) ->
 
 def cmd_installer(args: argparse.Namespace) -> int:
     from appliance import config as config_model
-    from builder import build
+    from builder import build, installer_uki
 
     config = config_model.load(Path(args.config), args.profile)
+    uki = Path(args.installer_uki) if args.installer_uki else installer_uki.default_path(config)
     out = Path(args.build_output) if args.build_output else build.output_dir(config)
     output = Path(args.output) if args.output else build.ROOT / "out" / "installer" / f"{config.profile}-{config.appliance.version}"
     bundle_dir = Path(args.bundle) if args.bundle else build.ROOT / "out" / "bundles" / f"{config.profile}-{config.appliance.version}"
-    written = make(out, config.appliance.version, Path(args.installer_uki), Path(args.plan) if args.plan else None, output,
+    written = make(out, config.appliance.version, uki, Path(args.plan) if args.plan else None, output,
                    args.form or ["usb", "iso", "efi"], bundle_dir)
     for form, path in written.items():
         print(f"{form}: {path} ({path.stat().st_size} bytes)")
@@ -242,7 +243,7 @@ def cmd_flash(args: argparse.Namespace) -> int:
 def add_parsers(sub: Any) -> None:
     """Register `installer` and `flash` (builder/__main__.py: installer_media.add_parsers(sub))."""
     p = sub.add_parser("installer", help="make installer media (USB image + bmap, ISO, HTTP-boot UKI) from the last build")
-    p.add_argument("--installer-uki", required=True, help="the installer kernel image (docs/install.md)")
+    p.add_argument("--installer-uki", help="the installer kernel image (default: what `installer-uki` built for the profile)")
     p.add_argument("--plan", help="a signed plan directory (python3 -m builder plan) to put on the medium")
     p.add_argument("--form", action="append", choices=["usb", "iso", "efi"], help="only these forms (repeatable; default: all)")
     p.add_argument("--build-output", help="the build's output directory (default: out/PROFILE)")

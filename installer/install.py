@@ -4,7 +4,7 @@ appliance keeps per-host settings, a firmware boot entry for the new disk put fi
 one-page summary.
 
     bmaptool copy --bmap IMAGE.bmap IMAGE TARGET
-    systemd-repart --dry-run=no --definitions=/usr/lib/repart.d TARGET
+    systemd-repart --dry-run=no --definitions=/usr/lib/appliance-installer/repart.d TARGET
 
 writes the image's used blocks (its partitions with their types, labels and UUIDs, so the UKI's
 usrhash= finds /usr), then creates slot B and /var exactly as a first boot would
@@ -34,7 +34,9 @@ from appliance.errors import UserError
 from appliance.run import run
 from installer import disks, select
 
-REPART_DEFINITIONS = Path("/usr/lib/repart.d")
+# the appliance's first-boot layout, put there by builder/installer_uki.py (not /usr/lib/repart.d:
+# the installer's own boot must not repartition anything)
+REPART_DEFINITIONS = Path("/usr/lib/appliance-installer/repart.d")
 VAR_LABEL = "appliance-var"
 HOST_SUBDIR = "lib/appliance/host"  # on /var: /var/lib/appliance/host
 BOOT_LABEL = "Appliance"

@@ -98,7 +98,7 @@ def test_install_writes_verifies_records_the_plan_and_boots_first(tmp_path: Path
                      "efibootmgr", "efibootmgr --create", "efibootmgr", "efibootmgr --bootorder", "systemctl"]
     image = tmp_path / "appliance_1.0.0.raw"
     assert rec.calls[0] == ["bmaptool", "copy", "--bmap", f"{image}.bmap", str(image), "/dev/vda"]
-    assert rec.calls[1] == ["systemd-repart", "--dry-run=no", "--definitions=/usr/lib/repart.d", "/dev/vda"]
+    assert rec.calls[1] == ["systemd-repart", "--dry-run=no", "--definitions=/usr/lib/appliance-installer/repart.d", "/dev/vda"]
     verity = [c for c in rec.calls if c[0] == "veritysetup"]
     assert verity[0] == ["veritysetup", "verify", "/dev/vda2", "/dev/vda3", USRHASH]
     assert verity[1] == ["veritysetup", "verify", "/dev/vda4", "/dev/vda5", "c" * 64]

@@ -1,0 +1,95 @@
+"""`python3 -m builder installer-uki`: the installer kernel image, built by mkosi from installer/mkosi/.
+
+One UKI (Format=uki) whose initrd is the whole installer system, so it runs from RAM. The builder
+adds, as an extra tree:
+
+    /usr/lib/python3/dist-packages/{appliance,installer}   the installer and the core it shares
+    /usr/lib/appliance/keys/KEYID.pub                      the release key it trusts (this profile's)
+    /usr/lib/appliance-installer/repart.d/                 the appliance's own first-boot layout
+                                                           (image/mkosi.extra/usr/lib/repart.d), so
+                                                           the installer makes slot B and /var
+                                                           exactly as a first boot would
+
+The definitions are not under /usr/lib/repart.d: the installer's own boot must not repartition
+anything. The result is written under a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from appliance import paths
+from appliance.config import Config
+from appliance.errors import UserError
+from builder import build, keys
+from builder.run import mkosi_command, run
+
+PROJECT = build.ROOT / "installer" / "mkosi"
+PACKAGES = ("appliance", "installer")
+REPART_SOURCE = build.IMAGE_DIR / "mkosi.extra/usr/lib/repart.d"
+REPART_IN_INSTALLER = "usr/lib/appliance-installer/repart.d"  # installer/install.py REPART_DEFINITIONS
+UKI_NAME = "appliance-installer.efi"
+
+
+def default_path(config: Config) -> Path:
+    return build.ROOT / "out" / "installer" / config.profile / UKI_NAME
+
+
+def extra_tree(config: Config, signing_key: Path, tree: Path) -> None:
+    shutil.rmtree(tree, ignore_errors=True)
+    for name in PACKAGES:
+        shutil.copytree(build.ROOT / name, tree / "usr/lib/python3/dist-packages" / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "mkosi"))
+    public = signing_key.with_suffix(".pub")
+    trusted = tree / paths.TRUSTED_KEYS_DIR.relative_to("/") / keys.trusted_name(public)
+    trusted.parent.mkdir(parents=True)
+    shutil.copyfile(public, trusted)
+    shutil.copytree(REPART_SOURCE, tree / REPART_IN_INSTALLER)
+
+
+def build_uki(config: Config, signing_key: Path | None = None, output: Path | None = None) -> Path:
+    """Build the installer UKI for CONFIG's release key; returns its path."""
+    key = build.signing_key_for(config, signing_key)
+    work = build.work_dir(config) / "installer"
+    tree, sandbox = work / "tree", work / "sandbox"
+    extra_tree(config, key, tree)
+    shutil.rmtree(sandbox, ignore_errors=True)
+    build.write_sandbox(config, sandbox)
+    final = (output or default_path(config)).resolve()
+    # mkosi's output directory: beside the result, removed after; only the UKI is renamed out of it
+    staging = final.parent / f".{final.name}.build"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    build.MKOSI_CACHE.mkdir(parents=True, exist_ok=True)
+    try:
+        run([*mkosi_command(), "-C", str(PROJECT), f"--extra-tree={tree}", f"--sandbox-tree={sandbox}",
+             f"--tools-tree-sandbox-tree={sandbox}", f"--cache-directory={build.MKOSI_CACHE}",
+             f"--output-directory={staging}", "build"],
+            what="mkosi build (installer)", hint="see mkosi's output above; run again with --debug for the full command")
+        uki = staging / UKI_NAME
+        if not uki.is_file():
+            raise UserError(f"mkosi produced no installer kernel image at {uki}", hint="see mkosi's output above")
+        os.replace(uki, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def cmd_installer_uki(args: argparse.Namespace) -> int:
+    from appliance import config as config_model
+
+    config = config_model.load(Path(args.config), args.profile)
+    uki = build_uki(config, Path(args.signing_key) if args.signing_key else None, Path(args.output) if args.output else None)
+    print(f"installer kernel image: {uki} ({uki.stat().st_size} bytes)")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("installer-uki", help="build the installer kernel image (installer/mkosi/) into out/installer/PROFILE/")
+    p.add_argument("--signing-key", help="the release key whose public half the installer trusts (default: as build)")
+    p.add_argument("--output", help=f"where to write it (default: out/installer/PROFILE/{UKI_NAME})")
+    p.set_defaults(func=cmd_installer_uki)
