@@ -340,6 +340,9 @@ class Update:
     assessment_deadline_s: int = field(default=3600, metadata=_check(_between(1, 7 * 86400)))
     # boot tries a newly installed version gets (systemd-boot's counter, TriesLeft= of the kernel image)
     boot_tries: int = field(default=3, metadata=_check(_between(1, 20)))
+    # what the update timer does with a new bundle at url: install it into the inactive slot, or
+    # only download and verify it into /var for `applianctl update --apply` in a maintenance window
+    timer_action: str = field(default="install", metadata=_check(_one_of("install", "download-only")))
 
 
 @dataclass(frozen=True)

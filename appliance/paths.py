@@ -33,6 +33,18 @@ PREFLIGHT_RESULT = RUN_DIR / "preflight.json"
 STATE_DIR = _path("STATE_DIR", "/var/lib/appliance")
 TLS_DIR = STATE_DIR / "tls"  # ca.crt, ca.key, server.crt, server.key
 
+
+# The updater's state, joined at each call: tests that move STATE_DIR move these with it.
+def update_dir() -> Path:
+    return STATE_DIR / "update"
+
+
+def staged_update_dir() -> Path:
+    """`applianctl update --download-only`: the verified bundle waiting for `--apply`; its record
+    (staged.json) names the one complete directory beside it."""
+    return update_dir() / "staged"
+
+
 SHM_DIR = _path("SHM_DIR", "/dev/shm")
 
 # The appliance's units, in the order status shows them.

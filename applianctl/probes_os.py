@@ -90,7 +90,17 @@ def probe_slots(config: Config, read_slots: Callable[[], dict[str, Any]]) -> Par
     if not summary["slots"]:
         reason = "; ".join(summary["errors"]) or "no A/B slots found"
         return Part(NOT_CONFIGURED, reason.splitlines()[0], summary)
-    return Part(OK, slots_line(summary["slots"]), summary)
+    return Part(OK, slots_line(summary["slots"]) + staged_line(summary.get("staged")), summary)
+
+
+def staged_line(staged: dict[str, Any] | None) -> str:
+    """"; staged 2.0.0 (812.4 MiB, 2026-11-30T17:40:00Z)": what `applianctl update --apply` would install."""
+    if not staged:
+        return ""
+    if "error" in staged:
+        return f"; staged update unusable: {staged['error']}"
+    mib = int(staged.get("bytes") or 0) / (1 << 20)
+    return f"; staged {staged['version']} ({mib:.1f} MiB, {staged.get('staged_at')})"
 
 
 def slots_line(found: list[dict[str, Any]]) -> str:

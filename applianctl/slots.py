@@ -60,7 +60,7 @@ GOOD, ON_TRIAL, BAD = "good", "on trial", "bad"
 
 # Persistent update state on /var, under paths.STATE_DIR (read at each call, so tests can move it).
 def update_dir() -> Path:
-    return paths.STATE_DIR / "update"
+    return paths.update_dir()
 
 
 def staging_dir() -> Path:
@@ -499,7 +499,9 @@ def read(host: Host | None = None, running_version: str | None = None, *, with_s
 
 def slots_summary(host: Host | None = None, running_version: str | None = None) -> dict[str, Any]:
     """What `applianctl status` shows about upgrades: View.to_json() plus the last update,
-    assessment and rollback, and whether the last update was rolled back and why."""
+    assessment and rollback, whether the last update was rolled back and why, and the staged update."""
+    from applianctl import update_staged  # it imports the updater's modules, which import this one
+
     view = read(host, running_version)
     out = view.to_json()
     running_version = view.running_version
@@ -520,6 +522,7 @@ def slots_summary(host: Host | None = None, running_version: str | None = None) 
             "rolled_back": rolled_back,
             "rollback_reason": reason,
             "last_rollback": read_json(last_rollback_path()),
+            "staged": update_staged.read(),
         }
     )
     return out

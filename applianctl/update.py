@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from appliance import atomic, paths, progress
-from appliance.bundle import BUNDLE_INDEX, BUNDLE_SIG, verify_index
+from appliance.bundle import BUNDLE_INDEX, BUNDLE_SIG, BundleIndex, verify_index
 from appliance.errors import Refused, UserError
-from appliance.manifest import Manifest
+from appliance.manifest import Manifest, version_tuple
 from appliance.run import run
-from applianctl import slots
+from applianctl import slots, update_staged
 from applianctl.update_fetch import Deadline, open_source
 from applianctl.update_install import boot_tries, link_sources, locked, prepare_slot, sysupdate_commands
 from applianctl.update_stage import SPACE_MARGIN_BYTES, check_space, stage, staging_for, to_fetch
@@ -116,6 +116,7 @@ def plan(
         "files": [f.name for f in to_fetch(index)],
         "already_installed": inactive.version == version and view.entry(version) is not None,
         "_index": index,
+        "_signed": (data, sig),
         "_source": source,
         "_inactive": inactive,
         "_view": view,
@@ -188,35 +189,168 @@ def update(
         check_staged(index, staging, keys_dir)
         say(f"bundle {version} verified ({len(index.files)} files, signed by {index.signer})")
         # 4. only now: the inactive slot
-        say(f"blanking slot {inactive.name}")
-        with progress.step(f"zeroing slot {inactive.name}"):  # blkdiscard --zeroout: no count to show
-            prepare_slot(host, inactive, running.version)
-        link_sources(index, staging)
-        say(f"writing slot {inactive.name}: {version}")
-        with progress.step(f"systemd-sysupdate {version} into slot {inactive.name}"):
-            for command in sysupdate_commands(index):
-                hint = "see journalctl -t systemd-sysupdate; run the same command again to start over"
-                run(command, "systemd-sysupdate", hint, timeout=deadline.left())
-        os.sync()
-        if p["downgrade"]:
-            run(["bootctl", "set-oneshot", f"appliance_{version}.efi"], "bootctl set-oneshot", "select the entry in the boot menu")
-        atomic.write_json_atomic(
-            slots.last_update_path(),
-            {
-                "version": version,
-                "from_version": running.version,
-                "slot": inactive.name,
-                "downgrade": p["downgrade"],
-                "installed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "source": spec,
-            },
-        )
-        shutil.rmtree(slots.source_dir(), ignore_errors=True)
+        install(index, staging, host=host, inactive=inactive, running=running, downgrade=p["downgrade"], deadline=deadline,
+                record={"source": spec}, say=say)
         shutil.rmtree(staging, ignore_errors=True)
+    installed(version, inactive, reboot, say)
+    return 0
+
+
+def install(
+    index: BundleIndex,
+    staging: Path,
+    *,
+    host: slots.Host,
+    inactive: slots.Slot,
+    running: Manifest,
+    downgrade: bool,
+    deadline: Deadline,
+    record: dict[str, Any],
+    say: Callable[[str], None],
+) -> None:
+    """Step 4, for files in STAGING that were proven this run: blank the inactive slot, let
+    systemd-sysupdate write it, record the update. The caller holds the lock."""
+    version = index.version
+    say(f"blanking slot {inactive.name}")
+    with progress.step(f"zeroing slot {inactive.name}"):  # blkdiscard --zeroout: no count to show
+        prepare_slot(host, inactive, running.version)
+    link_sources(index, staging)
+    say(f"writing slot {inactive.name}: {version}")
+    with progress.step(f"systemd-sysupdate {version} into slot {inactive.name}"):
+        for command in sysupdate_commands(index):
+            hint = "see journalctl -t systemd-sysupdate; run the same command again to start over"
+            run(command, "systemd-sysupdate", hint, timeout=deadline.left())
+    os.sync()
+    if downgrade:
+        run(["bootctl", "set-oneshot", f"appliance_{version}.efi"], "bootctl set-oneshot", "select the entry in the boot menu")
+    atomic.write_json_atomic(
+        slots.last_update_path(),
+        {
+            "version": version,
+            "from_version": running.version,
+            "slot": inactive.name,
+            "downgrade": downgrade,
+            "installed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **record,
+        },
+    )
+    shutil.rmtree(slots.source_dir(), ignore_errors=True)
+    # a staged download of this version or an older one would only overwrite what was just installed
+    update_staged.discard_if_not_newer(version)
+
+
+def installed(version: str, inactive: slots.Slot, reboot: bool, say: Callable[[str], None]) -> None:
     tries = boot_tries()
     say(f"installed {version} into slot {inactive.name}; it boots next, on trial ({tries if tries else 'counted'} tries)")
     if reboot:
         run(["systemctl", "reboot"], "systemctl reboot", "reboot by hand")
+
+
+def download_only(
+    spec: str,
+    *,
+    allow_downgrade: bool = False,
+    ca: str | None = None,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    space_margin: int = SPACE_MARGIN_BYTES,
+    host: slots.Host | None = None,
+    keys_dir: Path | None = None,
+    running: Manifest | None = None,
+    say: Callable[[str], None] = lambda line: print(line, flush=True),
+) -> int:
+    """`update --download-only`: steps 1-3 into the staged update; no slot or boot entry is
+    touched, so it is not refused while the running version is on trial (--apply is)."""
+    host = host or slots.Host()
+    keys_dir = keys_dir or paths.TRUSTED_KEYS_DIR
+    running = running or slots.running_manifest()
+    deadline = Deadline(deadline_s)
+    with locked():
+        p = plan(spec, ca=ca, deadline=deadline, host=host, keys_dir=keys_dir, running=running, allow_downgrade=allow_downgrade)
+        index, source, inactive = p["_index"], p["_source"], p["_inactive"]
+        version = index.version
+        if p["already_installed"]:
+            say(f"version {version} is already installed in slot {inactive.name}; reboot to start it")
+            return 0
+        previous = update_staged.read()
+        if previous and "error" not in previous and previous["version"] == version:
+            try:
+                same = (update_staged.directory(previous) / BUNDLE_INDEX).read_bytes() == p["_signed"][0]
+            except OSError:
+                same = False
+            if same:  # the daily timer against an unchanged server: nothing to fetch or hash
+                say(f"version {version} is already staged ({previous['staged_at']}); apply it with applianctl update --apply")
+                return 0
+        staging = staging_for(version)
+        update_staged.seed(previous, index, staging)
+        check_space(index, staging, space_margin)
+        stage(index, source, staging)
+        check_staged(index, staging, keys_dir)
+        record = update_staged.publish(staging, index, p["_signed"], spec)
+    mib = record["bytes"] / (1 << 20)
+    say(f"staged {version} ({record['files']} files, {mib:.1f} MiB, signed by {index.signer}); "
+        "install it with applianctl update --apply")
+    return 0
+
+
+def apply(
+    *,
+    allow_downgrade: bool = False,
+    reboot: bool = False,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    host: slots.Host | None = None,
+    keys_dir: Path | None = None,
+    running: Manifest | None = None,
+    confirm: Callable[[str], bool] | None = None,
+    say: Callable[[str], None] = lambda line: print(line, flush=True),
+) -> int:
+    """`update --apply`: install the staged update. Everything is checked again as if it had just
+    been downloaded (signature, policy, fit, every file's SHA-256, the content) before the slot is
+    touched: the files waited on /var, where they could have changed."""
+    host = host or slots.Host()
+    keys_dir = keys_dir or paths.TRUSTED_KEYS_DIR
+    running = running or slots.running_manifest()
+    deadline = Deadline(deadline_s)
+    if update_staged.read() is None:
+        raise update_staged.nothing_staged()
+    check_judged(slots.read(host, running.version))
+    with locked():
+        record = update_staged.read()
+        if record is None:
+            raise update_staged.nothing_staged()
+        if "error" in record:
+            raise UserError(f"the staged update cannot be used: {record['error']}", hint=update_staged.DOWNLOAD_AGAIN)
+        staged = update_staged.directory(record)
+        source = open_source(str(staged), None, deadline)
+        index = verify_index(source.read_small(BUNDLE_INDEX, MAX_INDEX_BYTES), source.read_small(BUNDLE_SIG, MAX_SIG_BYTES), keys_dir)
+        check_strict(index)
+        version = index.version
+        if version != record["version"]:
+            raise Refused(f"the staged bundle.json is version {version}, its record says {record['version']}",
+                          hint=f"the staging on /var was changed; {update_staged.DOWNLOAD_AGAIN}")
+        new, cur = version_tuple(version), version_tuple(running.version)
+        if new == cur or (new < cur and not allow_downgrade):
+            raise UserError(
+                f"the staged bundle {version} is not newer than the running version {running.version}",
+                hint="stage a newer one: `applianctl update --download-only SOURCE` (an older one only with --allow-downgrade)",
+            )
+        downgrade = check_policy(index, running, allow_downgrade)
+        check_engine(index, running)
+        view = slots.read(host, running.version)
+        check_judged(view)
+        inactive = inactive_slot(view)
+        check_fits(index, inactive)
+        if inactive.version == version and view.entry(version) is not None:
+            update_staged.discard()
+            say(f"version {version} is already installed in slot {inactive.name}; reboot to start it")
+            return 0
+        if confirm is not None and not confirm(f"install the staged {version} over {running.version} into slot {inactive.name}?"):
+            raise UserError("not confirmed", hint="add --yes to install without asking")
+        update_staged.verify_in_place(index, staged)
+        check_staged(index, staged, keys_dir)
+        say(f"staged bundle {version} verified again ({len(index.files)} files, signed by {index.signer})")
+        install(index, staged, host=host, inactive=inactive, running=running, downgrade=downgrade, deadline=deadline,
+                record={"source": record.get("source"), "staged_at": record.get("staged_at")}, say=say)
+    installed(version, inactive, reboot, say)
     return 0
 
 
@@ -233,19 +367,49 @@ def _print_plan(p: dict[str, Any]) -> None:
         print(p["blocked"])
 
 
+def _options(args: argparse.Namespace) -> None:
+    """Combinations that mean nothing, refused in one line before anything is read."""
+    if args.download_only and args.apply:
+        raise UserError("--download-only and --apply are two steps, not one run",
+                        hint="download now: `applianctl update --download-only SOURCE`; install later: `applianctl update --apply`")
+    if args.apply and (args.source or args.from_config):
+        raise UserError("--apply installs what was staged and takes no SOURCE", hint="`applianctl update --apply`")
+    if args.apply and args.check:
+        raise UserError("--check goes with a SOURCE, not --apply", hint="`applianctl status` shows what is staged")
+    if args.download_only and (args.reboot or args.check):
+        which = "--reboot" if args.reboot else "--check"
+        raise UserError(f"--download-only writes no slot: {which} does not go with it",
+                        hint="`applianctl update --download-only SOURCE`, then `applianctl update --apply --reboot`")
+    if args.json and not args.check:
+        raise UserError("--json goes with --check", hint="applianctl update --check SOURCE --json")
+    if args.deadline is not None and not (0 < args.deadline < 7 * 86400):
+        raise UserError(f"--deadline {args.deadline:g}: expected seconds between 0 and a week", hint="e.g. --deadline 14400")
+
+
 def cmd_update(args: argparse.Namespace) -> int:
+    _options(args)
+    confirm = None
+    if not args.yes and sys.stdin.isatty():
+
+        def confirm(question: str) -> bool:
+            return input(question + " [y/N] ").strip().lower() in ("y", "yes")
+
+    if args.apply:
+        return apply(allow_downgrade=args.allow_downgrade, reboot=args.reboot, confirm=confirm,
+                     deadline_s=args.deadline or DEFAULT_DEADLINE_S)
     spec = args.source
+    download = args.download_only
     if args.from_config:
         from appliance.config import load_device
 
-        spec = load_device().update.url
+        settings = load_device().update
+        spec = settings.url
         if not spec:
             print("update.url is empty: no automatic update check")
             return 0
+        download = download or settings.timer_action == "download-only"
     if not spec:
         raise UserError("no SOURCE given", hint="applianctl update DIRECTORY-or-URL (or --from-config)")
-    if args.deadline is not None and not (0 < args.deadline < 7 * 86400):
-        raise UserError(f"--deadline {args.deadline:g}: expected seconds between 0 and a week", hint="e.g. --deadline 14400")
     if args.check:
         p = check(spec, ca=args.ca, allow_downgrade=args.allow_downgrade, deadline_s=args.deadline or 300.0)
         if args.json:
@@ -253,17 +417,11 @@ def cmd_update(args: argparse.Namespace) -> int:
         else:
             _print_plan(p)
         return 2 if p["blocked"] else 0
-    if args.json:
-        raise UserError("--json goes with --check", hint="applianctl update --check SOURCE --json")
-    confirm = None
-    if not args.yes and sys.stdin.isatty():
-
-        def confirm(question: str) -> bool:
-            return input(question + " [y/N] ").strip().lower() in ("y", "yes")
-
+    deadline_s = args.deadline or DEFAULT_DEADLINE_S
     try:
-        return update(spec, allow_downgrade=args.allow_downgrade, reboot=args.reboot, ca=args.ca, confirm=confirm,
-                      deadline_s=args.deadline or DEFAULT_DEADLINE_S)
+        if download:
+            return download_only(spec, allow_downgrade=args.allow_downgrade, ca=args.ca, deadline_s=deadline_s)
+        return update(spec, allow_downgrade=args.allow_downgrade, reboot=args.reboot, ca=args.ca, confirm=confirm, deadline_s=deadline_s)
     except Refused as e:
         # the timer's service: an unchanged bundle on the server is not a failure
         if args.from_config and "is the running version" in e.message:
@@ -275,16 +433,22 @@ def cmd_update(args: argparse.Namespace) -> int:
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "update",
-        help="install a signed release bundle into the inactive slot",
-        description="Install a signed release bundle into the inactive slot; refused while the running version is on trial.",
+        help="install a signed release bundle into the inactive slot (or stage it now and install it later)",
+        description="Install a signed release bundle into the inactive slot; refused while the running version is on trial. "
+        "--download-only fetches and verifies it into /var and writes no slot; --apply installs what was staged.",
     )
     p.add_argument("source", nargs="?", default="", help="a bundle directory or an https:// URL of one")
     p.add_argument("--check", action="store_true", help="say what would be installed and whether it would be refused now; write nothing")
     p.add_argument("--json", action="store_true", help="with --check: print the plan as JSON")
+    p.add_argument("--download-only", action="store_true",
+                   help="fetch and verify the bundle into /var (replacing what was staged before); write no slot or boot entry")
+    p.add_argument("--apply", action="store_true",
+                   help="install what --download-only staged, after checking its signature and every file again")
     p.add_argument("--reboot", action="store_true", help="reboot into the new version when it is installed")
     p.add_argument("--allow-downgrade", action="store_true", help="accept a signed bundle older than the running version")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.add_argument("--ca", help="CA certificate to trust for an https:// SOURCE, and only it (default: the system's)")
     p.add_argument("--deadline", type=float, help=f"seconds the whole update may take (default {DEFAULT_DEADLINE_S:g}; --check: 300)")
-    p.add_argument("--from-config", action="store_true", help="use update.url of the configuration (the update timer)")
+    p.add_argument("--from-config", action="store_true",
+                   help="use update.url of the configuration, and update.timer_action: install or download-only (the update timer)")
     p.set_defaults(func=cmd_update)

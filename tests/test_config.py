@@ -93,6 +93,7 @@ BAD = [
     ("margin_gib = 8\n", "margin_gib = inf\n", "engine.shm.margin_gib"),
     ("stop_timeout_s = 120", "stop_timeout_s = 100000000000000000000", "engine.stop_timeout_s"),
     ('port = 8000', 'port = true', "engine.port"),
+    ('timer_action = "install"', 'timer_action = "apply"', "update.timer_action"),
 ]
 
 

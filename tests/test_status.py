@@ -619,7 +619,7 @@ SCHEMA_DOC = ROOT / "docs" / "status-schema.md"
 # Maps whose own keys are names (units, figures), and state files shown as written: their keys
 # are not the schema's.
 NAMED_MAPS = {"units", "figures", "reached_s"}
-AS_WRITTEN = {"last_update", "last_assessment", "last_rollback", "sysupdate"}
+AS_WRITTEN = {"last_update", "last_assessment", "last_rollback", "sysupdate", "staged"}
 
 
 def documented() -> tuple[list[str], dict[str, set[str]]]:
