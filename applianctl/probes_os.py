@@ -90,7 +90,24 @@ def probe_slots(config: Config, read_slots: Callable[[], dict[str, Any]]) -> Par
     if not summary["slots"]:
         reason = "; ".join(summary["errors"]) or "no A/B slots found"
         return Part(NOT_CONFIGURED, reason.splitlines()[0], summary)
-    return Part(OK, slots_line(summary["slots"]) + staged_line(summary.get("staged")), summary)
+    line = slots_line(summary["slots"]) + engines_line(summary.get("engine_slots") or []) + staged_line(summary.get("staged"))
+    return Part(OK, line, summary)
+
+
+def engines_line(found: list[dict[str, Any]]) -> str:
+    """"; engine A e68d18b2ba50 running (1.0.0), B abababababab (2.0.0)": what each engine slot
+    holds, which one runs, and the versions that use it."""
+    if not found:
+        return ""
+    out = []
+    for e in found:
+        words = [e["slot"], e["digest"] or ("empty" if e["label"] == "_empty" else repr(e["label"]))]
+        if e["running"]:
+            words.append("running")
+        if e["used_by"]:
+            words.append(f"({', '.join(e['used_by'])})")
+        out.append(" ".join(words))
+    return "; engine " + ", ".join(out)
 
 
 def staged_line(staged: dict[str, Any] | None) -> str:

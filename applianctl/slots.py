@@ -45,6 +45,7 @@ from appliance.bundle import USR_TYPE, USR_VERITY_TYPE, partuuids_from_usrhash
 from appliance.errors import UserError
 from appliance.hashing import SHA256
 from appliance.run import call, run
+from applianctl import engine_slots as engine
 
 EFI_LOADER_GUID = "4a67b082-0a4c-41cf-b6c7-440b29bb8c4f"
 BOOTCTL_TIMEOUT_S = 10.0
@@ -142,6 +143,16 @@ def running_manifest() -> manifest.Manifest:
         raise UserError(f"{paths.MANIFEST}: no release manifest", hint="this command runs on the appliance") from None
 
 
+def running_engine_digest(running_version: str | None) -> str | None:
+    """The running version's engine digest, from its signed manifest on /usr; None when it cannot
+    be read or is another version's."""
+    try:
+        running = running_manifest()
+    except (UserError, OSError, ValueError):
+        return None
+    return running.engine_image.digest if running_version in (None, running.version) else None
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         value = json.loads(path.read_text())
@@ -187,6 +198,11 @@ def usr_disk(host: Host) -> str:
 def partitions(host: Host) -> list[Partition]:
     disk = usr_disk(host)
     out = run([host.sfdisk, "-J", disk], f"sfdisk -J {disk}", "the disk's partition table cannot be read")
+    return parse_sfdisk(out, disk)
+
+
+def parse_sfdisk(out: str, disk: str) -> list[Partition]:
+    """The partitions in `sfdisk -J DISK`'s output (a partition without a name has no "name")."""
     try:
         table = json.loads(out)["partitiontable"]
         sector = int(table.get("sectorsize", 512))
@@ -224,7 +240,10 @@ class Slot:
 def slots(host: Host, running_version: str | None = None) -> list[Slot]:
     """Both slots, A first. The booted one is found by the usrhash= on the kernel command line
     (its partition UUID), else by the running version's label."""
-    parts = partitions(host)
+    return usr_slots(partitions(host), host, running_version)
+
+
+def usr_slots(parts: list[Partition], host: Host, running_version: str | None) -> list[Slot]:
     usr = sorted((p for p in parts if p.type == USR_TYPE), key=lambda p: p.number)
     verity = sorted((p for p in parts if p.type == USR_VERITY_TYPE), key=lambda p: p.number)
     if not usr:
@@ -393,6 +412,10 @@ class View:
     counting: dict[str, Any] | None
     errors: list[str] = field(default_factory=list)
     sysupdate: dict[str, Any] | None = None
+    engine_slots: list[engine.EngineSlot] = field(default_factory=list)
+    # version -> engine digest, from signed data: the running manifest, the updater's record
+    engines: dict[str, str] = field(default_factory=dict)
+    running_engine: str | None = None
 
     def entry(self, version: str | None) -> Entry | None:
         return next((e for e in self.entries if e.version == version), None) if version else None
@@ -423,6 +446,17 @@ class View:
         if entry.state == BAD:
             return BAD, f"{entry.path.name}: out of tries (failed its assessment or was rolled back)"
         return GOOD, f"{entry.path.name}: judged good"
+
+    def bootable_engines(self, leaving: str | None = None) -> dict[str, str | None]:
+        """Every version with a bootable entry (good or on trial) but LEAVING -> its engine digest
+        (None: not known)."""
+        return {e.version: self.engines.get(e.version) for e in self.entries if e.state != BAD and e.version != leaving}
+
+    def engine_slot_for(self, new_digest: str) -> engine.EngineChoice:
+        """Where an update to a version running NEW_DIGEST writes its engine: the version in the
+        inactive /usr slot leaves (its entry is removed before anything is written)."""
+        leaving = self.other.version if self.other is not None and self.other.version != self.running_version else None
+        return engine.choose_engine_slot(self.engine_slots, self.bootable_engines(leaving), new_digest)
 
     def slot_state(self, slot: Slot) -> str:
         entry = self.entry(slot.version)
@@ -467,6 +501,20 @@ class View:
             "entries_source": self.entries_source,
             "sysupdate": self.sysupdate,
             "errors": self.errors,
+            "running_engine": self.running_engine,
+            "engine_slots": [
+                {
+                    "slot": e.name,
+                    "partition": e.data.node,
+                    "label": e.data.label,
+                    "typed": e.typed,
+                    "verity_partition": e.verity.node if e.verity else None,
+                    "digest": e.short,
+                    "running": e.running,
+                    "used_by": engine.users(e, {x.version: self.engines.get(x.version) for x in self.entries}),
+                }
+                for e in self.engine_slots
+            ],
         }
 
 
@@ -480,12 +528,19 @@ def read(host: Host | None = None, running_version: str | None = None, *, with_s
         except UserError as e:
             errors.append(e.message)
     found: list[Slot] = []
+    parts: list[Partition] = []
     try:
-        found = slots(host, running_version)
+        parts = partitions(host)
+        found = usr_slots(parts, host, running_version)
     except UserError as e:
         errors.append(e.message)
+    running_engine = running_engine_digest(running_version)
+    engines = engine.recorded()
+    if running_version is not None and running_engine is not None:
+        engines[running_version] = running_engine
     listed, source = read_entries(host)
-    view = View(running_version, found, listed, source, booted_entry(host), boot_counting(host), errors)
+    view = View(running_version, found, listed, source, booted_entry(host), boot_counting(host), errors,
+                engine_slots=engine.find(parts, running_engine), engines=engines, running_engine=running_engine)
     if with_sysupdate:
         try:
             view.sysupdate = sysupdate_list()

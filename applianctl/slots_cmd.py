@@ -1,5 +1,5 @@
-"""`applianctl slots [--json]`: both /usr slots, the boot entries, and whether the running version
-is judged yet (the one model in applianctl.slots; `systemd-sysupdate list` added when it runs)."""
+"""`applianctl slots [--json]`: both /usr slots, both engine slots, the boot entries, and whether
+the running version is judged yet (the one model in applianctl.slots; `systemd-sysupdate list` added when it runs)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,13 @@ def render(view: slots.View) -> list[str]:
         name = entry.path.name if entry else "no entry"
         lines.append(
             f"slot {slot.name} {slot.usr.node}: {slot.version or slot.usr.label} [{view.slot_state(slot)}] {name}"
+            + (f" ({', '.join(marks)})" if marks else "")
+        )
+    for e in view.to_json()["engine_slots"]:
+        marks = [m for m, on in (("running", e["running"]), ("untyped: labelled by an older image", not e["typed"])) if on]
+        users = f" used by {', '.join(e['used_by'])}" if e["used_by"] else ""
+        lines.append(
+            f"engine slot {e['slot']} {e['partition']}: {e['digest'] or e['label']}{users}"
             + (f" ({', '.join(marks)})" if marks else "")
         )
     stray = [e for e in view.entries if e.version not in {s.version for s in view.slots}]
@@ -48,7 +55,7 @@ def cmd_slots(args: argparse.Namespace) -> int:
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "slots",
-        help="show both /usr slots, their boot entries and whether the running version is judged",
+        help="show both /usr slots, both engine slots, the boot entries and whether the running version is judged",
         description="Exit 0 when everything could be read, 1 otherwise.",
     )
     p.add_argument("--json", action="store_true", help="print the model as JSON")

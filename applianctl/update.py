@@ -35,7 +35,7 @@ from appliance.bundle import BUNDLE_INDEX, BUNDLE_SIG, BundleIndex, verify_index
 from appliance.errors import Refused, UserError
 from appliance.manifest import Manifest, version_tuple
 from appliance.run import run
-from applianctl import slots, update_staged
+from applianctl import engine_slots, slots, update_staged
 from applianctl.update_fetch import Deadline, open_source
 from applianctl.update_install import boot_tries, link_sources, locked, prepare_slot, sysupdate_commands
 from applianctl.update_stage import SPACE_MARGIN_BYTES, check_space, stage, staging_for, to_fetch
@@ -234,6 +234,9 @@ def install(
             **record,
         },
     )
+    # which engine each version runs, from signed data, for choosing engine slots (engine_slots.py)
+    engine_slots.record({running.version: running.engine_image.digest, version: index.engine_digest},
+                        keep={e.version for e in slots.entries(host)} | {running.version, version})
     shutil.rmtree(slots.source_dir(), ignore_errors=True)
     # a staged download of this version or an older one would only overwrite what was just installed
     update_staged.discard_if_not_newer(version)

@@ -178,7 +178,8 @@ def test_sysupdate_257_list_is_read(machine: Machine) -> None:
 def _cli(argv: list[str], machine: Machine, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     from applianctl.__main__ import main
 
-    monkeypatch.setattr(slots, "running_manifest", lambda: SimpleNamespace(version="2.0.0"))  # all it is asked
+    running = SimpleNamespace(version="2.0.0", engine_image=SimpleNamespace(digest="sha256:" + "ab" * 32))  # all it is asked
+    monkeypatch.setattr(slots, "running_manifest", lambda: running)
     monkeypatch.setenv("APPLIANCE_ESP_DIR", str(machine.esp))
     monkeypatch.setenv("APPLIANCE_EFIVARS_DIR", str(machine.host.efivars))
     monkeypatch.setenv("APPLIANCE_CMDLINE", str(machine.host.cmdline))

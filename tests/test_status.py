@@ -29,6 +29,7 @@ from appliance import config as builder_config
 from appliance import paths
 from appliance.config import Config
 from applianctl import probes, probes_disk, probes_engine, probes_files, probes_os, probes_proxy, probes_shm, probes_tls, slots, status
+from applianctl.engine_slots import ENGINE_TYPE, ENGINE_VERITY_TYPE
 
 ROOT = Path(__file__).parents[1]
 FIXTURES = ROOT.parent / "shared" / "fixtures"
@@ -658,7 +659,16 @@ def test_the_schema_doc_matches_what_status_prints_both_ways(
 ) -> None:
     config = behind(config, live_proxy, monkeypatch)
     write_healthy(tree, config)
-    gpt(tree, [{"node": "/dev/vda2", "type": slots.USR_TYPE, "uuid": "aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa", "name": "appliance_1.0.0"}])
+    gpt(tree, [
+        {"node": "/dev/vda2", "type": slots.USR_TYPE, "uuid": "aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa", "name": "appliance_1.0.0"},
+        # the engine slots (tests/test_engine_slots.py reads real `sfdisk -J` tables of them)
+        {"node": "/dev/vda4", "type": ENGINE_TYPE, "uuid": "4e2d3c4b-5a69-4788-97a6-b5c4d3e2f100",
+         "name": "engine_e68d18b2ba50"},
+        {"node": "/dev/vda5", "type": ENGINE_VERITY_TYPE, "uuid": "5e2d3c4b-5a69-4788-97a6-b5c4d3e2f100",
+         "name": "engine_e68d18b2ba50-verity"},
+        {"node": "/dev/vda9", "type": ENGINE_TYPE, "uuid": "6e2d3c4b-5a69-4788-97a6-b5c4d3e2f100", "name": "_empty"},
+        {"node": "/dev/vda10", "type": ENGINE_VERITY_TYPE, "uuid": "7e2d3c4b-5a69-4788-97a6-b5c4d3e2f100", "name": "_empty"},
+    ])
     (tree / "esp" / "EFI" / "Linux" / "appliance_1.0.0+2-1.efi").write_bytes(b"uki")
     (tree / "cmdline").write_text("usrhash=" + "a" * 64 + "\n")
     _efivar(tree, "appliance_1.0.0+2-1.efi")

@@ -1,0 +1,258 @@
+"""The engine slots (applianctl.engine_slots) in the one slots model, against partition tables
+that `sfdisk -J` (util-linux 2.38.1) printed for GPT images written with sfdisk on a plain file:
+tests/fixtures/disks/engine-slots-*.sfdisk is the input, *.sfdisk.json what `sfdisk -J` printed.
+
+first-boot: /usr A 1.0.0, engine A `engine_e68d18b2ba50` labelled by an image of today (type
+linux-generic), /usr B and engine B `_empty` as systemd-repart makes them (the appliance-engine
+types). two-engines: /usr B holds 2.0.0 and engine B `engine_abababababab`, both engine slots typed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from fake_release import bundle, make_signing
+from test_update import RUNNING
+
+from appliance import paths
+from appliance.errors import UserError
+from applianctl import engine_slots, probes_os, slots, slots_cmd
+from applianctl import update as up
+from applianctl.engine_slots import EngineSlot, choose_engine_slot
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "disks"
+BOOTCTL = Path(__file__).resolve().parent / "fake_bootctl.py"
+E1 = "sha256:e68d18b2ba50298661bfc49baf01158fbf036645c2362cccf3e8a7a79fe6c69a"
+E2 = "sha256:" + "ab" * 32
+E3 = "sha256:" + "cd" * 32
+ENGINE_RUNNING = dataclasses.replace(RUNNING, engine_image=dataclasses.replace(RUNNING.engine_image, digest=E1))
+
+
+def table(name: str) -> list[slots.Partition]:
+    """The partitions of a recorded `sfdisk -J`, read by the model's own reader."""
+    return slots.parse_sfdisk((FIXTURES / f"engine-slots-{name}.sfdisk.json").read_text(), f"{name}.img")
+
+
+# ----------------------------------------------------------------------------------- finding them
+
+
+def test_the_engine_slots_of_a_first_boot_disk() -> None:
+    found = engine_slots.find(table("first-boot"), E1)
+    assert [(s.name, s.data.node, s.verity.node if s.verity else None, s.short, s.empty, s.typed, s.running) for s in found] == [
+        ("A", "first-boot.img4", "first-boot.img5", "e68d18b2ba50", False, False, True),
+        ("B", "first-boot.img9", "first-boot.img10", None, True, True, False),
+    ]
+
+
+def test_the_engine_slots_once_both_are_written() -> None:
+    found = engine_slots.find(table("two-engines"), E2)
+    assert [(s.name, s.short, s.typed, s.running, s.verity.label if s.verity else None) for s in found] == [
+        ("A", "e68d18b2ba50", True, False, "engine_e68d18b2ba50-verity"),
+        ("B", "abababababab", True, True, "engine_abababababab-verity"),
+    ]
+    assert not any(s.running for s in engine_slots.find(table("two-engines"), None)), "no running digest: none is known to run"
+
+
+def test_what_is_not_an_engine_slot() -> None:
+    parts = table("first-boot")
+    # /usr B and its verity are `_empty` too: by type they are /usr, not engine slots
+    usr_b = [p for p in parts if p.label == "_empty" and p.type in (slots.USR_TYPE, slots.USR_VERITY_TYPE)]
+    assert len(usr_b) == 2 and not any(engine_slots.is_engine(p) or engine_slots.is_engine_verity(p) for p in usr_b)
+    # an engine label on a /usr partition, a near-miss label on an untyped one: neither
+    odd = [dataclasses.replace(parts[1], label="engine_e68d18b2ba50"), dataclasses.replace(parts[3], label="engine_E68D18B2BA50"),
+           dataclasses.replace(parts[3], label="engine_e68d18b2ba5")]
+    assert engine_slots.find(odd, E1) == []
+
+
+def test_an_empty_slot_pairs_with_the_next_unpaired_verity_partition() -> None:
+    parts = table("first-boot")
+    # swap the labels of slot A's partitions to _empty on untyped partitions: not recognisable, so not slots
+    untyped_empty = [dataclasses.replace(p, label="_empty") if p.number in (4, 5) else p for p in parts]
+    assert [s.data.number for s in engine_slots.find(untyped_empty, E1)] == [9]
+    assert engine_slots.find(untyped_empty, E1)[0].verity is not None
+    # slot B without its verity partition
+    no_verity = [p for p in parts if p.number != 10]
+    assert [s.verity for s in engine_slots.find(no_verity, E1)][1] is None
+
+
+# ----------------------------------------------------------------------------------- choosing
+
+
+def _slots(name: str, running: str | None) -> list[EngineSlot]:
+    return engine_slots.find(table(name), running)
+
+
+def test_a_new_engine_goes_to_the_empty_slot() -> None:
+    choice = choose_engine_slot(_slots("first-boot", E1), {"1.0.0": E1}, E2)
+    assert (choice.slot.name, choice.already_present) == ("B", False)
+
+
+def test_an_engine_already_on_the_disk_is_not_written_again() -> None:
+    choice = choose_engine_slot(_slots("two-engines", E2), {"2.0.0": E2}, E1)
+    assert (choice.slot.name, choice.already_present) == ("A", True)
+    choice = choose_engine_slot(_slots("two-engines", E2), {"2.0.0": E2}, E2)
+    assert (choice.slot.name, choice.already_present) == ("B", True)
+
+
+def test_the_engine_of_the_version_that_leaves_may_be_written() -> None:
+    # 2.0.0 runs on engine B; 1.0.0 in the other /usr slot (engine A) is replaced by the update
+    choice = choose_engine_slot(_slots("two-engines", E2), {"2.0.0": E2}, E3)
+    assert (choice.slot.name, choice.already_present) == ("A", False)
+
+
+def test_no_slot_when_every_slot_is_running_or_in_use() -> None:
+    with pytest.raises(UserError) as e:
+        choose_engine_slot(_slots("two-engines", E2), {"2.0.0": E2, "1.0.0": E1}, E3)
+    assert e.value.message == (
+        "refused: no engine slot may be written for engine cdcdcdcdcdcd: slot A (e68d18b2ba50) is the engine of 1.0.0; "
+        "slot B (abababababab) runs the engine"
+    )
+    assert e.value.exit_status == 2 and e.value.hint and "\n" not in e.value.hint
+
+
+def test_an_entry_whose_engine_is_not_known_leaves_only_an_empty_slot() -> None:
+    with pytest.raises(UserError, match=r"slot A \(e68d18b2ba50\) may be the engine of 1\.0\.0 \(not known\)"):
+        choose_engine_slot(_slots("two-engines", E2), {"2.0.0": E2, "1.0.0": None}, E3)
+    choice = choose_engine_slot(_slots("first-boot", E1), {"1.0.0": E1, "0.9.0": None}, E3)
+    assert choice.slot.name == "B" and choice.slot.empty
+
+
+def test_a_disk_with_one_engine_slot_says_how_to_get_the_second() -> None:
+    one = [p for p in table("first-boot") if p.number not in (9, 10)]
+    with pytest.raises(UserError, match=r"runs the engine$") as e:
+        choose_engine_slot(engine_slots.find(one, E1), {"1.0.0": E1}, E2)
+    assert "one engine slot" in e.value.hint
+    with pytest.raises(UserError, match="this disk has none"):
+        choose_engine_slot([], {"1.0.0": E1}, E2)
+
+
+def test_a_slot_without_its_verity_partition_is_not_written() -> None:
+    no_verity = [p for p in table("first-boot") if p.number != 10]
+    with pytest.raises(UserError, match="slot B has no verity partition"):
+        choose_engine_slot(engine_slots.find(no_verity, E1), {"1.0.0": E1}, E2)
+
+
+def _verity(label: str) -> str:
+    return label if label == "_empty" else label + "-verity"
+
+
+def test_the_invariant_over_every_small_case() -> None:
+    """Whatever the slots hold and the entries use: the chosen slot is never the running one,
+    never one a bootable entry's engine is in, only an empty one while an engine is unknown, and
+    a refusal happens only when no slot satisfies that."""
+    base = table("two-engines")
+    labels = ["_empty", "engine_e68d18b2ba50", "engine_abababababab", "engine_cdcdcdcdcdcd"]
+    digests = [E1, E2, E3, None]
+    checked = 0
+    for la, lb, run, used in itertools.product(labels, labels, [E1, E2, E3, None], itertools.product(digests, repeat=2)):
+        names = {4: la, 5: _verity(la), 9: lb, 10: _verity(lb)}
+        parts = [dataclasses.replace(p, label=names[p.number]) if p.number in names else p for p in base]
+        found = engine_slots.find(parts, run)
+        entries = {f"1.{i}": d for i, d in enumerate(used)}
+        new = "sha256:" + "ef" * 32
+        allowed = [s for s in found if not s.running and not engine_slots.users(s, entries)
+                   and (s.empty or None not in entries.values()) and s.verity is not None]
+        try:
+            choice = choose_engine_slot(found, entries, new)
+        except UserError as e:
+            assert allowed == [], (la, lb, run, entries)
+            assert "\n" not in e.message
+            continue
+        checked += 1
+        assert not choice.already_present and choice.slot in allowed
+        assert not choice.slot.running and not engine_slots.users(choice.slot, entries)
+        if choice.slot.empty is False:
+            assert not any(s.empty for s in allowed), "an empty slot comes first"
+    assert checked > 50
+
+
+# ----------------------------------------------------------------------------------- in the model and status
+
+
+class Disk:
+    """A device whose `sfdisk -J` is a recorded table; boot entries from systemd 257's bootctl
+    format over a temporary ESP; the running version's manifest names engine E1."""
+
+    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch, name: str, entries: list[str], running: str) -> None:
+        self.esp = root / "esp"
+        (self.esp / "EFI/Linux").mkdir(parents=True)
+        for entry in entries:
+            (self.esp / "EFI/Linux" / entry).write_bytes(b"uki")
+        bin_dir = root / "bin"
+        bin_dir.mkdir()
+        self.gpt = root / "gpt.json"
+        self.gpt.write_text((FIXTURES / f"engine-slots-{name}.sfdisk.json").read_text())
+        for prog, body in (("sfdisk", f'cat "{self.gpt}"'), ("bootctl", f'exec {sys.executable} {BOOTCTL} "$@"')):
+            (bin_dir / prog).write_text(f"#!/bin/sh\n{body}\n")
+            (bin_dir / prog).chmod(0o755)
+        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+        monkeypatch.setenv("FAKE_EFIVARS", str(root / "efivars"))
+        monkeypatch.setattr(paths, "STATE_DIR", root / "state")
+        (root / "cmdline").write_text(f"usrhash={running} rw\n")
+        self.host = slots.Host(efivars=root / "efivars", cmdline=root / "cmdline", esp=self.esp, disk=f"{name}.img", sfdisk="sfdisk")
+
+
+A_HASH, B_HASH = "a" * 32 + "b" * 32, "c" * 32 + "d" * 32  # the fixtures' /usr A and B partition UUIDs
+
+
+def test_the_view_knows_which_version_uses_which_engine_slot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2.0.0 was installed by the updater (from a bundle for engine E2) and runs; 1.0.0 (engine E1) is the other slot
+    disk = Disk(tmp_path, monkeypatch, "two-engines", ["appliance_1.0.0.efi", "appliance_2.0.0.efi"], B_HASH)
+    monkeypatch.setattr(slots, "running_manifest", lambda: dataclasses.replace(RUNNING, version="2.0.0",
+                        engine_image=dataclasses.replace(RUNNING.engine_image, digest=E2)))
+    engine_slots.record({"1.0.0": E1, "2.0.0": E2}, keep={"1.0.0", "2.0.0"})
+    view = slots.read(disk.host, "2.0.0")
+    assert view.errors == [] and view.booted is not None and view.booted.name == "B"
+    doc = view.to_json()
+    assert doc["running_engine"] == E2
+    assert [(e["slot"], e["partition"], e["digest"], e["running"], e["used_by"], e["typed"]) for e in doc["engine_slots"]] == [
+        ("A", "two-engines.img4", "e68d18b2ba50", False, ["1.0.0"], True),
+        ("B", "two-engines.img9", "abababababab", True, ["2.0.0"], True),
+    ]
+    # an update to a version with engine E3: 1.0.0 leaves with its /usr slot, so engine A is written
+    choice = view.engine_slot_for(E3)
+    assert (choice.slot.name, choice.already_present) == ("A", False)
+    assert view.bootable_engines() == {"1.0.0": E1, "2.0.0": E2}
+    # 1.0.0 marked bad (out of tries): not bootable, so its engine does not count even if it stayed
+    (disk.esp / "EFI/Linux/appliance_1.0.0.efi").rename(disk.esp / "EFI/Linux/appliance_1.0.0+0-3.efi")
+    bad = slots.read(disk.host, "2.0.0")
+    assert bad.bootable_engines() == {"2.0.0": E2}
+    assert choose_engine_slot(bad.engine_slots, bad.bootable_engines(), E3).slot.name == "A"
+    (disk.esp / "EFI/Linux/appliance_1.0.0+0-3.efi").rename(disk.esp / "EFI/Linux/appliance_1.0.0.efi")
+    # without the record, 1.0.0's engine is not known: only an empty slot would do, and there is none
+    engine_slots.record_path().unlink()
+    with pytest.raises(UserError, match="no engine slot may be written"):
+        choose_engine_slot(slots.read(disk.host, "2.0.0").engine_slots, slots.read(disk.host, "2.0.0").bootable_engines(), E3)
+    assert slots.read(disk.host, "2.0.0").engine_slot_for(E3).slot.name == "A", "1.0.0 leaves: its engine does not count"
+
+
+def test_status_and_slots_show_both_engine_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    disk = Disk(tmp_path, monkeypatch, "first-boot", ["appliance_1.0.0.efi"], A_HASH)
+    monkeypatch.setattr(slots, "running_manifest", lambda: ENGINE_RUNNING)
+    summary = slots.slots_summary(disk.host, "1.0.0")
+    part = probes_os.probe_slots(None, lambda: summary)  # type: ignore[arg-type]
+    assert part.reason == "A 1.0.0 booted, good; B empty; engine A e68d18b2ba50 running (1.0.0), B empty"
+    lines = slots_cmd.render(slots.read(disk.host, "1.0.0"))
+    assert "engine slot A first-boot.img4: e68d18b2ba50 used by 1.0.0 (running, untyped: labelled by an older image)" in lines
+    assert "engine slot B first-boot.img9: _empty" in lines
+
+
+def test_an_update_records_which_engine_each_version_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_update import Device
+
+    root = tmp_path / "device"
+    root.mkdir()
+    device = Device(root, monkeypatch)
+    key, trusted = make_signing(tmp_path)
+    (device.esp / "EFI/Linux/appliance_0.9.0.efi").write_bytes(b"an entry of a version long gone")
+    engine_slots.record({"0.8.0": E3}, keep={"0.8.0"})
+    assert up.update(str(bundle(tmp_path, key, "2.0.0")), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
+    recorded = json.loads(engine_slots.record_path().read_text())["versions"]
+    digest = RUNNING.engine_image.digest
+    assert recorded == {"1.0.0": digest, "2.0.0": digest}, "the running version's and the new one's; 0.8.0 has no entry"
