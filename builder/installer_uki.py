@@ -33,6 +33,9 @@ PACKAGES = ("appliance", "installer")
 REPART_SOURCE = build.IMAGE_DIR / "mkosi.extra/usr/lib/repart.d"
 REPART_IN_INSTALLER = "usr/lib/appliance-installer/repart.d"  # installer/install.py REPART_DEFINITIONS
 UKI_NAME = "appliance-installer.efi"
+# mkosi names its cached trees by distribution, release and architecture, not by project: sharing
+# the appliance's cache directory would make each build throw the other's cached image away
+CACHE = build.MKOSI_CACHE.with_name("mkosi-cache-installer")
 
 
 def default_path(config: Config) -> Path:
@@ -64,10 +67,10 @@ def build_uki(config: Config, signing_key: Path | None = None, output: Path | No
     staging = final.parent / f".{final.name}.build"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    build.MKOSI_CACHE.mkdir(parents=True, exist_ok=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
     try:
         run([*mkosi_command(), "-C", str(PROJECT), f"--extra-tree={tree}", f"--sandbox-tree={sandbox}",
-             f"--tools-tree-sandbox-tree={sandbox}", f"--cache-directory={build.MKOSI_CACHE}",
+             f"--tools-tree-sandbox-tree={sandbox}", f"--cache-directory={CACHE}",
              f"--output-directory={staging}", "build"],
             what="mkosi build (installer)", hint="see mkosi's output above; run again with --debug for the full command")
         uki = staging / UKI_NAME
