@@ -1,6 +1,6 @@
 """The engine slots (applianctl.engine_slots) in the one slots model, against partition tables
 that `sfdisk -J` (util-linux 2.38.1) printed for GPT images written with sfdisk on a plain file:
-tests/fixtures/disks/engine-slots-*.sfdisk is the input, *.sfdisk.json what `sfdisk -J` printed.
+tests/fixtures/gpt/engine-slots-*.sfdisk is the input, *.sfdisk.json what `sfdisk -J` printed.
 
 first-boot: /usr A 1.0.0, engine A `engine_e68d18b2ba50` labelled by an image of today (type
 linux-generic), /usr B and engine B `_empty` as systemd-repart makes them (the appliance-engine
@@ -26,7 +26,7 @@ from applianctl import engine_slots, probes_os, slots, slots_cmd
 from applianctl import update as up
 from applianctl.engine_slots import EngineSlot, choose_engine_slot
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "disks"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gpt"
 BOOTCTL = Path(__file__).resolve().parent / "fake_bootctl.py"
 E1 = "sha256:e68d18b2ba50298661bfc49baf01158fbf036645c2362cccf3e8a7a79fe6c69a"
 E2 = "sha256:" + "ab" * 32
