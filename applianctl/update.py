@@ -323,13 +323,13 @@ def apply(
         if "error" in record:
             raise UserError(f"the staged update cannot be used: {record['error']}", hint=update_staged.DOWNLOAD_AGAIN)
         staged = update_staged.directory(record)
-        source = open_source(str(staged), None, deadline)
-        index = verify_index(source.read_small(BUNDLE_INDEX, MAX_INDEX_BYTES), source.read_small(BUNDLE_SIG, MAX_SIG_BYTES), keys_dir)
-        check_strict(index)
+        with update_staged.discarded_if_refused():
+            source = open_source(str(staged), None, deadline)
+            index = verify_index(source.read_small(BUNDLE_INDEX, MAX_INDEX_BYTES), source.read_small(BUNDLE_SIG, MAX_SIG_BYTES), keys_dir)
+            check_strict(index)
+            if index.version != record["version"]:
+                raise Refused(f"the staged bundle.json is version {index.version}, its record says {record['version']}")
         version = index.version
-        if version != record["version"]:
-            raise Refused(f"the staged bundle.json is version {version}, its record says {record['version']}",
-                          hint=f"the staging on /var was changed; {update_staged.DOWNLOAD_AGAIN}")
         new, cur = version_tuple(version), version_tuple(running.version)
         if new == cur or (new < cur and not allow_downgrade):
             raise UserError(
@@ -348,8 +348,9 @@ def apply(
             return 0
         if confirm is not None and not confirm(f"install the staged {version} over {running.version} into slot {inactive.name}?"):
             raise UserError("not confirmed", hint="add --yes to install without asking")
-        update_staged.verify_in_place(index, staged)
-        check_staged(index, staged, keys_dir)
+        with update_staged.discarded_if_refused():
+            update_staged.verify_in_place(index, staged)
+            check_staged(index, staged, keys_dir)
         say(f"staged bundle {version} verified again ({len(index.files)} files, signed by {index.signer})")
         install(index, staged, host=host, inactive=inactive, running=running, downgrade=downgrade, deadline=deadline,
                 record={"source": record.get("source"), "staged_at": record.get("staged_at")}, say=say)

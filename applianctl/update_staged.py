@@ -18,7 +18,8 @@ import os
 import re
 import shutil
 import time
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -129,16 +130,27 @@ def verify_in_place(index: BundleIndex, staged: Path) -> None:
     """Every file of the signed INDEX in STAGED, as a regular file of the signed size and SHA-256."""
     for f in to_fetch(index):
         path = staged / f.name
-        hint = f"the staged files were changed or damaged on /var; {DOWNLOAD_AGAIN}"
         if path.is_symlink() or not path.is_file():
-            raise Refused(f"staged {f.name}: missing or not a regular file", hint=hint)
+            raise Refused(f"staged {f.name}: missing or not a regular file")
         size = path.stat().st_size
         if size != f.size:
-            raise Refused(f"staged {f.name}: {size} bytes, bundle.json says {f.size}", hint=hint)
+            raise Refused(f"staged {f.name}: {size} bytes, bundle.json says {f.size}")
         with progress.Progress(f"verifying {f.name}", total=size) as p:
             digest = sha256_file(path, p.advance)
         if digest != f.sha256:
-            raise Refused(f"staged {f.name}: SHA-256 {digest[:16]}... does not match bundle.json", hint=hint)
+            raise Refused(f"staged {f.name}: SHA-256 {digest[:16]}... does not match bundle.json")
+
+
+@contextmanager
+def discarded_if_refused() -> Iterator[None]:
+    """A staged update that fails its signature, a hash or a content check is of no use to anyone:
+    it is discarded, so that the next --download-only fetches it whole instead of answering
+    "already staged"."""
+    try:
+        yield
+    except Refused as e:
+        discard()
+        raise Refused(e.message, hint=f"the staged files were changed or damaged on /var and are discarded; {DOWNLOAD_AGAIN}") from None
 
 
 def nothing_staged() -> UserError:

@@ -192,7 +192,8 @@ def test_a_staged_file_changed_on_var_is_refused_before_the_slot_is_touched(
     tmp_path: Path, device: Device, signing: Any, victim: str
 ) -> None:
     key, trusted = signing
-    assert download(device, bundle(tmp_path, key, "2.0.0"), trusted) == 0
+    b = bundle(tmp_path, key, "2.0.0")
+    assert download(device, b, trusted) == 0
     record = update_staged.read()
     assert record is not None
     path = update_staged.directory(record) / victim
@@ -201,14 +202,19 @@ def test_a_staged_file_changed_on_var_is_refused_before_the_slot_is_touched(
     path.write_bytes(bytes(data))
     with pytest.raises(Refused) as e:
         apply(device, trusted)
-    assert "\n" not in e.value.message and e.value.hint
+    assert "\n" not in e.value.message and "are discarded" in e.value.hint
     no_slot_written(device)
     assert not slots.last_update_path().exists()
+    # discarded: downloading it again fetches it whole (not "already staged"), and then it applies
+    assert update_staged.read() is None and staged_dirs() == []
+    assert download(device, b, trusted) == 0
+    assert apply(device, trusted) == 0 and len(device.sysupdate_calls()) == 1
 
 
 def test_a_staged_file_replaced_by_a_link_or_cut_short_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
     key, trusted = signing
-    assert download(device, bundle(tmp_path, key, "2.0.0"), trusted) == 0
+    b = bundle(tmp_path, key, "2.0.0")
+    assert download(device, b, trusted) == 0
     record = update_staged.read()
     assert record is not None
     usr = update_staged.directory(record) / "appliance_2.0.0.usr.raw"
@@ -218,8 +224,12 @@ def test_a_staged_file_replaced_by_a_link_or_cut_short_is_refused(tmp_path: Path
     usr.symlink_to(copy)
     with pytest.raises(Refused, match="not a regular file"):
         apply(device, trusted)
-    usr.unlink()
-    usr.write_bytes(copy.read_bytes()[:-1])
+    assert update_staged.read() is None, "discarded"
+    assert download(device, b, trusted) == 0
+    record = update_staged.read()
+    assert record is not None
+    usr = update_staged.directory(record) / "appliance_2.0.0.usr.raw"
+    usr.write_bytes(usr.read_bytes()[:-1])
     with pytest.raises(Refused, match=r"bytes, bundle\.json says"):
         apply(device, trusted)
     no_slot_written(device)
