@@ -380,6 +380,8 @@ def _options(args: argparse.Namespace) -> None:
         raise UserError("--apply installs what was staged and takes no SOURCE", hint="`applianctl update --apply`")
     if args.apply and args.check:
         raise UserError("--check goes with a SOURCE, not --apply", hint="`applianctl status` shows what is staged")
+    if args.apply and args.ca:
+        raise UserError("--apply downloads nothing: --ca does not go with it", hint="`applianctl update --apply`")
     if args.download_only and (args.reboot or args.check):
         which = "--reboot" if args.reboot else "--check"
         raise UserError(f"--download-only writes no slot: {which} does not go with it",

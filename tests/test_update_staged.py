@@ -287,6 +287,7 @@ def _cli(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
         (["update", "--apply", "/b"], "--apply installs what was staged and takes no SOURCE"),
         (["update", "--apply", "--from-config"], "--apply installs what was staged and takes no SOURCE"),
         (["update", "--apply", "--check"], "--check goes with a SOURCE"),
+        (["update", "--apply", "--ca", "/ca.crt"], "--apply downloads nothing"),
         (["update", "--download-only", "--reboot", "/b"], "--download-only writes no slot: --reboot"),
     ],
 )
