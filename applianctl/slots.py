@@ -518,8 +518,12 @@ class View:
         }
 
 
-def read(host: Host | None = None, running_version: str | None = None, *, with_sysupdate: bool = False) -> View:
-    """Everything about the slots, read once. Never raises: what cannot be read is in .errors."""
+def read(
+    host: Host | None = None, running_version: str | None = None, *, with_sysupdate: bool = False, running_engine: str | None = None
+) -> View:
+    """Everything about the slots, read once. Never raises: what cannot be read is in .errors.
+    RUNNING_ENGINE: the running version's engine digest when the caller holds its manifest (else
+    read from /usr)."""
     host = host or Host()
     errors: list[str] = []
     if running_version is None:
@@ -534,7 +538,7 @@ def read(host: Host | None = None, running_version: str | None = None, *, with_s
         found = usr_slots(parts, host, running_version)
     except UserError as e:
         errors.append(e.message)
-    running_engine = running_engine_digest(running_version)
+    running_engine = running_engine or running_engine_digest(running_version)
     engines = engine.recorded()
     if running_version is not None and running_engine is not None:
         engines[running_version] = running_engine

@@ -99,8 +99,8 @@ def plan(
     index = verify_index(data, sig, keys_dir)
     check_strict(index)
     downgrade = check_policy(index, running, allow_downgrade)
-    check_engine(index, running)
-    view = slots.read(host, running.version)
+    view = slots.read(host, running.version, running_engine=running.engine_image.digest)
+    check_engine(index, running, view)
     inactive = inactive_slot(view)
     check_fits(index, inactive)
     version = index.version
@@ -337,8 +337,8 @@ def apply(
                 hint="stage a newer one: `applianctl update --download-only SOURCE` (an older one only with --allow-downgrade)",
             )
         downgrade = check_policy(index, running, allow_downgrade)
-        check_engine(index, running)
-        view = slots.read(host, running.version)
+        view = slots.read(host, running.version, running_engine=running.engine_image.digest)
+        check_engine(index, running, view)
         check_judged(view)
         inactive = inactive_slot(view)
         check_fits(index, inactive)

@@ -40,13 +40,15 @@ def check_policy(index: BundleIndex, running: manifest.Manifest, allow_downgrade
     return downgrade
 
 
-def check_engine(index: BundleIndex, running: manifest.Manifest) -> None:
+def check_engine(index: BundleIndex, running: manifest.Manifest, view: slots.View) -> None:
     """The new version must run the engine image this appliance has. A bundle for a new engine
     digest carries the engine partition image, but writing it to a second engine partition is
     not built yet: refused before anything is downloaded, rather than a version that cannot start
-    its engine being installed and rolled back."""
+    its engine being installed and rolled back. First the invariant (engine_slots.py): when no
+    engine slot may be written, that is the refusal, in one line."""
     have = running.engine_image.digest
     if index.engine_digest != have:
+        view.engine_slot_for(index.engine_digest)
         raise Refused(
             f"bundle {index.version} runs engine image {engine_short(index.engine_digest)}, this appliance has "
             f"{engine_short(have)}; installing a new engine image over the air is not supported yet",

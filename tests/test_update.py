@@ -30,6 +30,7 @@ from appliance.bundle import engine_short, source_names
 from appliance.errors import Refused, UserError
 from applianctl import rollback, slots, update_fetch, update_stage
 from applianctl import update as up
+from applianctl.engine_slots import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from builder import release as rel
 
 GIB = 1024**3
@@ -78,8 +79,21 @@ class Device:
         self.host = slots.Host(efivars=root / "efivars", cmdline=self.cmdline, esp=self.esp, disk="/dev/vda", sfdisk="sfdisk")
         self.set_gpt("appliance_1.0.0", "_empty")
 
-    def set_gpt(self, label_a: str, label_b: str, b_bytes: int = 3 * GIB, b_uuid: str = "11111111-2222-3333-4444-555555555555") -> None:
+    def set_gpt(
+        self, label_a: str, label_b: str, b_bytes: int = 3 * GIB, b_uuid: str = "11111111-2222-3333-4444-555555555555",
+        engine_b: str | None = None,
+    ) -> None:
+        """The disk: /usr A and B, engine slot A as images of today label it (linux-generic,
+        engine_D12 of the running engine), and with ENGINE_B an engine slot B of the
+        appliance-engine type labelled ENGINE_B (e.g. _empty) as systemd-repart makes it."""
         a_usr, a_verity = slots.partuuids_from_usrhash(usrhash_for("1.0.0"))
+        engine = f"engine_{engine_short(RUNNING.engine_image.digest)}"
+        linux = "0FC63DAF-8483-4772-8E79-3D69D8477DE4"
+        slot_b = [] if engine_b is None else [
+            {"node": "/dev/vda9", "size": 8192, "type": ENGINE_TYPE, "uuid": "99999999-2222-3333-4444-555555555555", "name": engine_b},
+            {"node": "/dev/vda10", "size": 2048, "type": ENGINE_VERITY_TYPE, "uuid": "10101010-2222-3333-4444-555555555555",
+             "name": engine_b if engine_b == "_empty" else engine_b + "-verity"},
+        ]
         parts = [
             {"node": "/dev/vda1", "size": 1048576, "type": "C12A7328-F81F-11D2-BA4B-00A0C93EC93B", "uuid": "X", "name": "esp"},
             {"node": "/dev/vda2", "size": 3 * GIB // 512, "type": slots.USR_TYPE, "uuid": a_usr.upper(), "name": label_a},
@@ -89,6 +103,9 @@ class Device:
                 "node": "/dev/vda6", "size": 131072, "type": slots.USR_VERITY_TYPE, "uuid": "66666666-2222-3333-4444-555555555555",
                 "name": label_b + ("_verity" if label_b != "_empty" else ""),
             },
+            {"node": "/dev/vda7", "size": 8192, "type": linux, "uuid": "77777777-2222-3333-4444-555555555555", "name": engine},
+            {"node": "/dev/vda8", "size": 2048, "type": linux, "uuid": "88888888-2222-3333-4444-555555555555", "name": engine + "-verity"},
+            *slot_b,
         ]
         self.gpt.write_text(json.dumps({"partitiontable": {"label": "gpt", "sectorsize": 512, "partitions": parts}}))
 
@@ -171,6 +188,12 @@ def test_an_engine_image_the_appliance_has_is_never_downloaded(tmp_path: Path, d
 def test_a_new_engine_image_is_refused_before_any_download(tmp_path: Path, device: Device, signing: Any) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0", engine=True, digest="sha256:" + "ab" * 32)
+    # a disk of today: one engine slot, running: the invariant refuses, naming what holds the slot
+    with pytest.raises(UserError, match=r"^refused: no engine slot may be written for engine abababababab: slot A \(\w{12}\) runs") as e:
+        run_update(device, str(b), trusted)
+    assert "one engine slot" in e.value.hint and device.sysupdate_calls() == []
+    # with engine slot B as first boot makes it: the slot could be chosen, writing it is not built yet
+    device.set_gpt("appliance_1.0.0", "_empty", engine_b="_empty")
     _refused(device, str(b), trusted, "installing a new engine image over the air is not supported yet")
     assert not slots.staging_dir().exists() or not any(slots.staging_dir().rglob("*.raw*"))
 
