@@ -16,6 +16,8 @@ every byte is proven. The steps, each in its own module:
 4. Only then the inactive slot is blanked and written by systemd-sysupdate (update_install).
 
 `--check` does steps 0-2 and says what would be installed; it writes nothing.
+`--download-only` does steps 1-3 and publishes the verified bundle as the staged update
+(update_staged); `--apply` installs it later with steps 0-4, everything checked again first.
 """
 
 from __future__ import annotations
