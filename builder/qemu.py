@@ -152,11 +152,18 @@ def _qemu_command(disk: Path, vars_fd: Path, credentials: dict[str, str]) -> lis
         # only without Secure Boot, as here; the image itself keeps the default.
         "-smbios", f"type=11,value=io.systemd.stub.kernel-cmdline-extra=systemd.default_device_timeout_sec={DEVICE_TIMEOUT_S}",
     ]
+    return cmd + credential_args(credentials)
+
+
+def credential_args(credentials: dict[str, str]) -> list[str]:
+    """QEMU options that hand CREDENTIALS to the guest's systemd (SMBIOS type 11)."""
+    args = []
     for name, value in credentials.items():
-        # binary form: values such as a PEM certificate carry newlines
+        # binary form: values carry newlines (a PEM certificate) and commas (JSON), which
+        # QEMU's option syntax would otherwise split
         encoded = base64.b64encode(value.encode()).decode()
-        cmd += ["-smbios", f"type=11,value=io.systemd.credential.binary:{name}={encoded}"]
-    return cmd
+        args += ["-smbios", f"type=11,value=io.systemd.credential.binary:{name}={encoded}"]
+    return args
 
 
 class Guest:

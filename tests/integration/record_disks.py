@@ -24,15 +24,29 @@ from builder import qemu
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "disks"
 BEGIN, END = "H8-DISKS-BEGIN", "H8-DISKS-END"
 
-RECORD_UNIT = f"""[Unit]
+# The recording itself, in Python (a shell line inside a unit file loses its quotes to systemd's
+# own unquoting); it arrives as the credential appliance.record-disks.py.
+RECORD_SCRIPT = f"""
+import glob, json, subprocess
+subprocess.run(["udevadm", "settle"], check=False)
+lsblk = json.loads(subprocess.run(["lsblk", "--json", "-O", "-b"], capture_output=True, text=True, check=True).stdout)
+udev = {{}}
+for disk in subprocess.run(["lsblk", "-dn", "-o", "PATH"], capture_output=True, text=True, check=True).stdout.split():
+    out = subprocess.run(["udevadm", "info", "--query=property", f"--name={{disk}}"], capture_output=True, text=True).stdout
+    udev[disk] = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+boot = ""
+for path in glob.glob("/sys/firmware/efi/efivars/LoaderDevicePartUUID-4a67b082-0a4c-41cf-b6c7-440b29bb8c4f"):
+    boot = open(path, "rb").read()[4:].decode("utf-16-le").rstrip("\\0").lower()
+with open("/dev/ttyS2", "w") as tty:
+    tty.write("{BEGIN}\\n" + json.dumps({{"lsblk": lsblk, "udev": udev, "boot_partuuid": boot}}) + "\\n{END}\\n")
+"""
+RECORD_UNIT = """[Unit]
 Description=Record lsblk and udev outputs for the installer's decoy matrix
 After=systemd-udev-settle.service local-fs.target
 [Service]
 Type=oneshot
-ExecStart=/bin/sh -c 'udevadm settle; {{ echo {BEGIN}; echo "{{\\"lsblk\\":"; lsblk --json -O -b; echo ",\\"udev\\":{{"; \
-first=1; for d in $(lsblk -dn -o PATH); do [ $first = 1 ] || echo ,; first=0; echo "\\"$d\\":"; \
-udevadm info --query=property --name=$d | python3 -c "import sys,json; print(json.dumps(dict(l.rstrip(chr(10)).split(chr(61),1) for l in sys.stdin if chr(61) in l)))"; done; \
-echo "}},\\"boot_partuuid\\":\\""; cat /sys/firmware/efi/efivars/LoaderDevicePartUUID-4a67b082-0a4c-41cf-b6c7-440b29bb8c4f | tail -c +5 | tr -d "\\\\000" | tr A-Z a-z; echo "\\"}}"; echo {END}; }} > /dev/ttyS2'
+LoadCredential=record.py:appliance.record-disks.py
+ExecStart=/usr/bin/python3 ${CREDENTIALS_DIRECTORY}/record.py
 ExecStartPost=/bin/systemctl --no-block poweroff
 """
 WANTS = "[Unit]\nWants=appliance-record-disks.service\n"
@@ -76,7 +90,8 @@ def record(image: Path, name: str, timeout: float = 900) -> Path:
     work = Path(tempfile.mkdtemp(prefix=f"record-{name}-"))
     guest = qemu.Guest(image, work)
     creds = {"systemd.extra-unit.appliance-record-disks.service": RECORD_UNIT,
-             "systemd.unit-dropin.multi-user.target": WANTS, "appliance.bootcheck": "report"}
+             "systemd.unit-dropin.multi-user.target": WANTS, "appliance.bootcheck": "report",
+             "appliance.record-disks.py": RECORD_SCRIPT}
     cmd = qemu._qemu_command(guest.disk, guest.vars, creds)
     cmd += ["-device", "qemu-xhci,id=xhci", "-device", "ahci,id=ahci0", "-device", "virtio-scsi-pci,id=scsi0"]
     for i, (gib, device, content) in enumerate(extra):

@@ -114,14 +114,17 @@ serial = "TARGET-0001"
         base += ["-drive", f"if=none,id=d{i},format=raw,file={disks[name]}", "-device", f"{kind},drive=d{i},{opts}"]
     creds = {"systemd.extra-unit.appliance-ambiguous.service": AMBIGUOUS_UNIT,
              "systemd.unit-dropin.appliance-installer.service":
-                 "[Unit]\nAfter=appliance-ambiguous.service\nWants=appliance-ambiguous.service\n",
+                 "[Unit]\nAfter=appliance-ambiguous.service\nWants=appliance-ambiguous.service\n"
+                 # its summary on the first serial port too (install-console.log), besides tty1
+                 "[Service]\nStandardOutput=journal+console\nStandardError=journal+console\n",
              "ambiguous.plan.json": (ambiguous / "plan.json").read_text(),
              "ambiguous.plan.json.sig": (ambiguous / "plan.json.sig").read_text()}
     cmd1 = [*base, "-drive", f"if=none,id=medium,format=raw,readonly=on,file={media['usb']}",
             "-device", "usb-storage,drive=medium,serial=MEDIUM-0005,bus=xhci.0",
-            *[a for n, v in creds.items() for a in ("-smbios", f"type=11,value=io.systemd.credential:{n}={v}")],
+            *qemu.credential_args(creds),
             "-serial", f"file:{work}/install-console.log", "-serial", f"file:{work}/install-report.log"]
-    proc = subprocess.run(cmd1, stdin=subprocess.DEVNULL, capture_output=True, timeout=3600, check=False)
+    proc = subprocess.run(cmd1, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=3600, check=False)
+    assert proc.returncode == 0, f"QEMU: {proc.stderr[-2000:]}"
     after = {name: _sha256(p) for name, p in disks.items() if name != "target"}
     table = json.loads(subprocess.run(["sfdisk", "-J", str(disks["target"])], capture_output=True, text=True, check=True).stdout)
 
