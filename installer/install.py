@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -208,5 +209,8 @@ def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: 
         steps.append(f"firmware boot entry Boot{entry} first in BootOrder")
     out(summary(choice, payload, plan, steps, time.monotonic() - started, signer))
     if reboot and not choice.installed:
+        # stdout is block-buffered when it is not a terminal (journal, serial): the summary must
+        # be out before the reboot takes this process down
+        sys.stdout.flush()
         runner(["systemctl", "reboot"])
     return 0

@@ -133,9 +133,67 @@ def bundles(demo_config: config.Config, demo_image: Path, https_root: tuple[Path
     return {name: f"{url}/{name}/" for name in ("v2", "v3", "flipped", "untrusted", "v1")}
 
 
+# The journey's host: the demo's disk size, the hostname and SSH key its signed install plan gives
+# (they must survive every upgrade and rollback of the journey).
+JOURNEY_HOSTNAME = "journey-07"
+INSTALL_PLAN = f"""hostname = "{JOURNEY_HOSTNAME}"
+[ssh]
+authorized_keys = ["{{key}}"]
+[target]
+min_size_gib = {qemu.DISK_SIZE // (1 << 30) - 1}
+max_size_gib = {qemu.DISK_SIZE // (1 << 30) + 1}
+"""
+
+
+def _openssh_line(public_pem: Path) -> str:
+    from cryptography.hazmat.primitives import serialization
+
+    pub = serialization.load_pem_public_key(public_pem.read_bytes())
+    return pub.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode() + " journey@test"
+
+
 @pytest.fixture(scope="session")
-def journey_guest(demo_image: Path, tmp_path_factory: pytest.TempPathFactory) -> qemu.Guest:
-    return qemu.Guest(demo_image, tmp_path_factory.mktemp("journey"))
+def installed(demo_config: config.Config, demo_image: Path, bundles: dict[str, str], https_root: tuple[Path, str, str],
+              tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The journey starts from a blank disk: the installer (its kernel image built by the builder,
+    on a USB medium made by `builder installer` with v1's bundle and a signed plan) writes it and
+    makes the firmware boot entry the journey then boots through. The disk and the firmware
+    variables are the journey guest's own (same QEMU devices, so the entry stays valid)."""
+    from builder import installer_media, installer_uki
+    from builder import plan as builder_plan
+
+    work = tmp_path_factory.mktemp("journey")
+    key = build.signing_key_for(demo_config, None)
+    uki = installer_uki.build_uki(demo_config, output=work / "installer" / installer_uki.UKI_NAME)
+    _, ssh_pub = keys.generate(work / "ssh")
+    ssh_line = _openssh_line(ssh_pub)
+    (work / "plan.toml").write_text(INSTALL_PLAN.format(key=ssh_line))
+    builder_plan.write(work / "plan.toml", key, work / "plan")
+    media = installer_media.make(demo_image.parent, demo_config.appliance.version, uki, work / "plan", work / "media", ["usb"],
+                                 https_root[0] / "v1")
+    disk, vars_fd = work / "disk.raw", work / "OVMF_VARS.fd"
+    with open(disk, "wb") as blank:
+        blank.truncate(qemu.DISK_SIZE)
+    shutil.copyfile(qemu.OVMF_VARS, vars_fd)
+    # the installer's output (its summary) straight to the second serial port as well as tty1
+    dropin = "[Service]\nStandardOutput=file:/dev/ttyS1\nStandardError=file:/dev/ttyS1\n"
+    cmd = [*qemu._qemu_command(disk, vars_fd, {"systemd.unit-dropin.appliance-installer.service": dropin}),
+           "-no-reboot", "-device", "qemu-xhci,id=xhci",
+           "-drive", f"if=none,id=medium,format=raw,readonly=on,file={media['usb']}",
+           "-device", "usb-storage,drive=medium,serial=MEDIUM-0001,bus=xhci.0",
+           "-serial", f"file:{work}/install-console.log", "-serial", f"file:{work}/install-output.log"]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1800, check=False)
+    assert proc.returncode == 0, f"QEMU: {proc.stderr[-2000:]}"
+    output = (work / "install-output.log").read_text(errors="replace") if (work / "install-output.log").exists() else ""
+    return {"dir": work, "output": output, "console": (work / "install-console.log").read_text(errors="replace"),
+            "seconds": round(time.monotonic() - started), "ssh_line": ssh_line,
+            "table": json.loads(subprocess.run(["sfdisk", "-J", str(disk)], capture_output=True, text=True).stdout or "{}")}
+
+
+@pytest.fixture(scope="session")
+def journey_guest(demo_image: Path, installed: dict[str, Any]) -> qemu.Guest:
+    return qemu.Guest(demo_image, installed["dir"])  # the installed disk and firmware variables, as they are
 
 
 def _plan_credentials(bundles: dict[str, str], ca: str) -> dict[str, str]:
