@@ -136,10 +136,16 @@ def bundles(demo_config: config.Config, demo_image: Path, https_root: tuple[Path
 # The journey's host: the demo's disk size, the hostname and SSH key its signed install plan gives
 # (they must survive every upgrade and rollback of the journey).
 JOURNEY_HOSTNAME = "journey-07"
+# builder.qemu's disk (-drive if=virtio, created after its fixed devices) is in PCI slot 5, as
+# QEMU's `info pci` shows; the installer's USB controller gets a fixed address (like the probe
+# NIC's 0x10) so that it does not move the disk, and the boot entry it makes stays valid
+JOURNEY_DISK_PATH = "pci-0000:00:05.0"
+INSTALLER_XHCI_ADDR = "0x11"
 INSTALL_PLAN = f"""hostname = "{JOURNEY_HOSTNAME}"
 [ssh]
 authorized_keys = ["{{key}}"]
 [target]
+by_path = "{JOURNEY_DISK_PATH}"
 min_size_gib = {qemu.DISK_SIZE // (1 << 30) - 1}
 max_size_gib = {qemu.DISK_SIZE // (1 << 30) + 1}
 """
@@ -178,7 +184,7 @@ def installed(demo_config: config.Config, demo_image: Path, bundles: dict[str, s
     # the installer's output (its summary) straight to the second serial port as well as tty1
     dropin = "[Service]\nStandardOutput=file:/dev/ttyS1\nStandardError=file:/dev/ttyS1\n"
     cmd = [*qemu._qemu_command(disk, vars_fd, {"systemd.unit-dropin.appliance-installer.service": dropin}),
-           "-no-reboot", "-device", "qemu-xhci,id=xhci",
+           "-no-reboot", "-device", f"qemu-xhci,id=xhci,addr={INSTALLER_XHCI_ADDR}",
            "-drive", f"if=none,id=medium,format=raw,readonly=on,file={media['usb']}",
            "-device", "usb-storage,drive=medium,serial=MEDIUM-0001,bus=xhci.0",
            "-serial", f"file:{work}/install-console.log", "-serial", f"file:{work}/install-output.log"]
