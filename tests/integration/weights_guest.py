@@ -39,14 +39,16 @@ def credential(name: str) -> str:
     return (Path(os.environ["CREDENTIALS_DIRECTORY"]) / name).read_text().strip()
 
 
-def run(*argv: str, timeout: float = 1800) -> dict[str, Any]:
+def run(*argv: str, timeout: float = 1800, whole: bool = False) -> dict[str, Any]:
+    """ARGV's exit status and output (the last 4000 characters of each unless WHOLE)."""
     try:
         proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         return {"argv": list(argv), "exit": None, "stdout": "", "stderr": f"{type(e).__name__}: {e}"}
     sys.stdout.write(proc.stderr[-3000:])  # progress lines and errors on the console, for the host
     sys.stdout.flush()
-    return {"argv": list(argv), "exit": proc.returncode, "stdout": proc.stdout[-4000:], "stderr": proc.stderr[-4000:]}
+    return {"argv": list(argv), "exit": proc.returncode, "stdout": proc.stdout if whole else proc.stdout[-4000:],
+            "stderr": proc.stderr[-4000:]}
 
 
 def verify(*extra: str) -> dict[str, Any]:
@@ -59,11 +61,12 @@ def verify(*extra: str) -> dict[str, Any]:
 
 
 def weights_status() -> Any:
-    out = run("/usr/bin/applianctl", "status", "--json", "--timeout-scale", "20", timeout=120)
+    # the whole document: status --json is longer than run()'s usual tail
+    out = run("/usr/bin/applianctl", "status", "--json", "--timeout-scale", "20", timeout=120, whole=True)
     try:
         return json.loads(out["stdout"])["parts"].get("weights")
     except (ValueError, KeyError):
-        return out
+        return {**out, "stdout": out["stdout"][-4000:]}
 
 
 def snapshot() -> Path:
