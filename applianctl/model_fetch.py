@@ -3,7 +3,7 @@
 SOURCE: an https:// mirror in the Hub's layout (BASE/resolve/REVISION/PATH, e.g. BASE =
 https://mirror.example/ORG/NAME) or a plain one (BASE/PATH), or a local directory (a USB disk, a
 network share, a Hugging Face snapshot directory). HTTPS goes through the updater's bounded client
-(applianctl/update_fetch.py: HTTPS only, the CA given or the system's, redirects only to the same
+(appliance/fetch.py: HTTPS only, the CA given or the system's, redirects only to the same
 scheme, host and port, one deadline); the byte cap of each file is its size in the signed manifest.
 
 Resume, power cut included: each file is written to .partial/ on /var in CHUNK_BYTES (8 MiB)
@@ -47,11 +47,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from appliance import fetch as bounded
 from appliance import progress
 from appliance import weights as wm
 from appliance.atomic import fsync_dir, write_json_atomic
 from appliance.errors import Refused, UserError
-from applianctl import update_fetch
 from applianctl.model_store import Store
 from applianctl.model_verity import Verity
 
@@ -112,9 +112,9 @@ class DirSource:
 class HttpsSource:
     """An HTTPS mirror, through the updater's bounded client."""
 
-    def __init__(self, spec: str, ca: str | None, layout: str, revision: str, deadline: update_fetch.Deadline) -> None:
+    def __init__(self, spec: str, ca: str | None, layout: str, revision: str, deadline: bounded.Deadline) -> None:
         self.spec, self.layout, self.revision = spec, layout, revision
-        self.client = update_fetch.HttpsSource(spec, ca, deadline)
+        self.client = bounded.HttpsSource(spec, ca, deadline)
 
     def name(self, path: str) -> str:
         quoted = urllib.parse.quote(path)
@@ -146,7 +146,7 @@ class HttpsSource:
             # to check its deadline often; here the socket timeout bounds each silence all the same)
             try:
                 while True:
-                    sock.settimeout(min(update_fetch.READ_TIMEOUT_S, self.client.deadline.left()))
+                    sock.settimeout(min(bounded.READ_TIMEOUT_S, self.client.deadline.left()))
                     try:
                         data = resp.read(READ_BYTES)
                     except (OSError, http.client.HTTPException) as e:
@@ -173,7 +173,7 @@ def open_source(spec: str, ca: str | None, layout: str, model_id: str, revision:
         return DirSource(spec)
     if layout == "auto":
         layout = "hub" if urllib.parse.urlsplit(spec).path.rstrip("/").endswith("/" + model_id) else "plain"
-    return HttpsSource(spec, ca, layout, revision, update_fetch.Deadline(DEADLINE_S))
+    return HttpsSource(spec, ca, layout, revision, bounded.Deadline(DEADLINE_S))
 
 
 # ----------------------------------------------------------------------------------- one file

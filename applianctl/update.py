@@ -7,7 +7,7 @@ every byte is proven. The steps, each in its own module:
 0. The running version must be judged good (its boot entry carries no boot counter): while it
    is on trial, the inactive slot may hold the only version known to be good, and writing it
    could leave nothing good to fall back to (slots.View.running_state). Refused in one line.
-1. bundle.json and its signature are fetched with byte caps (update_fetch: HTTPS only, same-origin
+1. bundle.json and its signature are fetched with byte caps (appliance.fetch: HTTPS only, same-origin
    redirects, the given CA, one deadline) and checked against the keys the RUNNING version
    trusts (appliance.bundle.verify_index).
 2. Policy and fit (update_verify): newer, min_version, profile, engine image, partition sizes.
@@ -35,10 +35,10 @@ from typing import Any
 from appliance import atomic, paths, progress
 from appliance.bundle import BUNDLE_INDEX, BUNDLE_SIG, BundleIndex, verify_index
 from appliance.errors import Refused, UserError
+from appliance.fetch import Deadline, open_source
 from appliance.manifest import Manifest, version_tuple
 from appliance.run import run
 from applianctl import engine_slots, slots, update_staged
-from applianctl.update_fetch import Deadline, open_source
 from applianctl.update_install import boot_tries, link_sources, locked, prepare_slot, sysupdate_commands
 from applianctl.update_stage import SPACE_MARGIN_BYTES, check_space, stage, staging_for, to_fetch
 from applianctl.update_verify import check_engine, check_fits, check_policy, check_staged, check_strict

@@ -14,9 +14,9 @@ from pathlib import Path
 from appliance import atomic, progress
 from appliance.bundle import BundleFile, BundleIndex
 from appliance.errors import Refused, UserError
+from appliance.fetch import Source
 from appliance.hashing import sha256_file
 from applianctl import slots
-from applianctl.update_fetch import Source
 
 SPACE_MARGIN_BYTES = 512 << 20
 

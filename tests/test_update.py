@@ -22,13 +22,14 @@ from typing import Any
 
 import pytest
 from fake_release import bundle, demo_config, fake_build, make_signing, usrhash_for
-from test_update_fetch import make_ca, make_server_cert
+from test_fetch import make_ca, make_server_cert
 
 from appliance import atomic as state
+from appliance import fetch as update_fetch
 from appliance import manifest, paths
 from appliance.bundle import engine_short, source_names
 from appliance.errors import Refused, UserError
-from applianctl import rollback, slots, update_fetch, update_stage
+from applianctl import rollback, slots, update_stage
 from applianctl import update as up
 from applianctl.engine_slots import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from builder import release as rel

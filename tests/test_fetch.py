@@ -23,8 +23,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from appliance import fetch as uf
 from appliance.errors import Refused, UserError
-from applianctl import update_fetch as uf
 
 LIMIT = 1 << 16
 
