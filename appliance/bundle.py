@@ -23,6 +23,9 @@ from appliance.patterns import VERSION
 BUNDLE_INDEX = "bundle.json"
 BUNDLE_SIG = "bundle.json.sig"
 BUNDLE_FORMAT = 1
+# byte caps for the two small files, read before anything is trusted
+MAX_INDEX_BYTES = 1 << 16
+MAX_SIG_BYTES = 256
 
 # GPT partition types of the A/B /usr slots (the Discoverable Partitions Specification, x86-64)
 USR_TYPE = "8484680C-9521-48C6-9C11-B0720656F69E"
@@ -37,7 +40,7 @@ NOT_OURS = "the bundle was not written by python3 -m builder release"
 # ----------------------------------------------------------------------------------- names
 
 
-def payload_names(version: str, engine_digest: str, with_engine: bool) -> dict[str, str]:
+def payload_names(version: str, engine_digest: str, with_engine: bool, with_install: bool = False) -> dict[str, str]:
     """The files a bundle of VERSION holds, by role (mkosi's names for the OS parts)."""
     names = {
         "usr": f"appliance_{version}.usr.raw",
@@ -51,7 +54,16 @@ def payload_names(version: str, engine_digest: str, with_engine: bool) -> dict[s
         short = engine_short(engine_digest)
         names["engine"] = f"engine_{short}.raw"
         names["engine-verity"] = f"engine_{short}.verity.raw"
+    if with_install:
+        names.update(install_names(version))
     return names
+
+
+def install_names(version: str) -> dict[str, str]:
+    """The whole disk image for installing over HTTPS (installer/, never fetched by the updater):
+    zstd-compressed (bmaptool reads it as it is), and its block map, whose per-range SHA-256
+    bmaptool checks while writing."""
+    return {"install-image": f"appliance_{version}.raw.zst", "install-bmap": f"appliance_{version}.raw.bmap"}
 
 
 def engine_short(digest: str) -> str:
@@ -144,7 +156,8 @@ def load_index(index: Any) -> BundleIndex:
         raise _bad("files", [], "a list of files")
     names = [f.name for f in model.files]
     with_engine = f"engine_{engine_short(model.engine_digest)}.raw" in names
-    wanted = set(payload_names(model.version, model.engine_digest, with_engine).values())
+    with_install = install_names(model.version)["install-image"] in names
+    wanted = set(payload_names(model.version, model.engine_digest, with_engine, with_install).values())
     if len(names) != len(set(names)) or set(names) != wanted:
         odd = sorted(set(names) ^ wanted)
         raise Refused(

@@ -29,8 +29,9 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Protocol
 
-from appliance import progress
+from appliance import atomic, progress
 from appliance.errors import Refused, UserError
+from appliance.hashing import sha256_file
 
 CHUNK = 1 << 16  # one read: small, so the deadline is checked often
 CONNECT_TIMEOUT_S = 15.0
@@ -356,3 +357,39 @@ def _shut(sock: socket.socket) -> None:
     """The deadline passed: wake any read blocked on SOCK (close alone does not)."""
     with suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
+
+
+# ----------------------------------------------------------------------------------- proven files
+
+
+def missing_bytes(name: str, size: int, directory: Path) -> int:
+    """What is still to fetch of NAME (SIZE bytes) into DIRECTORY, counting a partial NAME.part."""
+    final, part = directory / name, directory / (name + ".part")
+    have = final.stat().st_size if final.exists() else part.stat().st_size if part.exists() else 0
+    return max(size - have, 0)
+
+
+def _sha256(path: Path, name: str) -> str:
+    """PATH's SHA-256, with progress: a /usr image takes a while to hash on a slow disk."""
+    with progress.Progress(f"verifying {name}", total=path.stat().st_size) as p:
+        return sha256_file(path, p.advance)
+
+
+def fetch_proven(source: Source, name: str, size: int, sha256: str, directory: Path) -> Path:
+    """NAME from SOURCE as DIRECTORY/NAME, proven by the SIZE and SHA256 a signed index gives. A
+    file already there is re-hashed, not trusted; a partial one (NAME.part) is resumed; a file
+    that does not match is removed and refused."""
+    final, part = directory / name, directory / (name + ".part")
+    if final.exists():
+        if final.stat().st_size == size and _sha256(final, name) == sha256:
+            return final
+        final.unlink()
+    source.fetch(name, part, size)
+    digest = _sha256(part, name)
+    if digest != sha256:
+        part.unlink()
+        raise Refused(f"{name}: SHA-256 {digest[:16]}... does not match the signed index",
+                      hint="the file was changed or damaged; nothing was written")
+    part.rename(final)
+    atomic.fsync_dir(directory)
+    return final

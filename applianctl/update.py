@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import atomic, paths, progress
-from appliance.bundle import BUNDLE_INDEX, BUNDLE_SIG, BundleIndex, verify_index
+from appliance.bundle import BUNDLE_INDEX, BUNDLE_SIG, MAX_INDEX_BYTES, MAX_SIG_BYTES, BundleIndex, verify_index
 from appliance.errors import Refused, UserError
 from appliance.fetch import Deadline, open_source
 from appliance.manifest import Manifest, version_tuple
@@ -43,8 +43,6 @@ from applianctl.update_install import boot_tries, link_sources, locked, prepare_
 from applianctl.update_stage import SPACE_MARGIN_BYTES, check_space, stage, staging_for, to_fetch
 from applianctl.update_verify import check_engine, check_fits, check_policy, check_staged, check_strict
 
-MAX_INDEX_BYTES = 1 << 16
-MAX_SIG_BYTES = 256
 DEFAULT_DEADLINE_S = 4 * 3600.0  # the whole run; the unit's TimeoutStartSec= is a little longer
 
 

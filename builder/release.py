@@ -8,6 +8,10 @@ A bundle is a directory any static web server can serve:
     appliance_VERSION.efi               the unified kernel image (its command line carries usrhash=)
     engine_DIGEST12.raw, engine_DIGEST12.verity.raw
                                         the engine partition image, only when the target lacks its digest
+    appliance_VERSION.raw.zst, appliance_VERSION.raw.bmap
+                                        with --install-image: the whole disk image, compressed, and its
+                                        block map, for installing a bare host over HTTPS (installer/);
+                                        the updater never fetches them
     manifest.json, manifest.json.sig    the signed release manifest of the build
     SHA256SUMS                          sha256sum(1) lines over all of the above
     bundle.json, bundle.json.sig        the signed index: version, min_version, profile, engine_digest,
@@ -41,6 +45,7 @@ from appliance.atomic import replace_dir
 from appliance.config import Config
 from appliance.errors import UserError
 from appliance.hashing import CHUNK, sha256_file
+from builder.run import run
 
 
 def _copy(src: Path, dst: Path) -> None:
@@ -105,12 +110,14 @@ def make_bundle(
     signing_key: Path,
     previous_bundle_or_engine_digests: Path | Iterable[str] | None = None,
     previous_version: str | None = None,
+    with_install_image: bool = False,
 ) -> bundle.BundleIndex:
     """Write the bundle for CONFIG's build in BUILD_OUTPUT_DIR to BUNDLE_DIR; return its index (bundle.json).
 
     PREVIOUS_BUNDLE_OR_ENGINE_DIGESTS: the bundle the target runs (a directory) or the engine
     digests it has; the engine image is left out when its digest is among them.
-    PREVIOUS_VERSION (or the previous bundle's version): the new version must be greater."""
+    PREVIOUS_VERSION (or the previous bundle's version): the new version must be greater.
+    WITH_INSTALL_IMAGE: add the whole disk image (zstd) and its block map, for installs over HTTPS."""
     version = config.appliance.version
     known_digests, prev_bundle_version = _known_engine_digests(previous_bundle_or_engine_digests)
     for prev in (previous_version, prev_bundle_version):
@@ -149,7 +156,8 @@ def make_bundle(
         engine_names = bundle.payload_names(version, config.engine.digest, with_engine=True)
         sources[engine_names["engine"]] = out / f"appliance_{version}.engine.raw"
         sources[engine_names["engine-verity"]] = out / f"appliance_{version}.engine-verity.raw"
-    for path in sources.values():
+    disk_image = out / f"appliance_{version}.raw"
+    for path in [*sources.values(), *([disk_image] if with_install_image else [])]:
         if not path.is_file():
             hint = f"build first: python3 -m builder --profile {config.profile} build"
             raise UserError(f"{path}: missing from the build output", hint=hint)
@@ -173,7 +181,8 @@ def make_bundle(
                 p.advance(src.stat().st_size)
         (tmp / "manifest.json").write_bytes(manifest_data)
         (tmp / "manifest.json.sig").write_bytes(manifest_sig)
-        listed = sorted([*sources, "manifest.json", "manifest.json.sig"])
+        installable = _install_image(disk_image, tmp, version) if with_install_image else []
+        listed = sorted([*sources, *installable, "manifest.json", "manifest.json.sig"])
         with progress.Progress("hashing payloads", total=sum((tmp / name).stat().st_size for name in listed)) as p:
             sums = {name: sha256_file(tmp / name, p.advance) for name in listed}
         (tmp / "SHA256SUMS").write_text("".join(f"{sums[n]}  {n}\n" for n in listed))
@@ -205,6 +214,15 @@ def make_bundle(
     return model
 
 
+def _install_image(disk_image: Path, directory: Path, version: str) -> list[str]:
+    """The disk image zstd-compressed (its zeros cost nothing) and its block map, into DIRECTORY."""
+    names = bundle.install_names(version)
+    with progress.step("compressing the install image"):
+        run(["bmaptool", "create", "-o", directory / names["install-bmap"], disk_image], capture=True, what="bmaptool create")
+        run(["zstd", "-q", "-T0", "-6", "-o", directory / names["install-image"], disk_image], capture=True, what="zstd")
+    return list(names.values())
+
+
 def _read(path: Path) -> bytes:
     try:
         return path.read_bytes()
@@ -234,7 +252,7 @@ def cmd_release(args: argparse.Namespace) -> int:
         previous = [*(previous if isinstance(previous, list) else []), *args.engine_digest]
         if args.previous and Path(args.previous).is_dir():
             raise UserError("--engine-digest and a --previous bundle directory exclude each other", hint="give one of them")
-    index = make_bundle(config, out, bundle, key, previous, previous_version)
+    index = make_bundle(config, out, bundle, key, previous, previous_version, with_install_image=args.install_image)
     total = sum(f.size for f in index.files)
     engine = "with" if any(f.name.startswith("engine_") for f in index.files) else "without"
     print(f"bundle {index.version} ({config.profile}) at {bundle}: {len(index.files)} files, {total} bytes, {engine} an engine image")
@@ -249,6 +267,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--signing-key", help="the release signing key (default: as for build)")
     p.add_argument("--previous", help="the previous release: its bundle directory or its version; the new one must be greater")
     p.add_argument("--engine-digest", action="append", help="an engine digest the target has already (repeatable): no engine image then")
+    p.add_argument("--install-image", action="store_true",
+                   help="add the whole disk image (zstd) and its block map, so that the installer can install a bare host over HTTPS")
     p.set_defaults(func=cmd_release)
     return p
 

@@ -1,8 +1,11 @@
 """python3 -m installer: install the appliance onto the one disk the signed plan names.
 
 Runs on the installer medium (from RAM), never on the appliance. The release comes from the
-medium's payload partition (or the ISO), the plan from the medium's plan/ directory or from the
-systemd credentials appliance.install-plan and appliance.install-plan.sig (BMC automation, tests).
+medium's payload partition (or the ISO), or, with no medium (the installer kernel image booted
+alone, e.g. by UEFI HTTP boot), from a release bundle over HTTPS: --source, else the plan's
+[update] url (installer/remote.py). The plan comes from the medium's plan/ directory or from the
+systemd credentials appliance.install-plan and appliance.install-plan.sig (BMC automation, tests);
+an HTTPS server's CA, when not a public one, from the credential appliance.install-ca or --ca.
 Nothing unsigned is used: the plan, the bundle index and the manifest are each checked against the
 keys this installer's release trusts before anything is read from them.
 """
@@ -18,14 +21,14 @@ from pathlib import Path
 from appliance import manifest, paths
 from appliance import plan as plan_model
 from appliance.errors import UserError, run_reporting
-from installer import install
+from installer import install, remote
 
 MEDIUM_LABELS = ("/dev/disk/by-partlabel/appliance-payload", "/dev/disk/by-label/APPLIANCE_INSTALLER")
 CREDENTIAL = "appliance.install-plan"
 
 
-def find_medium(runner: install.Runner = install._run) -> Path:
-    """Mount the medium's payload read-only under /run/installer/medium (once)."""
+def find_medium(runner: install.Runner = install._run) -> Path | None:
+    """Mount the medium's payload read-only under /run/installer/medium (once); None without one."""
     mnt = Path("/run/installer/medium")
     if (mnt / "bundle.json").exists():
         return mnt
@@ -34,11 +37,17 @@ def find_medium(runner: install.Runner = install._run) -> Path:
             mnt.mkdir(parents=True, exist_ok=True)
             runner(["mount", "-o", "ro", device, str(mnt)])
             return mnt
-    raise UserError("no installer medium found (no partition labelled appliance-payload, no APPLIANCE_INSTALLER ISO)",
-                    hint="attach the USB stick or the virtual medium made by python3 -m builder installer, or pass --medium DIR")
+    return None
 
 
-def find_plan(medium: Path, given: str | None) -> Path:
+NO_RELEASE = UserError(
+    "no installer medium (no partition labelled appliance-payload, no APPLIANCE_INSTALLER ISO) and no release URL",
+    hint="attach the medium made by python3 -m builder installer, or give the plan an [update] url of a bundle "
+         "released with --install-image, or pass --source URL",
+)
+
+
+def find_plan(medium: Path | None, given: str | None) -> Path:
     """The directory holding plan.json and plan.json.sig: --plan, a credential pair, or the medium's plan/."""
     if given:
         return Path(given)
@@ -50,6 +59,8 @@ def find_plan(medium: Path, given: str | None) -> Path:
         if sig.exists():
             (staged / plan_model.PLAN_SIG).write_bytes(sig.read_bytes())
         return staged
+    if medium is None:
+        raise NO_RELEASE
     return medium / "plan"
 
 
@@ -58,19 +69,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="show the disk that would be written, and write nothing")
     parser.add_argument("--json", action="store_true", help="the candidates as JSON instead of a table")
     parser.add_argument("--medium", help="the release's directory (default: the installer medium, mounted read-only)")
+    parser.add_argument("--source", help="a release bundle's https:// URL (or directory) to install from instead of a medium "
+                                         "(default without a medium: the plan's [update] url)")
+    parser.add_argument("--ca", help="the CA of the --source server, PEM (default: credential appliance.install-ca, else the system's)")
     parser.add_argument("--plan", help="the signed plan's directory (default: credential appliance.install-plan, else the medium's plan/)")
     parser.add_argument("--no-reboot", action="store_true", help="stay in the installer after the summary")
     parser.add_argument("--debug", action="store_true", help="tracebacks")
     args = parser.parse_args(argv)
 
     def go() -> int:
-        medium = Path(args.medium) if args.medium else find_medium()
+        medium = Path(args.medium) if args.medium else None if args.source else find_medium()
         trusted = paths.TRUSTED_KEYS_DIR
-        payload = install.load_payload(medium, trusted)
         plan_dir = find_plan(medium, args.plan)
         plan = plan_model.load_signed(plan_dir, trusted)
         if plan is None:
             raise UserError(f"{plan_dir}: no install plan", hint="sign one with python3 -m builder plan PLAN.toml and put it on the medium")
+        if medium is None:
+            # the plan was verified above: only then may it say where the release comes from
+            url = args.source or (plan.update.url if plan.update else "")
+            if not url:
+                raise NO_RELEASE
+            medium = remote.download(url, args.ca or remote.credential_ca(), trusted)
+        payload = install.load_payload(medium, trusted)
         signer = manifest.claimed_signer((plan_dir / plan_model.PLAN_JSON).read_bytes()) or "?"
         return install.install(payload, plan, plan_dir, dry_run=args.dry_run, json_out=args.json, signer=signer,
                                reboot=not args.no_reboot)

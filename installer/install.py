@@ -20,6 +20,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -55,9 +56,11 @@ def _run(argv: Sequence[str]) -> str:
 
 @dataclass(frozen=True)
 class Payload:
-    """What the installer installs: the release's disk image and its signed facts."""
+    """What the installer installs: the release's disk image (raw on a medium, zstd when downloaded)
+    with its block map, and its signed facts."""
 
     image: Path
+    bmap: Path
     version: str
     usrhash: str
     engine_label: str
@@ -71,15 +74,28 @@ def load_payload(directory: Path, trusted_keys: Path) -> Payload:
     man = manifest.verify((directory / "manifest.json").read_bytes(), (directory / "manifest.json.sig").read_bytes(), trusted_keys)
     if man.version != index.version:
         raise UserError(f"{directory}: bundle {index.version} but manifest {man.version}", hint="the medium is inconsistent")
-    image = directory / f"appliance_{index.version}.raw"
-    if not image.is_file() or not Path(f"{image}.bmap").is_file():
-        raise UserError(f"{image}: missing", hint="the medium is incomplete; make it again with python3 -m builder installer")
+    raw = directory / f"appliance_{index.version}.raw"
+    image = next((p for p in (raw, directory / bundle.install_names(index.version)["install-image"]) if p.is_file()), raw)
+    bmap = Path(f"{raw}.bmap")
+    if not image.is_file() or not bmap.is_file():
+        raise UserError(f"{raw}: missing", hint="the medium is incomplete; make it again with python3 -m builder installer")
     eng = man.engine_image
-    return Payload(image, index.version, index.usrhash, eng.store_label, eng.store_roothash)
+    return Payload(image, bmap, index.version, index.usrhash, eng.store_label, eng.store_roothash)
 
 
-def required_bytes(image: Path) -> int:
-    return image.stat().st_size + LAYOUT_EXTRA
+_IMAGE_SIZE = re.compile(rb"<ImageSize>\s*([0-9]{1,15})\s*</ImageSize>")
+
+
+def image_size(bmap: Path) -> int:
+    """The disk image's size as its block map gives it (the image itself may be compressed)."""
+    m = _IMAGE_SIZE.search(bmap.read_bytes()[:65536])
+    if not m:
+        raise UserError(f"{bmap}: no <ImageSize>", hint="the block map is damaged; make the medium or the bundle again")
+    return int(m.group(1))
+
+
+def required_bytes(payload: Payload) -> int:
+    return image_size(payload.bmap) + LAYOUT_EXTRA
 
 
 def _by_partuuid(runner: Runner, disk: str, label: str | None = None, partuuid: str | None = None) -> str:
@@ -188,7 +204,7 @@ def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: 
     found = disks.from_lsblk(doc, udev)
     boot = disks.boot_partuuid() if boot_partuuid is None else boot_partuuid
     try:
-        choice = select.choose(found, plan.target, boot_partuuid=boot, required_bytes=required_bytes(payload.image),
+        choice = select.choose(found, plan.target, boot_partuuid=boot, required_bytes=required_bytes(payload),
                                version=payload.version)
     except select.NoSafeChoice as e:
         out(select.dumps(e.candidates, None) if json_out else select.table(e.candidates, None))
@@ -200,7 +216,7 @@ def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: 
         return 0
     steps: list[str] = []
     if not choice.installed:
-        runner(["bmaptool", "copy", "--bmap", f"{payload.image}.bmap", str(payload.image), choice.disk.path])
+        runner(["bmaptool", "copy", "--bmap", str(payload.bmap), str(payload.image), choice.disk.path])
         runner(["systemd-repart", "--dry-run=no", f"--definitions={REPART_DEFINITIONS}", choice.disk.path])
         runner(["udevadm", "settle"])
         steps = verify_written(runner, choice.disk.path, payload)

@@ -59,6 +59,13 @@ def fake_build(out: Path, config: Config, key: Path, usr_bytes: int = 4096) -> P
             ".cmdline": f"usrhash={usrhash_for(v)} rw console=ttyS0,115200".encode(),
         },
     )
+    # the whole disk image (sparse: a few blocks of data in 8 MiB), as `builder installer` and
+    # `release --install-image` take it
+    with open(out / f"appliance_{v}.raw", "wb") as disk:
+        disk.write(b"GPT" + v.encode())
+        disk.seek(4 << 20)
+        disk.write(b"usr" * 1000)
+        disk.truncate(8 << 20)
     # the engine store partition, as mkosi splits it out
     (out / f"appliance_{v}.engine.raw").write_bytes(b"engine" * 1000)
     (out / f"appliance_{v}.engine-verity.raw").write_bytes(b"engine-verity" * 10)

@@ -57,7 +57,9 @@ def _payload(tmp_path: Path) -> install.Payload:
     image = tmp_path / "appliance_1.0.0.raw"
     with open(image, "wb") as f:
         f.truncate(4 * GIB)
-    return install.Payload(image, "1.0.0", USRHASH, "engine_0123456789ab", "c" * 64)
+    bmap = tmp_path / "appliance_1.0.0.raw.bmap"
+    bmap.write_text(f'<?xml version="1.0" ?>\n<bmap version="2.0">\n    <ImageSize> {4 * GIB} </ImageSize>\n</bmap>\n')
+    return install.Payload(image, bmap, "1.0.0", USRHASH, "engine_0123456789ab", "c" * 64)
 
 
 def _plan(tmp_path: Path) -> tuple[plan_model.Plan, Path]:
