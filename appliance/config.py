@@ -528,8 +528,8 @@ def from_json(data: Any, path: Path) -> Config:
     return config
 
 
-def load_device(path: Path | None = None) -> Config:
-    """The device's configuration: the image's appliance.json as the same frozen model."""
+def load_image(path: Path | None = None) -> Config:
+    """The image's configuration: its appliance.json as the same frozen model (no per-host settings)."""
     path = path or device_path()
     try:
         data = json.loads(path.read_text(), parse_constant=_no_constant)
@@ -541,3 +541,57 @@ def load_device(path: Path | None = None) -> Config:
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})", hint=DEVICE_HINT) from None
     return from_json(data, path)
+
+
+# ----------------------------------------------------------------------------------- per host
+
+# What the signed install plan may set of the image's configuration (appliance/plan.py Plan.proxy).
+HOST_SETTINGS = {"proxy": ("hostname", "allowed_cidrs", "acme_email")}
+HOST_HINT = "systemctl restart appliance-host.service renders it again from the signed install plan"
+
+
+def host_settings_path() -> Path:
+    """Where appliance-host.service leaves the plan's settings on each boot (/run: this boot's code
+    rendered them); APPLIANCE_HOST_SETTINGS moves it for tests."""
+    from appliance import paths
+
+    return Path(os.environ.get("APPLIANCE_HOST_SETTINGS", str(paths.RUN_DIR / "host-settings.json")))
+
+
+def with_host_settings(config: Config, settings: Any, where: str) -> Config:
+    """CONFIG with SETTINGS ({"proxy": {"hostname": ..., "allowed_cidrs": [...], "acme_email": ...}})
+    in place of the image's values, checked as appliance.json is and as the Caddyfile needs: a bad
+    value raises ConfigError and never reaches a reader or a file."""
+    if not isinstance(settings, dict) or not set(settings) <= set(HOST_SETTINGS):
+        shown = sorted(settings) if isinstance(settings, dict) else type(settings).__name__
+        raise ConfigError(f"{where}: {shown}: not per-host settings", hint=f"only {', '.join(HOST_SETTINGS)} may be set per host")
+    data = config.to_json()
+    for section, values in settings.items():
+        if not isinstance(values, dict) or not set(values) <= set(HOST_SETTINGS[section]):
+            shown = sorted(values) if isinstance(values, dict) else type(values).__name__
+            raise ConfigError(f"{where}: {section} = {shown}: not per-host settings",
+                              hint=f"{section} per host: {', '.join(HOST_SETTINGS[section])}")
+        data[section] = {**data[section], **values}
+    # The same loader and cross-checks as the image's own file (types, patterns, acme needs an e-mail).
+    merged = from_json(data, Path(where))
+    from appliance import caddyfile  # imports this module
+
+    try:
+        caddyfile.template_values(merged)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e.message}", hint=e.hint) from None
+    return merged
+
+
+def load_device(path: Path | None = None, settings: Path | None = None) -> Config:
+    """The device's configuration: the image's, with the per-host settings of the signed install
+    plan (SETTINGS, written by appliance-host.service after it verified the plan) where there are."""
+    config = load_image(path)
+    settings = settings or host_settings_path()
+    try:
+        data = json.loads(settings.read_text(), parse_constant=_no_constant)
+    except FileNotFoundError:
+        return config
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{settings}: not valid JSON ({e})", hint=HOST_HINT) from None
+    return with_host_settings(config, data, str(settings))

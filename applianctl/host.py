@@ -10,23 +10,30 @@ the defaults, and status says so.
 
 Rendered: systemd-networkd .netdev/.network files (static IPv4/IPv6, bond, VLAN, MTU, DNS, NTP),
 the host name, the SSH authorized keys (a file sshd reads besides the image's), and the proxy's
-per-host settings (host name, allowlist, ACME e-mail) as JSON for the proxy's renderer.
+per-host settings (host name, allowlist, ACME e-mail): the Caddyfile rendered with them
+(/run/appliance/Caddyfile, which appliance-proxy.service takes through proxy.env instead of the
+image's) and host-settings.json, which every reader of the configuration (appliance.config
+load_device: certificate names, assessment, smoke test, console, status) lays over the image's.
+Proxy values the Caddyfile's checks refuse leave the image's Caddyfile and values in use; the
+result (status part host) says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
 from pathlib import Path
 from typing import Any
 
-from appliance import paths
+from appliance import caddyfile, paths
+from appliance import config as config_model
 from appliance import plan as plan_model
 from appliance.atomic import atomic_write, write_json_atomic
-from appliance.config import Config, load_device
-from appliance.errors import UserError
+from appliance.config import Config, load_image
+from appliance.errors import ConfigError, UserError
 from appliance.run import call
 
 HOST_DIR = paths.STATE_DIR / "host"  # plan.json, plan.json.sig, authorized_keys
@@ -34,6 +41,10 @@ NETWORK_RUN_DIR = Path(os.environ.get("APPLIANCE_NETWORK_RUN_DIR", "/run/systemd
 RESULT = paths.RUN_DIR / "host.json"  # what status shows
 PREFIX = "10-appliance-host"  # sorts before the image's 80-appliance-ethernet.network
 BOND = "bond0"
+# In paths.RUN_DIR (beside RESULT): the proxy's per-host Caddyfile, the unit's environment naming it, the settings.
+CADDYFILE = "Caddyfile"
+PROXY_ENV = "proxy.env"
+HOST_SETTINGS = "host-settings.json"
 
 
 def _match(interface: str) -> str:
@@ -92,7 +103,9 @@ def network_files(net: plan_model.Network) -> dict[str, str]:
 
 def render(plan: plan_model.Plan, config: Config) -> dict[str, str]:
     """Every file the plan sets, by path relative to the rendering root:
-    network/NAME for systemd-networkd, hostname, authorized_keys, proxy.json."""
+    network/NAME for systemd-networkd, hostname, authorized_keys; and, when the plan has proxy
+    settings, host-settings.json and the Caddyfile made with them (ConfigError when the Caddyfile's
+    checks refuse one of them)."""
     out: dict[str, str] = {}
     if plan.network is not None:
         out.update({f"network/{name}": text for name, text in network_files(plan.network).items()})
@@ -100,11 +113,14 @@ def render(plan: plan_model.Plan, config: Config) -> dict[str, str]:
         out["hostname"] = plan.hostname + "\n"
     if plan.ssh is not None:
         out["authorized_keys"] = "".join(k + "\n" for k in plan.ssh.authorized_keys)
-    eff = plan.effective(config)
-    out["proxy.json"] = json.dumps(
-        {"hostname": eff["proxy_hostname"], "allowed_cidrs": eff["proxy_allowed_cidrs"], "acme_email": eff["proxy_acme_email"]},
-        indent=2, sort_keys=True,
-    ) + "\n"
+    if plan.proxy is not None:
+        eff = plan.effective(config)
+        settings = {"proxy": {"hostname": eff["proxy_hostname"], "allowed_cidrs": eff["proxy_allowed_cidrs"],
+                              "acme_email": eff["proxy_acme_email"]}}
+        # Checked as every reader will check it, then rendered through the image's own template.
+        effective = config_model.with_host_settings(config, settings, "install plan")
+        out[HOST_SETTINGS] = json.dumps(settings, indent=2, sort_keys=True) + "\n"
+        out[CADDYFILE] = caddyfile.render_caddyfile(effective)
     return out
 
 
@@ -113,11 +129,30 @@ def _clear_rendered(directory: Path) -> None:
         old.unlink()
 
 
+def _clear_proxy(run_dir: Path) -> None:
+    # proxy.env first: from then on the proxy takes the image's Caddyfile.
+    for name in (PROXY_ENV, CADDYFILE, HOST_SETTINGS):
+        (run_dir / name).unlink(missing_ok=True)
+
+
+def _write_proxy(run_dir: Path, files: dict[str, str]) -> None:
+    # 0644: the proxy runs as caddy; every reader of the configuration reads the settings.
+    atomic_write(run_dir / CADDYFILE, files[CADDYFILE].encode(), 0o644)
+    atomic_write(run_dir / HOST_SETTINGS, files[HOST_SETTINGS].encode(), 0o644)
+    # Last: the unit takes the per-host Caddyfile only once both files are whole.
+    atomic_write(run_dir / PROXY_ENV, f"CADDYFILE={run_dir / CADDYFILE}\n".encode(), 0o644)
+
+
 def apply(config: Config, host_dir: Path = HOST_DIR, network_dir: Path = NETWORK_RUN_DIR, result: Path = RESULT,
           trusted_keys: Path = paths.TRUSTED_KEYS_DIR, set_hostname: bool = True) -> dict[str, Any]:
-    """Verify the plan in HOST_DIR and render it; write RESULT (status reads it). Returns RESULT's content."""
+    """Verify the plan in HOST_DIR and render it; write RESULT (status reads it) and the proxy's
+    files beside it (the runtime directory). Returns RESULT's content.
+    CONFIG is the image's (load_image), never one with an earlier rendering's settings over it."""
+    run_dir = result.parent
     network_dir.mkdir(parents=True, exist_ok=True)
     _clear_rendered(network_dir)
+    _clear_proxy(run_dir)
+    (host_dir / "proxy.json").unlink(missing_ok=True)  # written by earlier versions, read by none
     try:
         plan = plan_model.load_signed(host_dir, trusted_keys)
     except UserError as e:
@@ -128,7 +163,13 @@ def apply(config: Config, host_dir: Path = HOST_DIR, network_dir: Path = NETWORK
         doc = {"ok": True, "reason": "", "source": "image defaults", "settings": _defaults(config)}
         write_json_atomic(result, doc)
         return doc
-    files = render(plan, config)
+    proxy_refused = ""
+    try:
+        files = render(plan, config)
+    except ConfigError as e:
+        # The rest of the plan still applies; the proxy keeps the image's Caddyfile and values.
+        proxy_refused = f"the plan's proxy settings refused ({e.message}; {e.hint}): the image's proxy settings apply"
+        files = render(dataclasses.replace(plan, proxy=None), config)
     for name, text in files.items():
         if name.startswith("network/"):
             atomic_write(network_dir / name.removeprefix("network/"), text.encode())
@@ -138,7 +179,8 @@ def apply(config: Config, host_dir: Path = HOST_DIR, network_dir: Path = NETWORK
         atomic_write(keys, files["authorized_keys"].encode(), 0o644)
     else:
         keys.unlink(missing_ok=True)
-    atomic_write(host_dir / "proxy.json", files["proxy.json"].encode())
+    if CADDYFILE in files:
+        _write_proxy(run_dir, files)
     if set_hostname and plan.hostname:
         # Transient: /etc belongs to the factory image; the plan on /var is the lasting record.
         try:
@@ -147,7 +189,8 @@ def apply(config: Config, host_dir: Path = HOST_DIR, network_dir: Path = NETWORK
             doc = {"ok": False, "reason": f"cannot set the host name: {e.strerror}", "source": "plan"}
             write_json_atomic(result, doc)
             return doc
-    doc = {"ok": True, "reason": "", "source": "plan", "settings": plan.effective(config),
+    settings = plan.effective(config) if not proxy_refused else dataclasses.replace(plan, proxy=None).effective(config)
+    doc = {"ok": not proxy_refused, "reason": proxy_refused, "source": "plan", "settings": settings,
            "network_files": sorted(n.removeprefix("network/") for n in files if n.startswith("network/"))}
     write_json_atomic(result, doc)
     return doc
@@ -175,7 +218,9 @@ def privileged(result: Path = RESULT, runner: Any = call) -> list[str]:
         doc = json.loads(result.read_text())
     except (OSError, ValueError):
         return []
-    if doc.get("source") != "plan" or not doc.get("ok"):
+    # Also when only the plan's proxy settings were refused (ok false, settings there): the host
+    # name and keys are the plan's all the same.
+    if doc.get("source") != "plan" or not isinstance(doc.get("settings"), dict):
         return []
     done = []
     settings = doc.get("settings", {})
@@ -197,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "privileged":
         print("; ".join(privileged()) or "nothing to do")
         return 0
-    config = load_device()
+    config = load_image()
     if args.action == "apply":
         doc = apply(config, set_hostname=False)
         print(doc["reason"] or f"host settings from the {doc['source']}")

@@ -98,9 +98,12 @@ def render_units(config: Config, tree: Path, store: EngineStore) -> list[Path]:
         if source.name.startswith(".") or not source.is_file():
             continue
         if source.name == "Caddyfile.j2":
-            from builder.proxy import render_caddyfile  # checks every value again before it enters
+            from appliance.caddyfile import render_caddyfile  # checks every value again before it enters
 
             text = render_caddyfile(config)
+            # The template too: appliance-host.service renders it again with the plan's settings.
+            _write(tree / LIB / source.name, source.read_text())
+            written.append(tree / LIB / source.name)
         elif source.suffix == ".j2":
             text = render_template(source.name, config, store)
         else:

@@ -20,9 +20,9 @@ import pytest
 
 from appliance import config as config_mod
 from appliance import paths
+from appliance.caddyfile import render_caddyfile
 from appliance.config import Config
 from applianctl import assess, slots, tls
-from builder.proxy import render_caddyfile
 from standin.testing import StandinProcess, free_port, port_open
 
 ROOT = Path(__file__).resolve().parents[1]

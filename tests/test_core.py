@@ -1,5 +1,5 @@
 """The core package: builder/ and applianctl/ import appliance/, never each other; appliance/
-imports neither and only what the image has (the standard library and Debian's cryptography)."""
+imports neither and only what the image has (the standard library, Debian's cryptography and jinja2)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-IMAGE_THIRD_PARTY = {"cryptography"}  # python3-cryptography in the image
+IMAGE_THIRD_PARTY = {"cryptography", "jinja2"}  # python3-cryptography, python3-jinja2 in the image
 
 
 def _imports(package: str) -> dict[str, set[str]]:

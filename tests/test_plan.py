@@ -173,7 +173,7 @@ def test_apply_renders_the_signed_plan_and_replaces_an_older_rendering(tmp_path:
     assert names == sorted([*doc["network_files"], "50-other.network"])
     assert f"{host.PREFIX}-vlan99.netdev" not in names
     assert (host_dir / "authorized_keys").read_text() == KEY + "\n"
-    assert json.loads((host_dir / "proxy.json").read_text())["hostname"] == "gpu-07.example.net"
+    assert json.loads((result.parent / host.HOST_SETTINGS).read_text())["proxy"]["hostname"] == "gpu-07.example.net"
 
 
 # ------------------------------------------------------------------------------ rendering

@@ -31,13 +31,13 @@ import requests
 from cryptography import x509
 from requests.adapters import HTTPAdapter
 
+from appliance import caddyfile as proxy_mod
 from appliance import config as config_mod
 from appliance import paths
+from appliance.caddyfile import render_caddyfile
 from appliance.config import Config
 from appliance.errors import ConfigError
 from applianctl import tls
-from builder import proxy as proxy_mod
-from builder.proxy import render_caddyfile
 
 ROOT = Path(__file__).resolve().parents[1]
 TOML = ROOT / "appliance.toml"

@@ -1,0 +1,203 @@
+"""The Caddyfile: the [proxy] settings rendered through the template Caddyfile.j2.
+
+Shared by the build (builder/render.py: appliance.toml's values into /usr/lib/appliance/Caddyfile)
+and the device (appliance-host.service: the same with the signed install plan's per-host settings
+into /run/appliance/Caddyfile). The template is units/Caddyfile.j2 in the source tree and
+/usr/lib/appliance/Caddyfile.j2 on the device.
+
+Every value that enters the file is checked again here, whatever the schema let through: a
+Caddyfile has no quoting we could rely on, so a value is either plainly safe (a DNS name, a network
+as ipaddress prints it, an e-mail address, a URL path, a port) or rendering stops with a
+ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from pathlib import Path
+from typing import Any
+
+from appliance import paths
+from appliance.config import Config, is_dns_name
+from appliance.errors import ConfigError
+
+TEMPLATE = "Caddyfile.j2"
+_SOURCE_TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "units"
+
+# The image's Caddyfile (rendered at build) and where the proxy's admin socket lives
+# (RuntimeDirectory=appliance-proxy in units/appliance-proxy.service).
+CADDYFILE_PATH = "/usr/lib/appliance/Caddyfile"
+ADMIN_SOCKET = "/run/appliance-proxy/admin.sock"
+
+
+def template_dir() -> Path:
+    """units/ in the source tree (the build, tests); on the device, where the image installs it."""
+    return _SOURCE_TEMPLATE_DIR if (_SOURCE_TEMPLATE_DIR / TEMPLATE).is_file() else paths.LIB_DIR
+
+
+# Anything a Caddyfile tokenizer treats specially: whitespace and control characters split or end
+# tokens, braces open blocks and placeholders ({$ENV}, {env.X}), quotes and backticks quote, '#'
+# starts a comment, '\' escapes, '%' and '$' are refused too (scoped IPv6, env expansion).
+_CADDY_SYNTAX = re.compile(r"[\s\x00-\x1f\x7f{}\"'`#\\$%;<>|*]")
+_EMAIL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*@[a-z0-9-]+(\.[a-z0-9-]+)+")
+_URL_PATH = re.compile(r"/[A-Za-z0-9._~/-]*")
+_ABS_PATH = re.compile(r"(/[A-Za-z0-9._-]+)+")
+_ADMIN = re.compile(r"off|unix/" + _ABS_PATH.pattern + r"|localhost:[0-9]{1,5}")
+
+
+# The request target as sent, in canonical form: "/", or segments of RFC 3986 unreserved characters
+# that are neither "." nor ".." (RE2 has no lookahead, hence three alternatives), an optional
+# trailing "/", and an optional query of RFC 3986 query characters with well-formed escapes.
+# No "%" in the path at all: allowed paths never need escaping, so an escape only hides something.
+_SEGMENT = r"(?:[A-Za-z0-9_~-][A-Za-z0-9._~-]*|\.[A-Za-z0-9_~-][A-Za-z0-9._~-]*|\.\.[A-Za-z0-9._~-]+)"
+_QUERY = r"(?:\?(?:[A-Za-z0-9._~!$&'()*+,;=:@/?-]|%[0-9A-Fa-f][0-9A-Fa-f])*)?"
+CANONICAL_RE = rf"^/(?:{_SEGMENT}(?:/{_SEGMENT})*/?)?{_QUERY}$"
+# The proxy's own host: always admitted besides allowed_cidrs (issue 12: local checks take the
+# clients' path). Exactly these two addresses, not 127.0.0.0/8.
+LOOPBACK = ("127.0.0.1/32", "::1/128")
+
+
+def allowed_re(allowed_paths: list[str]) -> str:
+    """The request targets (exact path, optional query) that may reach the engine, as an RE2 regexp."""
+    # _url_path admitted only [A-Za-z0-9._~/-]: "." is the one regexp character among them.
+    return "^(?:" + "|".join(p.replace(".", r"\.") for p in allowed_paths) + ")" + _QUERY + "$"
+
+
+def _refuse(key: str, value: object, expected: str) -> ConfigError:
+    return ConfigError(f"proxy: {key} = {value!r}: refused for the Caddyfile", hint=f"expected {expected}")
+
+
+def _plain(key: str, value: str) -> str:
+    if not value or _CADDY_SYNTAX.search(value):
+        raise _refuse(key, value, "a value without spaces, quotes, braces, '#', '$', '%' or control characters")
+    return value
+
+
+def _hostname(key: str, value: str) -> str:
+    _plain(key, value)
+    if is_dns_name(value) is not None or value != value.strip():
+        raise _refuse(key, value, "a DNS name such as appliance.example.net")
+    return value
+
+
+def _email(key: str, value: str) -> str:
+    _plain(key, value)
+    if not _EMAIL.fullmatch(value):
+        raise _refuse(key, value, "an e-mail address such as ops@example.net (letters, digits, '.', '_', '+', '-')")
+    return value
+
+
+def _cidrs(key: str, values: tuple[str, ...], *, allow_empty: bool) -> list[str]:
+    if not values and not allow_empty:
+        raise _refuse(key, values, "at least one network in CIDR notation")
+    out = []
+    for i, value in enumerate(values):
+        _plain(f"{key}[{i}]", value)
+        try:
+            network = ipaddress.ip_network(value, strict=True)
+        except ValueError:
+            raise _refuse(f"{key}[{i}]", value, "a network in CIDR notation, e.g. 10.0.0.0/8") from None
+        # Rendered as ipaddress prints it (never the raw string); scoped IPv6 ("%eth0") refused.
+        text = str(network)
+        if "%" in text or "/" not in value:
+            raise _refuse(f"{key}[{i}]", value, "a network with a prefix length and no IPv6 scope, e.g. fd00::/8")
+        out.append(_plain(f"{key}[{i}]", text))
+    return out
+
+
+def _url_path(key: str, value: str) -> str:
+    _plain(key, value)
+    # Canonical itself, or the proxy would refuse every request for it with 400.
+    if not _URL_PATH.fullmatch(value) or not re.fullmatch(CANONICAL_RE, value):
+        raise _refuse(key, value, "a URL path such as /v1/models")
+    return value
+
+
+def _port(key: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise _refuse(key, value, "a TCP port between 1 and 65535")
+    return value
+
+
+def _file(key: str, value: Path) -> str:
+    text = str(value)
+    if not _ABS_PATH.fullmatch(text) or "/../" in text + "/":
+        raise _refuse(key, text, "an absolute path of letters, digits, '.', '_' and '-'")
+    return text
+
+
+def template_values(
+    config: Config,
+    *,
+    tls_dir: Path | None = None,
+    http_port: int = 80,
+    admin: str = f"unix/{ADMIN_SOCKET}",
+) -> dict[str, Any]:
+    """Every value the template takes, each checked; ConfigError naming the first bad one.
+    Without jinja2: the device checks the per-host settings with it before any reader sees them."""
+    proxy = config.proxy
+    if proxy.tls not in ("acme", "internal"):
+        raise _refuse("tls", proxy.tls, "'acme' or 'internal'")
+    if proxy.http not in ("redirect", "close"):
+        raise _refuse("http", proxy.http, "'redirect' or 'close'")
+    if not _ADMIN.fullmatch(admin):
+        raise _refuse("admin", admin, "off, unix//ABSOLUTE/PATH or localhost:PORT")
+    acme = proxy.tls == "acme"
+    if acme and not proxy.acme_email:
+        raise _refuse("acme_email", proxy.acme_email, "an e-mail address for ACME (tls = 'acme')")
+    tls_dir = paths.TLS_DIR if tls_dir is None else tls_dir
+    paths_ = [_url_path(f"allowed_paths[{i}]", p) for i, p in enumerate(proxy.allowed_paths)]
+    if not paths_:
+        raise _refuse("allowed_paths", proxy.allowed_paths, "at least one URL path")
+    values: dict[str, Any] = {
+        "profile": _plain("profile", config.profile),
+        "acme": acme,
+        "acme_email": _email("acme_email", proxy.acme_email) if acme else "",
+        "redirect": proxy.http == "redirect",
+        "hostname": _hostname("hostname", proxy.hostname),
+        "https_port": _port("https_port", proxy.https_port),
+        "http_port": _port("http_port", http_port),
+        "engine_port": _port("engine.port", config.engine.port),
+        "health_uri": _url_path("engine.health.path", config.engine.health.path),
+        "allowed_cidrs": _cidrs("allowed_cidrs", proxy.allowed_cidrs, allow_empty=False),
+        "allowed_paths": paths_,
+        "allowed_re": allowed_re(paths_),
+        "canonical_re": CANONICAL_RE,
+        "loopback": LOOPBACK,
+        # Restricting /metrics only matters when /metrics can be reached at all.
+        "metrics_cidrs": _cidrs("metrics_cidrs", proxy.metrics_cidrs, allow_empty=True),
+        "cert_file": _file("tls_dir", tls_dir / "server.crt"),
+        "key_file": _file("tls_dir", tls_dir / "server.key"),
+        "admin": admin,
+    }
+    if proxy.https_port == http_port and values["redirect"]:
+        raise _refuse("https_port", proxy.https_port, "a port other than the plain HTTP port")
+    return values
+
+
+def render_caddyfile(
+    config: Config,
+    *,
+    tls_dir: Path | None = None,
+    http_port: int = 80,
+    admin: str = f"unix/{ADMIN_SOCKET}",
+) -> str:
+    """The Caddyfile for CONFIG.
+
+    TLS_DIR holds server.crt and server.key in mode "internal" (default: appliance.paths.TLS_DIR,
+    where appliance-tls.service writes them). HTTP_PORT and ADMIN are for tests, which run Caddy
+    unprivileged on loopback.
+    """
+    import jinja2  # only where a Caddyfile is written (the build, appliance-host.service)
+
+    values = template_values(config, tls_dir=tls_dir, http_port=http_port, admin=admin)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        autoescape=False,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    return env.get_template(TEMPLATE).render(**values)

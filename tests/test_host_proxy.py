@@ -1,0 +1,315 @@
+"""The proxy takes the signed install plan's per-host settings (issue 13, item 4): appliance-host's
+apply renders the Caddyfile with the plan's name, allowlist and ACME e-mail (checked by the real
+Caddy), refuses hostile values before any file is written, and every reader of the configuration
+(appliance.config load_device: certificate names, assessment, console, status) sees the plan's
+values; without a plan everything is the image's."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+
+from appliance import caddyfile, paths
+from appliance import config as config_mod
+from appliance import plan as plan_model
+from appliance.errors import ConfigError
+from applianctl import assess, host, tls
+from builder import keys
+
+REPO = Path(__file__).resolve().parents[1]
+CADDY = shutil.which("caddy") or "/usr/bin/caddy"
+needs_caddy = pytest.mark.skipif(not os.access(CADDY, os.X_OK), reason="needs Debian's caddy (apt install caddy)")
+
+PLAN_NAME = "gpu-07.example.net"
+PLAN_CIDRS = ("10.20.0.0/16", "2001:db8:20::/48")
+PLAN_EMAIL = "noc@gpu-07.example.net"
+
+
+@dataclasses.dataclass
+class Host:
+    """A host's directories: the plan's (/var/lib/appliance/host), the runtime one, networkd's."""
+
+    root: Path
+    private_key: Path
+    trusted: Path
+
+    @property
+    def host_dir(self) -> Path:
+        return self.root / "host"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def result(self) -> Path:
+        return self.run_dir / "host.json"
+
+    def install(self, plan: plan_model.Plan) -> None:
+        data, sig = plan_model.sign(plan, self.private_key)
+        self.host_dir.mkdir(parents=True, exist_ok=True)
+        (self.host_dir / plan_model.PLAN_JSON).write_bytes(data)
+        (self.host_dir / plan_model.PLAN_SIG).write_bytes(sig)
+
+    def apply(self, config: config_mod.Config) -> dict[str, Any]:
+        return host.apply(config, self.host_dir, self.root / "network", self.result, self.trusted, set_hostname=False)
+
+    def proxy_files(self) -> list[str]:
+        return sorted(n for n in (host.CADDYFILE, host.PROXY_ENV, host.HOST_SETTINGS) if (self.run_dir / n).exists())
+
+
+@pytest.fixture
+def machine(tmp_path: Path) -> Host:
+    private, public = keys.generate(tmp_path / "keys")
+    trusted = tmp_path / "trusted"
+    trusted.mkdir()
+    shutil.copy(public, trusted / "release.pub")
+    return Host(tmp_path / "machine", private, trusted)
+
+
+def _image(tls_mode: str = "internal") -> config_mod.Config:
+    """The demo image's configuration (mode internal), or the same with ACME."""
+    config = config_mod.load(REPO / "appliance.toml", "demo")
+    if tls_mode == "acme":
+        config = dataclasses.replace(config, proxy=dataclasses.replace(config.proxy, tls="acme", acme_email="ops@example.net"))
+    return config
+
+
+def _plan(**proxy: Any) -> plan_model.Plan:
+    # Built directly (not from TOML): the hostile cases must reach the signature and the device's checks.
+    return plan_model.Plan(hostname="gpu-07", proxy=plan_model.Proxy(**proxy))
+
+
+def _caddy(args: list[str], path: Path, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HOME": str(home), "XDG_DATA_HOME": str(home / "data"), "XDG_CONFIG_HOME": str(home / "config")}
+    return subprocess.run([CADDY, *args, "--adapter", "caddyfile", "--config", str(path)],
+                          capture_output=True, text=True, env=env, timeout=60)
+
+
+def _remote_ips(adapted: dict[str, Any]) -> list[list[str]]:
+    """Every remote_ip matcher's ranges in Caddy's own JSON of the Caddyfile."""
+    found: list[list[str]] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("remote_ip"), dict):
+                found.append(node["remote_ip"]["ranges"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(adapted)
+    return found
+
+
+# ------------------------------------------------------------------------------ the Caddyfile
+
+
+@needs_caddy
+def test_apply_renders_the_plans_caddyfile_and_caddy_accepts_it(machine: Host, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    certs = tmp_path / "tls"
+    tls.generate(certs, PLAN_NAME, tls.host_addresses(), group="appliance-no-such-group")
+    monkeypatch.setattr(paths, "TLS_DIR", certs)  # `caddy validate` loads the certificate files
+    image = _image()
+    machine.install(_plan(hostname=PLAN_NAME, allowed_cidrs=PLAN_CIDRS))
+    doc = machine.apply(image)
+    assert doc["ok"] is True and doc["source"] == "plan", doc
+    assert doc["settings"]["proxy_hostname"] == PLAN_NAME
+    assert machine.proxy_files() == sorted([host.CADDYFILE, host.PROXY_ENV, host.HOST_SETTINGS])
+    path = machine.run_dir / host.CADDYFILE
+    assert (machine.run_dir / host.PROXY_ENV).read_text() == f"CADDYFILE={path}\n"
+    assert path.stat().st_mode & 0o044 == 0o044, "the proxy runs as caddy: the file must be readable"
+
+    text = path.read_text()
+    assert f"default_sni {PLAN_NAME}" in text and image.proxy.hostname not in text
+    expected = dataclasses.replace(image, proxy=dataclasses.replace(image.proxy, hostname=PLAN_NAME, allowed_cidrs=PLAN_CIDRS))
+    assert text == caddyfile.render_caddyfile(expected)  # the builder's rendering, with the plan's values
+
+    out = _caddy(["validate"], path, tmp_path / "home")
+    assert out.returncode == 0 and "Valid configuration" in out.stdout + out.stderr, out.stderr[-2000:]
+    adapted = _caddy(["adapt"], path, tmp_path / "home")
+    assert adapted.returncode == 0, adapted.stderr
+    ranges = _remote_ips(json.loads(adapted.stdout))
+    # The engine's route admits the plan's networks and the loopback, never the image's own list.
+    assert [*PLAN_CIDRS, *caddyfile.LOOPBACK] in ranges
+    assert not any(cidr in r for r in ranges for cidr in image.proxy.allowed_cidrs if cidr not in caddyfile.LOOPBACK)
+
+
+@needs_caddy
+def test_the_plans_acme_email_and_name_reach_the_acme_issuer(machine: Host, tmp_path: Path) -> None:
+    machine.install(_plan(hostname=PLAN_NAME, acme_email=PLAN_EMAIL))
+    assert machine.apply(_image("acme"))["ok"] is True
+    adapted = _caddy(["adapt"], machine.run_dir / host.CADDYFILE, tmp_path / "home")
+    assert adapted.returncode == 0, adapted.stderr
+    data = json.loads(adapted.stdout)
+    policies = data["apps"]["tls"]["automation"]["policies"]
+    assert any(PLAN_NAME in p.get("subjects", []) for p in policies), policies
+    issuers = [i for p in policies for i in p.get("issuers", [])]
+    assert issuers and all(i.get("email") == PLAN_EMAIL for i in issuers if i["module"] == "acme"), issuers
+    assert "ops@example.net" not in adapted.stdout
+
+
+# ------------------------------------------------------------------------------ refused values
+
+
+@pytest.mark.parametrize(
+    ("proxy", "message"),
+    [
+        ({"allowed_cidrs": ("10.0.0.0/8 }",)}, "proxy.allowed_cidrs[0] = '10.0.0.0/8 }': invalid"),
+        ({"allowed_cidrs": ("10.0.0.0/8\n}\nimport /etc/x",)}, "proxy.allowed_cidrs[0]"),
+        ({"hostname": "gpu{07}.example.net"}, "proxy.hostname = 'gpu{07}.example.net': invalid"),
+        ({"hostname": "gpu-07.example.net {\n\trespond 200\n}"}, "proxy.hostname"),
+        ({"acme_email": "ops@example.net }"}, "proxy.acme_email"),
+    ],
+)
+def test_a_hostile_signed_plan_is_refused_and_no_caddyfile_is_written(machine: Host, proxy: dict[str, Any],
+                                                                        message: str) -> None:
+    # An earlier boot's rendering must not survive either: the proxy then takes the image's file.
+    machine.run_dir.mkdir(parents=True)
+    for name in (host.CADDYFILE, host.PROXY_ENV, host.HOST_SETTINGS):
+        (machine.run_dir / name).write_text("stale")
+    machine.install(_plan(**proxy))
+    doc = machine.apply(_image("acme"))
+    assert doc["ok"] is False and doc["source"] == "image defaults" and message in doc["reason"], doc
+    assert machine.proxy_files() == []
+    assert json.loads(machine.result.read_text())["reason"] == doc["reason"]
+
+
+def test_proxy_values_only_the_caddyfile_refuses_leave_the_image_proxy_and_the_rest_of_the_plan(
+        machine: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An empty allowlist passes the plan's schema; the Caddyfile needs at least one network.
+    machine.install(_plan(hostname=PLAN_NAME, allowed_cidrs=()))
+    image = _image()
+    doc = machine.apply(image)
+    assert doc["ok"] is False and doc["source"] == "plan"
+    assert "proxy settings refused" in doc["reason"] and "allowed_cidrs" in doc["reason"], doc["reason"]
+    assert machine.proxy_files() == []
+    # status shows what applies: the plan's host name, the image's proxy
+    assert doc["settings"]["hostname"] == "gpu-07"
+    assert doc["settings"]["proxy_hostname"] == image.proxy.hostname
+    assert doc["settings"]["proxy_allowed_cidrs"] == list(image.proxy.allowed_cidrs)
+    # The privileged step still gives the host the plan's name (a refused proxy value is no reason
+    # to leave the host misnamed); the test records it instead of renaming the machine it runs on.
+    named: list[str] = []
+    monkeypatch.setattr(host.socket, "sethostname", named.append)
+    assert host.privileged(machine.result, runner=lambda argv: None) == ["host name gpu-07"] and named == ["gpu-07"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"proxy": {"allowed_cidrs": ["10.0.0.0/8 }"]}}, "proxy.allowed_cidrs[0] = '10.0.0.0/8 }': invalid"),
+        ({"proxy": {"hostname": "a{b}.example.net"}}, "proxy.hostname = 'a{b}.example.net': invalid"),
+        ({"proxy": {"allowed_cidrs": []}}, "allowed_cidrs = (): refused for the Caddyfile"),
+        ({"proxy": {"tls": "acme"}}, "not per-host settings"),
+        ({"engine": {"port": 1}}, "not per-host settings"),
+        (["proxy"], "not per-host settings"),
+    ],
+)
+def test_the_device_checks_the_settings_file_again(appliance_json: Callable[[str], Path], tmp_path: Path,
+                                                    settings: Any, message: str) -> None:
+    path = tmp_path / "host-settings.json"
+    path.write_text(json.dumps(settings))
+    with pytest.raises(ConfigError) as e:
+        config_mod.load_device(appliance_json("demo"), path)
+    assert message in e.value.message and str(path) in e.value.message, e.value.message
+    assert "\n" not in e.value.message and e.value.hint and e.value.exit_status == 2
+
+
+# ------------------------------------------------------------------------------ the readers
+
+
+def test_readers_see_the_plans_values(machine: Host, appliance_json: Callable[[str], Path], tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    image_json = appliance_json("demo")
+    image = config_mod.load_image(image_json)
+    machine.install(_plan(hostname=PLAN_NAME, allowed_cidrs=PLAN_CIDRS))
+    assert machine.apply(image)["ok"] is True
+    monkeypatch.setenv("APPLIANCE_CONFIG", str(image_json))
+    monkeypatch.setenv("APPLIANCE_HOST_SETTINGS", str(machine.run_dir / host.HOST_SETTINGS))
+
+    device = config_mod.load_device()
+    assert (device.proxy.hostname, device.proxy.allowed_cidrs) == (PLAN_NAME, PLAN_CIDRS)
+    assert dataclasses.replace(device, proxy=image.proxy) == image  # nothing else changed
+    assert assess.client_target(device).server_name == PLAN_NAME
+
+    # `applianctl tls generate` (appliance-tls.service) names the plan's host in the certificate
+    tls_dir = tmp_path / "tls"
+    monkeypatch.setattr(paths, "TLS_DIR", tls_dir)
+    monkeypatch.setattr(tls, "PROXY_GROUP", "appliance-no-such-group")
+    parser = argparse.ArgumentParser()
+    tls.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["tls", "generate", "--no-reload"])
+    assert args.func(args) == 0
+    server = x509.load_pem_x509_certificate((tls_dir / "server.crt").read_bytes())
+    assert tls.san_names(server)[0] == [PLAN_NAME]
+
+
+def test_without_a_plan_everything_is_the_images(machine: Host, appliance_json: Callable[[str], Path],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    image_json = appliance_json("demo")
+    image = config_mod.load_image(image_json)
+    machine.run_dir.mkdir(parents=True)
+    for name in (host.CADDYFILE, host.PROXY_ENV, host.HOST_SETTINGS):  # an earlier boot's plan, since removed
+        (machine.run_dir / name).write_text("stale")
+    doc = machine.apply(image)
+    assert doc["ok"] is True and doc["source"] == "image defaults"
+    assert machine.proxy_files() == []
+    assert doc["settings"]["proxy_hostname"] == image.proxy.hostname
+    monkeypatch.setenv("APPLIANCE_CONFIG", str(image_json))
+    monkeypatch.setenv("APPLIANCE_HOST_SETTINGS", str(machine.run_dir / host.HOST_SETTINGS))
+    assert config_mod.load_device() == image
+    assert assess.client_target(config_mod.load_device()).server_name == image.proxy.hostname
+
+    # A plan without proxy settings: the image's Caddyfile stays in use too.
+    machine.install(plan_model.Plan(hostname="gpu-07"))
+    assert machine.apply(image)["ok"] is True
+    assert machine.proxy_files() == []
+    assert config_mod.load_device() == image
+
+
+# ------------------------------------------------------------------------------ the image
+
+
+def test_the_image_carries_the_template_and_the_device_renders_with_it(tmp_path: Path) -> None:
+    """The build installs units/Caddyfile.j2 as /usr/lib/appliance/Caddyfile.j2, and the core
+    package as installed (no units/ beside it) renders the image's own Caddyfile from it."""
+    from builder import engine_store, render
+
+    image = _image()
+    store = engine_store.EngineStore(tmp_path / "e", tmp_path / "v", "ab" * 32, engine_store.label_for(image.engine.digest))
+    tree = tmp_path / "tree"
+    render.render_units(image, tree, store)
+    render.install_applianctl(tree)
+    lib = tree / "usr/lib/appliance"
+    assert (lib / caddyfile.TEMPLATE).read_text() == (REPO / "units" / caddyfile.TEMPLATE).read_text()
+    (tmp_path / "appliance.json").write_text(json.dumps(image.to_json()))
+    script = (
+        "import json, sys; from pathlib import Path\n"
+        "from appliance import caddyfile, config\n"
+        "assert caddyfile.__file__.startswith(sys.argv[1]), caddyfile.__file__\n"
+        "print(caddyfile.template_dir())\n"
+        "c = config.from_json(json.loads(Path('appliance.json').read_text()), Path('appliance.json'))\n"
+        "sys.stdout.write(caddyfile.render_caddyfile(c))\n"
+    )
+    packages = tree / "usr/lib/python3/dist-packages"
+    out = subprocess.run([sys.executable, "-c", script, str(packages)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(packages), "APPLIANCE_LIB_DIR": str(lib)})
+    assert out.returncode == 0, out.stderr
+    where, text = out.stdout.split("\n", 1)
+    assert where == str(lib)
+    assert text == (lib / "Caddyfile").read_text()
