@@ -139,6 +139,13 @@ def parse_decimal(text: str) -> float | None:
     return float(text) if _DECIMAL.fullmatch(text) else None
 
 
+def _slot_size(value: float) -> str | None:
+    # whole MiB: the partitions systemd-repart makes and the hash tree sized for them stay aligned
+    if not 1 / 64 <= value <= MAX_GIB or value * 1024 != int(value * 1024):
+        return f"a size in GiB that is a whole number of MiB, from 0.015625 (16 MiB) to {MAX_GIB:g}, e.g. 40 or 0.0625"
+    return None
+
+
 def _port(value: int) -> str | None:
     return None if 0 < value < 65536 else "a TCP port between 1 and 65535"
 
@@ -265,6 +272,14 @@ class Engine:
     shm: Shm = field(default_factory=Shm)
     overlays: tuple[PinnedFile, ...] = ()
     tuning: tuple[PinnedFile, ...] = ()
+    # Each of the two engine slots (docs/disk-layout.md): every engine image this appliance will
+    # ever run must fit, since slot B is made once at first boot and never resized.
+    slot_size_gib: float = field(default=40.0, metadata=_check(_slot_size))
+
+    @property
+    def slot_bytes(self) -> int:
+        """The size of each engine slot's data partition."""
+        return int(self.slot_size_gib * 1024) * (1 << 20)
 
     @property
     def reference(self) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,11 +76,11 @@ class EngineSlot:
         return digest is not None and self.short is not None and self.short == engine_short(digest)
 
 
-def find(parts: list[Partition], running_digest: str | None) -> list[EngineSlot]:
+def find(parts: list[Partition], running_digest: str | None, record: Mapping[str, Any] | None = None) -> list[EngineSlot]:
     """The engine slots on the disk, A first. Each data partition is paired with the verity
     partition labelled after it, else (an empty slot) the next unpaired one after it on the disk.
-    The running slot is the first that holds RUNNING_DIGEST (the engine-store unit opens the one
-    whose label the running manifest names)."""
+    The running slot is the one the engine-store unit recorded opening (RECORD, default: its file
+    in /run), else the first that holds RUNNING_DIGEST."""
     data = sorted((p for p in parts if is_engine(p)), key=lambda p: p.number)
     verity = sorted((p for p in parts if is_engine_verity(p)), key=lambda p: p.number)
     paired: dict[int, Partition] = {}
@@ -94,14 +94,17 @@ def find(parts: list[Partition], running_digest: str | None) -> list[EngineSlot]
             match = next((v for v in verity if v.number > d.number and v.number not in taken and not _VERITY_LABEL.match(v.label)), None)
             if match is not None:
                 paired[d.number] = match
+    # What the engine-store unit opened this boot, when it says so; else the first slot holding the
+    # running digest (an image whose unit did not record it).
+    record = opened() if record is None else record
+    by_record = record.get("partition") if record and any(d.node == record.get("partition") for d in data) else None
     out: list[EngineSlot] = []
     running_seen = False
     for i, d in enumerate(data):
         name = "AB"[i] if i < 2 else str(i + 1)
-        slot = EngineSlot(name, d, paired.get(d.number), False)
-        if not running_seen and slot.holds(running_digest):
-            slot, running_seen = EngineSlot(name, d, slot.verity, True), True
-        out.append(slot)
+        running = d.node == by_record if by_record else not running_seen and EngineSlot(name, d, None, False).holds(running_digest)
+        running_seen = running_seen or running
+        out.append(EngineSlot(name, d, paired.get(d.number), running))
     return out
 
 
@@ -185,3 +188,114 @@ def record(engines: Mapping[str, str], keep: set[str]) -> None:
     versions = {v: d for v, d in recorded().items() if v in keep}
     versions.update(engines)
     atomic.write_json_atomic(record_path(), {"versions": dict(sorted(versions.items()))})
+
+
+# ----------------------------------------------------------------------------------- opening the running engine
+# appliance-engine-store.service: `python3 -m applianctl.engine_slots open LABEL ROOTHASH` opens the
+# slot that holds the signed manifest's engine (LABEL and ROOTHASH are pinned in the unit, on the
+# verified /usr). Only a partition on the disk /usr is on, with that label AND the engine type, and
+# exactly one: a same-labelled partition of another type (an image before issue 15, a decoy) or a
+# second one is refused, so that nothing but this appliance's own slot is ever opened.
+
+DM_NAME = "appliance-engine-store"
+
+
+def opened_path() -> Path:
+    """What the engine-store unit opened, for status ("which runs")."""
+    return paths.RUN_DIR / "engine-slot.json"
+
+
+def _descendants(node: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    out: list[Mapping[str, Any]] = []
+    for child in node.get("children") or []:
+        out += [child, *_descendants(child)]
+    return out
+
+
+def usr_disk_node(doc: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The disk in `lsblk --json -O` output DOC under whose partitions /usr is mounted."""
+    for disk in doc.get("blockdevices") or []:
+        for node in _descendants(disk):
+            if "/usr" in (node.get("mountpoints") or [node.get("mountpoint")]):
+                found: Mapping[str, Any] = disk
+                return found
+    raise UserError("no disk holds the mounted /usr", hint="the engine store opens on the appliance, after /usr is mounted")
+
+
+def locate(doc: Mapping[str, Any], label: str) -> tuple[str, str]:
+    """The data and verity partitions (device paths) of the engine slot labelled LABEL on the disk
+    that holds /usr, in `lsblk --json -O -b` output DOC; UserError unless each is exactly one
+    partition with the label and the engine type."""
+    if not _LABEL.match(label):
+        raise UserError(f"{label!r} is not an engine slot label", hint="expected engine_ and 12 hex digits, as the manifest names it")
+    disk = usr_disk_node(doc)
+    parts = [n for n in disk.get("children") or [] if n.get("type") == "part"]
+    found = []
+    for want, type_uuid in ((label, ENGINE_TYPE), (label + "-verity", ENGINE_VERITY_TYPE)):
+        named = [p for p in parts if p.get("partlabel") == want]
+        typed = [p for p in named if str(p.get("parttype") or "").upper() == type_uuid]
+        where = f"{disk.get('path')}"
+        if len(named) > 1:
+            listed = ", ".join(str(p.get("path")) for p in named)
+            raise UserError(f"{where}: {len(named)} partitions are labelled {want} ({listed}): refused, the engine slot is not known",
+                            hint="re-install the appliance: a disk has one partition per engine label")
+        if not typed:
+            hint = "the engine slot is missing; roll back (`applianctl rollback`) or re-install"
+            if named:
+                hint = (f"the partition has type {named[0].get('parttype')}, not {type_uuid.lower()}: an image written before "
+                        "engine slots had types, or not this appliance's; re-install the appliance")
+            raise UserError(f"{where}: no partition labelled {want} with the engine type: refused", hint=hint)
+        found.append(str(typed[0]["path"]))
+    return found[0], found[1]
+
+
+def open_slot(label: str, roothash: str, runner: Callable[[list[str], str, str], str] | None = None) -> dict[str, str]:
+    """Open engine slot LABEL as /dev/mapper/DM_NAME with ROOTHASH pinned; record which partition.
+    RUNNER(argv, what, hint) -> stdout: appliance.run.run, or a test's."""
+    from appliance.run import run
+
+    runner = runner or run
+    if not re.fullmatch(r"[0-9a-f]{64}", roothash):
+        raise UserError(f"root hash {roothash!r}: invalid", hint="64 lower-case hex digits, as the build pinned it")
+    doc = json.loads(runner(["lsblk", "--json", "-O", "-b"], "lsblk", "the disks cannot be listed"))
+    data, verity = locate(doc, label)
+    runner(["veritysetup", "open", data, DM_NAME, verity, roothash], "veritysetup open",
+           f"{data} does not hold the engine the manifest pins (root hash {roothash[:16]}...): roll back or re-install")
+    record = {"label": label, "partition": data, "verity_partition": verity, "roothash": roothash}
+    atomic.write_json_atomic(opened_path(), record)
+    return record
+
+
+def opened() -> dict[str, str] | None:
+    try:
+        data = json.loads(opened_path().read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("partition"), str) else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python3 -m applianctl.engine_slots", description="Open the running engine's slot.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("open", help="open the engine slot LABEL with ROOTHASH pinned (appliance-engine-store.service)")
+    p.add_argument("label")
+    p.add_argument("roothash")
+    p.add_argument("--debug", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        record = open_slot(args.label, args.roothash)
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"error: {e.message}", file=sys.stderr)
+        print(f"hint: {e.hint or 'see the journal of appliance-engine-store.service'}", file=sys.stderr)
+        return 2
+    print(f"engine slot {record['label']} opened: {record['partition']} (hash tree {record['verity_partition']})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,6 +10,10 @@ from typing import Any
 from applianctl import slots
 
 
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n // (1 << 20)} MiB"
+
+
 def render(view: slots.View) -> list[str]:
     state, why = view.running_state()
     lines = [f"running {view.running_version or '?'}: {state} ({why})"]
@@ -21,11 +25,12 @@ def render(view: slots.View) -> list[str]:
             f"slot {slot.name} {slot.usr.node}: {slot.version or slot.usr.label} [{view.slot_state(slot)}] {name}"
             + (f" ({', '.join(marks)})" if marks else "")
         )
-    for e in view.to_json()["engine_slots"]:
+    for e, found in zip(view.to_json()["engine_slots"], view.engine_slots, strict=True):
         marks = [m for m, on in (("running", e["running"]), ("untyped: labelled by an older image", not e["typed"])) if on]
         users = f" used by {', '.join(e['used_by'])}" if e["used_by"] else ""
+        size = _size(found.data.size_bytes)
         lines.append(
-            f"engine slot {e['slot']} {e['partition']}: {e['digest'] or e['label']}{users}"
+            f"engine slot {e['slot']} {e['partition']} ({size}): {e['digest'] or e['label']}{users}"
             + (f" ({', '.join(marks)})" if marks else "")
         )
     stray = [e for e in view.entries if e.version not in {s.version for s in view.slots}]

@@ -10,6 +10,7 @@ in the verity-protected /usr). Results are cached by digest on the build host.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -24,6 +25,8 @@ from appliance.errors import UserError
 from builder.run import HOST_CACHE, run
 
 CACHE = HOST_CACHE / "engine-stores"
+MIB = 1 << 20
+VERITY_BLOCK = 4096  # veritysetup format's default data and hash block size (sha256: 32-byte digests)
 # Where the guest mounts the store; podman's storage.conf names it in additionalimagestores.
 MOUNT_POINT = "/run/appliance/engine-store"
 
@@ -34,10 +37,52 @@ class EngineStore:
     verity: Path
     roothash: str
     label: str
+    # The engine slot this store was checked to fit (engine.slot_size_gib); 0: not checked (previews).
+    slot_bytes: int = 0
 
     @property
     def verity_label(self) -> str:
         return self.label + "-verity"
+
+
+def hash_tree_bytes(data_bytes: int) -> int:
+    """What `veritysetup format` writes for DATA_BYTES of data: its superblock, then one level of
+    hash blocks after another (128 digests a block) until one block is left, whose digest is the
+    root hash."""
+    blocks, total = -(-data_bytes // VERITY_BLOCK), 0
+    while blocks > 1:
+        blocks = -(-blocks // (VERITY_BLOCK // 32))
+        total += blocks
+    return (total + 1) * VERITY_BLOCK
+
+
+def verity_slot_bytes(slot_bytes: int) -> int:
+    """The verity partition of an engine slot: room for the hash tree of a full slot, in whole MiB."""
+    return -(-hash_tree_bytes(slot_bytes) // MIB) * MIB
+
+
+def check_fits(store: EngineStore, config: Config) -> EngineStore:
+    """STORE, once its images fit an engine slot of CONFIG's size; else one line saying by how much."""
+    slot = config.engine.slot_bytes
+    size = store.erofs.stat().st_size
+    if size > slot:
+        raise UserError(
+            f"engine store {store.label} is {size / MIB:.1f} MiB, more than an engine slot "
+            f"(engine.slot_size_gib = {config.engine.slot_size_gib:g}, {slot // MIB} MiB)",
+            hint=f"raise engine.slot_size_gib in appliance.toml to at least {-(-size // MIB) / 1024} "
+            "(installed disks keep their slot size: they need a re-install to run a larger engine)",
+        )
+    verity = store.verity.stat().st_size
+    if verity > verity_slot_bytes(slot):  # cannot happen for a hash tree of at most a slot's data
+        raise UserError(f"engine store {store.label}: its hash tree ({verity} bytes) exceeds its partition",
+                        hint="the verity image is not the one veritysetup made for this store; delete the cached store")
+    return dataclasses.replace(store, slot_bytes=slot)
+
+
+def built(config: Config) -> EngineStore | None:
+    """The store built on this host for CONFIG's engine digest, if any."""
+    digest = config.engine.digest
+    return _load(CACHE / digest.replace(":", "-"), digest)
 
 
 def label_for(digest: str) -> str:
@@ -67,7 +112,7 @@ def make(config: Config, layout: Path) -> EngineStore:
     cached = CACHE / digest.replace(":", "-")
     found = _load(cached, digest)
     if found is not None:
-        return found
+        return check_fits(found, config)
     staging = cached.with_name(cached.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -117,4 +162,4 @@ def make(config: Config, layout: Path) -> EngineStore:
         raise
     store_found = _load(cached, digest)
     assert store_found is not None
-    return store_found
+    return check_fits(store_found, config)

@@ -23,7 +23,22 @@ def problems(config: Config, root: Path) -> list[UserError]:
     found += tuning.problems(tables)
     found += _render_problems(config)
     found += weights.problems(config, root)
+    found += _slot_problems(config)
     return found
+
+
+def _slot_problems(config: Config) -> list[UserError]:
+    """The engine store must fit engine.slot_size_gib; known here when this host built it already."""
+    from builder import engine_store
+
+    store = engine_store.built(config)
+    if store is None:
+        return []
+    try:
+        engine_store.check_fits(store, config)
+    except UserError as e:
+        return [e]
+    return []
 
 
 def _render_problems(config: Config) -> list[UserError]:

@@ -239,8 +239,8 @@ def test_status_and_slots_show_both_engine_slots(tmp_path: Path, monkeypatch: py
     part = probes_os.probe_slots(None, lambda: summary)  # type: ignore[arg-type]
     assert part.reason == "A 1.0.0 booted, good; B empty; engine A e68d18b2ba50 running (1.0.0), B empty"
     lines = slots_cmd.render(slots.read(disk.host, "1.0.0"))
-    assert "engine slot A first-boot.img4: e68d18b2ba50 used by 1.0.0 (running, untyped: labelled by an older image)" in lines
-    assert "engine slot B first-boot.img9: _empty" in lines
+    assert "engine slot A first-boot.img4 (8 MiB): e68d18b2ba50 used by 1.0.0 (running, untyped: labelled by an older image)" in lines
+    assert "engine slot B first-boot.img9 (8 MiB): _empty" in lines
 
 
 def test_an_update_records_which_engine_each_version_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
