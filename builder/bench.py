@@ -15,7 +15,12 @@
   the demo image as built against the same image built with every module and firmware file in
   its initrd (mkosi's default, the "before");
 - the weights: fetch against curl, the check before every start against sha256sum
-  (builder/bench_weights.py).
+  (builder/bench_weights.py);
+- engine slots: the time to write the demo engine store into a free engine slot the way
+  docs/disk-layout.md says an update will (blank the slot, then systemd-sysupdate's engine
+  component) against `dd bs=4M conv=fsync` of the same bytes (target: at most 1.3x); the bytes
+  written to the running engine partition during an update are not measured yet: no update
+  writes an engine slot yet (builder/bench_engine.py).
 """
 
 from __future__ import annotations
@@ -152,6 +157,35 @@ def _sh(*argv: str) -> str:
     return run(argv, capture=True).stdout
 
 
+def image_root(usr: Path, root: Path, mounts: list[Path]) -> Path:
+    """ROOT: a chroot of the built image's own /usr (its systemd-sysupdate, not the host's), with
+    empty /src and /defs for a bundle's files and transfer definitions; each mount is added to
+    MOUNTS for the caller to undo."""
+    for d in ("usr", "etc", "dev", "proc", "sys", "run", "tmp", "var/tmp", "src", "defs"):
+        (root / d).mkdir(parents=True)
+    _sh("mount", "-o", "loop,ro", str(usr), str(root / "usr"))
+    mounts.append(root / "usr")
+    for d in ("bin", "sbin", "lib", "lib64"):
+        (root / d).symlink_to(f"usr/{d}")
+    shutil.copyfile(root / "usr/lib/os-release", root / "etc/os-release")
+    _sh("mount", "--rbind", "/dev", str(root / "dev"))
+    mounts.append(root / "dev")
+    _sh("mount", "-t", "proc", "proc", str(root / "proc"))
+    mounts.append(root / "proc")
+    _sh("mount", "--rbind", "/sys", str(root / "sys"))
+    mounts.append(root / "sys")
+    return root
+
+
+def undo(mounts: list[Path], loop: str, work: Path) -> None:
+    """Unmount MOUNTS (last first), detach LOOP (if any), remove WORK: a bench's cleanup."""
+    for m in reversed(mounts):
+        subprocess.run(["umount", "-R", str(m)], check=False, capture_output=True)
+    if loop:
+        subprocess.run(["losetup", "-d", loop], check=False)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def bench_slot_write(demo: config.Config) -> None:
     """Write the last build's /usr and verity images into an empty slot on a loop device: plain
     dd of the partition images, then the appliance's way (blkdiscard --zeroout, then the image's
@@ -187,20 +221,7 @@ def bench_slot_write(demo: config.Config) -> None:
                 _sh("dd", f"if={src}", f"of={loop}", "bs=4M", "oflag=seek_bytes", f"seek={start}", "conv=fsync,notrunc", "status=none")
 
         # a chroot of the image's own /usr, with the shipped transfer definitions aimed at the loop device
-        root = work / "root"
-        for d in ("usr", "etc", "dev", "proc", "sys", "run", "tmp", "var/tmp", "src", "defs"):
-            (root / d).mkdir(parents=True)
-        _sh("mount", "-o", "loop,ro", str(usr), str(root / "usr"))
-        mounts.append(root / "usr")
-        for d in ("bin", "sbin", "lib", "lib64"):
-            (root / d).symlink_to(f"usr/{d}")
-        shutil.copyfile(root / "usr/lib/os-release", root / "etc/os-release")
-        _sh("mount", "--rbind", "/dev", str(root / "dev"))
-        mounts.append(root / "dev")
-        _sh("mount", "-t", "proc", "proc", str(root / "proc"))
-        mounts.append(root / "proc")
-        _sh("mount", "--rbind", "/sys", str(root / "sys"))
-        mounts.append(root / "sys")
+        root = image_root(usr, work / "root", mounts)
         for transfer in ("10-usr.transfer", "20-usr-verity.transfer"):
             text = (ROOT / "image/mkosi.extra/usr/lib/sysupdate.d" / transfer).read_text()
             text = text.replace("Path=auto", f"Path={loop}").replace("Path=/var/lib/appliance/update/source", "Path=/src")
@@ -225,11 +246,7 @@ def bench_slot_write(demo: config.Config) -> None:
             _sh("cmp", f"--ignore-initial=0:{start}", "-n", str(src.stat().st_size), str(src), loop)
         _row("write a /usr slot (blank + sysupdate vs dd)", mine, base, "target <= 1.3x")
     finally:
-        for m in reversed(mounts):
-            subprocess.run(["umount", "-R", str(m)], check=False, capture_output=True)
-        if loop:
-            subprocess.run(["losetup", "-d", loop], check=False)
-        shutil.rmtree(work, ignore_errors=True)
+        undo(mounts, loop, work)
 
 
 def _proxy_health(port: int, hostname: str) -> bool:
@@ -299,11 +316,12 @@ def bench_boot(demo: config.Config) -> None:
 
 def main() -> int:
     demo = config.load(ROOT / "appliance.toml", "demo")
+    from builder.bench_engine import bench_engine_slot_write  # issue 15
     from builder.bench_install import bench_install  # issue 13
     from builder.bench_weights import bench_weights_check, bench_weights_fetch  # issue 14
 
     benches = [bench_status, bench_preload, bench_bundle_bytes, bench_slot_write, bench_rebuild, bench_boot,
-               bench_weights_fetch, bench_weights_check, bench_install]
+               bench_weights_fetch, bench_weights_check, bench_install, bench_engine_slot_write]
     only = os.environ.get("BENCH_ONLY")  # e.g. BENCH_ONLY=bench_boot make bench
     for bench in benches:
         if only and bench.__name__ not in only.split(","):

@@ -1,0 +1,158 @@
+"""`make bench`, engine slots (issue 15): the time to write an engine store into a free engine slot
+against `dd bs=4M conv=fsync` of the same bytes (target: at most 1.3x).
+
+"Ours" is the way docs/disk-layout.md ("Engine updates") says an update will write it, as the
+/usr slot is written today (builder/bench.py bench_slot_write): the slot blanked and labelled
+`_empty` (blkdiscard --zeroout, sfdisk), then the built image's own systemd-sysupdate, in a chroot
+of its /usr, with an engine component's transfers (engine_@v.raw into the partition of type
+appliance-engine labelled engine_@v, the hash tree likewise), on a loop device over a GPT image
+file holding both engine slots. The bytes are the last demo build's engine partition images
+(out/demo/appliance_V.engine.raw, .engine-verity.raw), else a generated erofs of the same kind.
+
+Not measured: the bytes written to the running engine partition during an update. No update
+writes an engine slot yet (applianctl chooses the slot, engine_slots.choose_engine_slot, but
+nothing writes it), so there is no update to measure; the run below only checks that writing
+slot B left slot A's bytes as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from appliance import bundle, config
+from applianctl.engine_slots import ENGINE_TYPE, ENGINE_VERITY_TYPE
+from builder import build
+from builder.bench import _row, _sh, _time, image_root, undo
+
+MIB = 1 << 20
+TRANSFERS = {
+    "10-engine.transfer": ("engine_@v.raw", ENGINE_TYPE, "engine_@v"),
+    "20-engine-verity.transfer": ("engine_@v.verity.raw", ENGINE_VERITY_TYPE, "engine_@v-verity"),
+}
+
+
+def transfer(source_pattern: str, partition_type: str, target_pattern: str, device: str) -> str:
+    """An engine component's transfer definition as docs/disk-layout.md describes it, aimed at DEVICE."""
+    return (
+        "[Transfer]\nVerify=no\n\n"
+        f"[Source]\nType=regular-file\nPath=/src\nMatchPattern={source_pattern}\n\n"
+        f"[Target]\nType=partition\nPath={device}\nMatchPartitionType={partition_type.lower()}\n"
+        f"MatchPattern={target_pattern}\nInstancesMax=2\n"
+    )
+
+
+def _generated_store(work: Path, size: int) -> tuple[Path, Path]:
+    """An erofs of SIZE random bytes (incompressible, like image layers) and its hash tree."""
+    tree = work / "tree"
+    tree.mkdir()
+    (tree / "layer").write_bytes(os.urandom(size))
+    erofs, verity = work / "engine.erofs", work / "engine.verity"
+    _sh("mkfs.erofs", "-T0", "--all-root", str(erofs), str(tree))
+    _sh("veritysetup", "format", str(erofs), str(verity))
+    return erofs, verity
+
+
+def _digest(device: str, start: int, length: int) -> str:
+    h = hashlib.sha256()
+    with open(device, "rb") as f:
+        f.seek(start)
+        left = length
+        while left:
+            chunk = f.read(min(left, 4 * MIB))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def bench_engine_slot_write(demo: config.Config) -> None:
+    """The demo's own store (tiny: the fixed costs of blkdiscard and systemd-sysupdate dominate),
+    then a generated 1 GiB one (the cost per byte, which is what a production engine of tens of
+    GB pays)."""
+    _engine_slot_write(demo, generated=0)
+    _engine_slot_write(demo, generated=1 << 30)
+
+
+def _engine_slot_write(demo: config.Config, generated: int) -> None:
+    out = build.output_dir(demo)
+    version = demo.appliance.version
+    usr = out / f"appliance_{version}.usr.raw"
+    if not usr.is_file():
+        raise FileNotFoundError(f"{usr}: build the demo first (its systemd-sysupdate writes the slot)")
+    work = Path(tempfile.mkdtemp(prefix="bench-engine-slot-", dir="/var/tmp"))
+    mounts: list[Path] = []
+    loop = ""
+    try:
+        images = [out / f"appliance_{version}.engine.raw", out / f"appliance_{version}.engine-verity.raw"]
+        if generated or not all(p.is_file() for p in images):
+            images = list(_generated_store(work, generated or demo.engine.slot_bytes // 2))
+        short = bundle.engine_short(demo.engine.digest)
+        disk = work / "disk.img"
+        sizes = [-(-p.stat().st_size // MIB) * MIB for p in images]
+        with open(disk, "wb") as f:
+            f.truncate(2 * sum(sizes) + 4 * MIB)
+        # slot A: another engine (the running one, as far as this bench goes); slot B: free
+        table = "label: gpt\n" + "".join(
+            f"size={size // 512}, type={kind}, name={name}\n"
+            for name, kind, size in (
+                ("engine_000000000000", ENGINE_TYPE, sizes[0]), ("engine_000000000000-verity", ENGINE_VERITY_TYPE, sizes[1]),
+                ("_empty", ENGINE_TYPE, sizes[0]), ("_empty", ENGINE_VERITY_TYPE, sizes[1]),
+            )
+        )
+        subprocess.run(["sfdisk", "-q", str(disk)], input=table, text=True, check=True)
+        loop = _sh("losetup", "-f", "--show", str(disk)).strip()
+        parts = json.loads(_sh("sfdisk", "-J", loop))["partitiontable"]["partitions"]
+        slot_a = [(int(p["start"]) * 512, int(p["size"]) * 512) for p in parts[:2]]
+        slot_b = [(int(p["start"]) * 512, int(p["size"]) * 512) for p in parts[2:]]
+        for start, length in slot_a:  # something to keep: the running engine's bytes
+            _sh("dd", "if=/dev/urandom", f"of={loop}", "bs=1M", f"count={length // MIB}", "oflag=seek_bytes",
+                f"seek={start}", "conv=notrunc", "status=none")
+        before = [_digest(loop, s, n) for s, n in slot_a]
+
+        def plain() -> None:
+            for src, (start, _) in zip(images, slot_b, strict=True):
+                _sh("dd", f"if={src}", f"of={loop}", "bs=4M", "oflag=seek_bytes", f"seek={start}", "conv=fsync,notrunc", "status=none")
+
+        root = image_root(usr, work / "root", mounts)
+        for name, (source, kind, target) in TRANSFERS.items():
+            (root / "defs" / name).write_text(transfer(source, kind, target, loop))
+        for src, name in zip(images, (f"engine_{short}.raw", f"engine_{short}.verity.raw"), strict=True):
+            shutil.copyfile(src, root / "src" / name)
+
+        def ours() -> None:  # blank the chosen slot, then the engine component
+            for start, length in slot_b:
+                _sh("blkdiscard", "--force", "--zeroout", "--offset", str(start), "--length", str(length), loop)
+            for i in (3, 4):
+                _sh("sfdisk", "-q", "--part-label", loop, str(i), "_empty")
+            _sh("chroot", str(root), "/usr/lib/systemd/systemd-sysupdate", "--definitions=/defs", "--no-pager", "update", short)
+            _sh("sync")
+
+        base = _time(plain)
+        mine = _time(ours)
+        for src, (start, _) in zip(images, slot_b, strict=True):  # slot B holds exactly the store's bytes
+            _sh("cmp", f"--ignore-initial=0:{start}", "-n", str(src.stat().st_size), str(src), loop)
+        labels = [p.get("name") for p in json.loads(_sh("sfdisk", "-J", loop))["partitiontable"]["partitions"]]
+        if labels[2:] != [f"engine_{short}", f"engine_{short}-verity"]:
+            raise RuntimeError(f"systemd-sysupdate labelled slot B {labels[2:]}")
+        if [_digest(loop, s, n) for s, n in slot_a] != before:
+            raise RuntimeError("writing slot B changed slot A")
+        mib = sum(p.stat().st_size for p in images) / MIB
+        what = "generated" if images[0].parent == work else "demo"
+        _row(f"write an engine slot, {what} {mib:.0f} MiB (vs dd)", mine, base, "target <= 1.3x")
+        if not generated:
+            print("bytes written to the running engine partition during an update: not measured (no update writes an engine slot yet)")
+    finally:
+        undo(mounts, loop, work)
+
+
+if __name__ == "__main__":  # one size: python3 -m builder.bench_engine [BYTES] (0: the demo's store)
+    import sys
+
+    _engine_slot_write(config.load(build.ROOT / "appliance.toml", "demo"), int(sys.argv[1]) if len(sys.argv) > 1 else 0)
