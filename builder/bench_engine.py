@@ -1,10 +1,11 @@
 """`make bench`, engine slots (issue 15): the time to write an engine store into a free engine slot
 against `dd bs=4M conv=fsync` of the same bytes (target: at most 1.3x).
 
-"Ours" is the way docs/disk-layout.md ("Engine updates") says an update will write it, as the
-/usr slot is written today (builder/bench.py bench_slot_write): the slot blanked and labelled
-`_empty` (blkdiscard --zeroout, sfdisk), then the built image's own systemd-sysupdate, in a chroot
-of its /usr, with an engine component's transfers (engine_@v.raw into the partition of type
+"Ours" is the way docs/disk-layout.md ("Engine updates") says an update writes it, as the /usr
+slot is written (builder/bench.py bench_slot_write): the slot blanked and labelled `_empty`
+(blkdiscard --zeroout, sfdisk), then the built image's own systemd-sysupdate, in a chroot of its
+/usr, with the engine component's transfers (image/mkosi.extra/usr/lib/sysupdate.engine.d when
+present, else as the document describes them: engine_@v.raw into the partition of type
 appliance-engine labelled engine_@v, the hash tree likewise), on a loop device over a GPT image
 file holding both engine slots. The bytes are the last demo build's engine partition images
 (out/demo/appliance_V.engine.raw, .engine-verity.raw), else a generated erofs of the same kind.
@@ -31,7 +32,10 @@ from builder import build
 from builder.bench import _row, _sh, _time, image_root, undo
 
 MIB = 1 << 20
-TRANSFERS = {
+# The image's engine component, when it has one (what `applianctl update` runs); else the
+# transfers docs/disk-layout.md describes.
+IMAGE_TRANSFERS = build.ROOT / "image/mkosi.extra/usr/lib/sysupdate.engine.d"
+DESCRIBED = {
     "10-engine.transfer": ("engine_@v.raw", ENGINE_TYPE, "engine_@v"),
     "20-engine-verity.transfer": ("engine_@v.verity.raw", ENGINE_VERITY_TYPE, "engine_@v-verity"),
 }
@@ -45,6 +49,15 @@ def transfer(source_pattern: str, partition_type: str, target_pattern: str, devi
         f"[Target]\nType=partition\nPath={device}\nMatchPartitionType={partition_type.lower()}\n"
         f"MatchPattern={target_pattern}\nInstancesMax=2\n"
     )
+
+
+def transfers(device: str) -> tuple[dict[str, str], str]:
+    """The engine component's transfer definitions aimed at DEVICE and /src, and where they came from."""
+    shipped = sorted(IMAGE_TRANSFERS.glob("*.transfer"))
+    if shipped:
+        return {p.name: p.read_text().replace("Path=auto", f"Path={device}").replace(
+            "Path=/var/lib/appliance/update/source", "Path=/src") for p in shipped}, "the image's"
+    return {name: transfer(*spec, device) for name, spec in DESCRIBED.items()}, "docs/disk-layout.md's"
 
 
 def _generated_store(work: Path, size: int) -> tuple[Path, Path]:
@@ -121,8 +134,9 @@ def _engine_slot_write(demo: config.Config, generated: int) -> None:
                 _sh("dd", f"if={src}", f"of={loop}", "bs=4M", "oflag=seek_bytes", f"seek={start}", "conv=fsync,notrunc", "status=none")
 
         root = image_root(usr, work / "root", mounts)
-        for name, (source, kind, target) in TRANSFERS.items():
-            (root / "defs" / name).write_text(transfer(source, kind, target, loop))
+        defs, origin = transfers(loop)
+        for name, text in defs.items():
+            (root / "defs" / name).write_text(text)
         for src, name in zip(images, (f"engine_{short}.raw", f"engine_{short}.verity.raw"), strict=True):
             shutil.copyfile(src, root / "src" / name)
 
@@ -146,6 +160,7 @@ def _engine_slot_write(demo: config.Config, generated: int) -> None:
         mib = sum(p.stat().st_size for p in images) / MIB
         what = "generated" if images[0].parent == work else "demo"
         _row(f"write an engine slot, {what} {mib:.0f} MiB (vs dd)", mine, base, "target <= 1.3x")
+        print(f"  with {origin} engine transfers")
         if not generated:
             print("bytes written to the running engine partition during an update: not measured (no update writes an engine slot yet)")
     finally:
