@@ -31,6 +31,8 @@ MAX_SIG_BYTES = 256
 USR_TYPE = "8484680C-9521-48C6-9C11-B0720656F69E"
 USR_VERITY_TYPE = "77FF5F63-E7B6-4633-ACF4-1565B864C0E6"
 IMAGE_ID = "appliance"
+# the partition images a bundle ships without their trailing zeros (the slot is zeroed first)
+TRIMMED_ROLES = ("usr", "usr-verity", "engine", "engine-verity")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
@@ -141,7 +143,7 @@ class BundleIndex:
     engine_digest: str = field(metadata=_string(DIGEST, "sha256: and 64 hex digits"))
     usrhash: str = field(metadata=_string(SHA256, "64 hex digits"))
     files: tuple[BundleFile, ...]
-    # the /usr images are shipped without their trailing zeros; these are their full sizes
+    # the partition images are shipped without their trailing zeros; these are their full sizes
     partition_sizes: Mapping[str, int] = field(metadata=schema.each(lambda v: None if v >= 0 else "a size in bytes"))
     manifest_sha256: str = field(metadata=_string(SHA256, "64 hex digits"))
     signer: str = field(metadata=_string(manifest.KEY_ID, "a key id of 16 hex digits"))
@@ -164,8 +166,8 @@ def load_index(index: Any) -> BundleIndex:
             f"bundle.json: the file list is not that of a release bundle (differs in {', '.join(odd) or 'duplicates'})",
             hint=NOT_OURS,
         )
-    os_names = payload_names(model.version, model.engine_digest, False)
-    trimmed = {os_names["usr"], os_names["usr-verity"]}
+    all_names = payload_names(model.version, model.engine_digest, with_engine)
+    trimmed = {all_names[r] for r in TRIMMED_ROLES if r in all_names}
     if set(model.partition_sizes) != trimmed:
         raise _bad("partition_sizes", dict(model.partition_sizes), f"the full sizes of {' and '.join(sorted(trimmed))}")
     by_name = {f.name: f.size for f in model.files}

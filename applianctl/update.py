@@ -33,15 +33,25 @@ from pathlib import Path
 from typing import Any
 
 from appliance import atomic, paths, progress
-from appliance.bundle import BUNDLE_INDEX, BUNDLE_SIG, MAX_INDEX_BYTES, MAX_SIG_BYTES, BundleIndex, verify_index
+from appliance.bundle import BUNDLE_INDEX, BUNDLE_SIG, MAX_INDEX_BYTES, MAX_SIG_BYTES, BundleIndex, engine_short, verify_index
 from appliance.errors import Refused, UserError
 from appliance.fetch import Deadline, open_source
 from appliance.manifest import Manifest, version_tuple
 from appliance.run import run
 from applianctl import engine_slots, slots, update_staged
-from applianctl.update_install import boot_tries, link_sources, locked, prepare_slot, sysupdate_commands
+from applianctl.engine_slots import EngineChoice
+from applianctl.update_install import (
+    boot_tries,
+    engine_sysupdate_commands,
+    link_engine_sources,
+    link_sources,
+    locked,
+    prepare_engine_slot,
+    prepare_slot,
+    sysupdate_commands,
+)
 from applianctl.update_stage import SPACE_MARGIN_BYTES, check_space, stage, staging_for, to_fetch
-from applianctl.update_verify import check_engine, check_fits, check_policy, check_staged, check_strict
+from applianctl.update_verify import check_engine, check_fits, check_policy, check_staged, check_strict, writes_engine
 
 DEFAULT_DEADLINE_S = 4 * 3600.0  # the whole run; the unit's TimeoutStartSec= is a little longer
 
@@ -100,10 +110,11 @@ def plan(
     check_strict(index)
     downgrade = check_policy(index, running, allow_downgrade)
     view = slots.read(host, running.version, running_engine=running.engine_image.digest)
-    check_engine(index, running, view)
+    engine = check_engine(index, running, view)
     inactive = inactive_slot(view)
     check_fits(index, inactive)
     version = index.version
+    new_engine = writes_engine(engine)
     return {
         "source": spec,
         "version": version,
@@ -112,14 +123,18 @@ def plan(
         "slot_holds": inactive.version,
         "downgrade": downgrade,
         "signer": index.signer,
-        "download_bytes": sum(f.size for f in to_fetch(index)),
-        "files": [f.name for f in to_fetch(index)],
+        "engine": engine_short(index.engine_digest),
+        "engine_slot": engine.slot.name if engine is not None else None,
+        "engine_written": new_engine,
+        "download_bytes": sum(f.size for f in to_fetch(index, new_engine)),
+        "files": [f.name for f in to_fetch(index, new_engine)],
         "already_installed": inactive.version == version and view.entry(version) is not None,
         "_index": index,
         "_signed": (data, sig),
         "_source": source,
         "_inactive": inactive,
         "_view": view,
+        "_engine": engine,
     }
 
 
@@ -183,14 +198,15 @@ def update(
         if confirm is not None and not confirm(f"install {version} over {running.version} into slot {inactive.name}?"):
             raise UserError("not confirmed", hint="add --yes to install without asking")
         # 3. room first, then every byte, proven
+        engine, new_engine = p["_engine"], p["engine_written"]
         staging = staging_for(version)
-        check_space(index, staging, space_margin)
-        stage(index, source, staging)
+        check_space(index, staging, space_margin, new_engine)
+        stage(index, source, staging, new_engine)
         check_staged(index, staging, keys_dir)
         say(f"bundle {version} verified ({len(index.files)} files, signed by {index.signer})")
-        # 4. only now: the inactive slot
+        # 4. only now: the engine slot (when the engine is new), then the inactive /usr slot
         install(index, staging, host=host, inactive=inactive, running=running, downgrade=p["downgrade"], deadline=deadline,
-                record={"source": spec}, say=say)
+                record={"source": spec}, say=say, engine=engine)
         shutil.rmtree(staging, ignore_errors=True)
     installed(version, inactive, reboot, say)
     return 0
@@ -207,10 +223,24 @@ def install(
     deadline: Deadline,
     record: dict[str, Any],
     say: Callable[[str], None],
+    engine: EngineChoice | None = None,
 ) -> None:
-    """Step 4, for files in STAGING that were proven this run: blank the inactive slot, let
-    systemd-sysupdate write it, record the update. The caller holds the lock."""
+    """Step 4, for files in STAGING that were proven this run: the new engine into its engine slot
+    when ENGINE says so, then blank the inactive slot, let systemd-sysupdate write it, record the
+    update. The caller holds the lock."""
     version = index.version
+    if writes_engine(engine):
+        assert engine is not None
+        short = engine_short(index.engine_digest)
+        say(f"blanking engine slot {engine.slot.name}")
+        with progress.step(f"zeroing engine slot {engine.slot.name}"):
+            prepare_engine_slot(host, engine.slot, leaving=inactive.version if inactive.version != running.version else None)
+        link_engine_sources(index, staging)
+        say(f"writing engine slot {engine.slot.name}: {short}")
+        with progress.step(f"systemd-sysupdate engine {short} into engine slot {engine.slot.name}"):
+            for command in engine_sysupdate_commands(index):
+                hint = "see journalctl -t systemd-sysupdate; run the same command again to start over"
+                run(command, "systemd-sysupdate (engine)", hint, timeout=deadline.left())
     say(f"blanking slot {inactive.name}")
     with progress.step(f"zeroing slot {inactive.name}"):  # blkdiscard --zeroout: no count to show
         prepare_slot(host, inactive, running.version)
@@ -283,12 +313,13 @@ def download_only(
             if same:  # the daily timer against an unchanged server: nothing to fetch or hash
                 say(f"version {version} is already staged ({previous['staged_at']}); apply it with applianctl update --apply")
                 return 0
+        new_engine = p["engine_written"]
         staging = staging_for(version)
-        update_staged.seed(previous, index, staging)
-        check_space(index, staging, space_margin)
-        stage(index, source, staging)
+        update_staged.seed(previous, index, staging, new_engine)
+        check_space(index, staging, space_margin, new_engine)
+        stage(index, source, staging, new_engine)
         check_staged(index, staging, keys_dir)
-        record = update_staged.publish(staging, index, p["_signed"], spec)
+        record = update_staged.publish(staging, index, p["_signed"], spec, new_engine)
     mib = record["bytes"] / (1 << 20)
     say(f"staged {version} ({record['files']} files, {mib:.1f} MiB, signed by {index.signer}); "
         "install it with applianctl update --apply")
@@ -338,7 +369,7 @@ def apply(
             )
         downgrade = check_policy(index, running, allow_downgrade)
         view = slots.read(host, running.version, running_engine=running.engine_image.digest)
-        check_engine(index, running, view)
+        engine = check_engine(index, running, view)
         check_judged(view)
         inactive = inactive_slot(view)
         check_fits(index, inactive)
@@ -349,11 +380,11 @@ def apply(
         if confirm is not None and not confirm(f"install the staged {version} over {running.version} into slot {inactive.name}?"):
             raise UserError("not confirmed", hint="add --yes to install without asking")
         with update_staged.discarded_if_refused():
-            update_staged.verify_in_place(index, staged)
+            update_staged.verify_in_place(index, staged, writes_engine(engine))
             check_staged(index, staged, keys_dir)
         say(f"staged bundle {version} verified again ({len(index.files)} files, signed by {index.signer})")
         install(index, staged, host=host, inactive=inactive, running=running, downgrade=downgrade, deadline=deadline,
-                record={"source": record.get("source"), "staged_at": record.get("staged_at")}, say=say)
+                record={"source": record.get("source"), "staged_at": record.get("staged_at")}, say=say, engine=engine)
     installed(version, inactive, reboot, say)
     return 0
 

@@ -1,5 +1,7 @@
 """Writing the inactive slot: blank it, hand the verified files to systemd-sysupdate, and let its
-transfers (/usr/lib/sysupdate.d) write /usr, its verity and the kernel image last.
+transfers (/usr/lib/sysupdate.d) write /usr, its verity and the kernel image last. A new engine
+image goes first, into the engine slot applianctl chose, by sysupdate's engine component
+(/usr/lib/sysupdate.engine.d).
 
 Only the inactive slot and a new boot entry are written, the entry last; an interrupted run leaves
 the running version bootable, and running the command again starts over.
@@ -15,10 +17,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from appliance import atomic
-from appliance.bundle import BundleIndex, source_names
+from appliance.bundle import BundleIndex, engine_short, payload_names, source_names
 from appliance.errors import UserError
 from appliance.run import run
 from applianctl import slots
+from applianctl.engine_slots import EngineSlot
 
 UKI_TRANSFER = Path("/usr/lib/sysupdate.d/90-uki.transfer")
 
@@ -55,6 +58,28 @@ def link_sources(index: BundleIndex, staging: Path) -> None:
     atomic.fsync_dir(directory)
 
 
+def remove_entries(host: slots.Host, version: str) -> None:
+    """VERSION's boot entries go (before anything it needs is erased), made durable at once."""
+    for entry in slots.entries(host):
+        if entry.version == version:
+            entry.path.unlink()
+    if host.esp is not None:
+        atomic.fsync_dir(host.esp / "EFI" / "Linux")
+
+
+def _blank(host: slots.Host, parts: list[slots.Partition], what: str) -> None:
+    """Zero PARTS (the images stop at their last non-zero block), then label them empty (last:
+    relabelling makes the kernel re-read the table, and the partition nodes vanish for a moment)."""
+    for part in parts:
+        zero = ["blkdiscard", "--zeroout", part.node]
+        run(zero, " ".join(zero), f"{what} cannot be written", timeout=None)
+    disk = slots.usr_disk(host)
+    for part in parts:
+        if part.label != "_empty":
+            argv = [host.sfdisk, "--part-label", disk, str(part.number), "_empty"]
+            run(argv, "sfdisk --part-label", "the partition table cannot be written")
+
+
 def prepare_slot(host: slots.Host, inactive: slots.Slot, running_version: str) -> None:
     """Make the inactive slot blank before systemd-sysupdate writes it: the boot entry of the
     version it held goes first (it would boot a slot about to be erased), then the partitions are
@@ -63,20 +88,41 @@ def prepare_slot(host: slots.Host, inactive: slots.Slot, running_version: str) -
     Each step leaves a state the next run starts from again, so a power cut anywhere is harmless."""
     old = inactive.version
     if old is not None and old != running_version:
-        for entry in slots.entries(host):
-            if entry.version == old:
-                entry.path.unlink()
-        if host.esp is not None:
-            atomic.fsync_dir(host.esp / "EFI" / "Linux")
-    parts = [p for p in (inactive.usr, inactive.verity) if p is not None]
-    for part in parts:
-        zero = ["blkdiscard", "--zeroout", part.node]
-        run(zero, " ".join(zero), "the inactive slot cannot be written", timeout=None)
-    disk = slots.usr_disk(host)
-    for part in parts:
-        if part.label != "_empty":
-            argv = [host.sfdisk, "--part-label", disk, str(part.number), "_empty"]
-            run(argv, "sfdisk --part-label", "the partition table cannot be written")
+        remove_entries(host, old)
+    _blank(host, [p for p in (inactive.usr, inactive.verity) if p is not None], "the inactive slot")
+
+
+# ----------------------------------------------------------------------------------- engine slots
+
+ENGINE_COMPONENT = "engine"  # /usr/lib/sysupdate.engine.d: its own versions, the digests' first 12 hex digits
+
+
+def engine_sysupdate_commands(index: BundleIndex) -> list[list[str]]:
+    """The engine component's run: its transfers write the `_empty` engine partition and its verity."""
+    return [[sysupdate_program(), "--no-pager", f"--component={ENGINE_COMPONENT}", "update", engine_short(index.engine_digest)]]
+
+
+def link_engine_sources(index: BundleIndex, staging: Path) -> None:
+    """The sysupdate source directory with exactly this bundle's verified engine images."""
+    names = payload_names(index.version, index.engine_digest, True)
+    directory = slots.source_dir()
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(mode=0o700, parents=True)
+    for role in ("engine", "engine-verity"):
+        os.link(staging / names[role], directory / names[role])
+    atomic.fsync_dir(directory)
+
+
+def prepare_engine_slot(host: slots.Host, slot: EngineSlot, leaving: str | None) -> None:
+    """Blank the engine SLOT that engine_slots.choose_engine_slot chose. The version LEAVING the
+    inactive /usr slot loses its boot entry first: its engine may be the one erased here, and no
+    bootable entry may point at an engine that is gone (a power cut at any later step leaves the
+    running version and its engine as they were)."""
+    if leaving is not None:
+        remove_entries(host, leaving)
+    if slot.verity is None:
+        raise UserError(f"engine slot {slot.name} has no verity partition", hint="see applianctl slots; the disk needs a re-install")
+    _blank(host, [slot.data, slot.verity], f"engine slot {slot.name}")
 
 
 @contextmanager

@@ -19,11 +19,11 @@ from applianctl import slots
 SPACE_MARGIN_BYTES = 512 << 20
 
 
-def to_fetch(index: BundleIndex) -> list[BundleFile]:
-    """The files of the bundle this appliance downloads: never an engine image it has (check_engine),
-    never the installer's whole disk image."""
+def to_fetch(index: BundleIndex, engine: bool = False) -> list[BundleFile]:
+    """The files of the bundle this appliance downloads: the engine image only when ENGINE (it is
+    written to an engine slot: update_verify.check_engine), never the installer's whole disk image."""
     install = set(install_names(index.version).values())
-    return [f for f in index.files if not f.name.startswith("engine_") and f.name not in install]
+    return [f for f in index.files if (engine or not f.name.startswith("engine_")) and f.name not in install]
 
 
 def free_bytes(path: Path) -> int:
@@ -31,10 +31,10 @@ def free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def check_space(index: BundleIndex, staging: Path, margin: int = SPACE_MARGIN_BYTES) -> int:
+def check_space(index: BundleIndex, staging: Path, margin: int = SPACE_MARGIN_BYTES, engine: bool = False) -> int:
     """Refuse before downloading when STAGING's file system lacks room for the rest plus MARGIN;
     the bytes still to fetch."""
-    need = sum(missing_bytes(f.name, f.size, staging) for f in to_fetch(index))
+    need = sum(missing_bytes(f.name, f.size, staging) for f in to_fetch(index, engine))
     free = free_bytes(staging)
     if free < need + margin:
         mib = 1 << 20
@@ -57,8 +57,8 @@ def staging_for(version: str) -> Path:
     return staging
 
 
-def stage(index: BundleIndex, source: Source, staging: Path) -> None:
+def stage(index: BundleIndex, source: Source, staging: Path, engine: bool = False) -> None:
     """Fetch every file of the bundle into STAGING, each checked against bundle.json. A file
     already staged is re-hashed, not trusted; a partial one (NAME.part) is resumed."""
-    for f in to_fetch(index):
+    for f in to_fetch(index, engine):
         fetch_proven(source, f.name, f.size, f.sha256, staging)

@@ -59,7 +59,7 @@ def directory(record: dict[str, Any]) -> Path:
     return paths.staged_update_dir() / str(record["directory"])
 
 
-def publish(work: Path, index: BundleIndex, signed: tuple[bytes, bytes], source: str) -> dict[str, Any]:
+def publish(work: Path, index: BundleIndex, signed: tuple[bytes, bytes], source: str, engine: bool = False) -> dict[str, Any]:
     """Make WORK (every file proven this run) the staged update, replacing the previous one."""
     data, sig = signed
     atomic.atomic_write(work / "bundle.json", data, mode=0o600)
@@ -71,12 +71,13 @@ def publish(work: Path, index: BundleIndex, signed: tuple[bytes, bytes], source:
     work.rename(final)  # same file system: both under the update directory on /var
     atomic.fsync_dir(work.parent)
     atomic.fsync_dir(root)
-    files = to_fetch(index)
+    files = to_fetch(index, engine)
     record = {
         "version": index.version,
         "directory": name,
         "bytes": sum(f.size for f in files),
         "files": len(files),
+        "engine": engine,
         "signer": index.signer,
         "source": source,
         "staged_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -113,22 +114,23 @@ def discard_if_not_newer(version: str) -> None:
         discard()
 
 
-def seed(record: dict[str, Any] | None, index: BundleIndex, work: Path) -> None:
+def seed(record: dict[str, Any] | None, index: BundleIndex, work: Path, engine: bool = False) -> None:
     """Hard-link the files of the same version already staged into WORK: stage() re-hashes them
     instead of downloading them again (and replaces, never modifies, one that does not match)."""
     if record is None or "error" in record or record.get("version") != index.version:
         return
     old = directory(record)
-    for f in to_fetch(index):
+    for f in to_fetch(index, engine):
         src, dst = old / f.name, work / f.name
         if src.is_file() and not src.is_symlink() and not dst.exists():
             with suppress(OSError):  # else downloaded instead
                 os.link(src, dst)
 
 
-def verify_in_place(index: BundleIndex, staged: Path) -> None:
-    """Every file of the signed INDEX in STAGED, as a regular file of the signed size and SHA-256."""
-    for f in to_fetch(index):
+def verify_in_place(index: BundleIndex, staged: Path, engine: bool = False) -> None:
+    """Every file of the signed INDEX in STAGED (the engine image too when ENGINE), as a regular
+    file of the signed size and SHA-256."""
+    for f in to_fetch(index, engine):
         path = staged / f.name
         if path.is_symlink() or not path.is_file():
             raise Refused(f"staged {f.name}: missing or not a regular file")

@@ -2,8 +2,8 @@
 
 Policy (before any download): the version is newer than the running one (older only with
 --allow-downgrade, the same never), min_version is not newer than the running version, the profile
-is the running one, the engine image is the one the appliance has, and the partition images fit
-the inactive slot. Content (after every file's SHA-256 matched): the inner release manifest
+is the running one, the engine image is one the appliance has or may write to a free engine slot,
+and the partition images fit the inactive slot. Content (after every file's SHA-256 matched): the inner release manifest
 verifies on its own and agrees with bundle.json, and the kernel image boots bundle.json's usrhash.
 """
 
@@ -17,6 +17,7 @@ from appliance import manifest
 from appliance.bundle import NOT_OURS, BundleIndex, engine_short, payload_names, uki_facts
 from appliance.errors import Refused, UserError
 from applianctl import slots
+from applianctl.engine_slots import EngineChoice
 
 
 def check_policy(index: BundleIndex, running: manifest.Manifest, allow_downgrade: bool) -> bool:
@@ -40,20 +41,27 @@ def check_policy(index: BundleIndex, running: manifest.Manifest, allow_downgrade
     return downgrade
 
 
-def check_engine(index: BundleIndex, running: manifest.Manifest, view: slots.View) -> None:
-    """The new version must run the engine image this appliance has. A bundle for a new engine
-    digest carries the engine partition image, but writing it to a second engine partition is
-    not built yet: refused before anything is downloaded, rather than a version that cannot start
-    its engine being installed and rolled back. First the invariant (engine_slots.py): when no
-    engine slot may be written, that is the refusal, in one line."""
-    have = running.engine_image.digest
-    if index.engine_digest != have:
-        view.engine_slot_for(index.engine_digest)
+def check_engine(index: BundleIndex, running: manifest.Manifest, view: slots.View) -> EngineChoice | None:
+    """Where the new version's engine comes from, before anything is downloaded: None when it runs
+    the running engine; else the engine slot that holds it or that it is written to
+    (engine_slots.choose_engine_slot: every bootable entry's engine stays, the running one is never
+    written). Refused in one line when no slot may be written, or when the engine is needed and
+    the bundle does not carry it."""
+    if index.engine_digest == running.engine_image.digest:
+        return None
+    choice = view.engine_slot_for(index.engine_digest)
+    carried = payload_names(index.version, index.engine_digest, True)["engine"] in {f.name for f in index.files}
+    if not choice.already_present and not carried:
         raise Refused(
-            f"bundle {index.version} runs engine image {engine_short(index.engine_digest)}, this appliance has "
-            f"{engine_short(have)}; installing a new engine image over the air is not supported yet",
-            hint="release the new version with the engine digest the appliance runs, or flash an image built with the new engine",
+            f"bundle {index.version} runs engine image {engine_short(index.engine_digest)}, which this appliance does not have, "
+            "and does not carry it",
+            hint="release it with the engine image (python3 -m builder release without --engine-digest for it)",
         )
+    return choice
+
+
+def writes_engine(choice: EngineChoice | None) -> bool:
+    return choice is not None and not choice.already_present
 
 
 def check_fits(index: BundleIndex, inactive: slots.Slot) -> None:

@@ -18,7 +18,7 @@ A bundle is a directory any static web server can serve:
                                         usrhash, files [{name, sha256, size}], partition_sizes (the
                                         full size of each trimmed image), manifest_sha256, signer
 
-A /usr slot is a few GiB of which the file system fills a fraction; the rest is zeros that the
+A /usr slot (or an engine slot) is a few GiB of which the file system fills a fraction; the rest is zeros that the
 dm-verity tree covers. Shipping them would make an emulated or slow-linked appliance download
 and hash gigabytes of nothing, so the images stop at their last non-zero block and the updater
 zeroes the slot (BLKZEROOUT) before writing: the bytes on disk are the signed ones either way.
@@ -171,10 +171,12 @@ def make_bundle(
     try:
         tmp.chmod(0o755)
         partition_sizes = {}
+        all_names = bundle.payload_names(version, config.engine.digest, with_engine=True)
+        trimmed = {all_names[r] for r in bundle.TRIMMED_ROLES}
         # the images are sparse: the bar counts their apparent size, most of it holes that cost nothing
         with progress.Progress("copying payloads", total=sum(src.stat().st_size for src in sources.values())) as p:
             for name, src in sources.items():
-                if name in (names["usr"], names["usr-verity"]):
+                if name in trimmed:
                     partition_sizes[name] = _copy_trimmed(src, tmp / name)
                 else:
                     _copy(src, tmp / name)

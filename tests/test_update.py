@@ -29,7 +29,7 @@ from appliance import fetch as update_fetch
 from appliance import manifest, paths
 from appliance.bundle import engine_short, source_names
 from appliance.errors import Refused, UserError
-from applianctl import rollback, slots, update_stage
+from applianctl import engine_slots, rollback, slots, update_stage
 from applianctl import update as up
 from applianctl.engine_slots import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from builder import release as rel
@@ -186,17 +186,51 @@ def test_an_engine_image_the_appliance_has_is_never_downloaded(tmp_path: Path, d
     assert calls == ["systemd-sysupdate --no-pager update 2.0.0", "systemctl reboot"]
 
 
-def test_a_new_engine_image_is_refused_before_any_download(tmp_path: Path, device: Device, signing: Any) -> None:
+def test_a_new_engine_on_a_disk_with_one_engine_slot_is_refused_before_any_download(tmp_path: Path, device: Device,
+                                                                                     signing: Any) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0", engine=True, digest="sha256:" + "ab" * 32)
-    # a disk of today: one engine slot, running: the invariant refuses, naming what holds the slot
+    # a disk of before: one engine slot, running: the invariant refuses, naming what holds the slot
     with pytest.raises(UserError, match=r"^refused: no engine slot may be written for engine abababababab: slot A \(\w{12}\) runs") as e:
         run_update(device, str(b), trusted)
-    assert "one engine slot" in e.value.hint and device.sysupdate_calls() == []
-    # with engine slot B as first boot makes it: the slot could be chosen, writing it is not built yet
-    device.set_gpt("appliance_1.0.0", "_empty", engine_b="_empty")
-    _refused(device, str(b), trusted, "installing a new engine image over the air is not supported yet")
+    assert "one engine slot" in e.value.hint and device.writes() == []
     assert not slots.staging_dir().exists() or not any(slots.staging_dir().rglob("*.raw*"))
+
+
+def test_a_new_engine_goes_into_the_free_engine_slot_first_then_usr(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0", engine=True, digest="sha256:" + "ab" * 32)
+    device.set_gpt("appliance_1.0.0", "_empty", engine_b="_empty")
+    assert run_update(device, str(b), trusted) == 0
+    writes = [c for c in device.writes() if not c.startswith("  ")]
+    # the engine slot B (vda9, vda10) is zeroed, then written by the engine component; only then /usr
+    assert writes == ["blkdiscard --zeroout /dev/vda9", "blkdiscard --zeroout /dev/vda10",
+                      "systemd-sysupdate --no-pager --component=engine update abababababab",
+                      "blkdiscard --zeroout /dev/vda5", "blkdiscard --zeroout /dev/vda6",
+                      "systemd-sysupdate --no-pager update 2.0.0"]
+    # never the running engine's partitions (vda7, vda8)
+    assert not any("/dev/vda7" in c or "/dev/vda8" in c or c.endswith(" 7 _empty") or c.endswith(" 8 _empty") for c in device.calls())
+    sources = [c.removeprefix("  source: ") for c in device.calls() if c.startswith("  source: ")]
+    assert sources[:2] == ["engine_abababababab.raw", "engine_abababababab.verity.raw"]
+    # which engine each version runs, for the next choice
+    assert engine_slots.recorded()["2.0.0"] == "sha256:" + "ab" * 32
+
+
+def test_an_engine_the_appliance_has_in_its_other_slot_is_not_downloaded_again(tmp_path: Path, device: Device,
+                                                                               signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0", engine=True, digest="sha256:" + "ab" * 32)
+    device.set_gpt("appliance_1.0.0", "_empty", engine_b="engine_abababababab")
+    assert run_update(device, str(b), trusted) == 0
+    assert not any(c.startswith("systemd-sysupdate --no-pager --component") for c in device.calls())
+    assert not list(slots.staging_dir().glob("*/engine_*"))
+
+
+def test_a_new_engine_the_bundle_does_not_carry_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0", digest="sha256:" + "ab" * 32)  # released as if the target had it
+    device.set_gpt("appliance_1.0.0", "_empty", engine_b="_empty")
+    _refused(device, str(b), trusted, "does not have, and does not carry it")
 
 
 # ----------------------------------------------------------------------------------- refusals

@@ -10,6 +10,12 @@
             made (same OVMF variable store): the demo's boot check reports; status part `host`
             shows the plan applied, its static address and its SSH key
 
+    https   the installer kernel image alone (the UEFI HTTP boot form, here the only file of a
+            GPT medium's ESP) on a machine with one blank NVMe: no payload, so the release comes
+            over HTTPS from the signed plan's [update] url (a bundle released with
+            --install-image, its CA as credential appliance.install-ca); the installed disk then
+            boots with the plan's host name
+
 The installer kernel image is built here by `python3 -m builder installer-uki` (installer/mkosi/).
 """
 
@@ -68,14 +74,20 @@ def _sign(tmp: Path, name: str, text: str, key: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def install_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    work = tmp_path_factory.mktemp("install")
+def release_parts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("release")
     demo = config.load(ROOT / "appliance.toml", "demo")
     result = build.build(demo, output=work / "build")
     uki = installer_uki.build_uki(demo, output=work / "installer" / installer_uki.UKI_NAME)
-    key = build.signing_key_for(demo, None)
+    return {"demo": demo, "build": result.disk_image.parent, "uki": uki, "key": build.signing_key_for(demo, None)}
+
+
+@pytest.fixture(scope="module")
+def install_run(release_parts: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("install")
+    demo, uki, key = release_parts["demo"], release_parts["uki"], release_parts["key"]
     bundle = work / "bundle"
-    release.make_bundle(demo, result.disk_image.parent, bundle, key, None, None)
+    release.make_bundle(demo, release_parts["build"], bundle, key, None, None)
     _, ssh_pub = keys.generate(work / "ssh")  # an Ed25519 key; its OpenSSH form below
     from cryptography.hazmat.primitives import serialization
 
@@ -93,7 +105,7 @@ authorized_keys = ["{ssh_line}"]
 serial = "TARGET-0001"
 """, key)
     ambiguous = _sign(work, "ambiguous", '[target]\nmodel = "QEMU NVMe Ctrl"\n', key)
-    media = installer_media.make(result.disk_image.parent, demo.appliance.version, uki, real, work / "media", ["usb"], bundle)
+    media = installer_media.make(release_parts["build"], demo.appliance.version, uki, real, work / "media", ["usb"], bundle)
 
     disks = {}
     for name, gib, _, content in DISKS:
@@ -155,4 +167,55 @@ def test_the_installed_appliance_boots_with_the_plans_address_and_key(install_ru
     assert "10.0.2.15/24" in (host["addresses"] or [])
     assert host["settings"]["ssh_authorized_keys"] == [install_run["ssh_line"]]
     assert host["settings"]["hostname"] == "gpu-07"
+    assert report["failed_units"] == []
+
+
+@pytest.fixture(scope="module")
+def https_install_run(release_parts: dict[str, Any], https_root: tuple[Path, str, str],
+                      tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("https-install")
+    demo, key = release_parts["demo"], release_parts["key"]
+    root, url, ca = https_root
+    release.make_bundle(demo, release_parts["build"], root / "install-v1", key, None, None, with_install_image=True)
+    plan = _sign(work, "plan", f'hostname = "gpu-08"\n[update]\nurl = "{url}/install-v1/"\n[target]\nserial = "TARGET-0001"\n', key)
+    # the .efi form, booted as the only file of a removable medium's ESP (what UEFI HTTP boot loads)
+    esp = work / "esp.img"
+    installer_media.esp_image(release_parts["uki"], esp)
+    medium = work / "efi-only.raw"
+    esp_mib = esp.stat().st_size >> 20
+    with open(medium, "wb") as f:
+        f.truncate((esp_mib + 2) << 20)
+    subprocess.run(["sfdisk", "-q", str(medium)], input=f"label: gpt\nstart=2048, size={esp_mib * 2048}, type={installer_media.ESP_TYPE}\n",
+                   text=True, check=True)
+    subprocess.run(["dd", f"if={esp}", f"of={medium}", "bs=1M", "seek=1", "conv=notrunc", "status=none"], check=True)
+    target = work / "target.raw"
+    subprocess.run(["truncate", "-s", "16G", str(target)], check=True)
+    vars_fd = work / "OVMF_VARS.fd"
+    shutil.copyfile(qemu.OVMF_VARS, vars_fd)
+    creds = {"appliance.install-plan": (plan / "plan.json").read_text(), "appliance.install-plan.sig": (plan / "plan.json.sig").read_text(),
+             "appliance.install-ca": ca,
+             "systemd.unit-dropin.appliance-installer.service":
+                 "[Service]\nStandardOutput=file:/dev/ttyS1\nStandardError=file:/dev/ttyS1\n"}
+    cmd = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-smp", "2", "-m", "4096", "-no-reboot",
+           "-drive", f"if=pflash,format=raw,readonly=on,file={qemu.OVMF_CODE}", "-drive", f"if=pflash,format=raw,file={vars_fd}",
+           "-nic", "user,model=virtio-net-pci", "-display", "none", "-monitor", "none", "-device", "qemu-xhci,id=xhci",
+           "-drive", f"if=none,id=t,format=raw,file={target}", "-device", "nvme,drive=t,serial=TARGET-0001",
+           "-drive", f"if=none,id=medium,format=raw,readonly=on,file={medium}", "-device", "usb-storage,drive=medium,bus=xhci.0",
+           *qemu.credential_args(creds),
+           "-serial", f"file:{work}/console.log", "-serial", f"file:{work}/output.log"]
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=3600, check=False)
+    assert proc.returncode == 0, f"QEMU: {proc.stderr[-2000:]}"
+    output = (work / "output.log").read_text(errors="replace")
+    guest = qemu.Guest(target, work / "boot2")
+    shutil.copyfile(vars_fd, guest.vars)
+    return {"output": output, "console": (work / "console.log").read_text(errors="replace"), "report": guest.boot(timeout=1800)}
+
+
+def test_the_efi_form_installs_from_the_plans_https_url_and_the_disk_boots(https_install_run: dict[str, Any]) -> None:
+    output = https_install_run["output"]
+    assert "downloading release 1.0.0 from https://10.0.2.2:" in output, (output + https_install_run["console"])[-4000:]
+    assert "Appliance 1.0.0 installed" in output and "/usr /dev/" in output, output[-3000:]
+    report = https_install_run["report"]
+    host = report["status"]["parts"]["host"]
+    assert host["source"] == "plan" and host["settings"]["hostname"] == "gpu-08", host
     assert report["failed_units"] == []
