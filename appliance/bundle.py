@@ -30,6 +30,10 @@ MAX_SIG_BYTES = 256
 # GPT partition types of the A/B /usr slots (the Discoverable Partitions Specification, x86-64)
 USR_TYPE = "8484680C-9521-48C6-9C11-B0720656F69E"
 USR_VERITY_TYPE = "77FF5F63-E7B6-4633-ACF4-1565B864C0E6"
+# the engine slots' own types (docs/disk-layout.md): appliance-engine and appliance-engine-verity
+ENGINE_TYPE = "344E5F5F-F1EA-455D-9D71-C82214F17CF1"
+ENGINE_VERITY_TYPE = "E8587844-5270-4B6E-B69C-E9E0C63B1823"
+EMPTY_LABEL = "_empty"  # a free slot (systemd-sysupdate's convention)
 IMAGE_ID = "appliance"
 # the partition images a bundle ships without their trailing zeros (the slot is zeroed first)
 TRIMMED_ROLES = ("usr", "usr-verity", "engine", "engine-verity")

@@ -21,6 +21,9 @@ MANIFEST = LIB_DIR / "manifest.json"  # the signed release manifest
 MANIFEST_SIG = LIB_DIR / "manifest.json.sig"  # detached Ed25519 signature
 TRUSTED_KEYS_DIR = LIB_DIR / "keys"  # *.pub: the public keys this version trusts
 ENGINE_FILES_DIR = LIB_DIR / "engine"  # overlays/ and tuning/ as bind-mounted into the engine
+# the first-boot definitions of engine slot B (builder/render.py first_boot_repart): the installer
+# reads their sizes, which are the configuration's, to know how large a disk must be
+ENGINE_B_REPART = ("25-engine-b.conf", "26-engine-b-verity.conf")
 
 # Runtime state (tmpfs): one JSON file per check, each {"ok": bool, "reason": str, ...}
 RUN_DIR = _path("RUN_DIR", "/run/appliance")

@@ -27,16 +27,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance import atomic, paths
-from appliance.bundle import USR_TYPE, USR_VERITY_TYPE, engine_short
+from appliance.bundle import EMPTY_LABEL, ENGINE_TYPE, ENGINE_VERITY_TYPE, USR_TYPE, USR_VERITY_TYPE, engine_short
 from appliance.errors import UserError
 from appliance.hashing import DIGEST
 
 if TYPE_CHECKING:
     from applianctl.slots import Partition
 
-ENGINE_TYPE = "344E5F5F-F1EA-455D-9D71-C82214F17CF1"
-ENGINE_VERITY_TYPE = "E8587844-5270-4B6E-B69C-E9E0C63B1823"
-EMPTY = "_empty"
+EMPTY = EMPTY_LABEL
 _LABEL = re.compile(r"^engine_([0-9a-f]{12})$")
 _VERITY_LABEL = re.compile(r"^engine_([0-9a-f]{12})-verity$")
 _OURS = (USR_TYPE, USR_VERITY_TYPE)  # a /usr partition is never an engine slot, whatever its label

@@ -55,7 +55,7 @@ def check_engine(index: BundleIndex, running: manifest.Manifest, view: slots.Vie
         raise Refused(
             f"bundle {index.version} runs engine image {engine_short(index.engine_digest)}, which this appliance does not have, "
             "and does not carry it",
-            hint="release it with the engine image (python3 -m builder release without --engine-digest for it)",
+            hint="release it again so that it carries its engine image (do not name that digest with --engine-digest)",
         )
     return choice
 

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from appliance import bundle, config
-from applianctl.engine_slots import ENGINE_TYPE, ENGINE_VERITY_TYPE
+from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from builder import build
 from builder.bench import _row, _sh, _time, image_root, undo
 

@@ -25,7 +25,7 @@ from typing import Any
 from appliance import paths
 from appliance.config import Config
 from appliance.errors import UserError
-from builder import build, keys
+from builder import build, keys, render
 from builder.run import mkosi_command, run
 
 PROJECT = build.ROOT / "installer" / "mkosi"
@@ -52,6 +52,7 @@ def extra_tree(config: Config, signing_key: Path, tree: Path) -> None:
     trusted.parent.mkdir(parents=True)
     shutil.copyfile(public, trusted)
     shutil.copytree(REPART_SOURCE, tree / REPART_IN_INSTALLER)
+    render.first_boot_repart(config, tree / REPART_IN_INSTALLER)  # the engine slots, sized by the configuration
 
 
 def build_uki(config: Config, signing_key: Path | None = None, output: Path | None = None) -> Path:

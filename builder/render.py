@@ -15,9 +15,11 @@ from pathlib import Path
 
 import jinja2
 
+from appliance import paths
+from appliance.bundle import EMPTY_LABEL as EMPTY
+from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from appliance.config import Config, PinnedFile
 from appliance.errors import UserError
-from applianctl.engine_slots import EMPTY, ENGINE_TYPE, ENGINE_VERITY_TYPE
 from builder import unit_values, weights
 from builder.engine_store import MOUNT_POINT, EngineStore, verity_slot_bytes
 
@@ -232,8 +234,8 @@ def first_boot_repart(config: Config, directory: Path) -> list[Path]:
     for name, type_uuid, size, what in (
         ("15-engine-a.conf", ENGINE_TYPE, slot, "Engine slot A (made at build): matched, never resized."),
         ("16-engine-a-verity.conf", ENGINE_VERITY_TYPE, verity, "Engine slot A's hash tree (made at build)."),
-        ("25-engine-b.conf", ENGINE_TYPE, slot, "Engine slot B: free until an update writes an engine to it."),
-        ("26-engine-b-verity.conf", ENGINE_VERITY_TYPE, verity, "Engine slot B's hash tree, sized for a full slot."),
+        (paths.ENGINE_B_REPART[0], ENGINE_TYPE, slot, "Engine slot B: free until an update writes an engine to it."),
+        (paths.ENGINE_B_REPART[1], ENGINE_VERITY_TYPE, verity, "Engine slot B's hash tree, sized for a full slot."),
     ):
         target = directory / name
         _write(target, _partition(what, Type=type_uuid, Label=EMPTY, SizeMinBytes=size, SizeMaxBytes=size, Priority=1))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle, manifest
+from appliance import bundle, manifest, paths
 from appliance import plan as plan_model
 from appliance.errors import UserError
 from appliance.run import run
@@ -44,8 +44,20 @@ HOST_SUBDIR = "lib/appliance/host"  # on /var: /var/lib/appliance/host
 BOOT_LABEL = "Appliance"
 SYSTEMD_BOOT = r"\EFI\systemd\systemd-bootx64.efi"
 GIB = 1 << 30
-# what the layout adds to the image: slot B and its verity, root grown to 1 GiB, /var's minimum
+# what the layout adds to the image besides engine slot B: /usr B and its verity, root grown to
+# 1 GiB, /var's minimum
 LAYOUT_EXTRA = 3 * GIB + 64 * (1 << 20) + 1 * GIB + 1 * GIB
+_SIZE_MIN = re.compile(r"^SizeMinBytes=([0-9]+)$", re.M)
+
+
+def layout_extra(definitions: Path = REPART_DEFINITIONS) -> int:
+    """What first boot adds to the image: LAYOUT_EXTRA and engine slot B, whose size is the
+    configuration's (the builder rendered it into the definitions this installer carries)."""
+    extra = LAYOUT_EXTRA
+    for name in paths.ENGINE_B_REPART:
+        m = _SIZE_MIN.search((definitions / name).read_text()) if (definitions / name).is_file() else None
+        extra += int(m.group(1)) if m else 0
+    return extra
 
 Runner = Callable[[Sequence[str]], str]
 
@@ -94,8 +106,8 @@ def image_size(bmap: Path) -> int:
     return int(m.group(1))
 
 
-def required_bytes(payload: Payload) -> int:
-    return image_size(payload.bmap) + LAYOUT_EXTRA
+def required_bytes(payload: Payload, definitions: Path = REPART_DEFINITIONS) -> int:
+    return image_size(payload.bmap) + layout_extra(definitions)
 
 
 def _by_partuuid(runner: Runner, disk: str, label: str | None = None, partuuid: str | None = None) -> str:

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from appliance import config, paths
+from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from appliance.errors import UserError
 from applianctl import engine_slots, slots
-from applianctl.engine_slots import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from builder import engine_store, render, validate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -141,3 +142,16 @@ def test_the_same_version_again_changes_nothing(tmp_path: Path) -> None:
 def test_ssh_fingerprint_matches_ssh_keygen() -> None:
     # what `ssh-keygen -lf` printed for this key line
     assert install.ssh_fingerprint(KEY) == "SHA256:FHsTyFHNmvNpw4o7+rp+M1yqMyBF8vXSBRkZtkQ0RKY"
+
+
+def test_the_disk_must_hold_engine_slot_b_as_the_configuration_sizes_it(tmp_path: Path) -> None:
+    from appliance.config import load
+    from builder import render
+
+    definitions = tmp_path / "repart.d"
+    for profile, slot in (("demo", 64 << 20), ("production", 40 << 30)):
+        shutil.rmtree(definitions, ignore_errors=True)
+        render.first_boot_repart(load(Path(__file__).resolve().parents[1] / "appliance.toml", profile), definitions)
+        extra = install.layout_extra(definitions) - install.LAYOUT_EXTRA
+        assert slot < extra <= slot + max(slot // 100, 1 << 20), (profile, extra)  # the slot and its hash tree
+    assert install.layout_extra(tmp_path / "none") == install.LAYOUT_EXTRA

@@ -27,9 +27,9 @@ from standin_engine import MODEL, free_port, start_standin, stop
 
 from appliance import config as builder_config
 from appliance import paths
+from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from appliance.config import Config
 from applianctl import probes, probes_disk, probes_engine, probes_files, probes_os, probes_proxy, probes_shm, probes_tls, slots, status
-from applianctl.engine_slots import ENGINE_TYPE, ENGINE_VERITY_TYPE
 
 ROOT = Path(__file__).parents[1]
 FIXTURES = ROOT.parent / "shared" / "fixtures"

@@ -27,11 +27,10 @@ from test_fetch import make_ca, make_server_cert
 from appliance import atomic as state
 from appliance import fetch as update_fetch
 from appliance import manifest, paths
-from appliance.bundle import engine_short, source_names
+from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE, engine_short, source_names
 from appliance.errors import Refused, UserError
 from applianctl import engine_slots, rollback, slots, update_stage
 from applianctl import update as up
-from applianctl.engine_slots import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from builder import release as rel
 
 GIB = 1024**3
