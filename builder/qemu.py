@@ -228,7 +228,8 @@ class Guest:
                     break
                 if answer:
                     self._answer(answer, asked)
-                time.sleep(1)
+                # watching for the cut's text: often, so the cut lands within a short write
+                time.sleep(0.1 if cut_power and cut_at is None else 1)
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -261,6 +261,11 @@ def run_fault_scenarios() -> dict[str, Any]:
 #   {"do": "refusals", "bundles": {N: URL}}   `applianctl update URL` of bundles that must be
 #                                             refused; the inactive slot hashed before and after
 #   {"do": "update", "url": URL}              `applianctl update URL`, then a reboot into it
+#   {"do": "download-only", "url": URL}       `applianctl update --download-only URL`: staged on
+#                                             /var, no slot written
+#   {"do": "apply"}                           `applianctl update --apply`, then a reboot into it;
+#                                             like "update", the engine partitions hashed before
+#                                             and after
 #   {"do": "netprobe"}                        the host probes the guest from a network
 #                                             namespace on its second NIC (builder.qemu.ProbeNet)
 #                                             while the engine serves; the guest waits for it
@@ -273,7 +278,8 @@ def run_fault_scenarios() -> dict[str, Any]:
 # power cut in the middle leaves no marker, so the next boot runs it again.
 
 MARKER_DIR = Path("/var/lib/appliance/bootcheck")
-STEPS = ("faults", "refusals", "update", "netprobe")
+STEPS = ("faults", "refusals", "update", "netprobe", "download-only", "apply")
+UPDATES = ("update", "apply")  # each run after the report, then a reboot
 TRIAL_STEPS = ("update-on-trial",)
 ASK = "APPLIANCE-ASK"
 REPORT_PORT = "/dev/ttyS1"
@@ -293,9 +299,9 @@ def _plan(version: str) -> list[dict[str, Any]]:
     return [s for s in steps if isinstance(s, dict) and s.get("do") in (*STEPS, *TRIAL_STEPS)]
 
 
-def _update_command(url: str) -> list[str]:
+def _update_command(url: str, *options: str) -> list[str]:
     ca = Path(os.environ.get("CREDENTIALS_DIRECTORY", "/nonexistent")) / "appliance.update_ca"
-    return ["/usr/bin/applianctl", "update", url, "--yes"] + (["--ca", str(ca)] if ca.exists() else [])
+    return ["/usr/bin/applianctl", "update", *options, url, "--yes"] + (["--ca", str(ca)] if ca.exists() else [])
 
 
 def _inactive_slot_hashes(version: str) -> dict[str, str]:
@@ -325,14 +331,18 @@ def _sectors_written(node: str) -> str:
     return f"written {fields[6]} sectors"
 
 
+def _partitions() -> list[dict[str, Any]]:
+    """The boot disk's partitions, as sfdisk -J lists them."""
+    root_disk = _run(["lsblk", "-no", "PKNAME", _run(["findmnt", "-no", "SOURCE", "/"]).strip()]).strip()
+    return list((_json(["sfdisk", "-J", f"/dev/{root_disk}"]) or {}).get("partitiontable", {}).get("partitions", []))
+
+
 def _slot_hashes() -> dict[str, str]:
     """Every /usr and /usr verity partition (both slots) with its label (a relabel is an install
     too), and the ESP's boot entries. The inactive slot is hashed whole; the running slot is
     mounted through dm-verity, so the kernel's write counter proves it untouched without
     reading 6 GiB under emulation."""
-    root_disk = _run(["lsblk", "-no", "PKNAME", _run(["findmnt", "-no", "SOURCE", "/"]).strip()]).strip()
-    table = (_json(["sfdisk", "-J", f"/dev/{root_disk}"]) or {}).get("partitiontable", {})
-    parts = [p for p in table.get("partitions", []) if p.get("type", "").upper() in USR_TYPES]
+    parts = [p for p in _partitions() if p.get("type", "").upper() in USR_TYPES]
     inactive = _inactive_slot_hashes(_running_version())
     hashes = {f"{p['node']} {p.get('name', '')}": inactive.get(p["node"]) or _sectors_written(p["node"]) for p in parts}
     esp = next((Path(d) / "EFI/Linux" for d in ("/efi", "/boot") if (Path(d) / "EFI/Linux").is_dir()), None)
@@ -425,16 +435,36 @@ def run_netprobe(wait_s: float = 120) -> dict[str, Any]:
     }
 
 
-def run_update(url: str) -> dict[str, Any]:
-    """`applianctl update URL`, its output streamed to the console (a host that cuts the power
-    watches for it) and kept for the report."""
-    proc = subprocess.Popen(_update_command(url), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _engine_partitions() -> dict[str, Any]:
+    """Both engine slots' partitions: label and SHA-256 of every byte (a slot is 64 MiB in the
+    demo), and the one appliance-engine-store.service opened this boot."""
+    from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
+    from applianctl import engine_slots
+
+    parts = [p for p in _partitions() if p.get("type", "").upper() in (ENGINE_TYPE, ENGINE_VERITY_TYPE)]
+    return {"running": (engine_slots.opened() or {}).get("partition"),
+            "partitions": {p["node"]: {"label": p.get("name", ""), "sha256": _run(["sha256sum", p["node"]], timeout=600).split(" ")[0]}
+                           for p in parts}}
+
+
+def run_download_only(url: str) -> dict[str, Any]:
+    """`applianctl update --download-only URL`: staged on /var, no slot written."""
+    proc = subprocess.run(_update_command(url, "--download-only"), capture_output=True, text=True, timeout=3600, check=False)
+    return {"url": url, "exit": proc.returncode, "output": (proc.stdout + proc.stderr)[-4000:]}
+
+
+def run_update(command: list[str], url: str | None) -> dict[str, Any]:
+    """`applianctl update ...`, its output streamed to the console (a host that cuts the power
+    watches for it) and kept for the report, with the engine partitions before and after."""
+    engines_before = _engine_partitions()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:
         print(line, end="", flush=True)
         lines.append(line)
-    return {"url": url, "exit": proc.wait(), "output": "".join(lines)[-4000:]}
+    return {"url": url, "exit": proc.wait(), "output": "".join(lines)[-4000:], "engines_before": engines_before,
+            "engines_after": _engine_partitions()}
 
 
 def run_step(version: str, step: dict[str, Any], engine_healthy: bool) -> dict[str, Any] | None:
@@ -451,8 +481,12 @@ def run_step(version: str, step: dict[str, Any], engine_healthy: bool) -> dict[s
         outcome = run_netprobe() if engine_healthy else {"skipped": "the engine never became healthy"}
     elif step["do"] == "update-on-trial":
         outcome = run_update_on_trial(str(step["url"]))
+    elif step["do"] == "download-only":
+        outcome = run_download_only(str(step["url"]))
+    elif step["do"] == "apply":
+        outcome = run_update(["/usr/bin/applianctl", "update", "--apply", "--yes"], None)
     else:
-        outcome = run_update(str(step["url"]))
+        outcome = run_update(_update_command(str(step["url"])), str(step["url"]))
     # how long each step took, for whoever makes the journey shorter
     outcome = {"do": step["do"], "version": version, **outcome, "seconds": round(time.monotonic() - started, 1)}
     MARKER_DIR.mkdir(parents=True, exist_ok=True)
@@ -503,7 +537,7 @@ def main(args: argparse.Namespace) -> int:
     plan = _plan(version)
     # The checks come after the first look, which shows the appliance as it booted.
     for step in plan:
-        if step["do"] in STEPS and step["do"] != "update":
+        if step["do"] in STEPS and step["do"] not in UPDATES:
             run_step(version, step, engine_healthy)
     outcomes = step_outcomes()
     faults = [o for o in outcomes if o["do"] == "faults"]
@@ -513,7 +547,7 @@ def main(args: argparse.Namespace) -> int:
     print(report["status_text"])
     # One update per boot: a plan may list several, each installed after the previous one's
     # boots (and perhaps its rollback) are over.
-    update = next((u for step in plan if step["do"] == "update" for u in [run_step(version, step, engine_healthy)] if u), None)
+    update = next((u for step in plan if step["do"] in UPDATES for u in [run_step(version, step, engine_healthy)] if u), None)
     if update is not None and update["exit"] == 0:
         subprocess.run(["systemctl", "--no-block", "reboot"], check=False)  # into the new version
     elif _unjudged_trial():

@@ -26,11 +26,16 @@ def guest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     def step(name: str) -> Any:
         def run(*args: Any) -> dict[str, Any]:
+            if name == "update":  # (the command line, the URL or None for --apply)
+                world["ran"].append((name, " ".join(args[0][1:3]), *args[1:]))
+                if world["update_exit"] is None:
+                    raise RuntimeError("the power is cut")
+                return {"exit": world["update_exit"]}
             world["ran"].append((name, *args))
-            return {"exit": world["update_exit"]} if name == "update" else {}
+            return {"exit": 0} if name == "download_only" else {}
         return run
 
-    for name in ("fault_scenarios", "refusals", "netprobe", "update_on_trial", "update"):
+    for name in ("fault_scenarios", "refusals", "netprobe", "update_on_trial", "update", "download_only"):
         monkeypatch.setattr(bootcheck, f"run_{name}", step(name))
     monkeypatch.setattr(bootcheck, "wait_for_engine", lambda _: True)
     monkeypatch.setattr(bootcheck, "wait_for_assessment", lambda _: None)
@@ -61,11 +66,22 @@ def test_trial_steps_run_only_in_trial_mode_and_once(guest: dict[str, Any], tmp_
 def test_one_update_per_boot_then_power_off(guest: dict[str, Any], tmp_path: Path) -> None:
     plan = {"1.0.0": [{"do": "update", "url": "https://u/a/"}, {"do": "update", "url": "https://u/b/"}]}
     _boot(guest, tmp_path, plan)
-    assert guest["ran"] == [("update", "https://u/a/")] and guest["systemctl"] == ["reboot"]
+    assert guest["ran"] == [("update", "update https://u/a/", "https://u/a/")] and guest["systemctl"] == ["reboot"]
     _boot(guest, tmp_path, plan)  # back on this version (the first one was rolled back)
-    assert guest["ran"][-1] == ("update", "https://u/b/") and guest["systemctl"][-1] == "reboot"
+    assert guest["ran"][-1] == ("update", "update https://u/b/", "https://u/b/") and guest["systemctl"][-1] == "reboot"
     _boot(guest, tmp_path, plan)
     assert len(guest["ran"]) == 2 and guest["systemctl"][-1] == "poweroff"
+
+
+def test_a_staged_update_is_downloaded_before_the_report_and_applied_after_it(guest: dict[str, Any], tmp_path: Path) -> None:
+    plan = {"1.0.0": [{"do": "download-only", "url": "https://u/a/"}, {"do": "apply"}]}
+    guest["update_exit"] = None  # the power is cut while applying: no outcome, no marker
+    with pytest.raises(RuntimeError):
+        _boot(guest, tmp_path, plan)
+    assert guest["ran"] == [("download_only", "https://u/a/"), ("update", "update --apply", None)]
+    guest["update_exit"] = 0
+    _boot(guest, tmp_path, plan)  # the next boot applies again; the download is not repeated
+    assert guest["ran"][2:] == [("update", "update --apply", None)] and guest["systemctl"][-1] == "reboot"
 
 
 def test_no_power_off_while_on_trial_and_not_judged(guest: dict[str, Any], tmp_path: Path) -> None:

@@ -42,23 +42,28 @@ def demo_image(demo_config: config.Config) -> Path:
 #
 #   run 1  boot A  v1 (1.0.0), first boot: the first look (with the engine's environment), the
 #                  host probes the appliance from its network (only the proxy answers), the
-#                  engine fault scenarios, then `applianctl update` to v2 over HTTPS and a reboot
-#          boot B  v2 (1.0.1) on trial: before it is judged, an update to v3 is refused with both
-#                  slots hashed before and after; then judged good and blessed; three bundles
-#                  that must be refused (a flipped byte, an untrusted key, a downgrade) with the
-#                  inactive slot hashed before and after; then the update to v3, and the power
-#                  is cut while the slot is being written
-#   run 2  boot C  v2 again (the cut left it bootable); the update to v3 runs again and succeeds
+#                  engine fault scenarios, then `applianctl update --download-only` of v2 over
+#                  HTTPS (v2 runs a new stand-in engine image: its bundle carries the engine
+#                  partition image), then `applianctl update --apply`, and the power is cut as
+#                  the new engine is being written to engine slot B
+#   run 2  boot C  v1 again (the cut left it bootable, its engine untouched); the staged update
+#                  is applied again, from /var, and succeeds: engine slot B, then /usr slot B
+#          boot B  v2 (1.0.1) on trial, with its new engine: before it is judged, an update to v3
+#                  is refused with both slots hashed before and after; then judged good and
+#                  blessed; three bundles that must be refused (a flipped byte, an untrusted
+#                  key, a downgrade) with the inactive slot hashed before and after; then the
+#                  update to v3 (v2's engine: no engine written)
 #          D1..D3  v3 (1.0.2), whose engine never becomes healthy: assessment fails, reboot
-#          boot E  v2, booted by systemd-boot once v3's tries ran out; the final report
+#          boot E  v2, booted by systemd-boot once v3's tries ran out, with v2's engine; the
+#                  final report
 #
 # A version's steps come from the credential appliance.plan (applianctl bootcheck); each runs
 # once per disk, so the plan survives reboots and the power cut.
 
-# `applianctl update` says "writing slot X: VERSION" as systemd-sysupdate starts writing; in
-# boot B v2 runs from slot B, so v3 goes into slot A.
-POWER_CUT_TEXT = f"writing slot A: {V3}"
-POWER_CUT_DELAY_S = 2.0
+# `applianctl update` says "writing engine slot B: D12" as systemd-sysupdate's engine component
+# starts writing the new engine into the free engine slot.
+POWER_CUT_TEXT = "writing engine slot B:"
+POWER_CUT_DELAY_S = 0.0
 # podman's default network, where the engine's container has its address
 CONTAINER_BRIDGE = "10.88.0.0/16"
 
@@ -97,6 +102,16 @@ def https_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path,
         proc.wait(timeout=10)
 
 
+def with_new_engine(cfg: config.Config, work: Path) -> config.Config:
+    """CFG with another stand-in engine image: the same code started through env(1), so its
+    manifest digest differs (the builder builds the stand-in reproducibly and checks the pin)."""
+    from builder import engine_image
+
+    entrypoint = ("/usr/bin/env", "STANDIN_ENGINE_BUILD=2", *cfg.engine.entrypoint)
+    digest = engine_image.build_standin_layout(work, entrypoint)
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, entrypoint=entrypoint, digest=digest))
+
+
 def never_serving(demo: config.Config) -> config.Config:
     """V3: an engine that stays "loading" for a day, and a short assessment deadline."""
     v3 = config.with_version(demo, V3)
@@ -107,17 +122,19 @@ def never_serving(demo: config.Config) -> config.Config:
 @pytest.fixture(scope="session")
 def bundles(demo_config: config.Config, demo_image: Path, https_root: tuple[Path, str, str],
             tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """v2 and v3 built and released on the HTTPS server, and the three bundles to refuse: the
-    URLs by name."""
+    """v2 (a new engine image) and v3 (v2's engine) built and released on the HTTPS server, and
+    the three bundles to refuse: the URLs by name."""
     root, url, _ = https_root
     key = build.signing_key_for(demo_config, None)
     v1_out = demo_image.parent
-    v3 = never_serving(demo_config)
+    v2 = with_new_engine(config.with_version(demo_config, V2), tmp_path_factory.mktemp("v2-engine"))
+    v3 = never_serving(v2)
     outputs = {}
-    for name, cfg, previous in (("v2", config.with_version(demo_config, V2), V1), ("v3", v3, V2)):
+    # v2's bundle is released for appliances that run v1's engine: it carries its own
+    for name, cfg, previous, have in (("v2", v2, V1, demo_config.engine.digest), ("v3", v3, V2, v2.engine.digest)):
         outputs[name] = tmp_path_factory.mktemp(f"{name}-build") / "out"
         build.build(cfg, output=outputs[name])
-        release.make_bundle(cfg, outputs[name], root / name, key, [cfg.engine.digest], previous_version=previous)
+        release.make_bundle(cfg, outputs[name], root / name, key, [have], previous_version=previous)
     # one flipped byte in a partition image; bundle.json (signed) still names the true hash
     shutil.copytree(root / "v3", root / "flipped", copy_function=os.link)
     verity = root / "flipped" / f"appliance_{V3}.usr-verity.raw"
@@ -204,7 +221,7 @@ def journey_guest(demo_image: Path, installed: dict[str, Any]) -> qemu.Guest:
 
 def _plan_credentials(bundles: dict[str, str], ca: str) -> dict[str, str]:
     plan = {
-        V1: [{"do": "netprobe"}, {"do": "faults"}, {"do": "update", "url": bundles["v2"]}],
+        V1: [{"do": "netprobe"}, {"do": "faults"}, {"do": "download-only", "url": bundles["v2"]}, {"do": "apply"}],
         V2: [
             # run by appliance-bootcheck-trial.service, before the assessment
             {"do": "update-on-trial", "url": bundles["v3"]},
@@ -218,9 +235,9 @@ def _plan_credentials(bundles: dict[str, str], ca: str) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def journey_run1(journey_guest: qemu.Guest, bundles: dict[str, str], https_root: tuple[Path, str, str]) -> dict[str, Any]:
-    """Boots A and B; the power is cut while B writes v3 into the inactive slot. The guest has a
+    """Boot A; the power is cut while it writes v2's engine into engine slot B. The guest has a
     second NIC on a network namespace of the host, routed to its container bridge, from which
-    the host probes it in boot A."""
+    the host probes it."""
     creds = _plan_credentials(bundles, https_root[2])
     with qemu.ProbeNet(f"appliance-journey-{os.getpid()}", routes=(CONTAINER_BRIDGE,)) as net:
         return journey_guest.boot(timeout=3600, credentials=creds, cut_power=(POWER_CUT_TEXT, POWER_CUT_DELAY_S),
@@ -230,7 +247,7 @@ def journey_run1(journey_guest: qemu.Guest, bundles: dict[str, str], https_root:
 @pytest.fixture(scope="session")
 def journey_run2(journey_guest: qemu.Guest, journey_run1: dict[str, Any], bundles: dict[str, str],
                  https_root: tuple[Path, str, str]) -> dict[str, Any]:
-    """Boots C, D1..D3 and E, on the same disk after the power cut."""
+    """Boots C, B, D1..D3 and E, on the same disk after the power cut."""
     return journey_guest.boot(timeout=3600, credentials=_plan_credentials(bundles, https_root[2]))
 
 

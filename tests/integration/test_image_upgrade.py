@@ -1,6 +1,7 @@
 """Signed A/B upgrades of a demo appliance in QEMU, over HTTPS from a real Caddy on the host:
-v1 to v2, three refused bundles, a power cut while writing v3, and v3 rolled back by itself.
-The journey and its boots are described in conftest.py."""
+v1 stages v2 (a new engine image) and applies it, the power is cut while the new engine is
+written, the staged update is applied again after the reboot; three refused bundles; v3 rolled
+back by itself to v2 with v2's engine. The journey and its boots are described in conftest.py."""
 
 from __future__ import annotations
 
@@ -36,16 +37,49 @@ def _step(report: dict[str, Any], do: str, version: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def boot_b(journey_run1: dict[str, Any]) -> dict[str, Any]:
-    reports = reports_of(journey_run1)
-    assert len(reports) >= 2, f"run 1 ended after {len(reports)} report(s); console: {journey_run1.get('status_text', '')[-2000:]}"
+def boot_b(journey_run2: dict[str, Any]) -> dict[str, Any]:
+    reports = reports_of(journey_run2)
+    assert len(reports) >= 2, f"run 2 ended after {len(reports)} report(s); console: {journey_run2.get('status_text', '')[-2000:]}"
     return reports[1]
 
 
-def test_v1_installs_v2_from_an_https_url_and_reboots_into_it(boot_b: dict[str, Any]) -> None:
-    update = _step(boot_b, "update", V1)
-    assert update["exit"] == 0, update["output"]
+def _engine_slot(report: dict[str, Any], running: bool) -> dict[str, Any]:
+    (slot,) = [e for e in _slots(report)["engine_slots"] if e["running"] is running]
+    return dict(slot)
+
+
+def test_v1_stages_v2_over_https_and_applies_it_after_a_reboot(boot_b: dict[str, Any]) -> None:
+    staged = _step(boot_b, "download-only", V1)
+    assert staged["exit"] == 0 and f"staged {V2}" in staged["output"], staged["output"]
+    applied = _step(boot_b, "apply", V1)  # its second run, in boot C, after the power cut
+    assert applied["exit"] == 0, applied["output"]
+    assert "downloading" not in applied["output"], applied["output"]  # from /var, not the network
+    assert f"installed {V2}" in applied["output"]
     assert _version(boot_b) == V2
+
+
+def test_the_new_engine_goes_to_the_free_engine_slot_and_the_running_one_is_never_written(boot_b: dict[str, Any]) -> None:
+    applied = _step(boot_b, "apply", V1)
+    assert "writing engine slot B:" in applied["output"] and "writing slot B:" in applied["output"], applied["output"]
+    before, after = applied["engines_before"], applied["engines_after"]
+    running = before["running"]
+    assert running and running == after["running"], (before, after)
+    data = [n for n, p in before["partitions"].items() if p["label"].startswith("engine_") and not p["label"].endswith("-verity")]
+    assert data == [running], before  # engine slot B was free (or half written by the cut)
+    for node, part in before["partitions"].items():
+        if node == running or part["label"] == before["partitions"][running]["label"] + "-verity":
+            assert after["partitions"][node] == part, (node, before, after)  # every byte, and the label
+    new_labels = sorted(p["label"] for n, p in after["partitions"].items() if after["partitions"][n] != before["partitions"][n])
+    assert len(new_labels) == 2 and new_labels[0].startswith("engine_") and new_labels[1] == new_labels[0] + "-verity", after
+
+
+def test_v2_runs_its_new_engine_from_engine_slot_b(boot_b: dict[str, Any]) -> None:
+    new = _engine_slot(boot_b, running=True)
+    old = _engine_slot(boot_b, running=False)
+    assert new["slot"] == "B" and old["slot"] == "A", _slots(boot_b)["engine_slots"]
+    assert new["digest"] != old["digest"] and _slots(boot_b)["running_engine"].removeprefix("sha256:").startswith(new["digest"])
+    assert V1 in old["used_by"] and V2 in new["used_by"], _slots(boot_b)["engine_slots"]
+    assert boot_b["engine_became_healthy"], boot_b["status_text"]
 
 
 def test_update_while_v2_is_on_trial_is_refused_and_both_slots_are_unchanged(boot_b: dict[str, Any]) -> None:
@@ -96,20 +130,22 @@ def test_bad_bundles_are_refused_in_one_line_and_the_inactive_slot_is_unchanged(
     assert refusals["inactive_before"] and refusals["inactive_before"] == refusals["inactive_after"]
 
 
-def test_power_cut_while_writing_the_slot_leaves_v2_booting(journey_run1: dict[str, Any], journey_run2: dict[str, Any]) -> None:
-    assert journey_run1["power_cut"], "the power was not cut: the update to v3 never started writing"
+def test_power_cut_while_writing_the_engine_slot_leaves_v1_serving(journey_run1: dict[str, Any], journey_run2: dict[str, Any]) -> None:
+    assert journey_run1["power_cut"], "the power was not cut: the update to v2 never started writing its engine"
     boot_c = reports_of(journey_run2)[0]
-    assert _version(boot_c) == V2
-    # the cut came before the boot entry: v3 is not bootable, whatever the slot holds
-    assert all(V3 not in (s["entry"] or "") for s in _slots(boot_c)["slots"]), _slots(boot_c)
+    assert _version(boot_c) == V1
+    # the cut came before the boot entry: v2 is not bootable, whatever the slots hold
+    assert all(V2 not in (s["entry"] or "") for s in _slots(boot_c)["slots"]), _slots(boot_c)
+    assert _engine_slot(boot_c, running=True)["slot"] == "A"
     assert boot_c["engine_became_healthy"] and boot_c["failed_units"] == [], boot_c["journal"]
 
 
-def test_the_cut_upgrade_then_succeeds(journey_run2: dict[str, Any]) -> None:
+def test_v2_updates_to_v3_without_writing_an_engine(journey_run2: dict[str, Any]) -> None:
     final = reports_of(journey_run2)[-1]
     update = _step(final, "update", V2)
     assert update["exit"] == 0, update["output"]
-    assert f"installed {V3}" in update["output"]
+    assert f"installed {V3}" in update["output"] and "engine slot" not in update["output"], update["output"]
+    assert update["engines_before"] == update["engines_after"]
 
 
 def test_v3_that_never_serves_is_rolled_back_by_itself(journey_run2: dict[str, Any]) -> None:
@@ -123,3 +159,6 @@ def test_v3_that_never_serves_is_rolled_back_by_itself(journey_run2: dict[str, A
     # the assessment (the smoke completion through the proxy, over TLS) ran out of its 60 s
     assert "smoke completion" in slots["rollback_reason"] and "within 60 s" in slots["rollback_reason"], slots
     assert final["engine_became_healthy"], final["status_text"]
+    # with v2's engine, from engine slot B
+    assert _engine_slot(final, running=True)["slot"] == "B", slots["engine_slots"]
+    assert slots["running_engine"].removeprefix("sha256:").startswith(_engine_slot(final, running=True)["digest"])
