@@ -436,15 +436,16 @@ def run_netprobe(wait_s: float = 120) -> dict[str, Any]:
 
 
 def _engine_partitions() -> dict[str, Any]:
-    """Both engine slots' partitions: label and SHA-256 of every byte (a slot is 64 MiB in the
-    demo), and the one appliance-engine-store.service opened this boot."""
+    """Both engine slots' partitions: label, SHA-256 of every byte (a slot is 64 MiB in the demo)
+    and the sectors written through each since boot; and the one appliance-engine-store.service
+    opened this boot."""
     from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
     from applianctl import engine_slots
 
     parts = [p for p in _partitions() if p.get("type", "").upper() in (ENGINE_TYPE, ENGINE_VERITY_TYPE)]
     return {"running": (engine_slots.opened() or {}).get("partition"),
-            "partitions": {p["node"]: {"label": p.get("name", ""), "sha256": _run(["sha256sum", p["node"]], timeout=600).split(" ")[0]}
-                           for p in parts}}
+            "partitions": {p["node"]: {"label": p.get("name", ""), "sha256": _run(["sha256sum", p["node"]], timeout=600).split(" ")[0],
+                                       "written": _sectors_written(p["node"])} for p in parts}}
 
 
 def run_download_only(url: str) -> dict[str, Any]:
