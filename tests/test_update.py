@@ -25,6 +25,7 @@ from fake_release import bundle, demo_config, fake_build, make_signing, usrhash_
 from test_fetch import make_ca, make_server_cert
 
 from appliance import atomic as state
+from appliance import bundle as bundle_format
 from appliance import fetch as update_fetch
 from appliance import manifest, paths
 from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE, engine_short, source_names
@@ -808,3 +809,23 @@ def test_blanking_and_writing_the_slot_say_when_they_start_and_how_long_they_too
         "zeroing slot B ...", "zeroing slot B", "systemd-sysupdate 2.0.0 into slot B ...", "systemd-sysupdate 2.0.0 into slot B"
     ]
     assert steps[1].startswith("zeroing slot B: done in ") and steps[3].endswith(" s")
+
+
+def test_the_engine_components_transfers_match_the_bundle_and_the_slots() -> None:
+    """What the updater links and what systemd-sysupdate's engine component matches are the same
+    names, and its targets are the engine slots' own types with the labels the slots model reads."""
+    directory = TRANSFERS.parent / "sysupdate.engine.d"
+    names = bundle_format.payload_names("2.0.0", "sha256:" + "ab" * 32, True)
+    seen = {}
+    for path in sorted(directory.glob("*.transfer")):
+        t = configparser.ConfigParser(interpolation=None)
+        t.optionxform = str  # type: ignore[assignment,method-assign]
+        t.read(path)
+        source = t["Source"]["MatchPattern"].replace("@v", "abababababab")
+        target = t["Target"]
+        assert target["Type"] == "partition" and target["Path"] == "auto" and "ProtectVersion" not in t["Transfer"]
+        seen[source] = (target["MatchPartitionType"].upper(), target["MatchPattern"].replace("@v", "abababababab"))
+    assert seen == {
+        names["engine"]: (bundle_format.ENGINE_TYPE, "engine_abababababab"),
+        names["engine-verity"]: (bundle_format.ENGINE_VERITY_TYPE, "engine_abababababab-verity"),
+    }
