@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from appliance.atomic import write_json_atomic
 from appliance.config import load_device
 from applianctl import __version__
 
@@ -471,7 +472,7 @@ def run_update(command: list[str], url: str | None) -> dict[str, Any]:
 def run_step(version: str, step: dict[str, Any], engine_healthy: bool) -> dict[str, Any] | None:
     """Run STEP once (None when it ran on an earlier boot); record its outcome in its marker."""
     marker = _marker(version, step)
-    if marker.exists():
+    if _read_marker(marker) is not None:
         return None
     started = time.monotonic()
     if step["do"] == "faults":
@@ -490,9 +491,18 @@ def run_step(version: str, step: dict[str, Any], engine_healthy: bool) -> dict[s
         outcome = run_update(_update_command(str(step["url"])), str(step["url"]))
     # how long each step took, for whoever makes the journey shorter
     outcome = {"do": step["do"], "version": version, **outcome, "seconds": round(time.monotonic() - started, 1)}
-    MARKER_DIR.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(outcome))
+    # durable before the next step: the host may cut the power at any moment after it
+    write_json_atomic(marker, outcome)
     return outcome
+
+
+def _read_marker(path: Path) -> dict[str, Any] | None:
+    """A step's recorded outcome; None when it has none (or a file a power cut left empty)."""
+    try:
+        outcome = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return outcome if isinstance(outcome, dict) else None
 
 
 def step_outcomes() -> list[dict[str, Any]]:
@@ -500,7 +510,7 @@ def step_outcomes() -> list[dict[str, Any]]:
     if not MARKER_DIR.is_dir():
         return []
     found = sorted(MARKER_DIR.glob("*.json"), key=lambda p: p.stat().st_mtime)
-    return [json.loads(p.read_text()) for p in found]
+    return [o for o in map(_read_marker, found) if o is not None]
 
 
 def _write_report(path: str, report: dict[str, Any]) -> None:

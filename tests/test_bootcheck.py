@@ -97,3 +97,13 @@ def test_engine_is_the_child_of_the_container_init() -> None:
     # _ppid reads /proc/PID/stat, whose command name may hold spaces and parentheses
     assert bootcheck._ppid(str(os.getpid())) == str(os.getppid())
     assert bootcheck._ppid("0") is None
+
+
+def test_a_marker_a_power_cut_left_empty_means_the_step_runs_again(guest: dict[str, Any], tmp_path: Path) -> None:
+    plan = {"1.0.0": [{"do": "netprobe"}]}
+    _boot(guest, tmp_path, plan)
+    (marker,) = bootcheck.MARKER_DIR.glob("*.json")
+    marker.write_text("")  # written, not yet on disk, when the power went
+    _boot(guest, tmp_path, plan)
+    assert guest["ran"] == [("netprobe",), ("netprobe",)]
+    assert json.loads(marker.read_text())["do"] == "netprobe"
