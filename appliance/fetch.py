@@ -388,7 +388,7 @@ def fetch_proven(source: Source, name: str, size: int, sha256: str, directory: P
     digest = _sha256(part, name)
     if digest != sha256:
         part.unlink()
-        raise Refused(f"{name}: SHA-256 {digest[:16]}... does not match the signed index",
+        raise Refused(f"{name}: SHA-256 {digest[:16]}... does not match bundle.json",
                       hint="the file was changed or damaged; nothing was written")
     part.rename(final)
     atomic.fsync_dir(directory)
