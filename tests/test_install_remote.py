@@ -95,7 +95,7 @@ def test_a_changed_install_image_is_refused_and_not_kept(tmp_path: Path, signing
     data = bytearray((b / image).read_bytes())
     data[-1] ^= 1
     server.routes[f"/v1/{image}"] = body(bytes(data))
-    with pytest.raises(Refused, match="does not match bundle.json"):
+    with pytest.raises(Refused, match=r"does not match bundle\.json"):
         remote.download(url, str(ca), trusted, tmp_path / "release")
     assert not (tmp_path / "release" / image).exists() and not (tmp_path / "release" / f"{image}.part").exists()
 
