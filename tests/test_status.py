@@ -140,6 +140,10 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: Config) -> Pat
         "SHM_DIR": shm,
     }.items():
         monkeypatch.setattr(paths, name, value)
+    # The build host's own free space must not decide these tests (CI ran once with 4.9 GiB free
+    # on a 252 GiB disk, under the 5 % floor); test_disk raises the floor to see `degraded`.
+    monkeypatch.setattr(probes_disk, "DISK_MIN_FREE_BYTES", 0)
+    monkeypatch.setattr(probes_disk, "DISK_MIN_FREE_FRACTION", 0.0)
     (tmp_path / "os-release").write_text(f"ID=debian\nIMAGE_VERSION={config.appliance.version}\n")
     (tmp_path / "esp" / "EFI" / "Linux").mkdir(parents=True)
     (tmp_path / "sfdisk").write_text(FAKE_SFDISK)
