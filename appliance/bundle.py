@@ -38,7 +38,7 @@ IMAGE_ID = "appliance"
 # the partition images a bundle ships without their trailing zeros (the slot is zeroed first)
 TRIMMED_ROLES = ("usr", "usr-verity", "engine", "engine-verity")
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*\Z")
 
 NOT_OURS = "the bundle was not written by python3 -m builder release"
 

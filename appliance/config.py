@@ -35,14 +35,14 @@ GIB = 1 << 30
 # Each check returns None when the value is good, else a hint saying what a good value is.
 
 
-_DNS_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
-_IMAGE_NAME = re.compile(r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
+_DNS_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)\Z")
+_IMAGE_NAME = re.compile(r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*\Z")
 _EMAIL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_CAPABILITY = re.compile(r"^[A-Z_]+$")
-_SIZE = re.compile(r"^[0-9]+[kmg]$")
-_URL_PATH = re.compile(r"^/[A-Za-z0-9._~/-]*$")
-_SSH_KEY = re.compile(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp(256|384|521)|sk-ssh-ed25519@openssh\.com) [A-Za-z0-9+/=]+( [^\n\r]*)?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+_CAPABILITY = re.compile(r"^[A-Z_]+\Z")
+_SIZE = re.compile(r"^[0-9]+[kmg]\Z")
+_URL_PATH = re.compile(r"^/[A-Za-z0-9._~/-]*\Z")
+_SSH_KEY = re.compile(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp(256|384|521)|sk-ssh-ed25519@openssh\.com) [A-Za-z0-9+/=]+( [^\n\r]*)?\Z")
 # Characters that would let a value break out of a line in a generated unit, Caddyfile or
 # sources file.
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029{}\"'`$\\;]")  # C0, C1 and Unicode line breaks too
@@ -124,7 +124,7 @@ def _one_of(*choices: str) -> Check:
 # Numbers are bounded, so that every accepted value renders into a unit as a plain number that
 # systemd and podman take as it is (no overflow, no exponent, no inf/NaN).
 MAX_GIB = 1048576.0  # 1 PiB
-_DECIMAL = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,6})?$")  # ASCII digits only: float() also takes '١٢', '1e3', 'inf'
+_DECIMAL = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,6})?\Z")  # ASCII digits only: float() also takes '١٢', '1e3', 'inf'
 
 
 def _between(low: float, high: float) -> Check:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 CHUNK = 1 << 20
 
-SHA256 = re.compile(r"^[0-9a-f]{64}$")  # a hex SHA-256 as this project writes it
-DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")  # an OCI content digest
-HEX64_ANY_CASE = re.compile(r"^[0-9A-Fa-f]{64}$")  # as sha256sum accepts it on reading
+SHA256 = re.compile(r"^[0-9a-f]{64}\Z")  # a hex SHA-256 as this project writes it
+DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")  # an OCI content digest
+HEX64_ANY_CASE = re.compile(r"^[0-9A-Fa-f]{64}\Z")  # as sha256sum accepts it on reading
 
 
 def sha256_file(path: Path, advance: Callable[[int], None] | None = None) -> str:

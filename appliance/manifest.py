@@ -48,11 +48,11 @@ FIRMWARE_UPDATES_DIR = "/usr/lib/firmware/updates/amdgpu"
 SIGNATURE_BYTES = 64
 MAX_MANIFEST_BYTES = 1 << 20
 
-_TIME = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z$")
-KEY_ID = re.compile(r"^[0-9a-f]{16}$")
-_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")
-_TEXT = re.compile(r"^[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?$")
-_SEGMENT = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]*$")
+_TIME = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z\Z")
+KEY_ID = re.compile(r"^[0-9a-f]{16}\Z")
+_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*\Z")
+_TEXT = re.compile(r"^[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?\Z")
+_SEGMENT = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]*\Z")
 
 
 class ManifestError(UserError):
@@ -195,7 +195,7 @@ class EngineImage:
     reference: str = field(metadata=_string(_REF, "an image reference such as vllm/vllm-openai-rocm@sha256:..."))
     digest: str = field(metadata=_string(DIGEST, "'sha256:' and 64 lower-case hex digits"))
     # the read-only image store on its own partition (builder/engine_store.py)
-    store_label: str = field(metadata=_string(re.compile(r"^engine_[0-9a-f]{12}$"), "engine_ and 12 hex digits"))
+    store_label: str = field(metadata=_string(re.compile(r"^engine_[0-9a-f]{12}\Z"), "engine_ and 12 hex digits"))
     store_roothash: str = field(metadata=_string(SHA256, "the store's dm-verity root hash: 64 lower-case hex digits"))
 
 

@@ -30,11 +30,11 @@ PLAN_SIG = "plan.json.sig"
 MAX_PLAN_BYTES = 256 * 1024
 GIB = 1 << 30
 
-_IFNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,14}$")  # the kernel's IFNAMSIZ (15) and no '/', ':' or spaces
-_MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
-_SERIAL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._:/+-]{0,63}$")
-_WWN = re.compile(r"^(0x[0-9a-f]{16}([0-9a-f]{16})?|eui\.[0-9a-f]{16,32}|nvme\.[0-9a-f-]{8,120}|naa\.[0-9a-f]{16,32})$")
-_BY_PATH = re.compile(r"^(/dev/disk/by-path/)?[A-Za-z0-9][A-Za-z0-9:._-]{0,127}$")
+_IFNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,14}\Z")  # the kernel's IFNAMSIZ (15) and no '/', ':' or spaces
+_MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}\Z")
+_SERIAL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._:/+-]{0,63}\Z")
+_WWN = re.compile(r"^(0x[0-9a-f]{16}([0-9a-f]{16})?|eui\.[0-9a-f]{16,32}|nvme\.[0-9a-f-]{8,120}|naa\.[0-9a-f]{16,32})\Z")
+_BY_PATH = re.compile(r"^(/dev/disk/by-path/)?[A-Za-z0-9][A-Za-z0-9:._-]{0,127}\Z")
 BOND_MODES = ("802.3ad", "active-backup", "balance-rr", "balance-xor", "balance-tlb", "balance-alb")
 
 

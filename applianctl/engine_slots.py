@@ -29,14 +29,14 @@ from typing import TYPE_CHECKING, Any
 from appliance import atomic, paths
 from appliance.bundle import EMPTY_LABEL, ENGINE_TYPE, ENGINE_VERITY_TYPE, USR_TYPE, USR_VERITY_TYPE, engine_short
 from appliance.errors import UserError
-from appliance.hashing import DIGEST
+from appliance.hashing import DIGEST, SHA256
 
 if TYPE_CHECKING:
     from applianctl.slots import Partition
 
 EMPTY = EMPTY_LABEL
-_LABEL = re.compile(r"^engine_([0-9a-f]{12})$")
-_VERITY_LABEL = re.compile(r"^engine_([0-9a-f]{12})-verity$")
+_LABEL = re.compile(r"^engine_([0-9a-f]{12})\Z")
+_VERITY_LABEL = re.compile(r"^engine_([0-9a-f]{12})-verity\Z")
 _OURS = (USR_TYPE, USR_VERITY_TYPE)  # a /usr partition is never an engine slot, whatever its label
 
 
@@ -253,7 +253,7 @@ def open_slot(label: str, roothash: str, runner: Callable[[list[str], str, str],
     from appliance.run import run
 
     runner = runner or run
-    if not re.fullmatch(r"[0-9a-f]{64}", roothash):
+    if not SHA256.match(roothash):
         raise UserError(f"root hash {roothash!r}: invalid", hint="64 lower-case hex digits, as the build pinned it")
     doc = json.loads(runner(["lsblk", "--json", "-O", "-b"], "lsblk", "the disks cannot be listed"))
     data, verity = locate(doc, label)

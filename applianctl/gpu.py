@@ -158,7 +158,7 @@ def from_rocm_smi_json(doc: Any) -> list[Reading]:
     return sorted(out, key=lambda r: r.gpu)
 
 
-_TEXT_LINE = re.compile(r"^GPU\[(\d+)\]\s*:\s*([^:]+?)\s*:\s*(.*?)\s*$")
+_TEXT_LINE = re.compile(r"^GPU\[(\d+)\]\s*:\s*([^:]+?)\s*:\s*(.*?)\s*\Z")
 
 
 def from_rocm_smi_text(text: str) -> list[Reading]:

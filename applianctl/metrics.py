@@ -21,7 +21,7 @@ OPENMETRICS = "application/openmetrics-text"
 # The types prometheus_client's text-format parser accepts; any other `# TYPE` line is dropped
 # so its samples are read as untyped instead of failing the whole scrape.
 _TEXT_TYPES = {"counter", "gauge", "histogram", "summary", "untyped"}
-_TYPE_LINE = re.compile(r"^#\s*TYPE\s+\S+\s+(\S+)\s*$")
+_TYPE_LINE = re.compile(r"^#\s*TYPE\s+\S+\s+(\S+)\s*\Z")
 
 
 class ParseError(ValueError):

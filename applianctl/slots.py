@@ -51,10 +51,10 @@ EFI_LOADER_GUID = "4a67b082-0a4c-41cf-b6c7-440b29bb8c4f"
 BOOTCTL_TIMEOUT_S = 10.0
 
 _V = r"[0-9]{1,9}(?:\.[0-9]{1,9}){0,3}"
-_LABEL = re.compile(rf"^appliance_({_V})$")
-_VERITY_LABEL = re.compile(rf"^appliance_({_V})_verity$")
-_ENTRY = re.compile(rf"^appliance_({_V})(?:\+([0-9]{{1,4}})(?:-([0-9]{{1,4}}))?)?\.efi$")
-_COUNTED = re.compile(r"\+([0-9]+)(?:-([0-9]+))?(?:\.(?:conf|efi))?$")
+_LABEL = re.compile(rf"^appliance_({_V})\Z")
+_VERITY_LABEL = re.compile(rf"^appliance_({_V})_verity\Z")
+_ENTRY = re.compile(rf"^appliance_({_V})(?:\+([0-9]{{1,4}})(?:-([0-9]{{1,4}}))?)?\.efi\Z")
+_COUNTED = re.compile(r"\+([0-9]+)(?:-([0-9]+))?(?:\.(?:conf|efi))?\Z")
 
 GOOD, ON_TRIAL, BAD = "good", "on trial", "bad"
 
@@ -209,7 +209,7 @@ def parse_sfdisk(out: str, disk: str) -> list[Partition]:
         parts = []
         for i, p in enumerate(table.get("partitions", [])):
             node = str(p.get("node", ""))
-            m = re.search(r"(\d+)$", node)
+            m = re.search(r"(\d+)\Z", node)
             parts.append(
                 Partition(
                     number=int(m.group(1)) if m else i + 1,

@@ -30,7 +30,7 @@ from appliance.hashing import sha256_file
 from applianctl.update_stage import to_fetch
 
 RECORD = "staged.json"
-_DIRECTORY = re.compile(r"^[0-9][0-9.]{0,48}-[0-9]{8}T[0-9]{6}Z-[0-9]{1,10}$")
+_DIRECTORY = re.compile(r"^[0-9][0-9.]{0,48}-[0-9]{8}T[0-9]{6}Z-[0-9]{1,10}\Z")
 DOWNLOAD_AGAIN = "download it again: `applianctl update --download-only SOURCE`"
 
 

@@ -117,7 +117,7 @@ def check_staged(index: BundleIndex, staging: Path, keys_dir: Path) -> None:
         raise Refused(f"{names['uki']} is version {facts['image_version']}, not {index.version}", hint="the bundle is inconsistent")
 
 
-_STRICT_VERSION = re.compile(r"^(0|[1-9][0-9]{0,8})(\.(0|[1-9][0-9]{0,8})){0,3}$")
+_STRICT_VERSION = re.compile(r"^(0|[1-9][0-9]{0,8})(\.(0|[1-9][0-9]{0,8})){0,3}\Z")
 MAX_NAME = 128
 
 

@@ -61,8 +61,8 @@ def _host_entries(root: Path) -> list[dict[str, str]]:
     return entries
 
 
-DEBIAN_SUITES = re.compile(r"^(bookworm|trixie|forky|sid|stable|testing|unstable|oldstable)(-updates|-backports)?$")
-SECURITY_SUITES = re.compile(r"^[a-z]+-security(/updates)?$")
+DEBIAN_SUITES = re.compile(r"^(bookworm|trixie|forky|sid|stable|testing|unstable|oldstable)(-updates|-backports)?\Z")
+SECURITY_SUITES = re.compile(r"^[a-z]+-security(/updates)?\Z")
 
 
 def host_mirrors(root: Path = Path("/")) -> Mirrors | None:

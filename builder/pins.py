@@ -46,7 +46,7 @@ NOT_PINNED = frozenset({"README.md", ".gitkeep"})
 SKIPPED_DIRS = frozenset({"__pycache__"})
 
 KINDS = ("overlay", "diff", "tuning", "firmware")
-_FIRMWARE_NAME = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]*$")
+_FIRMWARE_NAME = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]*\Z")
 PIN_HINT = "if the change is intended: python3 -m builder pin (and update the sha256 in appliance.toml)"
 
 

@@ -77,11 +77,11 @@ POSITIVE_INTS = ("cu_num", "M", "N", "K")
 INTS = ("kernelId", "splitK")
 FLOATS = ("us", "tflops", "bw", "errRatio")
 
-_INT = re.compile(r"^-?[0-9]+$")
-_FLOAT = re.compile(r"^-?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+)?$")
-_GFX = re.compile(r"^gfx[0-9a-f]{3,5}$")
-_WORD = re.compile(r"^[A-Za-z0-9_.]+$")
-_KERNEL = re.compile(r"^[A-Za-z0-9_.$-]+$")
+_INT = re.compile(r"^-?[0-9]+\Z")
+_FLOAT = re.compile(r"^-?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+)?\Z")
+_GFX = re.compile(r"^gfx[0-9a-f]{3,5}\Z")
+_WORD = re.compile(r"^[A-Za-z0-9_.]+\Z")
+_KERNEL = re.compile(r"^[A-Za-z0-9_.$-]+\Z")
 
 MAX_BYTES = 64 << 20
 

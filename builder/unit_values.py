@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-_PLAIN = re.compile(r"^[^\s\"'\\]+$")
+_PLAIN = re.compile(r"^[^\s\"'\\]+\Z")
 
 
 def systemd_escape(value: object) -> str:
