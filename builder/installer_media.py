@@ -64,24 +64,25 @@ def esp_image(uki: Path, path: Path) -> None:
     _run(["mcopy", "-i", path, uki, "::EFI/BOOT/BOOTX64.EFI"], "copying the installer UKI", TOOLS_HINT)
 
 
-def payload_files(build_out: Path, version: str, plan_dir: Path | None, bundle_dir: Path | None = None) -> dict[str, Path]:
+def payload_files(build_out: Path, version: str, plan_dir: Path | None, bundle_dir: Path) -> dict[str, Path]:
     """NAME ON THE MEDIUM -> SOURCE: the release's disk image and signed manifest, the signed bundle
-    index (its usrhash is what the installer checks the written /usr against), and the plan."""
+    index (the installer refuses a medium without it: its usrhash is what the written /usr is
+    checked against), and the plan."""
     files = {
         f"appliance_{version}.raw": build_out / f"appliance_{version}.raw",
         "manifest.json": build_out / "manifest.json",
         "manifest.json.sig": build_out / "manifest.json.sig",
+        "bundle.json": bundle_dir / "bundle.json",
+        "bundle.json.sig": bundle_dir / "bundle.json.sig",
     }
-    if bundle_dir is not None:
-        files["bundle.json"] = bundle_dir / "bundle.json"
-        files["bundle.json.sig"] = bundle_dir / "bundle.json.sig"
     if plan_dir is not None:
         files[f"plan/{plan_model.PLAN_JSON}"] = plan_dir / plan_model.PLAN_JSON
         files[f"plan/{plan_model.PLAN_SIG}"] = plan_dir / plan_model.PLAN_SIG
     for name, src in files.items():
         if not src.is_file():
             raise UserError(f"{src}: no such file (needed on the medium as {name})",
-                            hint="build the release first (python3 -m builder build) and sign the plan (python3 -m builder plan PLAN.toml)")
+                            hint="build the release (python3 -m builder build), make its bundle (python3 -m builder release) "
+                                 "and sign the plan (python3 -m builder plan PLAN.toml)")
     return files
 
 
@@ -129,7 +130,7 @@ def iso_image(esp: Path, files: dict[str, Path], out: Path, work: Path) -> None:
 
 
 def make(build_out: Path, version: str, uki: Path, plan_dir: Path | None, output: Path, forms: Sequence[str],
-         bundle_dir: Path | None = None) -> dict[str, Path]:
+         bundle_dir: Path) -> dict[str, Path]:
     """Write each of FORMS (usb, iso, efi) into OUTPUT; return what was written."""
     if not uki.is_file():
         raise UserError(f"{uki}: no installer kernel image", hint="build it: python3 -m builder installer-uki (or give --installer-uki)")

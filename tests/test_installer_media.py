@@ -35,6 +35,8 @@ def _build_output(tmp_path: Path) -> Path:
         f.write(b"tail" * 1024)
     (out / "manifest.json").write_text("{}")
     (out / "manifest.json.sig").write_text("sig\n")
+    (out / "bundle.json").write_text("{}")  # the tests pass OUT as the bundle directory too
+    (out / "bundle.json.sig").write_text("sig\n")
     return out
 
 
@@ -50,7 +52,8 @@ def _plan(tmp_path: Path) -> Path:
 def test_usb_iso_and_efi_forms(tmp_path: Path) -> None:
     uki = tmp_path / "installer.efi"
     uki.write_bytes(b"MZ" + bytes(range(256)) * 64)
-    written = installer_media.make(_build_output(tmp_path), "1.0.0", uki, _plan(tmp_path), tmp_path / "media", ["usb", "iso", "efi"])
+    out = _build_output(tmp_path)
+    written = installer_media.make(out, "1.0.0", uki, _plan(tmp_path), tmp_path / "media", ["usb", "iso", "efi"], out)
     assert sorted(written) == ["bmap", "efi", "iso", "usb"]
     assert not [p for p in (tmp_path / "media").iterdir() if p.name.startswith(".")]  # nothing half-written left
 
@@ -69,7 +72,7 @@ def test_usb_iso_and_efi_forms(tmp_path: Path) -> None:
     assert boot == uki.read_bytes()
     listing = subprocess.run(["debugfs", "-R", "ls -l /", str(payload_img)], capture_output=True, text=True, check=True).stdout
     assert "appliance_1.0.0.raw" in listing and "manifest.json.sig" in listing and "plan" in listing
-    assert "appliance_1.0.0.raw.bmap" in listing
+    assert "appliance_1.0.0.raw.bmap" in listing and "bundle.json.sig" in listing
     plan_json = subprocess.run(["debugfs", "-R", "cat /plan/plan.json", str(payload_img)], capture_output=True, check=True).stdout
     plan_sig = subprocess.run(["debugfs", "-R", "cat /plan/plan.json.sig", str(payload_img)], capture_output=True, check=True).stdout
     assert plan_model.verify(plan_json, plan_sig, _trusted(tmp_path)).hostname == "gpu-07"
@@ -84,7 +87,7 @@ def test_usb_iso_and_efi_forms(tmp_path: Path) -> None:
     assert "El Torito boot img :   1  UEFI" in report, report
     files = subprocess.run(["xorriso", "-indev", str(written["iso"]), "-find", "/", "-type", "f"],
                            capture_output=True, text=True, check=True).stdout
-    assert "'/appliance_1.0.0.raw'" in files and "'/plan/plan.json.sig'" in files and "'/efiboot.img'" in files
+    assert "'/appliance_1.0.0.raw'" in files and "'/bundle.json'" in files and "'/plan/plan.json.sig'" in files and "'/efiboot.img'" in files
     assert written["efi"].read_bytes() == uki.read_bytes()
 
 
@@ -99,7 +102,18 @@ def test_missing_release_files_are_one_line(tmp_path: Path) -> None:
     uki = tmp_path / "installer.efi"
     uki.write_bytes(b"MZ")
     with pytest.raises(UserError, match=r"appliance_9\.9\.raw: no such file"):
-        installer_media.make(_build_output(tmp_path), "9.9", uki, None, tmp_path / "media", ["usb"])
+        installer_media.make(out := _build_output(tmp_path), "9.9", uki, None, tmp_path / "media", ["usb"], out)
+
+
+def test_a_medium_without_the_signed_bundle_index_is_refused_before_writing(tmp_path: Path) -> None:
+    uki = tmp_path / "installer.efi"
+    uki.write_bytes(b"MZ")
+    out = _build_output(tmp_path)
+    (out / "bundle.json").unlink()
+    with pytest.raises(UserError, match=r"bundle\.json: no such file \(needed on the medium as bundle\.json\)") as e:
+        installer_media.make(out, "1.0.0", uki, None, tmp_path / "media", ["usb"], out)
+    assert "python3 -m builder release" in (e.value.hint or "")
+    assert not (tmp_path / "media").exists()
 
 
 def test_flash_refuses_the_build_hosts_system_disk() -> None:

@@ -16,6 +16,10 @@
             --install-image, its CA as credential appliance.install-ca); the installed disk then
             boots with the plan's host name
 
+    iso     the ISO form (BMC virtual media) as a USB CD-ROM on a machine with one blank NVMe: the
+            installer boots from its El Torito image, installs the ISO's payload with the ISO's
+            plan, and the installed disk boots with the plan's host name
+
 The installer kernel image is built here by `python3 -m builder installer-uki` (installer/mkosi/).
 """
 
@@ -218,4 +222,45 @@ def test_the_efi_form_installs_from_the_plans_https_url_and_the_disk_boots(https
     report = https_install_run["report"]
     host = report["status"]["parts"]["host"]
     assert host["source"] == "plan" and host["settings"]["hostname"] == "gpu-08", host
+    assert report["failed_units"] == []
+
+
+@pytest.fixture(scope="module")
+def iso_install_run(release_parts: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("iso-install")
+    demo, key = release_parts["demo"], release_parts["key"]
+    plan = _sign(work, "plan", 'hostname = "gpu-09"\n[target]\nserial = "TARGET-0001"\n', key)
+    bundle = work / "bundle"
+    release.make_bundle(demo, release_parts["build"], bundle, key, None, None)
+    iso = installer_media.make(release_parts["build"], demo.appliance.version, release_parts["uki"], plan, work / "media", ["iso"],
+                               bundle)["iso"]
+    target = work / "target.raw"
+    subprocess.run(["truncate", "-s", "16G", str(target)], check=True)
+    vars_fd = work / "OVMF_VARS.fd"
+    shutil.copyfile(qemu.OVMF_VARS, vars_fd)
+    creds = {"systemd.unit-dropin.appliance-installer.service":
+             "[Service]\nStandardOutput=file:/dev/ttyS1\nStandardError=file:/dev/ttyS1\n"}
+    # a BMC's virtual media is a USB CD-ROM: a SCSI CD behind USB mass storage (bulk-only)
+    cmd = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-smp", "2", "-m", "4096", "-no-reboot",
+           "-drive", f"if=pflash,format=raw,readonly=on,file={qemu.OVMF_CODE}", "-drive", f"if=pflash,format=raw,file={vars_fd}",
+           "-nic", "user,model=virtio-net-pci", "-display", "none", "-monitor", "none", "-device", "qemu-xhci,id=xhci",
+           "-drive", f"if=none,id=t,format=raw,file={target}", "-device", "nvme,drive=t,serial=TARGET-0001",
+           "-drive", f"if=none,id=cd,media=cdrom,readonly=on,format=raw,file={iso}",
+           "-device", "usb-bot,id=vmedia,bus=xhci.0", "-device", "scsi-cd,drive=cd,bus=vmedia.0",
+           *qemu.credential_args(creds),
+           "-serial", f"file:{work}/console.log", "-serial", f"file:{work}/output.log"]
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=3600, check=False)
+    assert proc.returncode == 0, f"QEMU: {proc.stderr[-2000:]}"
+    output = (work / "output.log").read_text(errors="replace")
+    guest = qemu.Guest(target, work / "boot2")
+    shutil.copyfile(vars_fd, guest.vars)
+    return {"output": output, "console": (work / "console.log").read_text(errors="replace"), "report": guest.boot(timeout=1800)}
+
+
+def test_the_iso_form_boots_as_virtual_media_installs_and_the_disk_boots(iso_install_run: dict[str, Any]) -> None:
+    output = iso_install_run["output"]
+    assert "Appliance 1.0.0 installed" in output and "/usr /dev/" in output, (output + iso_install_run["console"])[-4000:]
+    report = iso_install_run["report"]
+    host = report["status"]["parts"]["host"]
+    assert host["source"] == "plan" and host["settings"]["hostname"] == "gpu-09", host
     assert report["failed_units"] == []
