@@ -87,7 +87,8 @@ def test_usb_iso_and_efi_forms(tmp_path: Path) -> None:
     assert "El Torito boot img :   1  UEFI" in report, report
     files = subprocess.run(["xorriso", "-indev", str(written["iso"]), "-find", "/", "-type", "f"],
                            capture_output=True, text=True, check=True).stdout
-    assert "'/appliance_1.0.0.raw'" in files and "'/bundle.json'" in files and "'/plan/plan.json.sig'" in files and "'/efiboot.img'" in files
+    for name in ("/appliance_1.0.0.raw", "/bundle.json", "/plan/plan.json.sig", "/efiboot.img"):
+        assert f"'{name}'" in files, files
     assert written["efi"].read_bytes() == uki.read_bytes()
 
 

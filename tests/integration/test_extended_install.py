@@ -192,20 +192,27 @@ def https_install_run(release_parts: dict[str, Any], https_root: tuple[Path, str
     subprocess.run(["sfdisk", "-q", str(medium)], input=f"label: gpt\nstart=2048, size={esp_mib * 2048}, type={installer_media.ESP_TYPE}\n",
                    text=True, check=True)
     subprocess.run(["dd", f"if={esp}", f"of={medium}", "bs=1M", "seek=1", "conv=notrunc", "status=none"], check=True)
+    creds = {"appliance.install-plan": (plan / "plan.json").read_text(), "appliance.install-plan.sig": (plan / "plan.json.sig").read_text(),
+             "appliance.install-ca": ca}
+    medium_args = ["-drive", f"if=none,id=medium,format=raw,readonly=on,file={medium}", "-device", "usb-storage,drive=medium,bus=xhci.0"]
+    return _install_then_boot(work, medium_args, creds)
+
+
+def _install_then_boot(work: Path, medium_args: list[str], creds: dict[str, str]) -> dict[str, Any]:
+    """Boot the installer from MEDIUM_ARGS on a machine with one blank 16 GiB NVMe (TARGET-0001),
+    its output on the second serial port; then boot the installed disk through the firmware entry
+    the installer made. The installer's output, its console and the boot check's report."""
     target = work / "target.raw"
     subprocess.run(["truncate", "-s", "16G", str(target)], check=True)
     vars_fd = work / "OVMF_VARS.fd"
     shutil.copyfile(qemu.OVMF_VARS, vars_fd)
-    creds = {"appliance.install-plan": (plan / "plan.json").read_text(), "appliance.install-plan.sig": (plan / "plan.json.sig").read_text(),
-             "appliance.install-ca": ca,
-             "systemd.unit-dropin.appliance-installer.service":
-                 "[Service]\nStandardOutput=file:/dev/ttyS1\nStandardError=file:/dev/ttyS1\n"}
+    creds = {**creds, "systemd.unit-dropin.appliance-installer.service":
+             "[Service]\nStandardOutput=file:/dev/ttyS1\nStandardError=file:/dev/ttyS1\n"}
     cmd = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-smp", "2", "-m", "4096", "-no-reboot",
            "-drive", f"if=pflash,format=raw,readonly=on,file={qemu.OVMF_CODE}", "-drive", f"if=pflash,format=raw,file={vars_fd}",
            "-nic", "user,model=virtio-net-pci", "-display", "none", "-monitor", "none", "-device", "qemu-xhci,id=xhci",
            "-drive", f"if=none,id=t,format=raw,file={target}", "-device", "nvme,drive=t,serial=TARGET-0001",
-           "-drive", f"if=none,id=medium,format=raw,readonly=on,file={medium}", "-device", "usb-storage,drive=medium,bus=xhci.0",
-           *qemu.credential_args(creds),
+           *medium_args, *qemu.credential_args(creds),
            "-serial", f"file:{work}/console.log", "-serial", f"file:{work}/output.log"]
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=3600, check=False)
     assert proc.returncode == 0, f"QEMU: {proc.stderr[-2000:]}"
@@ -234,27 +241,10 @@ def iso_install_run(release_parts: dict[str, Any], tmp_path_factory: pytest.Temp
     release.make_bundle(demo, release_parts["build"], bundle, key, None, None)
     iso = installer_media.make(release_parts["build"], demo.appliance.version, release_parts["uki"], plan, work / "media", ["iso"],
                                bundle)["iso"]
-    target = work / "target.raw"
-    subprocess.run(["truncate", "-s", "16G", str(target)], check=True)
-    vars_fd = work / "OVMF_VARS.fd"
-    shutil.copyfile(qemu.OVMF_VARS, vars_fd)
-    creds = {"systemd.unit-dropin.appliance-installer.service":
-             "[Service]\nStandardOutput=file:/dev/ttyS1\nStandardError=file:/dev/ttyS1\n"}
     # a BMC's virtual media is a USB CD-ROM: a SCSI CD behind USB mass storage (bulk-only)
-    cmd = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-smp", "2", "-m", "4096", "-no-reboot",
-           "-drive", f"if=pflash,format=raw,readonly=on,file={qemu.OVMF_CODE}", "-drive", f"if=pflash,format=raw,file={vars_fd}",
-           "-nic", "user,model=virtio-net-pci", "-display", "none", "-monitor", "none", "-device", "qemu-xhci,id=xhci",
-           "-drive", f"if=none,id=t,format=raw,file={target}", "-device", "nvme,drive=t,serial=TARGET-0001",
-           "-drive", f"if=none,id=cd,media=cdrom,readonly=on,format=raw,file={iso}",
-           "-device", "usb-bot,id=vmedia,bus=xhci.0", "-device", "scsi-cd,drive=cd,bus=vmedia.0",
-           *qemu.credential_args(creds),
-           "-serial", f"file:{work}/console.log", "-serial", f"file:{work}/output.log"]
-    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=3600, check=False)
-    assert proc.returncode == 0, f"QEMU: {proc.stderr[-2000:]}"
-    output = (work / "output.log").read_text(errors="replace")
-    guest = qemu.Guest(target, work / "boot2")
-    shutil.copyfile(vars_fd, guest.vars)
-    return {"output": output, "console": (work / "console.log").read_text(errors="replace"), "report": guest.boot(timeout=1800)}
+    medium_args = ["-drive", f"if=none,id=cd,media=cdrom,readonly=on,format=raw,file={iso}",
+                   "-device", "usb-bot,id=vmedia,bus=xhci.0", "-device", "scsi-cd,drive=cd,bus=vmedia.0"]
+    return _install_then_boot(work, medium_args, {})
 
 
 def test_the_iso_form_boots_as_virtual_media_installs_and_the_disk_boots(iso_install_run: dict[str, Any]) -> None:
