@@ -85,12 +85,13 @@ def probe_os(config: Config, src: Sources, read_slots: Callable[[], dict[str, An
 def probe_slots(config: Config, read_slots: Callable[[], dict[str, Any]]) -> Part:
     """Both A/B slots, their versions and boot entries, and whether the last upgrade rolled back."""
     summary = read_slots()
-    if summary["rolled_back"]:
+    if summary["rolled_back"] and summary.get("rolled_back_by") != "operator":
         return Part(DEGRADED, f"last upgrade rolled back: {summary['rollback_reason']}", summary)
     if not summary["slots"]:
         reason = "; ".join(summary["errors"]) or "no A/B slots found"
         return Part(NOT_CONFIGURED, reason.splitlines()[0], summary)
-    line = slots_line(summary["slots"]) + engines_line(summary.get("engine_slots") or []) + staged_line(summary.get("staged"))
+    operator = f"rolled back by the operator ({summary['rollback_reason']}); " if summary["rolled_back"] else ""
+    line = operator + slots_line(summary["slots"]) + engines_line(summary.get("engine_slots") or []) + staged_line(summary.get("staged"))
     return Part(OK, line, summary)
 
 

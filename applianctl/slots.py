@@ -566,21 +566,28 @@ def slots_summary(host: Host | None = None, running_version: str | None = None) 
     running_version = view.running_version
     last_update = read_json(last_update_path())
     last_assessment = read_json(last_assessment_path())
-    rolled_back = False
+    last_rollback = read_json(last_rollback_path())
+    rolled_back, by = False, None
     reason = None
     if last_assessment and last_assessment.get("ok") is False and last_assessment.get("version") != running_version:
-        rolled_back, reason = True, str(last_assessment.get("reason") or "assessment failed")
+        rolled_back, by, reason = True, "appliance", str(last_assessment.get("reason") or "assessment failed")
+    elif (last_rollback and last_update and last_rollback.get("to_version") == running_version
+          and last_rollback.get("from_version") == last_update.get("version") != running_version):
+        # the operator went back from the last update: a choice, not a fault
+        rolled_back, by = True, "operator"
+        reason = f"applianctl rollback from {last_rollback.get('from_version')} at {last_rollback.get('at')}"
     elif last_update and last_update.get("version") not in (None, running_version):
         bad = view.entry(str(last_update.get("version")))
         if bad is not None and bad.state == BAD:
-            rolled_back, reason = True, f"rolled back: {bad.path.name} used up its tries without being judged good"
+            rolled_back, by, reason = True, "appliance", f"rolled back: {bad.path.name} used up its tries without being judged good"
     out.update(
         {
             "last_update": last_update,
             "last_assessment": last_assessment,
             "rolled_back": rolled_back,
             "rollback_reason": reason,
-            "last_rollback": read_json(last_rollback_path()),
+            "rolled_back_by": by,
+            "last_rollback": last_rollback,
             "staged": update_staged.read(),
         }
     )

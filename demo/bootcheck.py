@@ -267,6 +267,8 @@ def run_fault_scenarios() -> dict[str, Any]:
 #   {"do": "apply"}                           `applianctl update --apply`, then a reboot into it;
 #                                             like "update", the engine partitions hashed before
 #                                             and after
+#   {"do": "rollback", "force": BOOL}         `applianctl rollback [--force]`, then a reboot into
+#                                             the other slot's version, with its engine
 #   {"do": "netprobe"}                        the host probes the guest from a network
 #                                             namespace on its second NIC (builder.qemu.ProbeNet)
 #                                             while the engine serves; the guest waits for it
@@ -279,8 +281,8 @@ def run_fault_scenarios() -> dict[str, Any]:
 # power cut in the middle leaves no marker, so the next boot runs it again.
 
 MARKER_DIR = Path("/var/lib/appliance/bootcheck")
-STEPS = ("faults", "refusals", "update", "netprobe", "download-only", "apply")
-UPDATES = ("update", "apply")  # each run after the report, then a reboot
+STEPS = ("faults", "refusals", "update", "netprobe", "download-only", "apply", "rollback")
+UPDATES = ("update", "apply", "rollback")  # each run after the report, then a reboot
 TRIAL_STEPS = ("update-on-trial",)
 ASK = "APPLIANCE-ASK"
 REPORT_PORT = "/dev/ttyS1"
@@ -487,6 +489,8 @@ def run_step(version: str, step: dict[str, Any], engine_healthy: bool) -> dict[s
         outcome = run_download_only(str(step["url"]))
     elif step["do"] == "apply":
         outcome = run_update(["/usr/bin/applianctl", "update", "--apply", "--yes"], None)
+    elif step["do"] == "rollback":
+        outcome = run_update(["/usr/bin/applianctl", "rollback", *(["--force"] if step.get("force") else [])], None)
     else:
         outcome = run_update(_update_command(str(step["url"])), str(step["url"]))
     # how long each step took, for whoever makes the journey shorter

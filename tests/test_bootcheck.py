@@ -84,6 +84,16 @@ def test_a_staged_update_is_downloaded_before_the_report_and_applied_after_it(gu
     assert guest["ran"][2:] == [("update", "update --apply", None)] and guest["systemctl"][-1] == "reboot"
 
 
+def test_a_rollback_step_is_an_update_of_its_boot(guest: dict[str, Any], tmp_path: Path) -> None:
+    plan = {"1.0.0": [{"do": "apply"}, {"do": "rollback", "force": True}, {"do": "rollback"}]}
+    _boot(guest, tmp_path, plan)
+    assert guest["ran"] == [("update", "update --apply", None)]
+    _boot(guest, tmp_path, plan)  # back on this version: the next one, with its option
+    assert guest["ran"][1] == ("update", "rollback --force", None) and guest["systemctl"][-1] == "reboot"
+    _boot(guest, tmp_path, plan)
+    assert guest["ran"][2] == ("update", "rollback", None)
+
+
 def test_no_power_off_while_on_trial_and_not_judged(guest: dict[str, Any], tmp_path: Path) -> None:
     guest["trial"] = {"counting": {"tries_left": 0}, "boot_complete": "inactive"}
     _boot(guest, tmp_path, {})

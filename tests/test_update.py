@@ -18,7 +18,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from fake_release import bundle, demo_config, fake_build, make_signing, usrhash_for
@@ -545,6 +545,30 @@ def test_slots_summary_and_rollback(device: Device) -> None:
     assert "slot B (2.0.0) boots next" in message
     names = sorted(p.name for p in (device.esp / "EFI/Linux").iterdir())
     assert names == ["appliance_1.0.0+0.efi", "appliance_2.0.0.efi"]
+
+
+def test_an_operator_rollback_is_reported_as_such_and_not_as_a_fault(device: Device) -> None:
+    from appliance.config import Config
+    from applianctl import probes, probes_os
+
+    device.set_gpt("appliance_1.0.0", "appliance_2.0.0")
+    (device.esp / "EFI/Linux/appliance_2.0.0.efi").write_bytes(b"uki 2")  # judged good, then left by hand
+    state.write_json_atomic(slots.last_update_path(), {"version": "2.0.0", "from_version": "1.0.0"})
+    state.write_json_atomic(slots.last_assessment_path(), {"version": "2.0.0", "ok": True})
+    state.write_json_atomic(slots.last_rollback_path(),
+                            {"from_version": "2.0.0", "to_version": "1.0.0", "reason": "operator rollback", "at": "2026-11-30T12:00:00Z"})
+    summary = slots.slots_summary(device.host, running_version="1.0.0")
+    assert (summary["rolled_back"], summary["rolled_back_by"]) == (True, "operator")
+    assert summary["rollback_reason"] == "applianctl rollback from 2.0.0 at 2026-11-30T12:00:00Z"
+    part = probes_os.probe_slots(cast(Config, None), lambda: summary)
+    assert part.state == probes.OK and part.reason.startswith("rolled back by the operator (applianctl rollback from 2.0.0"), part.reason
+    # back on 2.0.0 (rolled forward by hand): nothing was rolled back
+    assert slots.slots_summary(device.host, running_version="2.0.0")["rolled_back"] is False
+    # the appliance's own rollback of a later update is a fault again
+    state.write_json_atomic(slots.last_assessment_path(), {"version": "2.0.0", "ok": False, "reason": "engine not healthy"})
+    summary = slots.slots_summary(device.host, running_version="1.0.0")
+    assert summary["rolled_back_by"] == "appliance"
+    assert probes_os.probe_slots(cast(Config, None), lambda: summary).state == probes.DEGRADED
 
 
 def test_rollback_to_an_empty_slot_is_refused(device: Device) -> None:

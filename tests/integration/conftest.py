@@ -51,8 +51,12 @@ def demo_image(demo_config: config.Config) -> Path:
 #          boot B  v2 (1.0.1) on trial, with its new engine: before it is judged, an update to v3
 #                  is refused with both slots hashed before and after; then judged good and
 #                  blessed; three bundles that must be refused (a flipped byte, an untrusted
-#                  key, a downgrade) with the inactive slot hashed before and after; then the
-#                  update to v3 (v2's engine: no engine written)
+#                  key, a downgrade) with the inactive slot hashed before and after; then
+#                  `applianctl rollback`
+#          boot R  v1 again, by the operator's rollback, with v1's engine from engine slot A;
+#                  then `applianctl rollback --force` (v2 is out of tries since it was left)
+#          boot F  v2 again, with its engine from slot B: the update to v3 (v2's engine: no
+#                  engine written)
 #          D1..D3  v3 (1.0.2), whose engine never becomes healthy: assessment fails, reboot
 #          boot E  v2, booted by systemd-boot once v3's tries ran out, with v2's engine; the
 #                  final report
@@ -221,12 +225,15 @@ def journey_guest(demo_image: Path, installed: dict[str, Any]) -> qemu.Guest:
 
 def _plan_credentials(bundles: dict[str, str], ca: str) -> dict[str, str]:
     plan = {
-        V1: [{"do": "netprobe"}, {"do": "faults"}, {"do": "download-only", "url": bundles["v2"]}, {"do": "apply"}],
+        V1: [{"do": "netprobe"}, {"do": "faults"}, {"do": "download-only", "url": bundles["v2"]}, {"do": "apply"},
+             # boot R: back on v1 by the operator's rollback, forward again to v2 (judged good, so --force)
+             {"do": "rollback", "force": True}],
         V2: [
             # run by appliance-bootcheck-trial.service, before the assessment
             {"do": "update-on-trial", "url": bundles["v3"]},
             {"do": "refusals", "bundles": {n: bundles[u] for n, u in (("flipped", "flipped"), ("untrusted", "untrusted"),
                                                                        ("downgrade", "v1"))}},
+            {"do": "rollback"},  # boot B: the operator goes back to v1 and its engine
             {"do": "update", "url": bundles["v3"]},
         ],
     }
@@ -247,7 +254,7 @@ def journey_run1(journey_guest: qemu.Guest, bundles: dict[str, str], https_root:
 @pytest.fixture(scope="session")
 def journey_run2(journey_guest: qemu.Guest, journey_run1: dict[str, Any], bundles: dict[str, str],
                  https_root: tuple[Path, str, str]) -> dict[str, Any]:
-    """Boots C, B, D1..D3 and E, on the same disk after the power cut."""
+    """Boots C, B, R, F, D1..D3 and E, on the same disk after the power cut."""
     return journey_guest.boot(timeout=3600, credentials=_plan_credentials(bundles, https_root[2]))
 
 

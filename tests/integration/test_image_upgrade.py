@@ -1,7 +1,8 @@
 """Signed A/B upgrades of a demo appliance in QEMU, over HTTPS from a real Caddy on the host:
 v1 stages v2 (a new engine image) and applies it, the power is cut while the new engine is
-written, the staged update is applied again after the reboot; three refused bundles; v3 rolled
-back by itself to v2 with v2's engine. The journey and its boots are described in conftest.py."""
+written, the staged update is applied again after the reboot; three refused bundles; the
+operator rolls back to v1 (and its engine) and forward again; v3 rolled back by itself to v2
+with v2's engine. The journey and its boots are described in conftest.py."""
 
 from __future__ import annotations
 
@@ -139,6 +140,28 @@ def test_power_cut_while_writing_the_engine_slot_leaves_v1_serving(journey_run1:
     assert all(V2 not in (s["entry"] or "") for s in _slots(boot_c)["slots"]), _slots(boot_c)
     assert _engine_slot(boot_c, running=True)["slot"] == "A"
     assert boot_c["engine_became_healthy"] and boot_c["failed_units"] == [], boot_c["journal"]
+
+
+def test_applianctl_rollback_brings_v1_back_with_its_engine_and_forward_again(journey_run2: dict[str, Any]) -> None:
+    reports = reports_of(journey_run2)
+    assert len(reports) >= 4, f"run 2 ended after {len(reports)} report(s)"
+    boot_c, boot_r, boot_f = reports[0], reports[2], reports[3]
+    back = _step(boot_r, "rollback", V2)
+    assert back["exit"] == 0 and f"slot A ({V1}) boots next" in back["output"], back["output"]
+    assert back["engines_before"] == back["engines_after"]  # a rollback writes no partition
+    assert _version(boot_r) == V1
+    assert boot_r["engine_became_healthy"] and boot_r["failed_units"] == [], boot_r["status_text"]
+    # v1's own engine, from engine slot A, as before the update
+    assert _engine_slot(boot_r, running=True) == _engine_slot(boot_c, running=True), _slots(boot_r)["engine_slots"]
+    assert _slots(boot_r)["running_engine"] == _slots(boot_c)["running_engine"]
+    slots = _slots(boot_r)
+    assert (slots["rolled_back"], slots["rolled_back_by"]) == (True, "operator"), slots
+    assert boot_r["status"]["parts"]["slots"]["state"] == "ok", slots["rollback_reason"]
+    forward = _step(boot_f, "rollback", V1)
+    assert forward["exit"] == 0 and f"slot B ({V2}) boots next" in forward["output"], forward["output"]
+    assert _version(boot_f) == V2 and boot_f["engine_became_healthy"], boot_f["status_text"]
+    assert _engine_slot(boot_f, running=True)["slot"] == "B"
+    assert _slots(boot_f)["running_engine"] != _slots(boot_r)["running_engine"]
 
 
 def test_v2_updates_to_v3_without_writing_an_engine(journey_run2: dict[str, Any]) -> None:
