@@ -35,11 +35,13 @@ unit: setup
 	$(PY) -m pytest -q -m "not integration"
 
 integration: setup
+	@tools/check-space 22 "the integration tests"
 	$(PY) -m pytest -q -m "integration and not extended" --durations=0 tests/integration
 
 # Longer QEMU scenarios (tests marked extended: synthetic bad versions, hangs before
 # boot-complete, panics); not part of make test.
 test-extended: setup
+	@tools/check-space 22 "the extended tests"
 	$(PY) -m pytest -q -m extended --durations=0 tests/integration
 
 test: lint unit integration
