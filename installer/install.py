@@ -17,6 +17,7 @@ this version is not written again: the install is idempotent.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -110,12 +111,28 @@ def required_bytes(payload: Payload, definitions: Path = REPART_DEFINITIONS) -> 
     return image_size(payload.bmap) + layout_extra(definitions)
 
 
+# How long the kernel's and udev's view of a freshly written partition table may lag behind it
+PARTITION_WAIT_S = 60.0
+
+
 def _by_partuuid(runner: Runner, disk: str, label: str | None = None, partuuid: str | None = None) -> str:
-    doc = json.loads(runner(["lsblk", "--json", "-O", "-b", disk]))
-    for node in doc["blockdevices"][0].get("children") or []:
-        if (label and node.get("partlabel") == label) or (partuuid and (node.get("partuuid") or "").lower() == partuuid):
-            return str(node["path"])
-    raise UserError(f"{disk}: no partition {label or partuuid} after writing", hint="the image's layout is not what this installer expects")
+    """The node of DISK's partition with LABEL or PARTUUID. lsblk reads udev's database, which
+    can still describe the table bmaptool wrote when systemd-repart's is already on the disk
+    (seen once in QEMU: the /usr partition there, its PARTUUID not yet listed): so ask the
+    kernel to read the table again and udev to catch up before giving up."""
+    deadline = time.monotonic() + PARTITION_WAIT_S
+    while True:
+        doc = json.loads(runner(["lsblk", "--json", "-O", "-b", disk]))
+        for node in doc["blockdevices"][0].get("children") or []:
+            if (label and node.get("partlabel") == label) or (partuuid and (node.get("partuuid") or "").lower() == partuuid):
+                return str(node["path"])
+        if time.monotonic() >= deadline:
+            raise UserError(f"{disk}: no partition {label or partuuid} after writing",
+                            hint="the image's layout is not what this installer expects")
+        with contextlib.suppress(UserError):  # partx refuses when there is nothing to update; udev may still be behind
+            runner(["partx", "--update", disk])
+        runner(["udevadm", "trigger", "--settle", "--action=change", disk])
+        time.sleep(1)
 
 
 def verify_written(runner: Runner, disk: str, payload: Payload) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from appliance import plan as plan_model
+from appliance.errors import UserError
 from installer import install, select
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "disks"
@@ -114,6 +115,25 @@ def test_install_writes_verifies_records_the_plan_and_boots_first(tmp_path: Path
     page = out[-1]
     assert "Appliance 1.0.0 installed" in page and "192.0.2.10/24" in page and "S64ANS0T512345" in page
     assert "SHA256:" in page and "ops@example.net" in page
+
+
+def test_a_partition_udev_has_not_listed_yet_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lsblk may still list the table bmaptool wrote right after systemd-repart wrote its own."""
+    monkeypatch.setattr(install.time, "sleep", lambda _: None)
+    stale = _as_spare_disk(_host_listing(), WRITTEN[:1])
+    fresh = _as_spare_disk(_host_listing(), WRITTEN)
+    rec = Recorder({"blockdevices": [next(n for n in stale["blockdevices"] if n["name"] == "vda")]})
+    listings = iter([rec.layout, rec.layout, {"blockdevices": [next(n for n in fresh["blockdevices"] if n["name"] == "vda")]}])
+
+    def runner(argv: Sequence[str]) -> str:
+        out = rec(argv)
+        return json.dumps(next(listings)) if argv[0] == "lsblk" else out
+
+    assert install._by_partuuid(runner, "/dev/vda", label="appliance_1.0.0") == "/dev/vda2"
+    assert [c[0] for c in rec.calls] == ["lsblk", "partx", "udevadm", "lsblk", "partx", "udevadm", "lsblk"]
+    monkeypatch.setattr(install, "PARTITION_WAIT_S", 0.0)
+    with pytest.raises(UserError, match=r"/dev/vda: no partition appliance-var after writing"):
+        install._by_partuuid(rec, "/dev/vda", label="appliance-var")
 
 
 def test_dry_run_and_refusals_write_nothing(tmp_path: Path) -> None:
