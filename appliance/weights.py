@@ -8,7 +8,7 @@ manifest (one byte form per manifest), checked by the same schema loader.
 Each file: its path inside the snapshot, its size, its SHA-256 (for large files the Hub's LFS
 hash; computed for the others) and, when the builder had the files, its fs-verity digest
 (appliance/fsverity.py). Where the manifest has no fs-verity digest the device records the one it
-measured right after it proved the SHA-256 (applianctl/model_fetch.py).
+measured right after it proved the SHA-256 (applianctl/model/fetch.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from applianctl import __version__
 # being run is imported: on a slow machine, importing cryptography or pydbus for `applianctl
 # verify` or `shm-clean` would cost seconds before every engine start.
 COMMAND_MODULES = {
-    "status": "applianctl.status",
+    "status": "applianctl.status.collect",
     "smoke": "applianctl.smoke",
     "verify": "applianctl.verify",
     "tls": "applianctl.tls",
@@ -29,11 +29,11 @@ COMMAND_MODULES = {
     "stop": "applianctl.units",
     "restart": "applianctl.units",
     "preflight": "applianctl.preflight",
-    "update": "applianctl.update",
-    "assess": "applianctl.assess",
-    "rollback": "applianctl.rollback",
-    "slots": "applianctl.slots_cmd",
-    "model": "applianctl.model",
+    "update": "applianctl.update.command",
+    "assess": "applianctl.slots.assess",
+    "rollback": "applianctl.slots.rollback",
+    "slots": "applianctl.slots.command",
+    "model": "applianctl.model.command",
 }
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from appliance.atomic import atomic_write
 from appliance.config import Config, load_device
-from applianctl import status
-from applianctl.probes import Sources
+from applianctl.status import collect as status
+from applianctl.status.parts import Sources
 
 ISSUE = Path("/run/issue.d/50-appliance.issue")
 

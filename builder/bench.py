@@ -247,7 +247,7 @@ def bench_slot_write(demo: config.Config) -> None:
             if linked.endswith(".raw"):
                 os.link(work / "bundle" / staged, root / "src" / linked)
 
-        def ours() -> None:  # as applianctl.update.prepare_slot, then systemd-sysupdate
+        def ours() -> None:  # as applianctl.update.command.prepare_slot, then systemd-sysupdate
             for start, length in slot:
                 _sh("blkdiscard", "--force", "--zeroout", "--offset", str(start), "--length", str(length), loop)
             for i in (3, 4):

@@ -37,7 +37,9 @@ DEVICE = r"""
 import json, os, sys, time
 from pathlib import Path
 from appliance import weights as wm
-from applianctl import model_fetch, model_store, model_verify
+from applianctl.model import fetch as model_fetch
+from applianctl.model import store as model_store
+from applianctl.model import verify as model_verify
 
 mode, manifest_path, snapshot = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 manifest = wm.loads(manifest_path.read_bytes())

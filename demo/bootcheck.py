@@ -308,7 +308,7 @@ def _update_command(url: str, *options: str) -> list[str]:
 
 
 def _inactive_slot_hashes(version: str) -> dict[str, str]:
-    from applianctl import slots
+    from applianctl.slots import view as slots
 
     inactive = next(s for s in slots.slots(slots.Host(), version) if not s.booted)
     parts = [p for p in (inactive.usr, inactive.verity) if p is not None]
@@ -356,7 +356,7 @@ def _slot_hashes() -> dict[str, str]:
 def _on_trial() -> dict[str, Any]:
     """Whether this boot is under boot counting (systemd-boot's LoaderBootCountPath or a +LEFT
     entry name) and how far the assessment got."""
-    from applianctl import slots
+    from applianctl.slots import view as slots
 
     counting = slots.boot_counting(slots.Host())
     return {
@@ -443,7 +443,7 @@ def _engine_partitions() -> dict[str, Any]:
     and the sectors written through each since boot; and the one appliance-engine-store.service
     opened this boot."""
     from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
-    from applianctl import engine_slots
+    from applianctl.slots import engine as engine_slots
 
     parts = [p for p in _partitions() if p.get("type", "").upper() in (ENGINE_TYPE, ENGINE_VERITY_TYPE)]
     return {"running": (engine_slots.opened() or {}).get("partition"),

@@ -13,7 +13,7 @@ dbus = pytest.importorskip("dbus")
 dbusmock = pytest.importorskip("dbusmock")
 pydbus = pytest.importorskip("pydbus")
 
-from applianctl import systemd  # noqa: E402
+from applianctl.status import systemd  # noqa: E402
 
 UNIT_IFACE = "org.freedesktop.systemd1.Unit"
 

@@ -22,7 +22,9 @@ from appliance import config as config_mod
 from appliance import paths
 from appliance.caddyfile import render_caddyfile
 from appliance.config import Config
-from applianctl import assess, slots, tls
+from applianctl import tls
+from applianctl.slots import assess
+from applianctl.slots import view as slots
 from standin.testing import StandinProcess, free_port, port_open
 
 ROOT = Path(__file__).resolve().parents[1]

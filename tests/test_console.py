@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 
 from appliance import config as config_model
-from applianctl import console, probes, status
+from applianctl import console
+from applianctl.status import collect as status
+from applianctl.status import parts as probes
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,8 @@ import pytest
 from appliance import config, paths
 from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from appliance.errors import UserError
-from applianctl import engine_slots, slots
+from applianctl.slots import engine as engine_slots
+from applianctl.slots import view as slots
 from builder import engine_store, render, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -374,5 +375,5 @@ def test_the_unit_opens_through_the_helper(tmp_path: Path) -> None:
     store = engine_store.EngineStore(Path("/x"), Path("/y"), "ab" * 32, engine_store.label_for(demo.engine.digest))
     text = render.render_template("appliance-engine-store.service.j2", demo, store)
     starts = [line.split("=", 1)[1] for line in text.splitlines() if line.startswith("ExecStart=")]
-    assert starts[0] == f"/usr/bin/python3 -m applianctl.engine_slots open {store.label} {'ab' * 32}"
+    assert starts[0] == f"/usr/bin/python3 -m applianctl.slots.engine open {store.label} {'ab' * 32}"
     assert "/dev/disk/by-partlabel" not in " ".join(starts), "a by-partlabel link may point at any disk's partition"

@@ -1,4 +1,4 @@
-"""The engine slots (applianctl.engine_slots) in the one slots model, against partition tables
+"""The engine slots (applianctl.slots.engine) in the one slots model, against partition tables
 that `sfdisk -J` (util-linux 2.38.1) printed for GPT images written with sfdisk on a plain file:
 tests/fixtures/gpt/engine-slots-*.sfdisk is the input, *.sfdisk.json what `sfdisk -J` printed.
 
@@ -22,9 +22,12 @@ from test_update import RUNNING
 
 from appliance import paths
 from appliance.errors import UserError
-from applianctl import engine_slots, probes_os, slots, slots_cmd
-from applianctl import update as up
-from applianctl.engine_slots import EngineSlot, choose_engine_slot
+from applianctl.slots import command as slots_cmd
+from applianctl.slots import engine as engine_slots
+from applianctl.slots import view as slots
+from applianctl.slots.engine import EngineSlot, choose_engine_slot
+from applianctl.status import os_slots as probes_os
+from applianctl.update import command as up
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gpt"
 BOOTCTL = Path(__file__).resolve().parent / "fake_bootctl.py"

@@ -20,7 +20,8 @@ import pytest
 
 from appliance import config as config_model
 from appliance.config import Config
-from applianctl import gpu, probes
+from applianctl.status import gpu
+from applianctl.status import parts as probes
 
 FIXTURES = Path(__file__).parents[1].parent / "shared" / "fixtures" / "gpu"
 STATIC_VRAM = json.loads((FIXTURES / "amd-smi-static-json-vram-fragment-rocm6-mi300x.json").read_text())

@@ -24,7 +24,8 @@ from appliance import caddyfile, paths
 from appliance import config as config_mod
 from appliance import plan as plan_model
 from appliance.errors import ConfigError
-from applianctl import assess, host, tls
+from applianctl import host, tls
+from applianctl.slots import assess
 from builder import keys
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from test_fetch import Server, body, make_ca, make_server_cert
 
 from appliance import bundle as bundle_format
 from appliance.errors import Refused, UserError
-from applianctl import update_stage
+from applianctl.update import download as update_stage
 from builder import plan as builder_plan
 from installer import __main__ as installer_main
 from installer import install, remote

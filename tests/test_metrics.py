@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from applianctl import metrics
+from applianctl.status import metrics
 
 FIXTURES = Path(__file__).parents[1].parent / "shared" / "fixtures"
 PROM = FIXTURES / "vllm" / "metrics-v1-ngc-vllm25.09-qwen3-4b.prom"
@@ -150,7 +150,7 @@ def test_the_parsers_load_without_the_package_server_and_the_package_stays_whole
     import sys
 
     code = (
-        "import sys; from applianctl import metrics; metrics.parse('a 1\\n');"
+        "import sys; from applianctl.status import metrics; metrics.parse('a 1\\n');"
         "assert 'http.server' not in sys.modules, 'exposition imported';"
         "import prometheus_client; from prometheus_client import parser;"
         "assert prometheus_client.Counter and parser.text_string_to_metric_families"

@@ -236,7 +236,7 @@ def test_the_image_carries_the_core_and_applianctl_runs_from_it(tmp_path: Path, 
     python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
     code = (
         f"import sys; sys.path[:0] = [{str(site)!r}]\n"
-        "import appliance.config, applianctl.__main__, applianctl.status, applianctl.update\n"
+        "import appliance.config, applianctl.__main__, applianctl.status.collect, applianctl.update.command\n"
         "assert appliance.config.__file__.startswith(sys.path[0]), appliance.config.__file__\n"
         "assert 'builder' not in sys.modules\n"
         "print(appliance.config.load_device().served_model)\n"

@@ -1,4 +1,4 @@
-"""The one model of slots and boot entries (applianctl.slots) and `applianctl slots`.
+"""The one model of slots and boot entries (applianctl.slots.view) and `applianctl slots`.
 
 bootctl and systemd-sysupdate output is systemd 257's (the image's; the host has 252), recorded
 here in the format their JSON code writes (src/shared/bootspec.c boot_entry_to_json(),
@@ -17,7 +17,7 @@ from fake_release import usrhash_for
 
 from appliance import paths
 from appliance.bundle import USR_TYPE, USR_VERITY_TYPE, partuuids_from_usrhash
-from applianctl import slots
+from applianctl.slots import view as slots
 
 GIB = 1024**3
 FAKE_BOOTCTL = Path(__file__).resolve().parent / "fake_bootctl.py"

@@ -29,7 +29,16 @@ from appliance import config as builder_config
 from appliance import paths
 from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from appliance.config import Config
-from applianctl import probes, probes_disk, probes_engine, probes_files, probes_os, probes_proxy, probes_shm, probes_tls, slots, status
+from applianctl.slots import view as slots
+from applianctl.status import collect as status
+from applianctl.status import disk as probes_disk
+from applianctl.status import engine as probes_engine
+from applianctl.status import files as probes_files
+from applianctl.status import os_slots as probes_os
+from applianctl.status import parts as probes
+from applianctl.status import proxy as probes_proxy
+from applianctl.status import shm as probes_shm
+from applianctl.status import tls as probes_tls
 
 ROOT = Path(__file__).parents[1]
 FIXTURES = ROOT.parent / "shared" / "fixtures"

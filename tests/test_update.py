@@ -30,8 +30,11 @@ from appliance import fetch as update_fetch
 from appliance import manifest, paths
 from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE, engine_short, source_names
 from appliance.errors import Refused, UserError
-from applianctl import engine_slots, rollback, slots, update_stage
-from applianctl import update as up
+from applianctl.slots import engine as engine_slots
+from applianctl.slots import rollback
+from applianctl.slots import view as slots
+from applianctl.update import command as up
+from applianctl.update import download as update_stage
 from builder import release as rel
 
 GIB = 1024**3
@@ -549,7 +552,8 @@ def test_slots_summary_and_rollback(device: Device) -> None:
 
 def test_an_operator_rollback_is_reported_as_such_and_not_as_a_fault(device: Device) -> None:
     from appliance.config import Config
-    from applianctl import probes, probes_os
+    from applianctl.status import os_slots as probes_os
+    from applianctl.status import parts as probes
 
     device.set_gpt("appliance_1.0.0", "appliance_2.0.0")
     (device.esp / "EFI/Linux/appliance_2.0.0.efi").write_bytes(b"uki 2")  # judged good, then left by hand
@@ -719,7 +723,7 @@ def test_check_says_what_would_be_installed_and_writes_nothing(
 def test_not_enough_free_space_is_refused_before_downloading(
     tmp_path: Path, device: Device, signing: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from applianctl import update_stage
+    from applianctl.update import download as update_stage
 
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0", usr_bytes=300_000)

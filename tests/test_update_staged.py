@@ -16,8 +16,10 @@ from test_update import RUNNING, Device, _esp, _on_trial
 
 from appliance import atomic, config, paths
 from appliance.errors import Refused, UserError
-from applianctl import probes_os, slots, update_staged
-from applianctl import update as up
+from applianctl.slots import view as slots
+from applianctl.status import os_slots as probes_os
+from applianctl.update import command as up
+from applianctl.update import staged as update_staged
 
 
 @pytest.fixture

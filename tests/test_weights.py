@@ -27,7 +27,10 @@ from appliance import fsverity
 from appliance import weights as wm
 from appliance.errors import UserError
 from appliance.manifest import ManifestError
-from applianctl import model_fetch, model_store, model_verify, tls
+from applianctl import tls
+from applianctl.model import fetch as model_fetch
+from applianctl.model import store as model_store
+from applianctl.model import verify as model_verify
 from builder import weights
 
 MODEL, REV = "org/model", "a" * 40
@@ -479,8 +482,10 @@ def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, wm.We
 def test_model_fetch_and_verify_commands(device: tuple[Path, wm.WeightsManifest, Path], monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     from appliance import paths
-    from applianctl import model, probes, probes_weights
     from applianctl.__main__ import main
+    from applianctl.model import command as model
+    from applianctl.status import parts as probes
+    from applianctl.status import weights as probes_weights
 
     src, _, snapshot = device
     verity = FakeVerity()

@@ -37,7 +37,7 @@ from applianctl import tls
 from builder import build, qemu, weights
 
 ROOT = Path(__file__).resolve().parents[2]
-CHUNK_BYTES = 8 << 20  # applianctl.model_fetch.CHUNK_BYTES (the guest's; asserted below)
+CHUNK_BYTES = 8 << 20  # applianctl.model.fetch.CHUNK_BYTES (the guest's; asserted below)
 IN_FLIGHT_SLACK = 4 << 20  # bytes the server sent that never reached the guest's disk (socket buffers, QEMU's network)
 RATE = 2 << 20  # bytes per second per connection (the mirror's throttle): the fetch takes ~25 s, the cut lands inside it
 CUT_AFTER_S = 8.0
@@ -107,7 +107,7 @@ def _flip_on_disk(disk: Path, offset: int) -> None:
 @pytest.fixture(scope="module")
 def weights_runs(demo_config: config.Config, mirror: tuple[str, str, type[Mirror]],
                  tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from applianctl import model_fetch
+    from applianctl.model import fetch as model_fetch
 
     assert model_fetch.CHUNK_BYTES == CHUNK_BYTES
     url, ca, handler = mirror

@@ -14,7 +14,7 @@ from pathlib import Path
 from appliance.bundle import BundleFile, BundleIndex, install_names
 from appliance.errors import UserError
 from appliance.fetch import Source, fetch_proven, missing_bytes
-from applianctl import slots
+from applianctl.slots import view as slots
 
 SPACE_MARGIN_BYTES = 512 << 20
 

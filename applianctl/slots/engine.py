@@ -32,7 +32,7 @@ from appliance.errors import UserError
 from appliance.hashing import DIGEST, SHA256
 
 if TYPE_CHECKING:
-    from applianctl.slots import Partition
+    from applianctl.slots.view import Partition
 
 EMPTY = EMPTY_LABEL
 _LABEL = re.compile(r"^engine_([0-9a-f]{12})\Z")
@@ -189,7 +189,7 @@ def record(engines: Mapping[str, str], keep: set[str]) -> None:
 
 
 # ----------------------------------------------------------------------------------- opening the running engine
-# appliance-engine-store.service: `python3 -m applianctl.engine_slots open LABEL ROOTHASH` opens the
+# appliance-engine-store.service: `python3 -m applianctl.slots.engine open LABEL ROOTHASH` opens the
 # slot that holds the signed manifest's engine (LABEL and ROOTHASH are pinned in the unit, on the
 # verified /usr). Only a partition on the disk /usr is on, with that label AND the engine type, and
 # exactly one: a same-labelled partition of another type (an image before issue 15, a decoy) or a
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python3 -m applianctl.engine_slots", description="Open the running engine's slot.")
+    parser = argparse.ArgumentParser(prog="python3 -m applianctl.slots.engine", description="Open the running engine's slot.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("open", help="open the engine slot LABEL with ROOTHASH pinned (appliance-engine-store.service)")
     p.add_argument("label")

@@ -1,6 +1,6 @@
 """Status parts `os` and `slots`: the running version and the A/B slots with their boot entries.
 
-Every fact about slots, boot entries and boot counting comes from applianctl.slots, the one
+Every fact about slots, boot entries and boot counting comes from applianctl.slots.view, the one
 model of them that update, assess and rollback use too; this file only judges and words it.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.config import Config
-from applianctl.probes import DEGRADED, NOT_CONFIGURED, OK, Part, Sources
+from applianctl.status.parts import DEGRADED, NOT_CONFIGURED, OK, Part, Sources
 
 
 def read_os_release(path: Path) -> dict[str, str]:
@@ -31,7 +31,7 @@ def slots_reader(config: Config, src: Sources) -> Callable[[], dict[str, Any]]:
     cache: list[dict[str, Any]] = []
 
     def read() -> dict[str, Any]:
-        from applianctl import slots  # imported in the probe's thread: its imports cost time
+        from applianctl.slots import view as slots  # imported in the probe's thread: its imports cost time
 
         with lock:
             if not cache:

@@ -45,7 +45,7 @@ from appliance.bundle import USR_TYPE, USR_VERITY_TYPE, partuuids_from_usrhash
 from appliance.errors import UserError
 from appliance.hashing import SHA256
 from appliance.run import call, run
-from applianctl import engine_slots as engine
+from applianctl.slots import engine
 
 EFI_LOADER_GUID = "4a67b082-0a4c-41cf-b6c7-440b29bb8c4f"
 BOOTCTL_TIMEOUT_S = 10.0
@@ -559,7 +559,7 @@ def read(
 def slots_summary(host: Host | None = None, running_version: str | None = None) -> dict[str, Any]:
     """What `applianctl status` shows about upgrades: View.to_json() plus the last update,
     assessment and rollback, whether the last update was rolled back and why, and the staged update."""
-    from applianctl import update_staged  # it imports the updater's modules, which import this one
+    from applianctl.update import staged as update_staged  # it imports the updater's modules, which import this one
 
     view = read(host, running_version)
     out = view.to_json()

@@ -20,8 +20,8 @@ from appliance import atomic
 from appliance.bundle import BundleIndex, engine_short, payload_names, source_names
 from appliance.errors import UserError
 from appliance.run import run
-from applianctl import slots
-from applianctl.engine_slots import EngineSlot
+from applianctl.slots import view as slots
+from applianctl.slots.engine import EngineSlot
 
 UKI_TRANSFER = Path("/usr/lib/sysupdate.d/90-uki.transfer")
 

@@ -38,9 +38,13 @@ from appliance.errors import Refused, UserError
 from appliance.fetch import Deadline, open_source
 from appliance.manifest import Manifest, version_tuple
 from appliance.run import run
-from applianctl import engine_slots, slots, update_staged
-from applianctl.engine_slots import EngineChoice
-from applianctl.update_install import (
+from applianctl.slots import engine as engine_slots
+from applianctl.slots import view as slots
+from applianctl.slots.engine import EngineChoice
+from applianctl.update import staged as update_staged
+from applianctl.update.checks import check_engine, check_fits, check_policy, check_staged, check_strict, writes_engine
+from applianctl.update.download import SPACE_MARGIN_BYTES, check_space, stage, staging_for, to_fetch
+from applianctl.update.install import (
     boot_tries,
     engine_sysupdate_commands,
     link_engine_sources,
@@ -50,8 +54,6 @@ from applianctl.update_install import (
     prepare_slot,
     sysupdate_commands,
 )
-from applianctl.update_stage import SPACE_MARGIN_BYTES, check_space, stage, staging_for, to_fetch
-from applianctl.update_verify import check_engine, check_fits, check_policy, check_staged, check_strict, writes_engine
 
 DEFAULT_DEADLINE_S = 4 * 3600.0  # the whole run; the unit's TimeoutStartSec= is a little longer
 

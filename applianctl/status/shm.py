@@ -12,7 +12,7 @@ from typing import Any
 
 from appliance import paths
 from appliance.config import Config
-from applianctl.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
+from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
 GIB = 1024**3
 

@@ -1,8 +1,8 @@
 """`applianctl model fetch [SOURCE]` and `applianctl model verify`: the command line of the weights.
 
-fetch: applianctl/model_fetch.py; verify (run by appliance-model-verify.service, which the engine
-requires): applianctl/model_verify.py. Both read the image's signed weights manifest
-(applianctl/model_store.py); an image without one has nothing to fetch or check.
+fetch: applianctl/model/fetch.py; verify (run by appliance-model-verify.service, which the engine
+requires): applianctl/model/verify.py. Both read the image's signed weights manifest
+(applianctl/model/store.py); an image without one has nothing to fetch or check.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 from appliance.atomic import write_json_atomic
 from appliance.config import load_device
 from appliance.errors import UserError
-from applianctl import model_store
-from applianctl.model_verity import Kernel, Verity
+from applianctl.model import store as model_store
+from applianctl.model.seal import Kernel, Verity
 
 
 def _store() -> model_store.Store | None:
@@ -27,7 +27,7 @@ def _store() -> model_store.Store | None:
 
 
 def cmd_fetch(args: argparse.Namespace, verity: Verity | None = None) -> int:
-    from applianctl import model_fetch
+    from applianctl.model import fetch as model_fetch
 
     store = _store()
     if store is None:
@@ -46,7 +46,7 @@ def cmd_fetch(args: argparse.Namespace, verity: Verity | None = None) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, verity: Verity | None = None) -> int:
-    from applianctl import model_verify
+    from applianctl.model import verify as model_verify
 
     store = _store()
     if store is None:

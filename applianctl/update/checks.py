@@ -16,8 +16,8 @@ from pathlib import Path
 from appliance import manifest
 from appliance.bundle import NOT_OURS, BundleIndex, engine_short, payload_names, uki_facts
 from appliance.errors import Refused, UserError
-from applianctl import slots
-from applianctl.engine_slots import EngineChoice
+from applianctl.slots import view as slots
+from applianctl.slots.engine import EngineChoice
 
 
 def check_policy(index: BundleIndex, running: manifest.Manifest, allow_downgrade: bool) -> bool:

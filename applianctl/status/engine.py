@@ -12,8 +12,8 @@ from typing import Any
 
 from appliance import paths
 from appliance.config import Config
-from applianctl import probes
-from applianctl.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
+from applianctl.status import parts as probes
+from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
 FIGURES = ("model_memory_gib", "draft_params", "kv_cache_tokens", "max_concurrency", "offload_mmap_gb")
 
@@ -58,7 +58,7 @@ class _Engine:
 
 
 def probe_engine(config: Config, src: Sources) -> Part:
-    from applianctl import metrics
+    from applianctl.status import metrics
 
     base = engine_url(config, src)
     http_timeout = probes.HTTP_TIMEOUT_S

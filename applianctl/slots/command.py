@@ -1,5 +1,5 @@
 """`applianctl slots [--json]`: both /usr slots, both engine slots, the boot entries, and whether
-the running version is judged yet (the one model in applianctl.slots; `systemd-sysupdate list` added when it runs)."""
+the running version is judged yet (the one model in applianctl.slots.view; `systemd-sysupdate list` added when it runs)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from applianctl import slots
+from applianctl.slots import view as slots
 
 
 def _size(n: int) -> str:

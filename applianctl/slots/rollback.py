@@ -17,7 +17,7 @@ from typing import Any
 from appliance import atomic as state
 from appliance.errors import Refused, UserError
 from appliance.run import run
-from applianctl import slots
+from applianctl.slots import view as slots
 
 
 def rollback(host: slots.Host | None = None, *, force: bool = False, running_version: str | None = None) -> str:

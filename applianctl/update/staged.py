@@ -27,7 +27,7 @@ from appliance import atomic, manifest, paths, progress
 from appliance.bundle import BundleIndex
 from appliance.errors import Refused, UserError
 from appliance.hashing import sha256_file
-from applianctl.update_stage import to_fetch
+from applianctl.update.download import to_fetch
 
 RECORD = "staged.json"
 _DIRECTORY = re.compile(r"^[0-9][0-9.]{0,48}-[0-9]{8}T[0-9]{6}Z-[0-9]{1,10}\Z")

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from appliance import weights as wm
-from applianctl.model_store import Store
-from applianctl.model_verity import Verity
+from applianctl.model.seal import Verity
+from applianctl.model.store import Store
 
 READ_BYTES = 4 << 20
 

@@ -18,17 +18,9 @@ from typing import Any, TextIO
 from appliance import paths
 from appliance.config import Config, load_device
 from appliance.errors import UserError
-from applianctl import gpu, probes, systemd
-from applianctl import probes_disk as disk
-from applianctl import probes_engine as engine
-from applianctl import probes_files as files
-from applianctl import probes_host as host
-from applianctl import probes_os as os_slots
-from applianctl import probes_proxy as proxy
-from applianctl import probes_shm as shm
-from applianctl import probes_tls as tls
-from applianctl import probes_weights as weights
-from applianctl.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
+from applianctl.status import disk, engine, files, gpu, host, os_slots, proxy, shm, systemd, tls, weights
+from applianctl.status import parts as probes
+from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
 SCHEMA = 1
 EXIT_STATUS = {OK: 0, NOT_CONFIGURED: 0, DEGRADED: 1, DOWN: 2}

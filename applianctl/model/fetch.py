@@ -24,7 +24,7 @@ Hub's own LFS hashes.
 
 A file is renamed into the snapshot only after its SHA-256 equals the manifest's; it is sealed with
 fs-verity first, and its fs-verity digest checked against the manifest's or, where the manifest has
-none, recorded in per-host state for the check before every start (applianctl/model_verify.py).
+none, recorded in per-host state for the check before every start (applianctl/model/verify.py).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from appliance import progress
 from appliance import weights as wm
 from appliance.atomic import fsync_dir, write_json_atomic
 from appliance.errors import Refused, UserError
-from applianctl.model_store import Store
-from applianctl.model_verity import Verity
+from applianctl.model.seal import Verity
+from applianctl.model.store import Store
 
 CHUNK_BYTES = 8 << 20  # fsync + journal granularity: the most a resume fetches twice per file
 READ_BYTES = 1 << 20  # one read from the source

@@ -31,7 +31,8 @@ from appliance import manifest, paths
 from appliance.config import Config, load_device
 from appliance.errors import UserError
 from appliance.run import run
-from applianctl import slots, smoke
+from applianctl import smoke
+from applianctl.slots import view as slots
 
 POLL_S = 5.0
 ATTEMPT_TIMEOUT_S = 120.0

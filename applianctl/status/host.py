@@ -11,8 +11,8 @@ from typing import Any
 
 from appliance import plan as plan_model
 from appliance.config import Config
-from applianctl import probes
-from applianctl.probes import DEGRADED, NOT_CONFIGURED, OK, Part, Sources
+from applianctl.status import parts as probes
+from applianctl.status.parts import DEGRADED, NOT_CONFIGURED, OK, Part, Sources
 
 
 def addresses(src: Sources) -> list[str] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from applianctl.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
+from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
 
 
 def probe_check(path: Path, what: str) -> Part:

@@ -12,7 +12,7 @@ from typing import Any
 
 from appliance.config import Config
 from appliance.errors import UserError
-from applianctl.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
+from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
 
 
 def _read(path: Path) -> Any:
@@ -28,7 +28,7 @@ def probe_weights(config: Config, manifest: Path | None = None, release: Path | 
                   result: Path | None = None, host_dir: Path | None = None) -> Part:
     # here, not at the top: the manifest code imports cryptography, which this probe's thread
     # then loads beside the others instead of before every probe starts
-    from applianctl import model_store
+    from applianctl.model import store as model_store
 
     try:
         model = model_store.load_manifest(manifest, release)
