@@ -28,7 +28,7 @@ qemu: setup
 	$(BUILDER) --profile demo boot --interactive
 
 lint: setup
-	$(PY) -m ruff check appliance builder applianctl demo installer standin tests
+	$(PY) -m ruff check appliance builder applianctl installer standin testkit bench tests
 	$(PY) -m mypy
 
 unit: setup
@@ -47,7 +47,7 @@ test-extended: setup
 test: lint unit integration
 
 bench: setup
-	$(PY) -m builder.bench
+	$(PY) -m bench
 
 clean:
 	rm -rf build out

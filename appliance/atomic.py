@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from appliance.schema import dump_record
+
 
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -45,6 +47,11 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644, group: int | None =
 def write_json_atomic(path: Path, data: Any) -> None:
     """PATH holds DATA as JSON (indented, keys sorted), written with atomic_write."""
     atomic_write(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def write_record(path: Path, record: Any) -> None:
+    """PATH holds RECORD (an appliance.schema.Record dataclass) as JSON, with write_json_atomic."""
+    write_json_atomic(path, dump_record(record))
 
 
 def replace_dir(new: Path, final: Path) -> None:

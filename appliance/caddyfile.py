@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from appliance import paths
-from appliance.config import Config, is_dns_name
+from appliance.config_checks import is_dns_name
+from appliance.config_types import Config
 from appliance.errors import ConfigError
 
 TEMPLATE = "Caddyfile.j2"
@@ -135,7 +136,7 @@ def template_values(
     admin: str = f"unix/{ADMIN_SOCKET}",
 ) -> dict[str, Any]:
     """Every value the template takes, each checked; ConfigError naming the first bad one.
-    Without jinja2: the device checks the per-host settings with it before any reader sees them."""
+    Without jinja2: host_settings.overlay checks a host's settings with it before any reader sees them."""
     proxy = config.proxy
     if proxy.tls not in ("acme", "internal"):
         raise _refuse("tls", proxy.tls, "'acme' or 'internal'")

@@ -1,6 +1,9 @@
-"""Where a bundle comes from: a directory or an https:// URL, with every server-controlled quantity bounded.
+"""Files from a directory or an https:// URL, with every server-controlled quantity bounded; the
+one download stack of the updater, the installer and the weights fetch.
 
-Nothing a server (or a directory someone else filled) sends can make the updater use more memory,
+A source's open(name, offset) is a ranged read (a Body); fetch() resumes a bundle file into
+NAME.part on top of it, and fetch_proven() checks the result against the signed index.
+Nothing a server (or a directory someone else filled) sends can make a caller use more memory,
 disk or time than it decided beforehand:
 
 - HTTPS only; a redirect is followed only to the same scheme, host and port (at most MAX_REDIRECTS).
@@ -11,11 +14,12 @@ disk or time than it decided beforehand:
 - Large files stop at the size the signed index gives; a byte more is refused.
 - One overall deadline: every socket operation gets at most the time left, and a watchdog shuts
   the socket at the deadline, so a body trickled one byte at a time (slow loris) ends too.
-- A directory source is opened without following symbolic links, and only regular files are read.
+- A bundle directory is opened without following symbolic links, and only regular files are read.
 """
 
 from __future__ import annotations
 
+import errno
 import http.client
 import os
 import socket
@@ -25,9 +29,9 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, BinaryIO, Protocol
 
 from appliance import atomic, progress
 from appliance.errors import Refused, UserError
@@ -61,27 +65,41 @@ class Deadline:
         return left
 
 
-class Progress:
-    """Absolute byte counts for appliance.progress (a bar on a terminal, a line every few seconds
-    in the journal)."""
+class RangeRefused(OSError):
+    """The server answered a ranged request with HTTP 416: it has fewer bytes than we do."""
 
-    def __init__(self, name: str, total: int) -> None:
-        self.bar = progress.Progress(f"downloading {name}", total=total, unit="B")
-        self.done = 0
 
-    def update(self, done: int) -> None:
-        if done > self.done:
-            self.bar.advance(done - self.done)
-            self.done = done
+class HttpStatus(OSError):
+    """The server answered STATUS (not 200 or 206) for URL (the one asked for, before any redirect)."""
 
-    def finish(self, failed: bool) -> None:
-        self.bar.finish(failed=failed)
+    def __init__(self, url: str, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.url, self.status = url, status
+
+
+class Body:
+    """A source's file from byte OFFSET on (0 when the source sends it from the start: no range
+    support): iterate for its reads, each within the deadline; a context manager (close())."""
+
+    def __init__(self, offset: int, chunks: Iterator[bytes], close: Callable[[], None] = lambda: None) -> None:
+        self.offset, self.chunks, self.close = offset, chunks, close
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self.chunks
+
+    def __enter__(self) -> Body:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Source(Protocol):
     spec: str
 
     def read_small(self, name: str, limit: int) -> bytes: ...
+
+    def open(self, name: str, offset: int = 0, *, chunk: int = CHUNK) -> Body: ...
 
     def fetch(self, name: str, part: Path, size: int) -> None: ...
 
@@ -99,14 +117,14 @@ def _too_large(name: str, limit: int) -> Refused:
     return Refused(f"{name} is larger than {limit} bytes", hint="this is not a release bundle")
 
 
-def _write_until(chunks: Iterator[bytes], fout: IO[bytes], have: int, size: int, name: str, progress: Progress) -> int:
-    """Append CHUNKS to FOUT until SIZE bytes; a byte beyond SIZE is refused. Returns the count."""
-    for chunk in chunks:
+def _write_until(body: Body, fout: IO[bytes], have: int, size: int, name: str, bar: progress.Progress) -> int:
+    """Append BODY to FOUT until SIZE bytes; a byte beyond SIZE is refused. Returns the count."""
+    for chunk in body:
         if have + len(chunk) > size:
             raise Refused(f"{name} is larger than bundle.json says ({size} bytes)", hint="the bundle was changed after it was signed")
         fout.write(chunk)
         have += len(chunk)
-        progress.update(have)
+        bar.reach(have)
         if have == size:
             break
     fout.flush()
@@ -114,14 +132,15 @@ def _write_until(chunks: Iterator[bytes], fout: IO[bytes], have: int, size: int,
     return have
 
 
-def _resumable(fetch_once: Callable[[Path, int, int, Progress], None], name: str, part: Path, size: int, deadline: Deadline) -> None:
+def _resumable(fetch_once: Callable[[Path, int, int, progress.Progress], None], name: str, part: Path, size: int,
+               deadline: Deadline) -> None:
     """Call FETCH_ONCE until PART holds SIZE bytes; a dropped connection is retried (resumed) a
     few times within the run. Refusals and the deadline are not retried."""
     have = part.stat().st_size if part.exists() else 0
     if have == size:
         return
-    bar = Progress(name, size)
-    bar.update(min(have, size))
+    bar = progress.Progress(f"downloading {name}", total=size, unit="B")
+    bar.reach(min(have, size))
     ok = False
     try:
         for attempt in range(FETCH_ATTEMPTS):
@@ -148,7 +167,32 @@ def _resumable(fetch_once: Callable[[Path, int, int, Progress], None], name: str
 # ----------------------------------------------------------------------------------- directory
 
 
-class DirSource:
+class FileSource:
+    """Ranged reads of files that open_file() opens (a subclass says how, and names the errors),
+    each read within the deadline."""
+
+    spec: str
+    deadline: Deadline
+
+    def open_file(self, name: str) -> BinaryIO:
+        raise NotImplementedError
+
+    def open(self, name: str, offset: int = 0, *, chunk: int = CHUNK) -> Body:
+        f = self.open_file(name)
+        f.seek(offset)
+
+        def chunks() -> Iterator[bytes]:
+            while True:
+                self.deadline.left()
+                data = f.read(chunk)
+                if not data:
+                    return
+                yield data
+
+        return Body(offset, chunks(), f.close)
+
+
+class DirSource(FileSource):
     """A bundle directory. No symbolic link is followed (the directory itself or a file in it):
     the signed index names the files, and a link could make it read a device or /proc."""
 
@@ -163,14 +207,12 @@ class DirSource:
                 raise UserError(f"{spec}: is a symbolic link", hint="give the bundle directory itself") from None
             raise UserError(f"{spec}: {e.strerror}", hint="SOURCE is a bundle directory or an https:// URL of one") from None
 
-    def _open(self, name: str) -> int:
-        try:
+    def open_file(self, name: str) -> BinaryIO:
+        try:  # O_NONBLOCK: a FIFO does not block the open
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
         except FileNotFoundError:
             raise Refused(f"{self.spec}/{name}: missing from the bundle", hint="copy the whole bundle directory") from None
         except OSError as e:
-            import errno
-
             if e.errno == errno.ELOOP:
                 hint = "a bundle directory holds regular files only (copy it with cp -L)"
                 raise Refused(f"{self.spec}/{name}: is a symbolic link", hint=hint) from None
@@ -178,21 +220,19 @@ class DirSource:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise Refused(f"{self.spec}/{name}: not a regular file", hint="a bundle directory holds regular files only")
-        return fd
+        return os.fdopen(fd, "rb")
 
     def read_small(self, name: str, limit: int) -> bytes:
-        with os.fdopen(self._open(name), "rb") as f:
+        with self.open_file(name) as f:
             data = f.read(limit + 1)
         if len(data) > limit:
             raise _too_large(name, limit)
         return data
 
     def fetch(self, name: str, part: Path, size: int) -> None:
-        def once(part: Path, have: int, size: int, progress: Progress) -> None:
-            with os.fdopen(self._open(name), "rb") as fin, open(part, "ab") as fout:
-                fin.seek(have)
-                chunks = iter(lambda: (self.deadline.left(), fin.read(CHUNK))[1], b"")
-                have = _write_until(chunks, fout, have, size, name, progress)
+        def once(part: Path, have: int, size: int, bar: progress.Progress) -> None:
+            with self.open(name, have) as body, open(part, "ab") as fout:
+                have = _write_until(body, fout, have, size, name, bar)
             if have < size:
                 raise Refused(f"{self.spec}/{name} is smaller than bundle.json says ({size} bytes)", hint="copy the whole bundle again")
 
@@ -300,19 +340,20 @@ class HttpsSource:
                 conn.close()
         raise Refused(f"{self.url(name)}: more than {MAX_REDIRECTS} redirects", hint="point SOURCE at the final URL")
 
-    def _chunks(self, resp: http.client.HTTPResponse, sock: socket.socket) -> Iterator[bytes]:
-        """The body in reads of at most CHUNK bytes, each within the time left."""
+    def _chunks(self, resp: http.client.HTTPResponse, sock: socket.socket, chunk: int) -> Iterator[bytes]:
+        """The body in reads of CHUNK bytes (fewer at its end), each silence within the time left.
+        resp.read gathers TLS records in C: one Python step per read, not per 16 KiB record."""
         while True:
             sock.settimeout(min(READ_TIMEOUT_S, self.deadline.left()))
             try:
-                chunk = resp.read1(CHUNK)
+                data = resp.read(chunk)
             except (OSError, http.client.HTTPException) as e:
                 self.deadline.left()
                 raise OSError(f"{type(e).__name__}: {e}".splitlines()[0][:300]) from None
-            if not chunk:
+            if not data:
                 self.deadline.left()  # a watchdog-shut socket ends like a short body
                 return
-            yield chunk
+            yield data
 
     def read_small(self, name: str, limit: int) -> bytes:
         try:
@@ -323,7 +364,7 @@ class HttpsSource:
                 if length is not None and (not length.isdigit() or int(length) > limit):
                     raise _too_large(name, limit)
                 data = bytearray()
-                for chunk in self._chunks(resp, sock):
+                for chunk in self._chunks(resp, sock, CHUNK):
                     data += chunk
                     if len(data) > limit:
                         raise _too_large(name, limit)
@@ -331,22 +372,35 @@ class HttpsSource:
         except OSError as e:
             raise UserError(str(e), hint=NET_HINT) from None
 
+    def open(self, name: str, offset: int = 0, *, chunk: int = CHUNK) -> Body:
+        """NAME from byte OFFSET on (a Range request). A connection that fails is an OSError; HTTP
+        416 for a range is RangeRefused, another status than 200 or 206 is HttpStatus."""
+        stack = ExitStack()
+        try:
+            resp, sock = stack.enter_context(self._get(name, {"Range": f"bytes={offset}-"} if offset else {}))
+            if resp.status == 416 and offset:
+                raise RangeRefused("the server refused the range; starting over")
+            if resp.status not in (200, 206):
+                raise HttpStatus(self.url(name), resp.status)
+        except BaseException:
+            stack.close()
+            raise
+        ranged = resp.status == 206 and (resp.getheader("Content-Range") or "").startswith(f"bytes {offset}-")
+        return Body(offset if ranged else 0, self._chunks(resp, sock, chunk), stack.close)
+
     def fetch(self, name: str, part: Path, size: int) -> None:
-        def once(part: Path, have: int, size: int, progress: Progress) -> None:
-            headers = {"Range": f"bytes={have}-"} if have else {}
-            with self._get(name, headers) as (resp, sock):
-                if resp.status == 416 and have:
-                    part.unlink()  # the server has fewer bytes than we do: start over
-                    raise OSError("the server refused the range; starting over")
-                if resp.status == 404:
-                    raise Refused(f"{self.url(name)}: HTTP 404", hint="the bundle on the server is incomplete")
-                if resp.status not in (200, 206):
-                    raise OSError(f"HTTP {resp.status}")
-                mode = "ab"
-                if resp.status == 200 or not (resp.getheader("Content-Range") or "").startswith(f"bytes {have}-"):
-                    mode, have = "wb", 0  # no range support: from the start
-                with open(part, mode) as fout:
-                    have = _write_until(self._chunks(resp, sock), fout, have, size, name, progress)
+        def once(part: Path, have: int, size: int, bar: progress.Progress) -> None:
+            try:
+                body = self.open(name, have)
+            except RangeRefused:
+                part.unlink()  # the server has fewer bytes than we do: start over
+                raise
+            except HttpStatus as e:
+                if e.status == 404:
+                    raise Refused(f"{e.url}: HTTP 404", hint="the bundle on the server is incomplete") from None
+                raise
+            with body, open(part, "ab" if body.offset == have else "wb") as fout:  # no range support: from the start
+                have = _write_until(body, fout, body.offset, size, name, bar)
             if have < size:
                 raise OSError(f"the connection ended after {have} of {size} bytes")
 

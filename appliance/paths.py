@@ -48,6 +48,38 @@ def staged_update_dir() -> Path:
     return update_dir() / "staged"
 
 
+def update_staging_dir() -> Path:
+    """Downloads, one directory per version."""
+    return update_dir() / "staging"
+
+
+def update_source_dir() -> Path:
+    """What systemd-sysupdate reads: the Source Path= of sysupdate.d/*.transfer."""
+    return update_dir() / "source"
+
+
+def update_lock_path() -> Path:
+    """Held (flock) by the update that is running."""
+    return update_dir() / "lock"
+
+
+def engines_record_path() -> Path:
+    """version -> engine digest, recorded by the updater from signed bundle indexes."""
+    return update_dir() / "engines.json"
+
+
+def last_update_path() -> Path:
+    return update_dir() / "last-update.json"
+
+
+def last_assessment_path() -> Path:
+    return update_dir() / "last-assessment.json"
+
+
+def last_rollback_path() -> Path:
+    return update_dir() / "last-rollback.json"
+
+
 SHM_DIR = _path("SHM_DIR", "/dev/shm")
 
 # The appliance's units, in the order status shows them.

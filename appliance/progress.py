@@ -1,23 +1,16 @@
 """Progress of a long step: a bar on a terminal, a line every few seconds anywhere else.
 
-    from appliance import progress
-
     with progress.Progress("downloading usr.raw", total=size, unit="B") as p:
         for chunk in chunks:
             p.advance(len(chunk))
 
-On a terminal (stderr is a tty) the bar is redrawn in place at most ten times a second. In the
-journal, a pipe or a log file, one line is written every EVERY_S seconds ("downloading usr.raw:
-1.2/4.0 GiB (30%), 95.3 MiB/s") and one when the step ends, so a unit's journal shows a long
-download or hash moving without flooding it. TOTAL may be None when the size is unknown.
+On a terminal (stderr is a tty) the bar is redrawn in place at most ten times a second; elsewhere
+(the journal, a pipe) one line every EVERY_S seconds ("downloading usr.raw: 1.2/4.0 GiB (30%),
+95.3 MiB/s") and one at the end, so a unit's journal shows a long step moving without flooding.
+TOTAL may be None when the size is unknown. advance() may be called from several threads.
 
-A step whose amount cannot be counted (an external tool packing or hashing) uses step():
-
-    with progress.step("packing engine.erofs"):
-        run(["mkfs.erofs", ...])
-
-It says when the step starts, how long it has been running every EVERY_S seconds (on a terminal,
-every second in place), and how long it took.
+A step whose amount cannot be counted (an external tool) uses step(): a line when it starts, how
+long it has been running every EVERY_S seconds (every second in place on a terminal), how long it took.
 """
 
 from __future__ import annotations
@@ -46,7 +39,10 @@ def _amount(value: float, unit: str) -> str:
 
 
 class Progress:
-    """Progress of one step; use as a context manager and call advance() as work is done."""
+    """Progress of one step; use as a context manager and call advance() as work is done.
+
+    With ETA the line ends in the time left at this run's rate ("ETA 1:02:03"); work found already
+    done (advance(n, resumed=True): a resumed download's prefix) moves the bar but not that rate."""
 
     def __init__(
         self,
@@ -54,6 +50,7 @@ class Progress:
         total: float | None = None,
         *,
         unit: str = "B",
+        eta: bool = False,
         out: TextIO | None = None,
         tty: bool | None = None,
         every_s: float | None = None,
@@ -62,13 +59,16 @@ class Progress:
         self.what = what
         self.total = total
         self.unit = unit
+        self.eta = eta
         self.done = 0.0
+        self.fresh = 0.0  # done in this run (the ETA's rate): done less what advance(resumed=True) counted
         self.out = out or sys.stderr
         self.tty = self.out.isatty() if tty is None else tty
         self.every_s = EVERY_S if every_s is None else every_s
         self.clock = clock or time.monotonic
         self.started = self.clock()
         self._last = self.started
+        self._lock = threading.Lock()
 
     def __enter__(self) -> Progress:
         return self
@@ -78,30 +78,48 @@ class Progress:
     ) -> None:
         self.finish(failed=kind is not None)
 
-    def advance(self, amount: float) -> None:
+    def advance(self, amount: float, *, resumed: bool = False) -> None:
+        with self._lock:
+            self._add(amount, resumed)
+
+    def reach(self, done: float) -> None:
+        """DONE in all (an absolute count): only an increase counts, so bytes read again after a
+        retry or a restart are not counted twice."""
+        with self._lock:
+            if done > self.done:
+                self._add(done - self.done, False)
+
+    def _add(self, amount: float, resumed: bool) -> None:
         self.done += amount
+        if not resumed:
+            self.fresh += amount
         now = self.clock()
         if now - self._last >= (_REDRAW_S if self.tty else self.every_s):
             self._last = now
             self._write(self.line(now))
 
     def line(self, now: float | None = None) -> str:
-        """'WHAT: DONE/TOTAL (P%), RATE' (the text written to the journal)."""
-        elapsed = max((now if now is not None else self.clock()) - self.started, 1e-9)
+        """'WHAT: DONE/TOTAL (P%), RATE[, ETA H:MM:SS]' (the text written to the journal)."""
+        now = now if now is not None else self.clock()
+        elapsed = max(now - self.started, 1e-9)
         rate = f"{_amount(self.done / elapsed, self.unit)}/s"
-        if self.total:
-            pct = min(100.0, 100.0 * self.done / self.total)
-            text = f"{self.what}: {_amount(self.done, self.unit)}/{_amount(self.total, self.unit)} ({pct:.0f}%), {rate}"
-            if self.tty:
-                filled = int(_BAR * pct / 100)
-                text = f"{self.what} [{'#' * filled}{'.' * (_BAR - filled)}] {pct:3.0f}% {rate}"
-            return text
-        return f"{self.what}: {_amount(self.done, self.unit)}, {rate}"
+        if not self.total:
+            return f"{self.what}: {_amount(self.done, self.unit)}, {rate}"
+        pct = min(100.0, 100.0 * self.done / self.total)
+        text = f"{self.what}: {_amount(self.done, self.unit)}/{_amount(self.total, self.unit)} ({pct:.0f}%), {rate}"
+        if self.tty:
+            filled = int(_BAR * pct / 100)
+            text = f"{self.what} [{'#' * filled}{'.' * (_BAR - filled)}] {pct:3.0f}% {rate}"
+        if self.eta and self.fresh > 0:
+            left = max(self.total - self.done, 0) / (self.fresh / elapsed)
+            text += f", ETA {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
+        return text
 
     def finish(self, failed: bool = False) -> None:
-        now = self.clock()
-        end = "failed" if failed else f"done in {now - self.started:.1f} s"
-        self._write(f"{self.line(now)}, {end}", final=True)
+        with self._lock:
+            now = self.clock()
+            end = "failed" if failed else f"done in {now - self.started:.1f} s"
+            self._write(f"{self.line(now)}, {end}", final=True)
 
     def _write(self, text: str, final: bool = False) -> None:
         _write(self.out, self.tty, text, final)

@@ -7,16 +7,26 @@ number, floats must be finite), and each field's own check (metadata "check", or
 elements of a list or the values of a table, "keys" for a table's keys). A fault is one line
 naming the document, the key and the value, and a hint; each document words it through the
 Loader's methods (`invalid`, `unknown`, `missing`).
+
+The device's records (results on /run, state on /var, a bundle's staging record) are frozen
+dataclasses too, read with `load_record`/`from_json` and written with `dump_record` (and
+appliance.atomic.write_record). Outside input is strict. The device's own records are read
+`lenient`ly: the previous release reads what this one writes and, after a rollback, this one reads
+what the next wrote, so unknown keys are skipped while every known key's type is still checked.
+Records on /var carry "format" (the class's FORMAT); a file without it was written before formats
+were (format 0) and loads all the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
 
 from appliance.errors import UserError
 
@@ -34,6 +44,11 @@ def check(fn: Check) -> dict[str, Any]:
 def each(fn: Check) -> dict[str, Any]:
     """Field metadata for a list or table: check every element (value)."""
     return {"each": fn}
+
+
+def optional(**kw: Any) -> Any:
+    """A field that is None unless set, and then not written at all (the key is absent)."""
+    return dataclasses.field(default=None, metadata={"omit": True, **kw})
 
 
 def type_name(tp: Any) -> str:
@@ -68,9 +83,10 @@ class Loader:
     By default the first fault is raised. With `collect` (a list), every fault is appended to it
     and `load` returns None when there was any: `validate` reports them all in one run."""
 
-    def __init__(self, where: str, collect: list[UserError] | None = None) -> None:
+    def __init__(self, where: str, collect: list[UserError] | None = None, lenient: bool = False) -> None:
         self.where = where
         self.collect = collect
+        self.lenient = lenient  # unknown keys skipped (the device's own records), not refused
 
     def _fault(self, error: UserError) -> None:
         if self.collect is None:
@@ -106,7 +122,7 @@ class Loader:
         faults = len(self.collect or ())
         incomplete = False
         for key in table:
-            if key not in fields or key in given:
+            if (key not in fields and not self.lenient) or key in given:
                 self._fault(self.unknown(join(prefix, key), [n for n in fields if n not in given]))
         kwargs = dict(given)
         for name, f in fields.items():
@@ -128,11 +144,20 @@ class Loader:
 
     def value(self, tp: Any, value: Any, key: str, meta: Mapping[str, Any]) -> Any:
         origin = typing.get_origin(tp)
+        if tp is Any:  # a table only shown, never acted on (a plan's effective settings)
+            return value
         if origin in (types.UnionType, typing.Union):
             if value is None:
-                return None
-            (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-            return self.value(inner, value, key, meta)
+                if type(None) in typing.get_args(tp):
+                    return None
+                raise self.invalid(key, value, type_name(tp))
+            inner = [a for a in typing.get_args(tp) if a is not type(None)]
+            for one in inner[:-1]:  # the first member the value is (bool | str: True stays True)
+                try:
+                    return self.value(one, value, key, meta)
+                except (UserError, _Incomplete):
+                    pass
+            return self.value(inner[-1], value, key, meta)
         if dataclasses.is_dataclass(tp):
             return self._load(typing.cast(type, tp), value, key)
         element = {"check": meta["each"]} if "each" in meta else {}
@@ -168,11 +193,72 @@ class Loader:
 
 
 def plain(value: Any) -> Any:
-    """A dataclass tree as JSON-ready dicts and lists."""
+    """A dataclass tree as JSON-ready dicts and lists (an `optional` field that is None: no key)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not (f.metadata.get("omit") and getattr(value, f.name) is None)}
     if isinstance(value, tuple):
         return [plain(v) for v in value]
     if isinstance(value, Mapping):
         return {k: plain(v) for k, v in value.items()}
     return value
+
+
+# ----------------------------------------------------------------------------------- records
+
+R = TypeVar("R")
+
+
+class Record:
+    """Base of the device's records: FORMAT is written as "format" (None: the record lives on /run,
+    which a reboot empties, so no other release ever reads it and it carries none)."""
+
+    FORMAT: ClassVar[int | None] = None
+
+
+class RecordLoader(Loader):
+    def invalid(self, key: str, value: Any, expected: str) -> UserError:
+        return UserError(f"{self.where}: {key or 'the record'} = {shown(value)}: invalid",
+                         hint=f"expected {expected}; the file is damaged: remove it, the command that writes it writes it again")
+
+
+def from_json(cls: type[R], data: Any, where: str, *, lenient: bool) -> R:
+    """DATA (parsed JSON) as record CLS; UserError (one line) when it is not one."""
+    loader = RecordLoader(where, lenient=lenient)
+    if isinstance(data, dict) and "format" in data:
+        data = dict(data)
+        number = data.pop("format")
+        newest = getattr(cls, "FORMAT", None)
+        if type(number) is not int or number < 0:
+            raise loader.invalid("format", number, "a format number")
+        if newest is not None and number > newest and not lenient:
+            raise UserError(f"{where}: format {number} is newer than this release reads ({newest})",
+                            hint="update the appliance first, or make it with this release's tools")
+    record: R = loader.load(cls, data)
+    return record
+
+
+def load_record(cls: type[R], path: Path, *, lenient: bool) -> R | None:
+    """The record at PATH, None when there is no file; UserError (one line) when it cannot be read
+    or is not a CLS."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})", hint="check the file's permissions") from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise UserError(f"{path}: not JSON ({e})".splitlines()[0], hint="the file is damaged: remove it, "
+                        "the command that writes it writes it again") from None
+    return from_json(cls, data, str(path), lenient=lenient)
+
+
+def dump_record(record: Any) -> dict[str, Any]:
+    """RECORD as its JSON object, with its "format" when its class has one."""
+    doc: dict[str, Any] = plain(record)
+    number = getattr(record, "FORMAT", None)
+    if number is not None:
+        doc["format"] = number
+    return doc

@@ -28,8 +28,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from appliance import caddyfile, paths
-from appliance import config as config_model
+from appliance import caddyfile, host_settings, paths
 from appliance import plan as plan_model
 from appliance.atomic import atomic_write, write_json_atomic
 from appliance.config import Config, load_image
@@ -44,18 +43,18 @@ BOND = "bond0"
 # In paths.RUN_DIR (beside RESULT): the proxy's per-host Caddyfile, the unit's environment naming it, the settings.
 CADDYFILE = "Caddyfile"
 PROXY_ENV = "proxy.env"
-HOST_SETTINGS = "host-settings.json"
+HOST_SETTINGS = host_settings.SETTINGS_FILE
 
 
 def _match(interface: str) -> str:
-    return f"MACAddress={interface}" if plan_model._MAC.fullmatch(interface) else f"Name={interface}"
+    return f"MACAddress={interface}" if host_settings.MAC.fullmatch(interface) else f"Name={interface}"
 
 
 def _section(name: str, lines: list[str]) -> str:
     return f"[{name}]\n" + "".join(line + "\n" for line in lines)
 
 
-def network_files(net: plan_model.Network) -> dict[str, str]:
+def network_files(net: host_settings.Network) -> dict[str, str]:
     """FILE NAME -> CONTENT of the systemd-networkd files for NET."""
     files: dict[str, str] = {}
     head = "# Rendered by appliance-host.service from the signed install plan; do not edit.\n"
@@ -118,7 +117,7 @@ def render(plan: plan_model.Plan, config: Config) -> dict[str, str]:
         settings = {"proxy": {"hostname": eff["proxy_hostname"], "allowed_cidrs": eff["proxy_allowed_cidrs"],
                               "acme_email": eff["proxy_acme_email"]}}
         # Checked as every reader will check it, then rendered through the image's own template.
-        effective = config_model.with_host_settings(config, settings, "install plan")
+        effective = host_settings.overlay(config, settings, "install plan")
         out[HOST_SETTINGS] = json.dumps(settings, indent=2, sort_keys=True) + "\n"
         out[CADDYFILE] = caddyfile.render_caddyfile(effective)
     return out

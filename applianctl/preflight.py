@@ -11,11 +11,11 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from appliance import paths
-from appliance.atomic import write_json_atomic
+from appliance.atomic import write_record
 from appliance.config import Config, load_device
+from applianctl.records import PreflightResult
 
 SYS = Path(os.environ.get("APPLIANCE_SYSFS", "/sys"))
 DEV = Path(os.environ.get("APPLIANCE_DEVFS", "/dev"))
@@ -37,29 +37,29 @@ def vram_total_bytes() -> int | None:
     return total or None
 
 
-def check(config: Config) -> dict[str, Any]:
+def check(config: Config) -> PreflightResult:
     weights = weights_dir(config)
     if not weights.is_dir() or not any(weights.iterdir()):
-        return {"ok": False, "reason": f"model weights not present at {weights} (fetch {config.model.id} "
-                f"revision {config.model.revision} into {config.model.cache_dir})"}
+        return PreflightResult(False, f"model weights not present at {weights} (fetch {config.model.id} "
+                               f"revision {config.model.revision} into {config.model.cache_dir})")
     if not config.gpu.required:
-        return {"ok": True, "reason": "", "gpu": "not required"}
+        return PreflightResult(True, "", gpu="not required")
     if not (DEV / "kfd").exists():
-        return {"ok": False, "reason": "/dev/kfd is missing: no AMD GPU compute device"}
+        return PreflightResult(False, "/dev/kfd is missing: no AMD GPU compute device")
     if not (SYS / "module/amdgpu").exists():
-        return {"ok": False, "reason": "the amdgpu kernel module is not loaded"}
+        return PreflightResult(False, "the amdgpu kernel module is not loaded")
     vram = vram_total_bytes()
     if vram is None:
-        return {"ok": False, "reason": "the GPU reports no VRAM (mem_info_vram_total missing)"}
-    return {"ok": True, "reason": "", "vram_total_bytes": vram}
+        return PreflightResult(False, "the GPU reports no VRAM (mem_info_vram_total missing)")
+    return PreflightResult(True, "", vram_total_bytes=vram)
 
 
 
 def main(args: argparse.Namespace) -> int:
     result = check(load_device())
-    write_json_atomic(paths.PREFLIGHT_RESULT, result)
-    if not result["ok"]:
-        print(f"preflight failed: {result['reason']}", file=sys.stderr)
+    write_record(paths.PREFLIGHT_RESULT, result)
+    if not result.ok:
+        print(f"preflight failed: {result.reason}", file=sys.stderr)
         return 1
     print("preflight ok")
     return 0

@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from appliance import paths
-from appliance.atomic import write_json_atomic
+from appliance.atomic import write_record
 from appliance.config import Config, load_device
+from applianctl.records import ShmCheck, ShmRemoved
 
 GIB = 2**30
 PATTERN = "vllm_offload_*.mmap"
@@ -267,7 +268,7 @@ def check(
     statvfs: Callable[[Path], FsUsage] = statvfs_usage,
     meminfo: Callable[[], str] = read_meminfo,
     dry_run: bool = False,
-) -> dict[str, Any]:
+) -> ShmCheck:
     """Clean SHM_DIR, then check its room and memory for the offload; the result as SHM_CHECK holds it."""
     offload_gib, margin_gib = config.engine.offload_gib, config.engine.shm.margin_gib
     required = config.engine.shm_required_bytes
@@ -289,26 +290,18 @@ def check(
         ok = True
         reason = (f"{shm_dir} has {usage.free_bytes / GIB:.2f} GiB free and {memory / GIB:.2f} GiB of memory "
                   f"is available for {need}; removed {len(removed)} leaked file(s)")
-    return {
-        "ok": ok,
-        "reason": reason,
-        "removed": removed,
-        "shm_size_bytes": usage.size_bytes,
-        "shm_used_bytes": usage.used_bytes,
-        "required_bytes": required,
-        "mem_available_bytes": memory,
-    }
+    return ShmCheck(ok, reason, tuple(ShmRemoved(**r) for r in removed), usage.size_bytes, usage.used_bytes, required, memory)
 
 
 
 def run(args: argparse.Namespace) -> int:
     result = check(load_device(), paths.SHM_DIR, dry_run=args.dry_run)
     if not args.dry_run:
-        write_json_atomic(paths.SHM_CHECK, result)
-    if result["ok"]:
-        print(result["reason"])
+        write_record(paths.SHM_CHECK, result)
+    if result.ok:
+        print(result.reason)
         return 0
-    print(result["reason"], file=sys.stderr)
+    print(result.reason, file=sys.stderr)
     return 1
 
 

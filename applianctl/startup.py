@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from appliance import paths
-from appliance.atomic import write_json_atomic
+from appliance.atomic import write_record
 from appliance.config import load_device
 from appliance.errors import UserError
+from appliance.schema import dump_record
+from applianctl.records import StartupFigures, StartupReport
 
 JOURNAL_FOLLOW = ["journalctl", "-u", paths.ENGINE_UNIT, "-f", "-o", "cat", "--since", "now"]
 JOURNAL_BOOT = ["journalctl", "-u", paths.ENGINE_UNIT, "-o", "cat", "-b", "--no-pager"]
@@ -158,16 +160,13 @@ class Report:
         last = max(self.reached_s, key=lambda k: self.reached_s[k])
         return f"engine loading: last step {last} at {self.reached_s[last]:g} s"
 
-    def to_json(self) -> dict[str, Any]:
+    def record(self) -> StartupReport:
         state = self.state
-        return {
-            "ok": state == "ok",
-            "state": state,
-            "reason": self.reason,
-            "figures": dict(self.figures),
-            "reached_s": dict(self.reached_s),
-            "expected": dict(self.expected),
-        }
+        return StartupReport(state, state == "ok", self.reason, StartupFigures(**self.figures), dict(self.reached_s),
+                             StartupFigures(**self.expected))
+
+    def to_json(self) -> dict[str, Any]:
+        return dump_record(self.record())
 
 
 def parse(lines: Iterable[str], expected: dict[str, Any], clock: Callable[[], float] = time.monotonic) -> Report:
@@ -222,15 +221,15 @@ def run(args: argparse.Namespace) -> int:
     report = Report(expected=expected)
     out = paths.STARTUP_REPORT
     if args.follow:
-        write_json_atomic(out, report.to_json())
+        write_record(out, report.record())
     for line in _lines(args):
         if report.feed(line) and args.follow:
-            write_json_atomic(out, report.to_json())
+            write_record(out, report.record())
             print(f"{report.state}: {report.reason}", flush=True)
-    result = report.to_json()
-    write_json_atomic(out, result)
-    print(f"{result['state']}: {result['reason']}", file=sys.stdout if result["ok"] else sys.stderr)
-    return 0 if result["ok"] else 1
+    result = report.record()
+    write_record(out, result)
+    print(f"{result.state}: {result.reason}", file=sys.stdout if result.ok else sys.stderr)
+    return 0 if result.ok else 1
 
 
 def add_parser(subparsers: Any) -> None:

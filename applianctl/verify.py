@@ -1,8 +1,7 @@
 """`applianctl verify`: the release manifest's signature, then every engine file against it.
 
-Runs at boot (appliance-verify.service) and by hand. Writes paths.VERIFY_RESULT:
-{"ok": bool, "reason": one line, "version": str|null, "signer": str|null}; exit 0 when every
-file matches, 1 otherwise (one line on stderr naming the file).
+Runs at boot (appliance-verify.service) and by hand. Writes paths.VERIFY_RESULT (a
+records.VerifyResult); exit 0 when every file matches, 1 otherwise (one line on stderr naming the file).
 """
 
 from __future__ import annotations
@@ -15,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from appliance import manifest, paths
-from appliance.atomic import write_json_atomic
+from appliance.atomic import write_record
 from appliance.hashing import sha256_file
+from appliance.schema import dump_record
+from applianctl.records import VerifyResult
 
 
 def firmware_dir() -> Path:
@@ -40,34 +41,26 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         import json
 
-        print(json.dumps(result, indent=2))
-        return 0 if result["ok"] else 1
-    if not result["ok"]:
-        print(f"applianctl verify: {result['reason']}", file=sys.stderr)
+        print(json.dumps(dump_record(result), indent=2))
+        return 0 if result.ok else 1
+    if not result.ok:
+        print(f"applianctl verify: {result.reason}", file=sys.stderr)
         return 1
-    print(result["reason"])
+    print(result.reason)
     return 0
 
 
-def check() -> dict[str, Any]:
+def check() -> VerifyResult:
     """The verification result (never raises for a bad manifest or file: that is a result)."""
-    result: dict[str, Any] = {"ok": False, "reason": "", "version": None, "signer": None}
     try:
         data = _read(paths.MANIFEST)
         sig = _read(paths.MANIFEST_SIG)
         release = manifest.verify(data, sig, paths.TRUSTED_KEYS_DIR)
     except manifest.ManifestError as e:
-        result["reason"] = e.message
-        return _one_line(result)
-    result["version"] = release.version
-    result["signer"] = release.signer
+        return VerifyResult(False, _one_line(e.message))
     problem, count = _check_files(release)
-    if problem:
-        result["reason"] = problem
-    else:
-        result["ok"] = True
-        result["reason"] = f"manifest {release.version} signed by {release.signer}: {count} files match"
-    return _one_line(result)
+    reason = problem or f"manifest {release.version} signed by {release.signer}: {count} files match"
+    return VerifyResult(not problem, _one_line(reason), release.version, release.signer)
 
 
 def _read(path: Path) -> bytes:
@@ -124,11 +117,10 @@ def _check_file(path: Path, sha256: str) -> str:
     return ""
 
 
-def _one_line(result: dict[str, Any]) -> dict[str, Any]:
-    result["reason"] = "".join(c if c.isprintable() else "?" for c in str(result["reason"]))
-    return result
+def _one_line(reason: str) -> str:
+    return "".join(c if c.isprintable() else "?" for c in reason)
 
 
-def write_result(result: dict[str, Any]) -> None:
+def write_result(result: VerifyResult) -> None:
     """Write paths.VERIFY_RESULT atomically."""
-    write_json_atomic(paths.VERIFY_RESULT, result)
+    write_record(paths.VERIFY_RESULT, result)

@@ -18,15 +18,18 @@ import jinja2
 from appliance import paths
 from appliance.bundle import EMPTY_LABEL as EMPTY
 from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
-from appliance.config import Config, PinnedFile
+from appliance.caddyfile import render_caddyfile
+from appliance.config import Config
+from appliance.config_types import PinnedFile
 from appliance.errors import UserError
 from builder import unit_values, weights
 from builder.engine_store import MOUNT_POINT, EngineStore, verity_slot_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 UNITS_DIR = ROOT / "units"
-# Test machinery (the boot check, its unit and preset): the demo profile only.
-DEMO_DIR = ROOT / "demo"
+# Test machinery: the demo profile only, and only testkit's guest half (the rest runs on the test host).
+TESTKIT_DIR = ROOT / "testkit"
+TESTKIT_GUEST = ("__init__.py", "bootcheck.py")
 LIB = Path("usr/lib/appliance")
 SYSTEMD_DIR = Path("usr/lib/systemd/system")
 QUADLET_DIR = Path("usr/share/containers/systemd")
@@ -102,9 +105,7 @@ def render_units(config: Config, tree: Path, store: EngineStore) -> list[Path]:
         if source.name.startswith(".") or not source.is_file():
             continue
         if source.name == "Caddyfile.j2":
-            from appliance.caddyfile import render_caddyfile  # checks every value again before it enters
-
-            text = render_caddyfile(config)
+            text = render_caddyfile(config)  # checks every value again before it enters
             # The template too: appliance-host.service renders it again with the plan's settings.
             _write(tree / LIB / source.name, source.read_text())
             written.append(tree / LIB / source.name)
@@ -132,10 +133,11 @@ def install_applianctl(tree: Path) -> None:
 
 def install_demo(tree: Path) -> None:
     """The demo profile's test machinery (test images are demo images): the boot check as
-    `python3 -m demo.bootcheck`, its unit, and the preset that enables it. Never in production."""
-    package = tree / "usr/lib/python3/dist-packages/demo"
-    shutil.copytree(DEMO_DIR, package, ignore=shutil.ignore_patterns("__pycache__", "units"), dirs_exist_ok=True)
-    for source in sorted((DEMO_DIR / "units").iterdir()):
+    `python3 -m testkit.bootcheck`, the units in testkit/units and the preset that enables them.
+    Never in production."""
+    for name in TESTKIT_GUEST:
+        _write(tree / "usr/lib/python3/dist-packages/testkit" / name, (TESTKIT_DIR / name).read_text())
+    for source in sorted((TESTKIT_DIR / "units").iterdir()):
         directory = Path("usr/lib/systemd/system-preset") if source.suffix == ".preset" else SYSTEMD_DIR
         _write(tree / directory / source.name, source.read_text())
 
@@ -176,7 +178,7 @@ def install_os_settings(config: Config, tree: Path) -> None:
             f"d {config.model.cache_dir} 0755 root root -\n"
             f"d {snapshot} 0755 root root -\n"
             f"f {snapshot}/config.json 0644 root root - {{}}\n"
-            # fault switches for the stand-in, written by tests (demo.bootcheck scenarios)
+            # fault switches for the stand-in, written by tests (testkit.bootcheck scenarios)
             "d /run/appliance/standin 0755 root root -\n",
         )
     _write(

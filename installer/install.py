@@ -10,7 +10,7 @@ writes the image's used blocks (its partitions with their types, labels and UUID
 usrhash= finds /usr), then creates slot B and /var exactly as a first boot would
 (docs/disk-layout.md). This is the layout `systemd-repart --empty=force --copy-from=IMAGE` makes
 too, but that copies every block of each partition, zeros included: measured 2.8x the time of
-`bmaptool copy` against 0.4-1x for this (builder/bench_install.py). A target that already holds
+`bmaptool copy` against 0.4-1x for this (bench/install.py). A target that already holds
 this version is not written again: the install is idempotent.
 """
 

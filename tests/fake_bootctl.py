@@ -5,7 +5,8 @@ with type ("type2" for a UKI), source, id (the file name without the boot counte
 title, showTitle, sortKey, version, linux, isReported, triesLeft/triesDone (only when the name
 carries a counter), isDefault, isSelected. Entries sort as systemd-boot sorts them: out of tries
 last, then newest version first; the default is the first that is not out of tries. Any other
-verb is only recorded (FAKE_LOG, one call per line). Environment: FAKE_EFIVARS (LoaderEntrySelected)."""
+verb does nothing (the fakeprog.fake_program wrapper that execs this records every call).
+Environment: FAKE_EFIVARS (LoaderEntrySelected)."""
 
 from __future__ import annotations
 
@@ -73,10 +74,6 @@ def listing(esp: Path) -> list[dict[str, object]]:
 
 
 def main(argv: list[str]) -> int:
-    log = os.environ.get("FAKE_LOG")
-    if log:
-        with open(log, "a") as f:
-            f.write("bootctl " + " ".join(argv) + "\n")
     args = [a for a in argv if a != "--no-pager"]
     esp = next((Path(a.split("=", 1)[1]) for a in args if a.startswith("--esp-path=")), None)
     if args[:1] == ["list"]:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from standin.testing import free_port
+from testkit.standin import free_port
 
 __all__ = ["MODEL", "free_port", "start_standin", "stop"]
 

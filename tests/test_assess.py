@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fakeprog import calls, fake_program
 
 from appliance import config as config_mod
 from appliance import paths
@@ -24,8 +25,8 @@ from appliance.caddyfile import render_caddyfile
 from appliance.config import Config
 from applianctl import tls
 from applianctl.slots import assess
-from applianctl.slots import view as slots
-from standin.testing import StandinProcess, free_port, port_open
+from applianctl.slots.machine import EFI_LOADER_GUID, Host
+from testkit.standin import StandinProcess, free_port, port_open
 
 ROOT = Path(__file__).resolve().parents[1]
 CADDY = shutil.which("caddy") or "/usr/bin/caddy"
@@ -34,7 +35,7 @@ MODEL = "standin/tiny-demo"
 
 def _efi_var(directory: Path, name: str, value: str) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{name}-{slots.EFI_LOADER_GUID}").write_bytes(b"\x06\0\0\0" + (value + "\0").encode("utf-16-le"))
+    (directory / f"{name}-{EFI_LOADER_GUID}").write_bytes(b"\x06\0\0\0" + (value + "\0").encode("utf-16-le"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,21 +83,18 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
 
 
 @pytest.fixture
-def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, live: Live) -> slots.Host:
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, live: Live) -> Host:
     monkeypatch.setattr(paths, "STATE_DIR", tmp_path / "state")
     monkeypatch.setattr(paths, "TLS_DIR", live.tls_dir)
     monkeypatch.setattr(paths, "MANIFEST", tmp_path / "no-manifest.json")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake = bin_dir / "systemctl"
-    fake.write_text('#!/bin/sh\necho "systemctl $*" >> "$FAKE_LOG"\n')
-    fake.chmod(0o755)
+    fake_program(bin_dir, "systemctl", log=tmp_path / "calls.log")
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_LOG", str(tmp_path / "calls.log"))
-    return slots.Host(efivars=tmp_path / "efivars", cmdline=tmp_path / "cmdline", esp=tmp_path / "esp", disk="/dev/null")
+    return Host(efivars=tmp_path / "efivars", cmdline=tmp_path / "cmdline", esp=tmp_path / "esp", disk="/dev/null")
 
 
-def _on_trial(host: slots.Host) -> None:
+def _on_trial(host: Host) -> None:
     _efi_var(host.efivars, "LoaderEntrySelected", "appliance_2.0.0+2-1.efi")
     _efi_var(host.efivars, "LoaderBootCountPath", "\\EFI\\Linux\\appliance_2.0.0+2-1.efi")
 
@@ -105,17 +103,16 @@ def _version(config: Config) -> Config:
     return dataclasses.replace(config, appliance=dataclasses.replace(config.appliance, version="2.0.0"))
 
 
-def _calls(tmp_path: Path) -> list[str]:
-    log = tmp_path / "calls.log"
-    return log.read_text().splitlines() if log.exists() else []
+def _calls(tmp_path: Path) -> list[list[str]]:
+    return calls(tmp_path / "calls.log")
 
 
 def _record() -> dict[str, object]:
-    data: dict[str, object] = json.loads(slots.last_assessment_path().read_text())
+    data: dict[str, object] = json.loads(paths.last_assessment_path().read_text())
     return data
 
 
-def test_a_version_that_serves_through_the_proxy_is_judged_good(tmp_path: Path, host: slots.Host, live: Live) -> None:
+def test_a_version_that_serves_through_the_proxy_is_judged_good(tmp_path: Path, host: Host, live: Live) -> None:
     _on_trial(host)
     code = assess.assess(_version(live.config), host=host, deadline_s=20, poll_s=0.2, say=lambda s: None)
     assert code == 0
@@ -126,7 +123,7 @@ def test_a_version_that_serves_through_the_proxy_is_judged_good(tmp_path: Path, 
 
 
 def test_a_version_whose_proxy_never_listens_is_rolled_back_though_the_engine_serves(
-    tmp_path: Path, host: slots.Host, live: Live
+    tmp_path: Path, host: Host, live: Live
 ) -> None:
     _on_trial(host)
     silent = dataclasses.replace(live.config, proxy=dataclasses.replace(live.config.proxy, https_port=free_port()))
@@ -136,11 +133,11 @@ def test_a_version_whose_proxy_never_listens_is_rolled_back_though_the_engine_se
     reason = str(_record()["reason"])
     assert reason.startswith(f"rolled back: no right smoke completion through https://127.0.0.1:{silent.proxy.https_port}")
     assert "within 2 s" in reason and "ConnectionError" in reason
-    assert _calls(tmp_path) == ["systemctl reboot"]
+    assert _calls(tmp_path) == [["systemctl", "reboot"]]
 
 
 def test_a_proxy_with_a_certificate_the_appliance_ca_did_not_sign_is_rolled_back(
-    tmp_path: Path, host: slots.Host, live: Live, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, host: Host, live: Live, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _on_trial(host)
     other = tmp_path / "other-tls"
@@ -149,10 +146,10 @@ def test_a_proxy_with_a_certificate_the_appliance_ca_did_not_sign_is_rolled_back
     code = assess.assess(_version(live.config), host=host, deadline_s=2, poll_s=0.2, say=lambda s: None)
     assert code == 1
     assert "TLS failed" in str(_record()["reason"])
-    assert _calls(tmp_path) == ["systemctl reboot"]
+    assert _calls(tmp_path) == [["systemctl", "reboot"]]
 
 
-def test_a_missing_appliance_ca_is_rolled_back(tmp_path: Path, host: slots.Host, live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_missing_appliance_ca_is_rolled_back(tmp_path: Path, host: Host, live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
     _on_trial(host)
     monkeypatch.setattr(paths, "TLS_DIR", tmp_path / "no-tls")
     code = assess.assess(_version(live.config), host=host, deadline_s=1, poll_s=0.2, say=lambda s: None)
@@ -160,7 +157,7 @@ def test_a_missing_appliance_ca_is_rolled_back(tmp_path: Path, host: slots.Host,
     assert "does not exist" in str(_record()["reason"])
 
 
-def test_a_wrong_smoke_answer_is_rolled_back(tmp_path: Path, host: slots.Host, live: Live) -> None:
+def test_a_wrong_smoke_answer_is_rolled_back(tmp_path: Path, host: Host, live: Live) -> None:
     _on_trial(host)
     args = tuple("some/other-model" if a == MODEL else a for a in live.config.engine.args)
     other_model = dataclasses.replace(live.config, engine=dataclasses.replace(live.config.engine, args=args))
@@ -168,15 +165,15 @@ def test_a_wrong_smoke_answer_is_rolled_back(tmp_path: Path, host: slots.Host, l
     code = assess.assess(_version(other_model), host=host, deadline_s=2, poll_s=0.2, say=lambda s: None)
     assert code == 1
     assert "does not list some/other-model" in str(_record()["reason"])
-    assert _calls(tmp_path) == ["systemctl reboot"]
+    assert _calls(tmp_path) == [["systemctl", "reboot"]]
 
 
-def test_a_version_judged_good_is_never_assessed_or_rolled_back(tmp_path: Path, host: slots.Host, live: Live) -> None:
+def test_a_version_judged_good_is_never_assessed_or_rolled_back(tmp_path: Path, host: Host, live: Live) -> None:
     _efi_var(host.efivars, "LoaderEntrySelected", "appliance_2.0.0.efi")  # blessed: no counter
     silent = dataclasses.replace(live.config, proxy=dataclasses.replace(live.config.proxy, https_port=free_port()))
     code = assess.assess(_version(silent), host=host, deadline_s=1, poll_s=0.1, say=lambda s: None)
     assert code == 0
-    assert not slots.last_assessment_path().exists()
+    assert not paths.last_assessment_path().exists()
     assert _calls(tmp_path) == []
 
 
@@ -212,7 +209,7 @@ def test_the_unit_is_ordered_before_boot_complete() -> None:
     assert "-/efi" in unit["Service"]["ReadWritePaths"][0].split()
 
 
-def test_a_downgrade_judged_good_marks_newer_entries_out_of_tries(tmp_path: Path, host: slots.Host, live: Live) -> None:
+def test_a_downgrade_judged_good_marks_newer_entries_out_of_tries(tmp_path: Path, host: Host, live: Live) -> None:
     from appliance import atomic
 
     _on_trial(host)
@@ -221,7 +218,7 @@ def test_a_downgrade_judged_good_marks_newer_entries_out_of_tries(tmp_path: Path
     linux.mkdir(parents=True)
     (linux / "appliance_2.0.0+2-1.efi").write_bytes(b"uki 2")
     (linux / "appliance_3.0.0.efi").write_bytes(b"uki 3")
-    atomic.write_json_atomic(slots.last_update_path(), {"version": "2.0.0", "downgrade": True})
+    atomic.write_json_atomic(paths.last_update_path(), {"version": "2.0.0", "downgrade": True})
     assert assess.assess(_version(live.config), host=host, deadline_s=20, poll_s=0.2, say=lambda s: None) == 0
     assert sorted(p.name for p in linux.iterdir()) == ["appliance_2.0.0+2-1.efi", "appliance_3.0.0+0.efi"]
     assert _record()["demoted"] == ["appliance_3.0.0+0.efi"]

@@ -1,4 +1,4 @@
-"""demo/bootcheck.py's plan logic without a guest: which steps run where, one update per boot,
+"""testkit/bootcheck.py's plan logic without a guest: which steps run where, one update per boot,
 and no power-off while the booted version is on trial and not judged."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from demo import bootcheck
+from testkit import bootcheck
 
 
 @pytest.fixture

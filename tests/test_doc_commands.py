@@ -1,7 +1,7 @@
 """Every command line the project prints works as printed.
 
 Collected from README.md, docs/*.md, appliance.toml's comments and the hints the tools print
-(`hint=` in builder/, applianctl/, appliance/, demo/). Host-side ones that need no image or VM
+(`hint=` in builder/, applianctl/, appliance/, testkit/, bench/). Host-side ones that need no image or VM
 (`validate`, `render`) are run; every other one must at least parse with the real parser.
 """
 
@@ -39,7 +39,7 @@ def _documents() -> list[tuple[str, str]]:
         if "#" in line:
             comment = line.split("#", 1)[1]
             out += [("appliance.toml", code) for code in re.findall(r"`([^`]+)`", comment)] or [("appliance.toml", comment)]
-    for path in sorted(itertools.chain(*(ROOT.glob(f"{d}/*.py") for d in ("builder", "applianctl", "appliance", "demo")))):
+    for path in sorted(itertools.chain(*(ROOT.glob(f"{d}/*.py") for d in ("builder", "applianctl", "appliance", "testkit", "bench")))):
         for m in re.finditer(r"hint=f?(?:\"([^\"]*)\"|'([^']*)')", path.read_text()):
             hint = m.group(1) or m.group(2)
             # A hint that quotes its command in backticks says where the command ends.

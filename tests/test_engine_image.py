@@ -7,12 +7,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import shlex
 import shutil
 import sys
 import tarfile
 from pathlib import Path
 
 import pytest
+from fakeprog import calls, fake_program
 
 from appliance.config import Config, load
 from appliance.errors import UserError
@@ -85,17 +87,18 @@ def test_a_registry_fetch_says_when_it_starts_and_how_long_it_took(
     # (no registry here); what is under test is the step around it.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "skopeo").write_text(
-        f"#!{sys.executable}\nimport shutil, sys\n"
-        f"shutil.copytree({str(layout)!r}, sys.argv[-1].split(':')[1], dirs_exist_ok=True)\n"
-    )
-    (bin_dir / "skopeo").chmod(0o755)
+    copy = f"import shutil, sys; shutil.copytree({str(layout)!r}, sys.argv[-1].split(':')[1], dirs_exist_ok=True)"
+    fake_program(bin_dir, "skopeo", script_body=f'exec {sys.executable} -c {shlex.quote(copy)} "$@"')
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     production = dataclasses.replace(demo, profile="production")
     engine_image.obtain(production, None)
     err = capsys.readouterr().err.splitlines()
     what = f"fetching {demo.engine.reference}"
     assert err[0] == f"{what} ..." and err[-1].startswith(f"{what}: done in ")
+    staging = tmp_path / "cache/engine-images" / (demo.engine.digest.replace(":", "-") + ".tmp")
+    assert calls(bin_dir / "calls.log") == [
+        ["skopeo", "copy", "--quiet", f"docker://{demo.engine.reference}", f"oci:{staging}:appliance"],
+    ]
 
 
 @pytest.mark.skipif(

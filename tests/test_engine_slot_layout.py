@@ -19,7 +19,7 @@ from appliance import config, paths
 from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from appliance.errors import UserError
 from applianctl.slots import engine as engine_slots
-from applianctl.slots import view as slots
+from applianctl.slots.partitions import Partition
 from builder import engine_store, render, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -340,10 +340,10 @@ def test_open_pins_the_root_hash_and_records_the_slot(tmp_path: Path, monkeypatc
     assert json.loads((tmp_path / "engine-slot.json").read_text()) == record == {
         "label": LABEL, "partition": "/dev/vda4", "verity_partition": "/dev/vda5", "roothash": "ab" * 32}
     # status: the running slot is the one opened, whatever the digest says
-    parts = [slots.Partition(4, "/dev/vda4", ENGINE_TYPE, "", LABEL, 64 * MIB),
-             slots.Partition(5, "/dev/vda5", ENGINE_VERITY_TYPE, "", LABEL + "-verity", MIB),
-             slots.Partition(9, "/dev/vda9", ENGINE_TYPE, "", LABEL, 64 * MIB),
-             slots.Partition(10, "/dev/vda10", ENGINE_VERITY_TYPE, "", "_empty", MIB)]
+    parts = [Partition(4, "/dev/vda4", ENGINE_TYPE, "", LABEL, 64 * MIB),
+             Partition(5, "/dev/vda5", ENGINE_VERITY_TYPE, "", LABEL + "-verity", MIB),
+             Partition(9, "/dev/vda9", ENGINE_TYPE, "", LABEL, 64 * MIB),
+             Partition(10, "/dev/vda10", ENGINE_VERITY_TYPE, "", "_empty", MIB)]
     assert [s.running for s in engine_slots.find(parts, None)] == [True, False]
     assert [s.running for s in engine_slots.find(parts, None, {"partition": "/dev/vda9"})] == [False, True]
     assert [s.running for s in engine_slots.find(parts, "sha256:6fe62b3716e5" + "0" * 52, {})] == [True, False]

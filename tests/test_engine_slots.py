@@ -18,14 +18,19 @@ from pathlib import Path
 
 import pytest
 from fake_release import bundle, make_signing
+from fakeprog import fake_program
 from test_update import RUNNING
 
 from appliance import paths
+from appliance.bundle import USR_TYPE, USR_VERITY_TYPE
 from appliance.errors import UserError
 from applianctl.slots import command as slots_cmd
 from applianctl.slots import engine as engine_slots
+from applianctl.slots import release
 from applianctl.slots import view as slots
 from applianctl.slots.engine import EngineSlot, choose_engine_slot
+from applianctl.slots.machine import Host
+from applianctl.slots.partitions import Partition, parse_sfdisk
 from applianctl.status import os_slots as probes_os
 from applianctl.update import command as up
 
@@ -37,9 +42,9 @@ E3 = "sha256:" + "cd" * 32
 ENGINE_RUNNING = dataclasses.replace(RUNNING, engine_image=dataclasses.replace(RUNNING.engine_image, digest=E1))
 
 
-def table(name: str) -> list[slots.Partition]:
+def table(name: str) -> list[Partition]:
     """The partitions of a recorded `sfdisk -J`, read by the model's own reader."""
-    return slots.parse_sfdisk((FIXTURES / f"engine-slots-{name}.sfdisk.json").read_text(), f"{name}.img")
+    return parse_sfdisk((FIXTURES / f"engine-slots-{name}.sfdisk.json").read_text(), f"{name}.img")
 
 
 # ----------------------------------------------------------------------------------- finding them
@@ -65,7 +70,7 @@ def test_the_engine_slots_once_both_are_written() -> None:
 def test_what_is_not_an_engine_slot() -> None:
     parts = table("first-boot")
     # /usr B and its verity are `_empty` too: by type they are /usr, not engine slots
-    usr_b = [p for p in parts if p.label == "_empty" and p.type in (slots.USR_TYPE, slots.USR_VERITY_TYPE)]
+    usr_b = [p for p in parts if p.label == "_empty" and p.type in (USR_TYPE, USR_VERITY_TYPE)]
     assert len(usr_b) == 2 and not any(engine_slots.is_engine(p) or engine_slots.is_engine_verity(p) for p in usr_b)
     # an engine label on a /usr partition, a near-miss label on an untyped one: neither
     odd = [dataclasses.replace(parts[1], label="engine_e68d18b2ba50"), dataclasses.replace(parts[3], label="engine_E68D18B2BA50"),
@@ -192,13 +197,12 @@ class Disk:
         self.gpt = root / "gpt.json"
         self.gpt.write_text((FIXTURES / f"engine-slots-{name}.sfdisk.json").read_text())
         for prog, body in (("sfdisk", f'cat "{self.gpt}"'), ("bootctl", f'exec {sys.executable} {BOOTCTL} "$@"')):
-            (bin_dir / prog).write_text(f"#!/bin/sh\n{body}\n")
-            (bin_dir / prog).chmod(0o755)
+            fake_program(bin_dir, prog, script_body=body)
         monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
         monkeypatch.setenv("FAKE_EFIVARS", str(root / "efivars"))
         monkeypatch.setattr(paths, "STATE_DIR", root / "state")
         (root / "cmdline").write_text(f"usrhash={running} rw\n")
-        self.host = slots.Host(efivars=root / "efivars", cmdline=root / "cmdline", esp=self.esp, disk=f"{name}.img", sfdisk="sfdisk")
+        self.host = Host(efivars=root / "efivars", cmdline=root / "cmdline", esp=self.esp, disk=f"{name}.img", sfdisk="sfdisk")
 
 
 A_HASH, B_HASH = "a" * 32 + "b" * 32, "c" * 32 + "d" * 32  # the fixtures' /usr A and B partition UUIDs
@@ -207,7 +211,7 @@ A_HASH, B_HASH = "a" * 32 + "b" * 32, "c" * 32 + "d" * 32  # the fixtures' /usr 
 def test_the_view_knows_which_version_uses_which_engine_slot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # 2.0.0 was installed by the updater (from a bundle for engine E2) and runs; 1.0.0 (engine E1) is the other slot
     disk = Disk(tmp_path, monkeypatch, "two-engines", ["appliance_1.0.0.efi", "appliance_2.0.0.efi"], B_HASH)
-    monkeypatch.setattr(slots, "running_manifest", lambda: dataclasses.replace(RUNNING, version="2.0.0",
+    monkeypatch.setattr(release, "running_manifest", lambda: dataclasses.replace(RUNNING, version="2.0.0",
                         engine_image=dataclasses.replace(RUNNING.engine_image, digest=E2)))
     engine_slots.record({"1.0.0": E1, "2.0.0": E2}, keep={"1.0.0", "2.0.0"})
     view = slots.read(disk.host, "2.0.0")
@@ -229,7 +233,7 @@ def test_the_view_knows_which_version_uses_which_engine_slot(tmp_path: Path, mon
     assert choose_engine_slot(bad.engine_slots, bad.bootable_engines(), E3).slot.name == "A"
     (disk.esp / "EFI/Linux/appliance_1.0.0+0-3.efi").rename(disk.esp / "EFI/Linux/appliance_1.0.0.efi")
     # without the record, 1.0.0's engine is not known: only an empty slot would do, and there is none
-    engine_slots.record_path().unlink()
+    paths.engines_record_path().unlink()
     with pytest.raises(UserError, match="no engine slot may be written"):
         choose_engine_slot(slots.read(disk.host, "2.0.0").engine_slots, slots.read(disk.host, "2.0.0").bootable_engines(), E3)
     assert slots.read(disk.host, "2.0.0").engine_slot_for(E3).slot.name == "A", "1.0.0 leaves: its engine does not count"
@@ -237,8 +241,8 @@ def test_the_view_knows_which_version_uses_which_engine_slot(tmp_path: Path, mon
 
 def test_status_and_slots_show_both_engine_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     disk = Disk(tmp_path, monkeypatch, "first-boot", ["appliance_1.0.0.efi"], A_HASH)
-    monkeypatch.setattr(slots, "running_manifest", lambda: ENGINE_RUNNING)
-    summary = slots.slots_summary(disk.host, "1.0.0")
+    monkeypatch.setattr(release, "running_manifest", lambda: ENGINE_RUNNING)
+    summary = probes_os.slots_summary(disk.host, "1.0.0")
     part = probes_os.probe_slots(None, lambda: summary)  # type: ignore[arg-type]
     assert part.reason == "A 1.0.0 booted, good; B empty; engine A e68d18b2ba50 running (1.0.0), B empty"
     lines = slots_cmd.render(slots.read(disk.host, "1.0.0"))
@@ -256,6 +260,6 @@ def test_an_update_records_which_engine_each_version_runs(tmp_path: Path, monkey
     (device.esp / "EFI/Linux/appliance_0.9.0.efi").write_bytes(b"an entry of a version long gone")
     engine_slots.record({"0.8.0": E3}, keep={"0.8.0"})
     assert up.update(str(bundle(tmp_path, key, "2.0.0")), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
-    recorded = json.loads(engine_slots.record_path().read_text())["versions"]
+    recorded = json.loads(paths.engines_record_path().read_text())["versions"]
     digest = RUNNING.engine_image.digest
     assert recorded == {"1.0.0": digest, "2.0.0": digest}, "the running version's and the new one's; 0.8.0 has no entry"

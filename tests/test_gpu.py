@@ -11,15 +11,16 @@ import ast
 import dataclasses
 import json
 import os
-import stat
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from fakeprog import calls, fake_program
 
 from appliance import config as config_model
 from appliance.config import Config
+from appliance.config_types import Gpu
 from applianctl.status import gpu
 from applianctl.status import parts as probes
 
@@ -34,7 +35,7 @@ STATIC_ROCM6 = [{"gpu": 0, "vram": STATIC_VRAM}]
 def gpu_config(required: bool = True, min_vram_headroom_mib: int = 1024) -> Config:
     """The demo profile's real configuration with the given [gpu] settings."""
     loaded = config_model.load(Path(__file__).parents[1] / "appliance.toml", "demo")
-    return dataclasses.replace(loaded, gpu=config_model.Gpu(required=required, min_vram_headroom_mib=min_vram_headroom_mib))
+    return dataclasses.replace(loaded, gpu=Gpu(required=required, min_vram_headroom_mib=min_vram_headroom_mib))
 
 
 CONFIG = gpu_config()
@@ -162,14 +163,14 @@ def test_tool_without_gpu_or_hanging_is_not_present() -> None:
 
 def test_real_programs_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real subprocess path: amd-smi fails as it does without a GPU, rocm-smi prints the recording."""
-    for name, script in {
-        "amd-smi": "#!/bin/sh\necho 'AMDSMI: no GPUs' >&2\nexit 1\n",
-        "rocm-smi": f"#!/bin/sh\ncat '{ROCM_SMI_FILE}'\n",
-    }.items():
-        path = tmp_path / name
-        path.write_text(script)
-        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    fake_program(tmp_path, "amd-smi", script_body="echo 'AMDSMI: no GPUs' >&2", exit=1)
+    fake_program(tmp_path, "rocm-smi", script_body=f"cat '{ROCM_SMI_FILE}'")
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     part = gpu.probe(CONFIG, probes.run_command)
     assert part.state == probes.OK, part.reason
+    assert sorted(calls(tmp_path / "calls.log")) == [  # both amd-smi calls run side by side: in either order
+        ["amd-smi", "metric", "--json"],
+        ["amd-smi", "static", "--json"],
+        ["rocm-smi", "--showmeminfo", "vram", "--showtemp", "--showpower", "--json"],
+    ]
     assert part.details["gpus"][0]["vram_total_mib"] == 196592

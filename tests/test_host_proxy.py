@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from cryptography import x509
 
-from appliance import caddyfile, paths
+from appliance import caddyfile, host_settings, paths
 from appliance import config as config_mod
 from appliance import plan as plan_model
 from appliance.errors import ConfigError
@@ -89,7 +89,7 @@ def _image(tls_mode: str = "internal") -> config_mod.Config:
 
 def _plan(**proxy: Any) -> plan_model.Plan:
     # Built directly (not from TOML): the hostile cases must reach the signature and the device's checks.
-    return plan_model.Plan(hostname="gpu-07", proxy=plan_model.Proxy(**proxy))
+    return plan_model.Plan(hostname="gpu-07", proxy=host_settings.Proxy(**proxy))
 
 
 def _caddy(args: list[str], path: Path, home: Path) -> subprocess.CompletedProcess[str]:

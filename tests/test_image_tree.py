@@ -3,6 +3,7 @@ machinery, a demo tree carries the boot check; every unit's sandbox exposure is 
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -18,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # What only test machinery does: act on a plan or a boot-check request passed in as a credential,
 # or write to a serial port other than the console (ttyS1 is often the BMC's serial-over-LAN),
-# or inject a fault (the synthetic bad versions' units).
+# or inject a fault (the synthetic bad versions' units); and the test package itself, testkit.
 TEST_MACHINERY = re.compile(
-    r"bootcheck|appliance\.plan|ttyS[1-9]|/dev/hvc|hvc[0-9]|ImportCredential=appliance|appliance\.demo\.fault|sysrq-trigger"
+    r"bootcheck|testkit|appliance\.plan|ttyS[1-9]|/dev/hvc|hvc[0-9]|ImportCredential=appliance|appliance\.demo\.fault|sysrq-trigger"
 )
 
 
@@ -82,19 +83,20 @@ def test_production_tree_is_not_empty(production_tree: Path) -> None:
     assert (production_tree / "usr/lib/systemd/system/appliance-verify.service").is_file()
     preset = (production_tree / "usr/lib/systemd/system-preset/10-appliance.preset").read_text()
     assert "enable appliance-proxy.service" in preset
-    assert not (production_tree / "usr/lib/python3/dist-packages/demo").exists()
+    assert not (production_tree / "usr/lib/python3/dist-packages/testkit").exists()
 
 
 def test_demo_tree_has_the_boot_check(demo_tree: Path) -> None:
     found = _machinery(demo_tree)
     unit = "usr/lib/systemd/system/appliance-bootcheck.service"
     assert "ttyS1" in found[unit]
-    assert "python3 -m demo.bootcheck" in (demo_tree / unit).read_text()
-    assert (demo_tree / "usr/lib/python3/dist-packages/demo/bootcheck.py").is_file()
-    assert "appliance.plan" in found["usr/lib/python3/dist-packages/demo/bootcheck.py"]
+    assert "python3 -m testkit.bootcheck" in (demo_tree / unit).read_text()
+    assert (demo_tree / "usr/lib/python3/dist-packages/testkit/bootcheck.py").is_file()
+    assert "appliance.plan" in found["usr/lib/python3/dist-packages/testkit/bootcheck.py"]
     presets = "".join(p.read_text() for p in (demo_tree / "usr/lib/systemd/system-preset").iterdir())
     assert "enable appliance-bootcheck.service" in presets
-    # Only the demo package, its unit and its preset are test machinery.
+    # Only testkit's guest half (the boot check, not the host's faults.py or standin.py), its units
+    # and its preset are test machinery.
     assert {n.split("/")[-1] for n in found} <= {"appliance-bootcheck.service", "appliance-bootcheck-trial.service",
                                                 "20-appliance-demo.preset", "bootcheck.py", "__init__.py",
                                                 "appliance-demo-fault.service", "appliance-demo-panic.service"}
@@ -104,6 +106,21 @@ def test_bootcheck_is_not_an_applianctl_verb() -> None:
     from applianctl.__main__ import COMMAND_MODULES
 
     assert "bootcheck" not in COMMAND_MODULES
+
+
+@pytest.mark.parametrize("package", ["appliance", "applianctl", "builder", "installer", "standin"])
+def test_the_product_never_imports_test_or_benchmark_machinery(package: str) -> None:
+    offenders = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in {"testkit", "bench"}]
+    assert offenders == []
 
 
 # ------------------------------------------------------------------------- sandbox exposure
@@ -180,7 +197,7 @@ def test_lean_initrd_keeps_what_reaching_usr_needs() -> None:
 
 
 def test_bad_versions_use_words_the_demo_units_act_on(demo_tree: Path, production_tree: Path) -> None:
-    from builder import faults
+    from testkit import faults
 
     demo = config.load(ROOT / "appliance.toml", "demo")
     units = {p.name: p.read_text() for p in (demo_tree / "usr/lib/systemd/system").iterdir()}

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from appliance import host_settings
 from appliance import plan as plan_model
 from appliance.errors import UserError
 from installer import install, select
@@ -66,8 +67,8 @@ def _payload(tmp_path: Path) -> install.Payload:
 
 def _plan(tmp_path: Path) -> tuple[plan_model.Plan, Path]:
     plan = plan_model.Plan(hostname="gpu-07", target=plan_model.Target(serial="S64ANS0T512345"),
-                           network=plan_model.Network(interfaces=("ens1f0",), addresses=("192.0.2.10/24",)),
-                           ssh=plan_model.Ssh(authorized_keys=(KEY,)))
+                           network=host_settings.Network(interfaces=("ens1f0",), addresses=("192.0.2.10/24",)),
+                           ssh=host_settings.Ssh(authorized_keys=(KEY,)))
     plan_dir = tmp_path / "plan"
     plan_dir.mkdir()
     for name in (plan_model.PLAN_JSON, plan_model.PLAN_SIG):

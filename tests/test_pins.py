@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from appliance import sums
-from appliance.config import Config, PinnedFile, load
+from appliance.config import Config, load
+from appliance.config_types import PinnedFile
 from appliance.errors import ConfigError, UserError
 from builder import pins
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from appliance import config
+from appliance.errors import ConfigError
 from builder import engine_store, render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,7 +196,7 @@ def test_any_accepted_environment_value_renders_exactly(production: config.Confi
         trial = {**data, "engine": {**data["engine"], "env": {"X": value}}}
         try:
             c = config.from_json(trial, Path("appliance.json"))
-        except config.ConfigError:
+        except ConfigError:
             return  # refused in one line: fine
         unit = parse_unit(render.render_template("appliance-engine.container.j2", c, _store(c)))
         assert environment(unit)["X"] == value
@@ -215,7 +216,7 @@ def test_any_accepted_engine_argument_renders_as_one_exact_word(production: conf
         trial = {**data, "engine": {**data["engine"], "args": [*data["engine"]["args"], "--note", value]}}
         try:
             c = config.from_json(trial, Path("appliance.json"))
-        except config.ConfigError:
+        except ConfigError:
             return
         unit = parse_unit(render.render_template("appliance-engine.container.j2", c, _store(c)))
         assert systemd_words(unit["Exec"][0])[-2:] == ["--note", value]

@@ -14,7 +14,8 @@ import pytest
 
 from appliance.config import Config, load
 from applianctl import shm
-from standin.testing import ROOT, StandinProcess
+from applianctl.records import ShmRemoved
+from testkit.standin import ROOT, StandinProcess
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -86,8 +87,8 @@ def test_removes_unheld_and_keeps_held_files(shm_dir: Path, holder: Callable[...
     result = shm.check(_cfg(1, 1), shm_dir, statvfs=_fs(100), meminfo=_mem(100))
     assert not leaked.exists()
     assert by_fd.exists() and by_map.exists() and other.exists()
-    assert result["ok"] is True
-    assert result["removed"] == [{"path": str(leaked), "bytes": 1 << 20, "allocated_bytes": 8192}]
+    assert result.ok is True
+    assert result.removed == (ShmRemoved(path=str(leaked), bytes=1 << 20, allocated_bytes=8192),)
     out = capsys.readouterr().out
     assert f"removed {leaked} (0.00 GB" in out
     assert f"kept {by_fd}" in out and f"kept {by_map}" in out
@@ -113,30 +114,30 @@ def test_dry_run_removes_nothing(shm_dir: Path) -> None:
 
 def test_capacity_check_fails_when_shm_is_too_small(shm_dir: Path) -> None:
     result = shm.check(_cfg(96, 8), shm_dir, statvfs=_fs(free_gib=100, size_gib=117), meminfo=_mem(200))
-    assert result["ok"] is False
-    assert result["required_bytes"] == 104 * GIB
-    assert result["shm_size_bytes"] == 117 * GIB and result["shm_used_bytes"] == 17 * GIB
-    assert "100.00 GiB free" in result["reason"] and "104.00 GiB" in result["reason"]
-    assert "\n" not in result["reason"]
+    assert result.ok is False
+    assert result.required_bytes == 104 * GIB
+    assert result.shm_size_bytes == 117 * GIB and result.shm_used_bytes == 17 * GIB
+    assert "100.00 GiB free" in result.reason and "104.00 GiB" in result.reason
+    assert "\n" not in result.reason
 
 
 def test_capacity_check_fails_when_memory_is_short(shm_dir: Path) -> None:
     result = shm.check(_cfg(96, 8), shm_dir, statvfs=_fs(150), meminfo=_mem(100))
-    assert result["ok"] is False and "memory available" in result["reason"]
+    assert result.ok is False and "memory available" in result.reason
 
 
 def test_removed_files_count_towards_memory(shm_dir: Path) -> None:
     _leak(shm_dir, "big", size=4 * GIB)  # sparse apart from 8 KiB, so it frees 8 KiB
     need = 1 + 1  # GiB
     just_short = need - 8192 / GIB / 2
-    assert shm.check(_cfg(1, 1), shm_dir, statvfs=_fs(50), meminfo=_mem(just_short))["ok"] is True
+    assert shm.check(_cfg(1, 1), shm_dir, statvfs=_fs(50), meminfo=_mem(just_short)).ok is True
     _leak(shm_dir, "big2", size=GIB)
-    assert shm.check(_cfg(1, 1), shm_dir, statvfs=_fs(50), meminfo=_mem(need - 1 / 1024))["ok"] is False
+    assert shm.check(_cfg(1, 1), shm_dir, statvfs=_fs(50), meminfo=_mem(need - 1 / 1024)).ok is False
 
 
 def test_capacity_check_passes(shm_dir: Path) -> None:
     result = shm.check(_cfg(96, 8), shm_dir, statvfs=_fs(150), meminfo=_mem(200))
-    assert result["ok"] is True and result["removed"] == []
+    assert result.ok is True and result.removed == ()
 
 
 def _cli(env: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from fake_release import usrhash_for
+from fakeprog import fake_program
 
 from appliance import paths
 from appliance.bundle import USR_TYPE, USR_VERITY_TYPE, partuuids_from_usrhash
+from applianctl.slots import release
 from applianctl.slots import view as slots
+from applianctl.slots.entries import BAD, GOOD, ON_TRIAL, parse_bootctl_list
+from applianctl.slots.machine import EFI_LOADER_GUID, Host, boot_counting
+from applianctl.slots.sysupdate import sysupdate_list
 
 GIB = 1024**3
 FAKE_BOOTCTL = Path(__file__).resolve().parent / "fake_bootctl.py"
@@ -49,12 +55,7 @@ SYSUPDATE_257_PENDING = '{"current+pending":"2.0.0","all":["2.0.0","1.0.0"],"app
 
 def efi_var(directory: Path, name: str, value: str) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{name}-{slots.EFI_LOADER_GUID}").write_bytes(b"\x06\0\0\0" + (value + "\0").encode("utf-16-le"))
-
-
-def _script(path: Path, body: str) -> None:
-    path.write_text(body)
-    path.chmod(0o755)
+    (directory / f"{name}-{EFI_LOADER_GUID}").write_bytes(b"\x06\0\0\0" + (value + "\0").encode("utf-16-le"))
 
 
 class Machine:
@@ -79,25 +80,25 @@ class Machine:
             {"node": "/dev/vda5", "size": 2048, "type": USR_VERITY_TYPE, "uuid": b_ver.upper(), "name": "appliance_2.0.0_verity"},
         ]
         gpt.write_text(json.dumps({"partitiontable": {"label": "gpt", "sectorsize": 512, "partitions": parts}}))
-        _script(self.bin / "sfdisk", f'#!/bin/sh\ncat "{gpt}"\n')
+        fake_program(self.bin, "sfdisk", script_body=f'cat "{gpt}"')
         self.recorded = root / "bootctl.json"
         self.recorded.write_text(bootctl_257(self.esp))
         self.use_recorded_bootctl()
-        _script(self.bin / "systemd-sysupdate", f"#!/bin/sh\necho '{SYSUPDATE_257}'\n")
+        fake_program(self.bin, "systemd-sysupdate", stdout=SYSUPDATE_257 + "\n")
         monkeypatch.setenv("PATH", f"{self.bin}:{os.environ['PATH']}")
         monkeypatch.setenv("FAKE_EFIVARS", str(root / "efivars"))
         monkeypatch.setattr(paths, "STATE_DIR", root / "state")
-        self.host = slots.Host(efivars=root / "efivars", cmdline=root / "cmdline", esp=self.esp, disk="/dev/vda", sfdisk="sfdisk")
+        self.host = Host(efivars=root / "efivars", cmdline=root / "cmdline", esp=self.esp, disk="/dev/vda", sfdisk="sfdisk")
         # this boot: systemd-boot booted the counted 2.0.0 entry
         efi_var(self.host.efivars, "LoaderEntrySelected", "appliance_2.0.0.efi")
         efi_var(self.host.efivars, "LoaderBootCountPath", "\\EFI\\Linux\\appliance_2.0.0+2-1.efi")
 
     def use_recorded_bootctl(self) -> None:
-        _script(self.bin / "bootctl", f'#!/bin/sh\ncat "{self.recorded}"\n')
+        fake_program(self.bin, "bootctl", script_body=f'cat "{self.recorded}"')
 
     def use_live_bootctl(self) -> None:
         """systemd 257's format computed from the ESP as it is now (after renames)."""
-        _script(self.bin / "bootctl", f'#!/bin/sh\nexec python3 {FAKE_BOOTCTL} "$@"\n')
+        fake_program(self.bin, "bootctl", script_body=f'exec {sys.executable} {FAKE_BOOTCTL} "$@"')
 
 
 @pytest.fixture
@@ -106,10 +107,10 @@ def machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Machine:
 
 
 def test_bootctl_257_json_is_read_and_loader_entries_ignored(machine: Machine) -> None:
-    found = slots.parse_bootctl_list(machine.recorded.read_text())
+    found = parse_bootctl_list(machine.recorded.read_text())
     assert [(e.version, e.state, e.tries_left, e.tries_done, e.is_default, e.is_selected) for e in found] == [
-        ("2.0.0", slots.ON_TRIAL, 2, 1, True, True),
-        ("1.0.0", slots.GOOD, None, None, False, False),
+        ("2.0.0", ON_TRIAL, 2, 1, True, True),
+        ("1.0.0", GOOD, None, None, False, False),
     ]
     assert found[0].path == machine.esp / "EFI/Linux/appliance_2.0.0+2-1.efi" and found[0].id == "appliance_2.0.0.efi"
 
@@ -119,7 +120,7 @@ def test_the_view_joins_slots_entries_and_this_boot(machine: Machine) -> None:
     assert view.errors == [] and view.entries_source == "bootctl"
     assert [(s.name, s.version, s.booted) for s in view.slots] == [("A", "1.0.0", False), ("B", "2.0.0", True)]
     assert view.booted is not None and view.booted.name == "B" and view.other is not None and view.other.name == "A"
-    assert view.running_state()[0] == slots.ON_TRIAL
+    assert view.running_state()[0] == ON_TRIAL
     assert "2 tries left" in view.running_state()[1]
     doc = view.to_json()
     assert [(s["slot"], s["state"], s["default"]) for s in doc["slots"]] == [("A", "good", False), ("B", "on trial", True)]
@@ -131,15 +132,15 @@ def test_judged_good_is_read_from_the_entry_now_not_from_the_boot_variables(mach
     machine.use_live_bootctl()
     (machine.esp / "EFI/Linux/appliance_2.0.0+2-1.efi").rename(machine.esp / "EFI/Linux/appliance_2.0.0.efi")
     view = slots.read(machine.host, "2.0.0")
-    assert slots.boot_counting(machine.host) is not None, "this boot was counted"
-    assert view.running_state()[0] == slots.GOOD
+    assert boot_counting(machine.host) is not None, "this boot was counted"
+    assert view.running_state()[0] == GOOD
 
 
 def test_a_running_entry_out_of_tries_is_bad(machine: Machine) -> None:
     machine.use_live_bootctl()
     (machine.esp / "EFI/Linux/appliance_2.0.0+2-1.efi").rename(machine.esp / "EFI/Linux/appliance_2.0.0+0.efi")
     view = slots.read(machine.host, "2.0.0")
-    assert view.running_state()[0] == slots.BAD
+    assert view.running_state()[0] == BAD
     # systemd-boot sorts an entry out of tries last: the other version is the default now
     assert [(e.version, e.is_default) for e in view.entries] == [("2.0.0", False), ("1.0.0", True)]
 
@@ -149,8 +150,8 @@ def test_without_bootctl_the_esp_is_read_and_the_view_says_so(machine: Machine) 
     machine.host.bootctl = str(machine.bin / "bootctl")  # not installed
     view = slots.read(machine.host, "2.0.0")
     assert view.entries_source.startswith("ESP scan (bootctl:")
-    assert [(e.version, e.state) for e in view.entries] == [("2.0.0", slots.ON_TRIAL), ("1.0.0", slots.GOOD)]
-    assert view.running_state()[0] == slots.ON_TRIAL
+    assert [(e.version, e.state) for e in view.entries] == [("2.0.0", ON_TRIAL), ("1.0.0", GOOD)]
+    assert view.running_state()[0] == ON_TRIAL
 
 
 def test_bootctl_output_that_contradicts_the_file_name_is_not_believed(machine: Machine) -> None:
@@ -159,7 +160,7 @@ def test_bootctl_output_that_contradicts_the_file_name_is_not_believed(machine: 
     machine.recorded.write_text(json.dumps(data))
     view = slots.read(machine.host, "2.0.0")
     assert view.entries_source.startswith("ESP scan") and "disagrees" in view.entries_source
-    assert view.running_state()[0] == slots.ON_TRIAL
+    assert view.running_state()[0] == ON_TRIAL
 
 
 def test_no_entry_for_the_running_version_is_unknown(machine: Machine) -> None:
@@ -170,16 +171,16 @@ def test_no_entry_for_the_running_version_is_unknown(machine: Machine) -> None:
 
 
 def test_sysupdate_257_list_is_read(machine: Machine) -> None:
-    assert slots.sysupdate_list(str(machine.bin / "systemd-sysupdate")) == {"current": "2.0.0", "pending": False, "all": ["2.0.0", "1.0.0"]}
-    _script(machine.bin / "systemd-sysupdate", f"#!/bin/sh\necho '{SYSUPDATE_257_PENDING}'\n")
-    assert slots.sysupdate_list(str(machine.bin / "systemd-sysupdate"))["pending"] is True
+    assert sysupdate_list(str(machine.bin / "systemd-sysupdate")) == {"current": "2.0.0", "pending": False, "all": ["2.0.0", "1.0.0"]}
+    fake_program(machine.bin, "systemd-sysupdate", stdout=SYSUPDATE_257_PENDING + "\n")
+    assert sysupdate_list(str(machine.bin / "systemd-sysupdate"))["pending"] is True
 
 
 def _cli(argv: list[str], machine: Machine, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     from applianctl.__main__ import main
 
     running = SimpleNamespace(version="2.0.0", engine_image=SimpleNamespace(digest="sha256:" + "ab" * 32))  # all it is asked
-    monkeypatch.setattr(slots, "running_manifest", lambda: running)
+    monkeypatch.setattr(release, "running_manifest", lambda: running)
     monkeypatch.setenv("APPLIANCE_ESP_DIR", str(machine.esp))
     monkeypatch.setenv("APPLIANCE_EFIVARS_DIR", str(machine.host.efivars))
     monkeypatch.setenv("APPLIANCE_CMDLINE", str(machine.host.cmdline))
@@ -210,6 +211,6 @@ def test_applianctl_slots_text(machine: Machine, monkeypatch: pytest.MonkeyPatch
 def test_applianctl_slots_exits_1_when_a_part_cannot_be_read(
     machine: Machine, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _script(machine.bin / "sfdisk", "#!/bin/sh\necho 'sfdisk: cannot open /dev/vda' >&2\nexit 1\n")
+    fake_program(machine.bin, "sfdisk", script_body="echo 'sfdisk: cannot open /dev/vda' >&2", exit=1)
     code, out = _cli(["slots", "--no-sysupdate"], machine, monkeypatch, capsys)
     assert code == 1 and "error: sfdisk -J /dev/vda failed: sfdisk: cannot open /dev/vda" in out

@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from standin import faults
-from standin.testing import ROOT, StandinProcess, port_open
+from testkit.standin import ROOT, StandinProcess, port_open
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from applianctl.startup import Report, parse
-from standin.testing import ROOT, StandinProcess
+from testkit.standin import ROOT, StandinProcess
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,14 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fakeprog import fake_program
 from mock_systemd import MockSystemd, start_mock_systemd, stop_mock_systemd
 from standin_engine import MODEL, free_port, start_standin, stop
 
 from appliance import config as builder_config
 from appliance import paths
-from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
+from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE, USR_TYPE, USR_VERITY_TYPE
 from appliance.config import Config
-from applianctl.slots import view as slots
+from applianctl.slots.machine import EFI_LOADER_GUID, Host
 from applianctl.status import collect as status
 from applianctl.status import disk as probes_disk
 from applianctl.status import engine as probes_engine
@@ -131,7 +132,7 @@ def write_config(tree: Path, config: Config, monkeypatch: pytest.MonkeyPatch) ->
     (tree / "appliance.json").write_text(json.dumps(config.to_json()))
 
 
-FAKE_SFDISK = '#!/bin/sh\n[ "$1" = -J ] && cat "$(dirname "$0")/gpt.json"\n'
+FAKE_SFDISK = '[ "$1" = -J ] || exit 1\ncat "$(dirname "$0")/gpt.json"'  # the body of the fake sfdisk
 
 
 @pytest.fixture
@@ -155,8 +156,7 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: Config) -> Pat
     monkeypatch.setattr(probes_disk, "DISK_MIN_FREE_FRACTION", 0.0)
     (tmp_path / "os-release").write_text(f"ID=debian\nIMAGE_VERSION={config.appliance.version}\n")
     (tmp_path / "esp" / "EFI" / "Linux").mkdir(parents=True)
-    (tmp_path / "sfdisk").write_text(FAKE_SFDISK)
-    (tmp_path / "sfdisk").chmod(0o755)
+    fake_program(tmp_path, "sfdisk", script_body=FAKE_SFDISK)
     gpt(tmp_path, [])
     return tmp_path
 
@@ -169,7 +169,7 @@ def gpt(tree: Path, parts: list[dict[str, Any]]) -> None:
 
 def sources(tree: Path, engine_url: str, mock: MockSystemd | None = None, **kw: Any) -> probes.Sources:
     (tree / "proc").mkdir(exist_ok=True)
-    host = slots.Host(efivars=tree / "efivars", cmdline=tree / "cmdline", esp=tree / "esp", disk="/dev/vda", sfdisk=str(tree / "sfdisk"))
+    host = Host(efivars=tree / "efivars", cmdline=tree / "cmdline", esp=tree / "esp", disk="/dev/vda", sfdisk=str(tree / "sfdisk"))
     return probes.Sources(
         engine_url=engine_url,
         os_release=tree / "os-release",
@@ -402,7 +402,7 @@ def test_engine_serving_another_model_is_degraded(tree: Path, config: Config) ->
 
 def _efivar(tree: Path, entry: str) -> None:
     (tree / "efivars").mkdir(exist_ok=True)
-    var = tree / "efivars" / f"LoaderEntrySelected-{slots.EFI_LOADER_GUID}"
+    var = tree / "efivars" / f"LoaderEntrySelected-{EFI_LOADER_GUID}"
     var.write_bytes(b"\x06\x00\x00\x00" + (entry + "\0").encode("utf-16-le"))
 
 
@@ -415,14 +415,14 @@ def test_booted_slot_from_usrhash_through_the_slots_model(tree: Path, config: Co
     gpt(
         tree,
         [
-            {"node": "/dev/vda2", "type": slots.USR_TYPE, "uuid": "aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa", "name": "appliance_1.0.0"},
+            {"node": "/dev/vda2", "type": USR_TYPE, "uuid": "aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa", "name": "appliance_1.0.0"},
             {
                 "node": "/dev/vda3",
-                "type": slots.USR_VERITY_TYPE,
+                "type": USR_VERITY_TYPE,
                 "uuid": "cccccccc-0000-0000-0000-000000000000",
                 "name": "appliance_1.0.0_verity",
             },
-            {"node": "/dev/vda5", "type": slots.USR_TYPE, "uuid": "bbbbbbbb-bbbb-bbbb-bbbb-bbbbbbbbbbbb", "name": "appliance_1.1.0"},
+            {"node": "/dev/vda5", "type": USR_TYPE, "uuid": "bbbbbbbb-bbbb-bbbb-bbbb-bbbbbbbbbbbb", "name": "appliance_1.1.0"},
         ],
     )
     (tree / "cmdline").write_text(f"console=ttyS0 usrhash={booted_hash} ro\n")
@@ -673,7 +673,7 @@ def test_the_schema_doc_matches_what_status_prints_both_ways(
     config = behind(config, live_proxy, monkeypatch)
     write_healthy(tree, config)
     gpt(tree, [
-        {"node": "/dev/vda2", "type": slots.USR_TYPE, "uuid": "aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa", "name": "appliance_1.0.0"},
+        {"node": "/dev/vda2", "type": USR_TYPE, "uuid": "aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa", "name": "appliance_1.0.0"},
         # the engine slots (tests/test_engine_slots.py reads real `sfdisk -J` tables of them)
         {"node": "/dev/vda4", "type": ENGINE_TYPE, "uuid": "4e2d3c4b-5a69-4788-97a6-b5c4d3e2f100",
          "name": "engine_e68d18b2ba50"},

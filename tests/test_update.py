@@ -20,21 +20,25 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
+import fakeprog
 import pytest
 from fake_release import bundle, demo_config, fake_build, make_signing, usrhash_for
+from fakeprog import fake_program, sh_record
 from test_fetch import make_ca, make_server_cert
 
 from appliance import atomic as state
 from appliance import bundle as bundle_format
 from appliance import fetch as update_fetch
 from appliance import manifest, paths
-from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE, engine_short, source_names
+from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE, USR_TYPE, USR_VERITY_TYPE, engine_short, partuuids_from_usrhash, source_names
 from appliance.errors import Refused, UserError
 from applianctl.slots import engine as engine_slots
-from applianctl.slots import rollback
-from applianctl.slots import view as slots
+from applianctl.slots import release, rollback
+from applianctl.slots.machine import EFI_LOADER_GUID, Host, boot_counting
+from applianctl.status import os_slots as probes_os
 from applianctl.update import command as up
 from applianctl.update import download as update_stage
+from applianctl.update import staged as update_staged
 from builder import release as rel
 
 GIB = 1024**3
@@ -42,45 +46,44 @@ TRANSFERS = Path(__file__).resolve().parents[1] / "image/mkosi.extra/usr/lib/sys
 
 BOOTCTL = Path(__file__).resolve().parent / "fake_bootctl.py"
 
-FAKE = """#!/bin/sh
-name=$(basename "$0")
-echo "$name $*" >> "$FAKE_LOG"
-if [ "$name" = systemd-sysupdate ]; then ls "$FAKE_SOURCE" | sed 's/^/  source: /' >> "$FAKE_LOG"; fi
-if [ "$name" = sfdisk ] && [ "$1" = -J ]; then cat "$FAKE_GPT"; fi
-exit 0
-"""
+# the fakes' bodies, after each has recorded its call (fakeprog); systemd-sysupdate also records
+# which files its source directory holds when it is called, one listing per call (Device.sources)
+FAKE_BODY = {
+    "systemd-sysupdate": 'cd "$FAKE_SOURCE" 2>/dev/null && (set -- *; [ -e "$1" ] || set --; {record})',
+    "systemctl": "",
+    "sfdisk": 'if [ "$1" = -J ]; then cat "$FAKE_GPT"; fi',
+    "blkdiscard": "",
+}
 
 
 def efi_var(directory: Path, name: str, value: str) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{name}-{slots.EFI_LOADER_GUID}").write_bytes(b"\x06\0\0\0" + (value + "\0").encode("utf-16-le"))
+    (directory / f"{name}-{EFI_LOADER_GUID}").write_bytes(b"\x06\0\0\0" + (value + "\0").encode("utf-16-le"))
 
 
 class Device:
     def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         self.root = root
         self.log = root / "calls.log"
+        self.sources_log = root / "sources.log"
         self.gpt = root / "gpt.json"
         bin_dir = root / "bin"
         bin_dir.mkdir()
-        for name in ("systemd-sysupdate", "systemctl", "sfdisk", "blkdiscard"):
-            (bin_dir / name).write_text(FAKE)
-            (bin_dir / name).chmod(0o755)
+        for name, body in FAKE_BODY.items():
+            fake_program(bin_dir, name, script_body=body.format(record=sh_record(self.sources_log, "source")), log=self.log)
         # bootctl: systemd 257's `list --json=short` over this ESP; other verbs only recorded
-        (bin_dir / "bootctl").write_text(f'#!/bin/sh\nexec {sys.executable} {BOOTCTL} "$@"\n')
-        (bin_dir / "bootctl").chmod(0o755)
+        fake_program(bin_dir, "bootctl", script_body=f'exec {sys.executable} {BOOTCTL} "$@"', log=self.log)
         monkeypatch.setenv("FAKE_EFIVARS", str(root / "efivars"))
         monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-        monkeypatch.setenv("FAKE_LOG", str(self.log))
         monkeypatch.setenv("FAKE_GPT", str(self.gpt))
         monkeypatch.setattr(paths, "STATE_DIR", root / "state")
-        monkeypatch.setenv("FAKE_SOURCE", str(slots.source_dir()))
+        monkeypatch.setenv("FAKE_SOURCE", str(paths.update_source_dir()))
         self.esp = root / "esp"
         (self.esp / "EFI/Linux").mkdir(parents=True)
         (self.esp / "EFI/Linux/appliance_1.0.0.efi").write_bytes(b"uki 1")
         self.cmdline = root / "cmdline"
         self.cmdline.write_text(f"usrhash={usrhash_for('1.0.0')} rw\n")
-        self.host = slots.Host(efivars=root / "efivars", cmdline=self.cmdline, esp=self.esp, disk="/dev/vda", sfdisk="sfdisk")
+        self.host = Host(efivars=root / "efivars", cmdline=self.cmdline, esp=self.esp, disk="/dev/vda", sfdisk="sfdisk")
         self.set_gpt("appliance_1.0.0", "_empty")
 
     def set_gpt(
@@ -90,7 +93,7 @@ class Device:
         """The disk: /usr A and B, engine slot A as images of today label it (linux-generic,
         engine_D12 of the running engine), and with ENGINE_B an engine slot B of the
         appliance-engine type labelled ENGINE_B (e.g. _empty) as systemd-repart makes it."""
-        a_usr, a_verity = slots.partuuids_from_usrhash(usrhash_for("1.0.0"))
+        a_usr, a_verity = partuuids_from_usrhash(usrhash_for("1.0.0"))
         engine = f"engine_{engine_short(RUNNING.engine_image.digest)}"
         linux = "0FC63DAF-8483-4772-8E79-3D69D8477DE4"
         slot_b = [] if engine_b is None else [
@@ -100,11 +103,11 @@ class Device:
         ]
         parts = [
             {"node": "/dev/vda1", "size": 1048576, "type": "C12A7328-F81F-11D2-BA4B-00A0C93EC93B", "uuid": "X", "name": "esp"},
-            {"node": "/dev/vda2", "size": 3 * GIB // 512, "type": slots.USR_TYPE, "uuid": a_usr.upper(), "name": label_a},
-            {"node": "/dev/vda3", "size": 131072, "type": slots.USR_VERITY_TYPE, "uuid": a_verity.upper(), "name": label_a + "_verity"},
-            {"node": "/dev/vda5", "size": b_bytes // 512, "type": slots.USR_TYPE, "uuid": b_uuid, "name": label_b},
+            {"node": "/dev/vda2", "size": 3 * GIB // 512, "type": USR_TYPE, "uuid": a_usr.upper(), "name": label_a},
+            {"node": "/dev/vda3", "size": 131072, "type": USR_VERITY_TYPE, "uuid": a_verity.upper(), "name": label_a + "_verity"},
+            {"node": "/dev/vda5", "size": b_bytes // 512, "type": USR_TYPE, "uuid": b_uuid, "name": label_b},
             {
-                "node": "/dev/vda6", "size": 131072, "type": slots.USR_VERITY_TYPE, "uuid": "66666666-2222-3333-4444-555555555555",
+                "node": "/dev/vda6", "size": 131072, "type": USR_VERITY_TYPE, "uuid": "66666666-2222-3333-4444-555555555555",
                 "name": label_b + ("_verity" if label_b != "_empty" else ""),
             },
             {"node": "/dev/vda7", "size": 8192, "type": linux, "uuid": "77777777-2222-3333-4444-555555555555", "name": engine},
@@ -113,19 +116,21 @@ class Device:
         ]
         self.gpt.write_text(json.dumps({"partitiontable": {"label": "gpt", "sectorsize": 512, "partitions": parts}}))
 
-    def calls(self, program: str | None = None) -> list[str]:
-        """Every recorded call except bootctl's reads (`bootctl --no-pager list ...`)."""
-        if not self.log.exists():
-            return []
-        lines = [line for line in self.log.read_text().splitlines() if not line.startswith("bootctl --no-pager list")]
-        return [line for line in lines if program is None or line.startswith(program + " ") or line.startswith("  ")]
+    def calls(self, program: str | None = None) -> list[list[str]]:
+        """Every recorded call, PROGRAM's only if given, as its argument vector (program first),
+        except bootctl's reads (`bootctl --no-pager list ...`)."""
+        return [c for c in fakeprog.calls(self.log, program) if c[:3] != ["bootctl", "--no-pager", "list"]]
 
-    def writes(self) -> list[str]:
+    def sources(self) -> list[list[str]]:
+        """What the source directory held at each systemd-sysupdate call, in order: one listing per call."""
+        return [listing[1:] for listing in fakeprog.calls(self.sources_log)]
+
+    def writes(self) -> list[list[str]]:
         """The calls that change something (all but reading the partition table)."""
-        return [c for c in self.calls() if not c.startswith("sfdisk -J")]
+        return [c for c in self.calls() if c[:2] != ["sfdisk", "-J"]]
 
-    def sysupdate_calls(self) -> list[str]:
-        return [line for line in self.calls() if line.startswith("systemd-sysupdate")]
+    def sysupdate_calls(self) -> list[list[str]]:
+        return self.calls("systemd-sysupdate")
 
 
 @pytest.fixture
@@ -141,7 +146,7 @@ def signing_fixture(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def running_manifest(version: str = "1.0.0") -> manifest.Manifest:
-    """The running version's release manifest, as slots.running_manifest() reads it from /usr."""
+    """The running version's release manifest, as release.running_manifest() reads it from /usr."""
     config = demo_config(version)
     digest = config.engine.digest
     engine = {"reference": config.engine.reference, "digest": digest, "store_label": f"engine_{engine_short(digest)}",
@@ -167,26 +172,25 @@ def test_update_from_directory_writes_the_inactive_slot_through_sysupdate(tmp_pa
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")
     assert run_update(device, str(b), trusted) == 0
-    usr_uuid, verity_uuid = slots.partuuids_from_usrhash(usrhash_for("2.0.0"))
+    usr_uuid, verity_uuid = partuuids_from_usrhash(usrhash_for("2.0.0"))
     calls = device.calls()
-    sysupdate = [i for i, c in enumerate(calls) if c.startswith("systemd-sysupdate")]
-    assert len(sysupdate) == 1
-    assert calls[sysupdate[0]] == "systemd-sysupdate --no-pager update 2.0.0"
-    listed = sorted(c.removeprefix("  source: ") for c in calls if c.startswith("  source: "))
-    assert listed == sorted(["appliance_2.0.0.efi", f"appliance_2.0.0_{usr_uuid}.usr.raw", f"appliance_2.0.0_{verity_uuid}.usr-verity.raw"])
-    assert not any(c.startswith(("systemctl", "bootctl")) for c in calls)  # no reboot asked, not a downgrade
-    last = json.loads(slots.last_update_path().read_text())
+    assert [c for c in calls if c[0] == "systemd-sysupdate"] == [["systemd-sysupdate", "--no-pager", "update", "2.0.0"]]
+    listed = [sorted(listing) for listing in device.sources()]
+    assert listed == [sorted(["appliance_2.0.0.efi", f"appliance_2.0.0_{usr_uuid}.usr.raw",
+                              f"appliance_2.0.0_{verity_uuid}.usr-verity.raw"])]
+    assert not any(c[0] in ("systemctl", "bootctl") for c in calls)  # no reboot asked, not a downgrade
+    last = json.loads(paths.last_update_path().read_text())
     assert last["version"] == "2.0.0" and last["slot"] == "B" and last["downgrade"] is False
-    assert not slots.source_dir().exists()  # cleaned after the write
+    assert not paths.update_source_dir().exists()  # cleaned after the write
 
 
 def test_an_engine_image_the_appliance_has_is_never_downloaded(tmp_path: Path, device: Device, signing: Any) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0", engine=True)  # released without --previous: carries the same engine
     assert run_update(device, str(b), trusted, reboot=True) == 0
-    assert not list(slots.staging_dir().glob("*/engine_*"))
-    calls = [c for c in device.calls() if not c.startswith(("  ", "sfdisk", "blkdiscard"))]
-    assert calls == ["systemd-sysupdate --no-pager update 2.0.0", "systemctl reboot"]
+    assert not list(paths.update_staging_dir().glob("*/engine_*"))
+    calls = [c for c in device.calls() if c[0] not in ("sfdisk", "blkdiscard")]
+    assert calls == [["systemd-sysupdate", "--no-pager", "update", "2.0.0"], ["systemctl", "reboot"]]
 
 
 def test_a_new_engine_on_a_disk_with_one_engine_slot_is_refused_before_any_download(tmp_path: Path, device: Device,
@@ -197,7 +201,7 @@ def test_a_new_engine_on_a_disk_with_one_engine_slot_is_refused_before_any_downl
     with pytest.raises(UserError, match=r"^refused: no engine slot may be written for engine abababababab: slot A \(\w{12}\) runs") as e:
         run_update(device, str(b), trusted)
     assert "one engine slot" in e.value.hint and device.writes() == []
-    assert not slots.staging_dir().exists() or not any(slots.staging_dir().rglob("*.raw*"))
+    assert not paths.update_staging_dir().exists() or not any(paths.update_staging_dir().rglob("*.raw*"))
 
 
 def test_a_new_engine_goes_into_the_free_engine_slot_first_then_usr(tmp_path: Path, device: Device, signing: Any) -> None:
@@ -205,16 +209,16 @@ def test_a_new_engine_goes_into_the_free_engine_slot_first_then_usr(tmp_path: Pa
     b = bundle(tmp_path, key, "2.0.0", engine=True, digest="sha256:" + "ab" * 32)
     device.set_gpt("appliance_1.0.0", "_empty", engine_b="_empty")
     assert run_update(device, str(b), trusted) == 0
-    writes = [c for c in device.writes() if not c.startswith("  ")]
+    writes = device.writes()
     # the engine slot B (vda9, vda10) is zeroed, then written by the engine component; only then /usr
-    assert writes == ["blkdiscard --zeroout /dev/vda9", "blkdiscard --zeroout /dev/vda10",
-                      "systemd-sysupdate --no-pager --component=engine update abababababab",
-                      "blkdiscard --zeroout /dev/vda5", "blkdiscard --zeroout /dev/vda6",
-                      "systemd-sysupdate --no-pager update 2.0.0"]
+    assert writes == [["blkdiscard", "--zeroout", "/dev/vda9"], ["blkdiscard", "--zeroout", "/dev/vda10"],
+                      ["systemd-sysupdate", "--no-pager", "--component=engine", "update", "abababababab"],
+                      ["blkdiscard", "--zeroout", "/dev/vda5"], ["blkdiscard", "--zeroout", "/dev/vda6"],
+                      ["systemd-sysupdate", "--no-pager", "update", "2.0.0"]]
     # never the running engine's partitions (vda7, vda8)
-    assert not any("/dev/vda7" in c or "/dev/vda8" in c or c.endswith(" 7 _empty") or c.endswith(" 8 _empty") for c in device.calls())
-    sources = [c.removeprefix("  source: ") for c in device.calls() if c.startswith("  source: ")]
-    assert sources[:2] == ["engine_abababababab.raw", "engine_abababababab.verity.raw"]
+    assert not any("/dev/vda7" in a or "/dev/vda8" in a for c in device.calls() for a in c)
+    assert not any(c[-2:] in (["7", "_empty"], ["8", "_empty"]) for c in device.calls())
+    assert device.sources()[0] == ["engine_abababababab.raw", "engine_abababababab.verity.raw"]  # the engine component's
     # which engine each version runs, for the next choice
     assert engine_slots.recorded()["2.0.0"] == "sha256:" + "ab" * 32
 
@@ -225,8 +229,8 @@ def test_an_engine_the_appliance_has_in_its_other_slot_is_not_downloaded_again(t
     b = bundle(tmp_path, key, "2.0.0", engine=True, digest="sha256:" + "ab" * 32)
     device.set_gpt("appliance_1.0.0", "_empty", engine_b="engine_abababababab")
     assert run_update(device, str(b), trusted) == 0
-    assert not any(c.startswith("systemd-sysupdate --no-pager --component") for c in device.calls())
-    assert not list(slots.staging_dir().glob("*/engine_*"))
+    assert not any(a.startswith("--component") for c in device.sysupdate_calls() for a in c)
+    assert not list(paths.update_staging_dir().glob("*/engine_*"))
 
 
 def test_a_new_engine_the_bundle_does_not_carry_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
@@ -285,8 +289,8 @@ def test_a_downgrade_is_refused_unless_asked_for(tmp_path: Path, device: Device,
     b = bundle(tmp_path, key, "0.9.0")
     _refused(device, str(b), trusted, "older than the running version 1.0.0")
     assert run_update(device, str(b), trusted, allow_downgrade=True) == 0
-    assert "bootctl set-oneshot appliance_0.9.0.efi" in device.calls()
-    assert json.loads(slots.last_update_path().read_text())["downgrade"] is True
+    assert ["bootctl", "set-oneshot", "appliance_0.9.0.efi"] in device.calls()
+    assert json.loads(paths.last_update_path().read_text())["downgrade"] is True
 
 
 def test_the_running_version_again_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
@@ -335,9 +339,9 @@ def test_a_half_written_slot_is_relabelled_and_written_again(tmp_path: Path, dev
     device.set_gpt("appliance_1.0.0", "appliance_2.0.0")  # labelled, but no boot entry: interrupted
     assert run_update(device, str(b), trusted) == 0
     calls = device.calls()
-    relabel = [i for i, c in enumerate(calls) if c.startswith("sfdisk --part-label /dev/vda 5 _empty")]
-    zero = [i for i, c in enumerate(calls) if c in ("blkdiscard --zeroout /dev/vda5", "blkdiscard --zeroout /dev/vda6")]
-    write = [i for i, c in enumerate(calls) if c.startswith("systemd-sysupdate")]
+    relabel = [i for i, c in enumerate(calls) if c == ["sfdisk", "--part-label", "/dev/vda", "5", "_empty"]]
+    zero = [i for i, c in enumerate(calls) if c in (["blkdiscard", "--zeroout", "/dev/vda5"], ["blkdiscard", "--zeroout", "/dev/vda6"])]
+    write = [i for i, c in enumerate(calls) if c[0] == "systemd-sysupdate"]
     assert relabel and len(zero) == 2 and write and zero[0] < zero[1] < relabel[0] < write[0]
 
 
@@ -353,7 +357,7 @@ def test_the_old_version_in_the_inactive_slot_loses_its_entry_before_the_slot_is
     assert not old_entry.exists()
     assert (device.esp / "EFI/Linux/appliance_1.0.0.efi").exists(), "the running version's entry is never touched"
     calls = device.calls()
-    assert "blkdiscard --zeroout /dev/vda5" in calls and "blkdiscard --zeroout /dev/vda2" not in calls
+    assert ["blkdiscard", "--zeroout", "/dev/vda5"] in calls and ["blkdiscard", "--zeroout", "/dev/vda2"] not in calls
 
 
 def test_the_usr_images_ship_without_their_trailing_zeros(tmp_path: Path, signing: Any) -> None:
@@ -366,7 +370,7 @@ def test_the_usr_images_ship_without_their_trailing_zeros(tmp_path: Path, signin
         f.truncate(3 * GIB)
     b = tmp_path / "bundle"
     rel.make_bundle(config, out, b, key)
-    index = up.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
     shipped = (b / "appliance_2.0.0.usr.raw").stat().st_size
     assert shipped == -(-data_len // 4096) * 4096
     assert index.partition_sizes["appliance_2.0.0.usr.raw"] == 3 * GIB
@@ -380,6 +384,33 @@ def test_an_installed_version_is_not_written_twice(tmp_path: Path, device: Devic
     (device.esp / "EFI/Linux/appliance_2.0.0+3-0.efi").write_bytes(b"uki 2")
     assert run_update(device, str(b), trusted) == 0
     assert device.sysupdate_calls() == []
+
+
+def test_one_plan_decides_for_every_verb(tmp_path: Path, device: Device, signing: Any) -> None:
+    """--check prints the plan that update, --download-only and --apply act on: "already installed"
+    is the plan's, and each verb says so the same way without writing a slot."""
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    plan = up.check(str(b), host=device.host, keys_dir=trusted, running=RUNNING)
+    assert sorted(plan.to_json()) == ["already_installed", "blocked", "downgrade", "download_bytes", "engine", "engine_slot",
+                                      "engine_written", "files", "running_version", "signer", "slot", "slot_holds", "source",
+                                      "version"]
+    assert plan.already_installed is False and plan.download_bytes == sum(f.size for f in plan.files)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.downgrade = True  # type: ignore[misc]
+    assert up.download_only(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
+    device.set_gpt("appliance_1.0.0", "appliance_2.0.0")
+    (device.esp / "EFI/Linux/appliance_2.0.0+3-0.efi").write_bytes(b"uki 2")
+    plan = up.check(str(b), host=device.host, keys_dir=trusted, running=RUNNING)
+    assert plan.already_installed and plan.to_json()["already_installed"] is True
+    for verb in (up.update, up.download_only):
+        said: list[str] = []
+        assert verb(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=said.append) == 0
+        assert said == ["version 2.0.0 is already installed in slot B; reboot to start it"]
+    said = []
+    assert up.apply(host=device.host, keys_dir=trusted, running=RUNNING, say=said.append) == 0
+    assert said == ["version 2.0.0 is already installed in slot B; reboot to start it"]
+    assert device.writes() == [] and update_staged.read() is None, "the staged copy of what is installed is discarded"
 
 
 # ----------------------------------------------------------------------------------- HTTP, resumed
@@ -456,7 +487,7 @@ def test_a_download_interrupted_mid_file_is_resumed_with_a_range_request(
     monkeypatch.setattr(update_fetch, "FETCH_ATTEMPTS", 1)
     with pytest.raises(UserError, match="download"):
         run_update(device, server.url, trusted, ca=str(server.ca))
-    part = slots.staging_dir() / "2.0.0" / (usr + ".part")
+    part = paths.update_staging_dir() / "2.0.0" / (usr + ".part")
     half = (b / usr).stat().st_size // 2
     assert part.stat().st_size == half
     assert device.sysupdate_calls() == []
@@ -520,7 +551,7 @@ def test_transfer_definitions_parse_and_match_what_update_stages(tmp_path: Path,
     assert sorted(p.name for p in TRANSFERS.glob("*.transfer"))[-1] == "90-uki.transfer"
     # the staged names match the source patterns (@v -> version, @u -> a UUID)
     b = bundle(tmp_path, key, "2.0.0")
-    index = up.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
     staged = set(source_names(index).values())
     for t in (usr, verity, uki):
         glob = t["Source"]["MatchPattern"].replace("@v", "2.0.0").replace("@u", "*")
@@ -533,10 +564,10 @@ def test_transfer_definitions_parse_and_match_what_update_stages(tmp_path: Path,
 def test_slots_summary_and_rollback(device: Device) -> None:
     device.set_gpt("appliance_1.0.0", "appliance_2.0.0")
     (device.esp / "EFI/Linux/appliance_2.0.0+0-3.efi").write_bytes(b"uki 2")
-    state.write_json_atomic(slots.last_update_path(), {"version": "2.0.0", "from_version": "1.0.0"})
+    state.write_json_atomic(paths.last_update_path(), {"version": "2.0.0", "from_version": "1.0.0"})
     failed = {"version": "2.0.0", "ok": False, "reason": "rolled back: engine not healthy within 600 s"}
-    state.write_json_atomic(slots.last_assessment_path(), failed)
-    summary = slots.slots_summary(device.host, running_version="1.0.0")
+    state.write_json_atomic(paths.last_assessment_path(), failed)
+    summary = probes_os.slots_summary(device.host, running_version="1.0.0")
     assert summary["booted_slot"] == "A"
     assert [(s["slot"], s["version"], s["state"]) for s in summary["slots"]] == [("A", "1.0.0", "good"), ("B", "2.0.0", "bad")]
     assert summary["slots"][1]["tries_left"] == 0
@@ -552,25 +583,24 @@ def test_slots_summary_and_rollback(device: Device) -> None:
 
 def test_an_operator_rollback_is_reported_as_such_and_not_as_a_fault(device: Device) -> None:
     from appliance.config import Config
-    from applianctl.status import os_slots as probes_os
     from applianctl.status import parts as probes
 
     device.set_gpt("appliance_1.0.0", "appliance_2.0.0")
     (device.esp / "EFI/Linux/appliance_2.0.0.efi").write_bytes(b"uki 2")  # judged good, then left by hand
-    state.write_json_atomic(slots.last_update_path(), {"version": "2.0.0", "from_version": "1.0.0"})
-    state.write_json_atomic(slots.last_assessment_path(), {"version": "2.0.0", "ok": True})
-    state.write_json_atomic(slots.last_rollback_path(),
+    state.write_json_atomic(paths.last_update_path(), {"version": "2.0.0", "from_version": "1.0.0"})
+    state.write_json_atomic(paths.last_assessment_path(), {"version": "2.0.0", "ok": True})
+    state.write_json_atomic(paths.last_rollback_path(),
                             {"from_version": "2.0.0", "to_version": "1.0.0", "reason": "operator rollback", "at": "2026-11-30T12:00:00Z"})
-    summary = slots.slots_summary(device.host, running_version="1.0.0")
+    summary = probes_os.slots_summary(device.host, running_version="1.0.0")
     assert (summary["rolled_back"], summary["rolled_back_by"]) == (True, "operator")
     assert summary["rollback_reason"] == "applianctl rollback from 2.0.0 at 2026-11-30T12:00:00Z"
     part = probes_os.probe_slots(cast(Config, None), lambda: summary)
     assert part.state == probes.OK and part.reason.startswith("rolled back by the operator (applianctl rollback from 2.0.0"), part.reason
     # back on 2.0.0 (rolled forward by hand): nothing was rolled back
-    assert slots.slots_summary(device.host, running_version="2.0.0")["rolled_back"] is False
+    assert probes_os.slots_summary(device.host, running_version="2.0.0")["rolled_back"] is False
     # the appliance's own rollback of a later update is a fault again
-    state.write_json_atomic(slots.last_assessment_path(), {"version": "2.0.0", "ok": False, "reason": "engine not healthy"})
-    summary = slots.slots_summary(device.host, running_version="1.0.0")
+    state.write_json_atomic(paths.last_assessment_path(), {"version": "2.0.0", "ok": False, "reason": "engine not healthy"})
+    summary = probes_os.slots_summary(device.host, running_version="1.0.0")
     assert summary["rolled_back_by"] == "appliance"
     assert probes_os.probe_slots(cast(Config, None), lambda: summary).state == probes.DEGRADED
 
@@ -581,10 +611,10 @@ def test_rollback_to_an_empty_slot_is_refused(device: Device) -> None:
 
 
 def test_boot_counting_is_read_from_the_efi_variables(device: Device) -> None:
-    assert slots.boot_counting(device.host) is None
+    assert boot_counting(device.host) is None
     efi_var(device.host.efivars, "LoaderEntrySelected", "appliance_2.0.0+2-1.efi")
     efi_var(device.host.efivars, "LoaderBootCountPath", "\\EFI\\Linux\\appliance_2.0.0+2-1.efi")
-    counting = slots.boot_counting(device.host)
+    counting = boot_counting(device.host)
     assert counting is not None and counting["tries_left"] == 2 and counting["tries_done"] == 1
 
 
@@ -624,7 +654,7 @@ def test_an_update_during_a_trial_is_refused_and_both_slots_are_unchanged(tmp_pa
     assert "slot B may hold the only version known to be good" in e.value.message
     assert device.writes() == [], "nothing written: no blkdiscard, no relabel, no sysupdate, no bootctl verb"
     assert _esp(device) == esp and device.gpt.read_text() == gpt
-    assert not slots.staging_dir().exists(), "refused before anything was downloaded"
+    assert not paths.update_staging_dir().exists(), "refused before anything was downloaded"
 
 
 def test_once_blessed_the_same_boot_may_update(tmp_path: Path, device: Device, signing: Any) -> None:
@@ -633,7 +663,7 @@ def test_once_blessed_the_same_boot_may_update(tmp_path: Path, device: Device, s
     _on_trial(device)
     # systemd-bless-boot drops the counter; the EFI variables still say this boot was counted
     (device.esp / "EFI/Linux/appliance_1.0.0+2-1.efi").rename(device.esp / "EFI/Linux/appliance_1.0.0.efi")
-    assert slots.boot_counting(device.host) is not None
+    assert boot_counting(device.host) is not None
     assert run_update(device, str(b), trusted) == 0
     assert len(device.sysupdate_calls()) == 1
 
@@ -662,7 +692,7 @@ def _cli(
 ) -> tuple[int, str, str]:
     from applianctl.__main__ import main
 
-    monkeypatch.setattr(slots, "running_manifest", lambda: RUNNING)
+    monkeypatch.setattr(release, "running_manifest", lambda: RUNNING)
     monkeypatch.setattr(paths, "TRUSTED_KEYS_DIR", trusted)
     monkeypatch.setenv("APPLIANCE_ESP_DIR", str(device.esp))
     monkeypatch.setenv("APPLIANCE_EFIVARS_DIR", str(device.host.efivars))
@@ -740,8 +770,8 @@ def test_not_enough_free_space_is_refused_before_downloading(
     with pytest.raises(UserError, match="MiB free, the bundle needs") as e:
         run_update(device, str(b), trusted)
     assert "plus a margin of 512 MiB" in e.value.message and e.value.exit_status == 2
-    assert asked and asked[0] == slots.staging_dir() / "2.0.0", "the file system of the staging directory (/var)"
-    assert not list(slots.staging_dir().rglob("*.part")) and not list(slots.staging_dir().rglob("*.raw"))
+    assert asked and asked[0] == paths.update_staging_dir() / "2.0.0", "the file system of the staging directory (/var)"
+    assert not list(paths.update_staging_dir().rglob("*.part")) and not list(paths.update_staging_dir().rglob("*.raw"))
     assert device.sysupdate_calls() == []
     monkeypatch.setattr(update_stage, "free_bytes", lambda path: need + update_stage.SPACE_MARGIN_BYTES)
     assert run_update(device, str(b), trusted) == 0
@@ -810,7 +840,7 @@ def test_the_units_are_sandboxed_to_at_most_3(name: str) -> None:
 def test_staging_reports_each_download_and_each_verification(tmp_path: Path, signing: Any, capsys: pytest.CaptureFixture[str]) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")
-    index = up.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
     staging = tmp_path / "staging"
     staging.mkdir()
     source = update_fetch.open_source(str(b), None, update_fetch.Deadline(60))

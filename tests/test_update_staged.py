@@ -15,8 +15,9 @@ from fake_release import bundle, make_signing, usrhash_for
 from test_update import RUNNING, Device, _esp, _on_trial
 
 from appliance import atomic, config, paths
-from appliance.errors import Refused, UserError
-from applianctl.slots import view as slots
+from appliance.bundle import partuuids_from_usrhash, verify_index
+from appliance.errors import ConfigError, Refused, UserError
+from applianctl.slots import release
 from applianctl.status import os_slots as probes_os
 from applianctl.update import command as up
 from applianctl.update import staged as update_staged
@@ -62,7 +63,7 @@ def test_download_only_stages_a_verified_bundle_and_touches_no_slot(tmp_path: Pa
     assert download(device, b, trusted) == 0
     no_slot_written(device)
     assert device.gpt.read_text() == gpt and _esp(device) == esp
-    assert not slots.last_update_path().exists() and not slots.source_dir().exists()
+    assert not paths.last_update_path().exists() and not paths.update_source_dir().exists()
     record = update_staged.read()
     assert record is not None and "error" not in record
     payload = [f for f in b.iterdir() if not f.name.startswith("bundle.json")]
@@ -73,7 +74,7 @@ def test_download_only_stages_a_verified_bundle_and_touches_no_slot(tmp_path: Pa
     for f in b.iterdir():
         assert (staged / f.name).read_bytes() == f.read_bytes()
     assert staged_dirs() == [record["directory"]]
-    assert not any(slots.staging_dir().iterdir()), "the download directory was moved, not copied"
+    assert not any(paths.update_staging_dir().iterdir()), "the download directory was moved, not copied"
 
 
 def test_download_only_is_allowed_while_on_trial_but_apply_is_not(tmp_path: Path, device: Device, signing: Any) -> None:
@@ -97,7 +98,7 @@ def test_download_only_refuses_what_update_refuses_before_downloading(tmp_path: 
     with pytest.raises(UserError, match="no engine slot may be written"):
         download(device, bundle(tmp_path, key, "2.0.0", engine=True, digest="sha256:" + "ab" * 32), trusted)
     assert update_staged.read() is None and staged_dirs() == []
-    assert not slots.staging_dir().exists() or not any(slots.staging_dir().rglob("*.raw*"))
+    assert not paths.update_staging_dir().exists() or not any(paths.update_staging_dir().rglob("*.raw*"))
 
 
 def test_a_second_download_replaces_the_first_and_a_failed_one_leaves_it(
@@ -125,7 +126,7 @@ def test_a_second_download_replaces_the_first_and_a_failed_one_leaves_it(
         download(device, bundle(tmp_path, key, "2.2.0"), trusted)
     monkeypatch.setattr(atomic, "write_json_atomic", real)
     assert update_staged.read() == first
-    update_staged.verify_in_place(up.verify_index(*_signed(update_staged.directory(first)), trusted), update_staged.directory(first))
+    update_staged.verify_in_place(verify_index(*_signed(update_staged.directory(first)), trusted), update_staged.directory(first))
     assert len(staged_dirs()) == 2, "the unnamed directory of the cut run"
     # a good second download: the record switches, the previous staging and the orphan are gone
     assert download(device, bundle(tmp_path, key, "2.3.0"), trusted) == 0
@@ -165,16 +166,17 @@ def test_apply_installs_what_was_staged(tmp_path: Path, device: Device, signing:
     for f in b.iterdir():  # the source is gone: apply needs only what was staged
         f.unlink()
     assert apply(device, trusted) == 0
-    usr_uuid, verity_uuid = slots.partuuids_from_usrhash(usrhash_for("2.0.0"))
+    usr_uuid, verity_uuid = partuuids_from_usrhash(usrhash_for("2.0.0"))
     calls = device.calls()
-    assert [c for c in calls if c.startswith("systemd-sysupdate")] == ["systemd-sysupdate --no-pager update 2.0.0"]
-    listed = sorted(c.removeprefix("  source: ") for c in calls if c.startswith("  source: "))
-    assert listed == sorted(["appliance_2.0.0.efi", f"appliance_2.0.0_{usr_uuid}.usr.raw", f"appliance_2.0.0_{verity_uuid}.usr-verity.raw"])
-    assert calls.index("blkdiscard --zeroout /dev/vda5") < calls.index("systemd-sysupdate --no-pager update 2.0.0")
-    last = json.loads(slots.last_update_path().read_text())
+    assert [c for c in calls if c[0] == "systemd-sysupdate"] == [["systemd-sysupdate", "--no-pager", "update", "2.0.0"]]
+    listed = [sorted(listing) for listing in device.sources()]
+    assert listed == [sorted(["appliance_2.0.0.efi", f"appliance_2.0.0_{usr_uuid}.usr.raw",
+                              f"appliance_2.0.0_{verity_uuid}.usr-verity.raw"])]
+    assert calls.index(["blkdiscard", "--zeroout", "/dev/vda5"]) < calls.index(["systemd-sysupdate", "--no-pager", "update", "2.0.0"])
+    last = json.loads(paths.last_update_path().read_text())
     assert (last["version"], last["slot"], last["source"], last["staged_at"]) == ("2.0.0", "B", str(b), record["staged_at"])
     assert update_staged.read() is None and staged_dirs() == [], "applied: nothing staged any more"
-    assert not slots.source_dir().exists()
+    assert not paths.update_source_dir().exists()
 
 
 def test_apply_with_nothing_staged_is_refused(device: Device, signing: Any) -> None:
@@ -206,7 +208,7 @@ def test_a_staged_file_changed_on_var_is_refused_before_the_slot_is_touched(
         apply(device, trusted)
     assert "\n" not in e.value.message and "are discarded" in e.value.hint
     no_slot_written(device)
-    assert not slots.last_update_path().exists()
+    assert not paths.last_update_path().exists()
     # discarded: downloading it again fetches it whole (not "already staged"), and then it applies
     assert update_staged.read() is None and staged_dirs() == []
     assert download(device, b, trusted) == 0
@@ -260,7 +262,7 @@ def test_a_staged_downgrade_needs_allow_downgrade_at_both_steps(tmp_path: Path, 
     assert e.value.exit_status == 2
     no_slot_written(device)
     assert apply(device, trusted, allow_downgrade=True) == 0
-    assert "bootctl set-oneshot appliance_0.9.0.efi" in device.calls()
+    assert ["bootctl", "set-oneshot", "appliance_0.9.0.efi"] in device.calls()
 
 
 def test_a_direct_update_discards_a_staged_one_it_supersedes(tmp_path: Path, device: Device, signing: Any) -> None:
@@ -307,7 +309,7 @@ def test_combinations_that_mean_nothing_are_refused_in_one_line(
 def test_apply_with_nothing_staged_on_the_command_line(
     device: Device, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(slots, "running_manifest", lambda: RUNNING)
+    monkeypatch.setattr(release, "running_manifest", lambda: RUNNING)
     code, out, err = _cli(["update", "--apply", "--yes"], monkeypatch, capsys)
     assert code == 2 and out == "" and err.splitlines() == [
         "applianctl: nothing is staged", "hint: download a bundle first: `applianctl update --download-only SOURCE`"
@@ -341,17 +343,17 @@ def test_timer_action_is_checked_on_the_device_too(tmp_path: Path, appliance_jso
     data = json.loads(path.read_text())
     data["update"]["timer_action"] = "apply"
     path.write_text(json.dumps(data))
-    with pytest.raises(config.ConfigError, match=r"update\.timer_action = 'apply': invalid") as e:
+    with pytest.raises(ConfigError, match=r"update\.timer_action = 'apply': invalid") as e:
         config.load_device(path)
     assert "'download-only'" in e.value.hint
 
 
 def test_status_shows_what_is_staged(tmp_path: Path, device: Device, signing: Any) -> None:
     key, trusted = signing
-    summary = slots.slots_summary(device.host, running_version="1.0.0")
+    summary = probes_os.slots_summary(device.host, running_version="1.0.0")
     assert summary["staged"] is None and probes_os.staged_line(None) == ""
     assert download(device, bundle(tmp_path, key, "2.0.0", usr_bytes=3 << 20), trusted) == 0
-    summary = slots.slots_summary(device.host, running_version="1.0.0")
+    summary = probes_os.slots_summary(device.host, running_version="1.0.0")
     staged = summary["staged"]
     assert staged["version"] == "2.0.0" and staged["bytes"] > 3 << 20
     part = probes_os.probe_slots(None, lambda: summary)  # type: ignore[arg-type]
@@ -363,7 +365,7 @@ def test_status_shows_what_is_staged(tmp_path: Path, device: Device, signing: An
     for d in paths.staged_update_dir().iterdir():
         if d.is_dir():
             d.rename(tmp_path / "moved")
-    summary = slots.slots_summary(device.host, running_version="1.0.0")
+    summary = probes_os.slots_summary(device.host, running_version="1.0.0")
     assert "is missing" in summary["staged"]["error"]
     assert probes_os.staged_line(summary["staged"]).startswith("; staged update unusable: the staged directory")
     with pytest.raises(UserError, match="the staged update cannot be used"):

@@ -23,10 +23,12 @@ import pytest
 import weights_mirror
 from weights_mirror import Mirror
 
+from appliance import fetch as bounded
 from appliance import fsverity
 from appliance import weights as wm
 from appliance.errors import UserError
 from appliance.manifest import ManifestError
+from appliance.schema import dump_record
 from applianctl import tls
 from applianctl.model import fetch as model_fetch
 from applianctl.model import store as model_store
@@ -222,7 +224,7 @@ def test_fetch_from_a_directory_seals_records_and_verifies(tmp_path: Path) -> No
         assert verity.measure(store.snapshot / name) is not None
     assert set(store.recorded()) == set(SIZES)  # no digests in the manifest: the device recorded them
     assert not store.partial.exists()
-    assert model_verify.check(store, verity)["ok"]
+    assert model_verify.check(store, verity).ok
     # run again: nothing fetched
     assert model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)["fetched_files"] == 0
 
@@ -238,22 +240,22 @@ class CutSource:
         self.spec, self.inner, self.path, self.cut = inner.spec, inner, path, cut
         self.starts: list[int] = []
 
-    def open(self, path: str, start: int) -> tuple[Iterator[bytes], int]:
-        chunks, offset = self.inner.open(path, start)
+    def open(self, path: str, start: int = 0, *, chunk: int = bounded.CHUNK) -> bounded.Body:
+        body = self.inner.open(path, start, chunk=chunk)
         if path != self.path:
-            return chunks, offset
+            return body
         self.starts.append(start)
 
         def cut() -> Iterator[bytes]:
             have = start
-            for data in chunks:
+            for data in body:
                 if have + len(data) >= self.cut:
                     yield data[: self.cut - have]
                     raise PowerCut  # the process dies here; nothing else runs
                 have += len(data)
                 yield data
 
-        return cut(), offset
+        return bounded.Body(body.offset, cut(), body.close)
 
 
 @pytest.mark.parametrize("cut", [1, model_fetch.CHUNK_BYTES - 1, model_fetch.CHUNK_BYTES, model_fetch.CHUNK_BYTES + 1,
@@ -276,7 +278,7 @@ def test_resume_after_a_cut_fetches_at_most_one_chunk_again(tmp_path: Path, cut:
     resumed_at = source.starts[-1]
     assert resumed_at == journal.length and cut - resumed_at <= model_fetch.CHUNK_BYTES
     assert (store.snapshot / "a.safetensors").read_bytes() == (src / "a.safetensors").read_bytes()
-    assert model_verify.check(store, verity)["ok"]
+    assert model_verify.check(store, verity).ok
 
 
 def test_a_partial_file_changed_at_rest_starts_over(tmp_path: Path) -> None:
@@ -359,7 +361,7 @@ def test_fetch_over_https_and_a_wrong_byte_is_refused_naming_the_file(tmp_path: 
     assert all(e["path"].startswith(f"/{MODEL}/resolve/{REV}/") for e in handler.log)  # the Hub's layout
     handler.flip = frozenset()
     model_fetch.fetch(store, model_fetch.open_source(url, ca, "auto", MODEL, REV), verity, workers=3)
-    assert model_verify.check(store, verity)["ok"]
+    assert model_verify.check(store, verity).ok
 
 
 def test_a_server_error_is_retried_then_one_line_naming_the_file(tmp_path: Path, mirror: tuple[str, str, type[Mirror]],
@@ -387,7 +389,7 @@ def test_https_resume_asks_for_the_journal_length(tmp_path: Path, mirror: tuple[
     model_fetch.fetch(store, cut, verity, workers=1)
     ranges = [e["range"] for e in handler.log if e["name"] == "a.safetensors"]
     assert ranges[-1] == f"bytes={2 * model_fetch.CHUNK_BYTES}-"
-    assert model_verify.check(store, verity)["ok"]
+    assert model_verify.check(store, verity).ok
 
 
 # ----------------------------------------------------------------------------------- verify
@@ -398,22 +400,22 @@ def test_verify_names_a_missing_changed_unsealed_or_extra_file(tmp_path: Path) -
     store, verity = _store(tmp_path, manifest), FakeVerity()
     model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)
     expected = {"ok": True, "reason": "", "revision": REV, "files": 3, "bytes": manifest.total_bytes, "deep": False}
-    assert model_verify.check(store, verity) == expected
+    assert dump_record(model_verify.check(store, verity)) == expected
     target = store.snapshot / "a.safetensors"
     data = bytearray(target.read_bytes())
     data[5] ^= 1
     target.write_bytes(bytes(data))  # same inode: the fake stays "sealed"; the digest changes
     result = model_verify.check(store, verity)
-    assert result["reason"] == "model weights: a.safetensors was changed (its fs-verity digest is not the signed one)"
-    assert result["file"] == "a.safetensors"
+    assert result.reason == "model weights: a.safetensors was changed (its fs-verity digest is not the signed one)"
+    assert result.file == "a.safetensors"
     os.link(target, tmp_path / "keep")  # the old inode stays in use: the new file cannot reuse its number
     target.unlink()
-    assert model_verify.check(store, verity)["reason"] == "model weights: a.safetensors is missing"
+    assert model_verify.check(store, verity).reason == "model weights: a.safetensors is missing"
     target.write_bytes((src / "a.safetensors").read_bytes())
-    assert model_verify.check(store, verity)["reason"] == "model weights: a.safetensors is not sealed with fs-verity"
+    assert model_verify.check(store, verity).reason == "model weights: a.safetensors is not sealed with fs-verity"
     verity.enable(target)
     (store.snapshot / "evil.py").write_text("import os\n")
-    assert model_verify.check(store, verity)["reason"] == "model weights: evil.py is in the snapshot but not in the signed manifest"
+    assert model_verify.check(store, verity).reason == "model weights: evil.py is in the snapshot but not in the signed manifest"
 
 
 def test_a_block_refused_on_read_is_named_and_refused_until_fetched_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -428,16 +430,16 @@ def test_a_block_refused_on_read_is_named_and_refused_until_fetched_again(tmp_pa
         read_all(path)
 
     monkeypatch.setattr(model_verify, "read_all", eio_for_a)
-    assert model_verify.check(store, verity)["ok"]  # the digest is of the signed contents: constant time cannot see it
+    assert model_verify.check(store, verity).ok  # the digest is of the signed contents: constant time cannot see it
     result = model_verify.check(store, verity, deep=True)
-    assert result["reason"] == ("model weights: a.safetensors: a block was refused on read (Input/output error): "
+    assert result.reason == ("model weights: a.safetensors: a block was refused on read (Input/output error): "
                                 "the file changed on the disk")
     again = model_verify.check(store, verity)  # from now on before every start too
-    assert (again["ok"], again["file"]) == (False, "a.safetensors")
+    assert (again.ok, again.file) == (False, "a.safetensors")
     monkeypatch.setattr(model_verify, "read_all", read_all)
     summary = model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)
     assert summary["fetched_files"] == 1 and store.corrupt() == {}
-    assert model_verify.check(store, verity, deep=True)["ok"]
+    assert model_verify.check(store, verity, deep=True).ok
 
 
 def test_load_manifest_requires_the_release_pin(tmp_path: Path) -> None:

@@ -12,11 +12,13 @@ import json
 import sys
 import time
 
-from appliance.atomic import write_json_atomic
+from appliance.atomic import write_record
 from appliance.config import load_device
 from appliance.errors import UserError
+from appliance.schema import dump_record
 from applianctl.model import store as model_store
 from applianctl.model.seal import Kernel, Verity
+from applianctl.records import ModelVerifyResult, WeightsFetch
 
 
 def _store() -> model_store.Store | None:
@@ -35,8 +37,8 @@ def cmd_fetch(args: argparse.Namespace, verity: Verity | None = None) -> int:
     spec = args.source or store.default_source(load_device())
     source = model_fetch.open_source(spec, args.ca, args.layout, store.manifest.model, store.manifest.revision)
     summary = model_fetch.fetch(store, source, verity or Kernel(), workers=args.jobs)
-    write_json_atomic(store.host_dir / model_store.FETCH_STATE,
-                      {"source": spec, "revision": store.manifest.revision, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    write_record(store.host_dir / model_store.FETCH_STATE,
+                 WeightsFetch(spec, store.manifest.revision, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
     if args.json:
         print(json.dumps({"source": spec, **summary}, sort_keys=True))
     else:
@@ -50,17 +52,17 @@ def cmd_verify(args: argparse.Namespace, verity: Verity | None = None) -> int:
 
     store = _store()
     if store is None:
-        result = {"ok": True, "reason": "", "checked": False}
+        result = ModelVerifyResult(True, "", checked=False)
         message = "model verify: this image pins no weights; nothing to check"
     else:
         result = model_verify.check(store, verity or Kernel(), deep=args.deep)
-        message = f"model verify: {result['files']} files, {result['bytes']} bytes, every fs-verity digest as signed"
+        message = f"model verify: {result.files} files, {result.bytes} bytes, every fs-verity digest as signed"
         message += ", every byte read back" if args.deep else ""
-    write_json_atomic(model_store.verify_result(), result)
+    write_record(model_store.verify_result(), result)
     if args.json:
-        print(json.dumps(result, sort_keys=True))
-    if not result["ok"]:
-        print(f"{result['reason']}", file=sys.stderr)
+        print(json.dumps(dump_record(result), sort_keys=True))
+    if not result.ok:
+        print(f"{result.reason}", file=sys.stderr)
         print("hint: applianctl model fetch puts the signed files back; the engine stays stopped until then", file=sys.stderr)
         return 1
     if not args.json:

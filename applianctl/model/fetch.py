@@ -32,8 +32,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import hmac
-import http.client
-import json
 import os
 import shutil
 import stat
@@ -41,19 +39,20 @@ import threading
 import time
 import urllib.parse
 import zlib
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from appliance import fetch as bounded
 from appliance import progress
 from appliance import weights as wm
-from appliance.atomic import fsync_dir, write_json_atomic
+from appliance.atomic import fsync_dir, write_record
 from appliance.errors import Refused, UserError
+from appliance.schema import load_record
 from applianctl.model.seal import Verity
 from applianctl.model.store import Store
+from applianctl.records import FetchJournal
 
 CHUNK_BYTES = 8 << 20  # fsync + journal granularity: the most a resume fetches twice per file
 READ_BYTES = 1 << 20  # one read from the source
@@ -70,47 +69,38 @@ class _Stopped(UserError):
 class Source(Protocol):
     spec: str
 
-    def open(self, path: str, start: int) -> tuple[Iterator[bytes], int]:
-        """PATH's bytes from START on (the iterator) and the offset they really start at (0 when
-        the source cannot start in the middle)."""
+    def open(self, name: str, offset: int = 0, *, chunk: int = ...) -> bounded.Body:
+        """NAME's bytes from OFFSET on (the body's offset is 0 when the source starts from the beginning)."""
 
 
 # ----------------------------------------------------------------------------------- sources
 
 
-class DirSource:
+class DirSource(bounded.FileSource):
     """A local directory: links are followed (a Hugging Face snapshot links into its blobs), but
     only a regular file is read; whatever it holds is checked against the manifest."""
 
-    def __init__(self, spec: str) -> None:
-        self.spec = spec
+    def __init__(self, spec: str, deadline: bounded.Deadline | None = None) -> None:
+        self.spec, self.deadline = spec, deadline or bounded.Deadline(DEADLINE_S)
         if not Path(spec).is_dir():
             raise UserError(f"{spec}: no such directory", hint="SOURCE is an https:// mirror or a directory holding the snapshot's files")
 
-    def open(self, path: str, start: int) -> tuple[Iterator[bytes], int]:
-        full = Path(self.spec) / path
+    def open_file(self, name: str) -> BinaryIO:
+        full = Path(self.spec) / name
         try:
             fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
-            raise Refused(f"{path}: missing from {self.spec}", hint="copy the whole snapshot") from None
+            raise Refused(f"{name}: missing from {self.spec}", hint="copy the whole snapshot") from None
         except OSError as e:
-            raise UserError(f"{path}: cannot read {full} ({e.strerror})", hint="check the source directory") from None
-        f = os.fdopen(fd, "rb")
+            raise UserError(f"{name}: cannot read {full} ({e.strerror})", hint="check the source directory") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            f.close()
-            raise Refused(f"{path}: {full} is not a regular file", hint="the source holds the snapshot's files")
-        f.seek(start)
-
-        def chunks() -> Iterator[bytes]:
-            with f:
-                while data := f.read(READ_BYTES):
-                    yield data
-
-        return chunks(), start
+            os.close(fd)
+            raise Refused(f"{name}: {full} is not a regular file", hint="the source holds the snapshot's files")
+        return os.fdopen(fd, "rb")
 
 
 class HttpsSource:
-    """An HTTPS mirror, through the updater's bounded client."""
+    """An HTTPS mirror through the core's bounded client; PATH named in the mirror's layout."""
 
     def __init__(self, spec: str, ca: str | None, layout: str, revision: str, deadline: bounded.Deadline) -> None:
         self.spec, self.layout, self.revision = spec, layout, revision
@@ -120,46 +110,16 @@ class HttpsSource:
         quoted = urllib.parse.quote(path)
         return f"resolve/{self.revision}/{quoted}" if self.layout == "hub" else quoted
 
-    def open(self, path: str, start: int) -> tuple[Iterator[bytes], int]:
-        headers = {"Range": f"bytes={start}-"} if start else {}
-        ctx = self.client._get(self.name(path), headers)
+    def open(self, name: str, offset: int = 0, *, chunk: int = bounded.CHUNK) -> bounded.Body:
         try:
-            resp, sock = ctx.__enter__()
-        except OSError as e:
-            raise OSError(str(e)) from None
-        status = resp.status
-        if status not in (200, 206):
-            ctx.__exit__(None, None, None)
-            if status == 416 and start:
-                return iter(()), 0  # the server has fewer bytes than we do: start over
-            if status in (401, 403, 404, 410):
-                raise Refused(f"{path}: the server answered HTTP {status} for {self.client.url(self.name(path))}",
-                              hint="check SOURCE (and --layout): the mirror must hold this revision's files")
-            raise OSError(f"the server answered HTTP {status}")
-        offset = 0
-        if status == 206 and (resp.getheader("Content-Range") or "").startswith(f"bytes {start}-"):
-            offset = start
-
-        def chunks() -> Iterator[bytes]:
-            # reads of up to 1 MiB: http.client's buffered reader gathers the TLS records in C, so
-            # Python runs once per MiB, not once per 16 KiB record (the updater reads small pieces
-            # to check its deadline often; here the socket timeout bounds each silence all the same)
-            try:
-                while True:
-                    sock.settimeout(min(bounded.READ_TIMEOUT_S, self.client.deadline.left()))
-                    try:
-                        data = resp.read(READ_BYTES)
-                    except (OSError, http.client.HTTPException) as e:
-                        self.client.deadline.left()
-                        raise OSError(f"{type(e).__name__}: {e}".splitlines()[0][:300]) from None
-                    if not data:
-                        self.client.deadline.left()
-                        return
-                    yield data
-            finally:
-                ctx.__exit__(None, None, None)
-
-        return chunks(), offset
+            return self.client.open(self.name(name), offset, chunk=chunk)
+        except bounded.RangeRefused:
+            return bounded.Body(0, iter(()))  # the server has fewer bytes than we do: start over
+        except bounded.HttpStatus as e:
+            if e.status in (401, 403, 404, 410):
+                raise Refused(f"{name}: the server answered HTTP {e.status} for {e.url}",
+                              hint="check SOURCE (and --layout): the mirror must hold this revision's files") from None
+            raise OSError(f"the server answered HTTP {e.status}") from None
 
 
 def open_source(spec: str, ca: str | None, layout: str, model_id: str, revision: str) -> Source:
@@ -193,28 +153,27 @@ def _journal_path(part: Path) -> Path:
 
 def read_journal(part: Path, entry: wm.WeightFile) -> Journal:
     try:
-        data: Any = json.loads(_journal_path(part).read_text())
-        length, chunks = int(data["length"]), list(data["chunks"])
-        if data["sha256"] != entry.sha256 or data["size"] != entry.size or not 0 <= length <= entry.size:
-            raise ValueError("another file")
-        if len(chunks) != -(-length // CHUNK_BYTES):
-            raise ValueError("chunk count")
-        return Journal(length, [int(c) for c in chunks])
-    except (OSError, ValueError, KeyError, TypeError):
+        data = load_record(FetchJournal, _journal_path(part), lenient=True)
+    except UserError:  # damaged: the file starts over
         return Journal(0, [])
+    if data is None or (data.sha256, data.size) != (entry.sha256, entry.size) or not 0 <= data.length <= entry.size:
+        return Journal(0, [])  # none, or another file's
+    if len(data.chunks) != -(-data.length // CHUNK_BYTES):
+        return Journal(0, [])
+    return Journal(data.length, list(data.chunks))
 
 
 def write_journal(part: Path, entry: wm.WeightFile, journal: Journal) -> None:
-    write_json_atomic(_journal_path(part), {"sha256": entry.sha256, "size": entry.size, "length": journal.length, "chunks": journal.chunks})
+    write_record(_journal_path(part), FetchJournal(entry.sha256, entry.size, journal.length, tuple(journal.chunks)))
 
 
 class FileFetch:
     """One file from SOURCE into PART, then sealed and renamed to TARGET."""
 
     def __init__(self, entry: wm.WeightFile, store: Store, source: Source, verity: Verity,
-                 advance: Callable[[int, bool], None], stop: threading.Event) -> None:
+                 bar: progress.Progress, stop: threading.Event) -> None:
         self.entry, self.store, self.source, self.verity = entry, store, source, verity
-        self.advance, self.stop = advance, stop
+        self.bar, self.stop = bar, stop
         self.counted = 0  # bytes of this file shown as done (a retry does not count them twice)
         self.part = store.partial / (entry.path + ".part")
         self.target = store.target(entry.path)
@@ -246,14 +205,14 @@ class FileFetch:
         fetched = 0
         if self.part.exists() and self.verity.measure(self.part) is not None:
             attempts = 0  # sealed, then cut before the rename: only the rename is left
-            self.advance(self.entry.size, False)
+            self.bar.advance(self.entry.size, resumed=True)
         else:
             attempts = ATTEMPTS
         for attempt in range(attempts):
             journal, digest = self.resume_point()
             if attempt == 0 and journal.length:
                 self.counted = journal.length
-                self.advance(journal.length, False)
+                self.bar.advance(journal.length, resumed=True)
             try:
                 fetched += self._download(journal, digest)
                 break
@@ -286,18 +245,19 @@ class FileFetch:
         """Append the source's bytes from the journal's length on; the bytes fetched and the digest
         of the whole file (DIGEST, or a new one when the source starts from the beginning)."""
         entry = self.entry
-        chunks, offset = self.source.open(entry.path, journal.length)
-        if offset != journal.length:
-            if offset:
-                raise OSError(f"the source resumed at byte {offset}, not {journal.length}")
+        body = self.source.open(entry.path, journal.length, chunk=READ_BYTES)
+        if body.offset != journal.length:
+            if body.offset:
+                body.close()
+                raise OSError(f"the source resumed at byte {body.offset}, not {journal.length}")
             journal, digest = Journal(0, []), hashlib.sha256()  # the source starts from the beginning: so do we
         fetched = 0
-        with open(self.part, "r+b") as f:
+        with body, open(self.part, "r+b") as f:
             f.truncate(journal.length)
             f.seek(journal.length)
             have = journal.length
             crc = 0
-            for data in chunks:
+            for data in body:
                 if self.stop.is_set():
                     raise _Stopped(f"{entry.path}: stopped (another file failed)", hint=RETRY_HINT)
                 if have + len(data) > entry.size:
@@ -314,7 +274,7 @@ class FileFetch:
                     have += len(piece)
                     fetched += len(piece)
                     if have > self.counted:
-                        self.advance(have - self.counted, True)
+                        self.bar.advance(have - self.counted)
                         self.counted = have
                     if have % CHUNK_BYTES == 0 or have == entry.size:
                         f.flush()
@@ -340,21 +300,6 @@ class FileFetch:
 
 
 # ----------------------------------------------------------------------------------- all files
-
-
-class _Progress(progress.Progress):
-    """appliance.progress with an ETA."""
-
-    def line(self, now: float | None = None) -> str:
-        now = now if now is not None else self.clock()
-        text = super().line(now)
-        rate = self.done_here / max(now - self.started, 1e-9) if self.done_here else 0
-        if self.total and rate > 0:
-            left = max(self.total - self.done, 0) / rate
-            text += f", ETA {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
-        return text
-
-    done_here = 0.0  # bytes fetched in this run (what the rate is from; a resumed prefix is not)
 
 
 def _sealed(store: Store, entry: wm.WeightFile, verity: Verity, recorded: dict[str, str]) -> bool:
@@ -404,18 +349,11 @@ def fetch(store: Store, source: Source, verity: Verity, workers: int = WORKERS, 
     total = sum(e.size for e in todo)
     lock, stop = threading.Lock(), threading.Event()
     started = time.monotonic()
-    bar = _Progress(f"fetching {len(todo)} weight files", total=total, out=out)
-    with bar:
-
-        def advance(n: int, new: bool) -> None:
-            with lock:
-                if new:
-                    bar.done_here += n
-                bar.advance(n)
+    with progress.Progress(f"fetching {len(todo)} weight files", total=total, eta=True, out=out) as bar:
 
         def one(entry: wm.WeightFile) -> int:
             try:
-                n = FileFetch(entry, store, source, verity, advance, stop).run()
+                n = FileFetch(entry, store, source, verity, bar, stop).run()
                 _check_or_record(store, entry, verity.measure(store.target(entry.path)), recorded, lock)
                 with lock:
                     store.clear_corrupt(entry.path)
@@ -430,7 +368,7 @@ def fetch(store: Store, source: Source, verity: Verity, workers: int = WORKERS, 
         if errors:  # the file that failed first, not one stopped because of it
             raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
     shutil.rmtree(store.partial, ignore_errors=True)
-    return {"files": len(store.manifest.files), "fetched_files": len(todo), "fetched_bytes": int(bar.done_here),
+    return {"files": len(store.manifest.files), "fetched_files": len(todo), "fetched_bytes": int(bar.fresh),
             "bytes": store.manifest.total_bytes, "elapsed_s": round(time.monotonic() - started, 3)}
 
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from appliance import paths
 from appliance import weights as wm
-from appliance.atomic import write_json_atomic
+from appliance.atomic import write_record
 from appliance.config import Config
 from appliance.errors import UserError
-from appliance.hashing import SHA256
 from appliance.manifest import ManifestError
+from appliance.schema import load_record
+from applianctl.records import CorruptFile, WeightsCorrupt, WeightsVerity
 
 RECORDED = "weights-verity.json"
 CORRUPT = "weights-corrupt.json"  # files whose bytes the kernel refused on a read (model verify --deep)
@@ -57,42 +57,33 @@ class Store:
     def recorded(self) -> dict[str, str]:
         """The digests this device measured for this revision ({} when none or another revision)."""
         try:
-            data: Any = json.loads((self.host_dir / RECORDED).read_text())
-        except FileNotFoundError:
+            data = load_record(WeightsVerity, self.host_dir / RECORDED, lenient=True)
+        except UserError as e:
+            raise UserError(e.message, hint="fetch the weights again: `applianctl model fetch`") from None
+        if data is None or data.revision != self.manifest.revision:
             return {}
-        except (OSError, ValueError) as e:
-            hint = "fetch the weights again: `applianctl model fetch`"
-            raise UserError(f"{self.host_dir / RECORDED}: unreadable ({e})", hint=hint) from None
-        if not isinstance(data, dict) or data.get("revision") != self.manifest.revision or not isinstance(data.get("files"), dict):
-            return {}
-        return {k: v for k, v in data["files"].items() if isinstance(k, str) and isinstance(v, str) and SHA256.match(v)}
+        return dict(data.files)
 
     def record(self, digests: dict[str, str]) -> None:
-        write_json_atomic(
-            self.host_dir / RECORDED,
-            {"model": self.manifest.model, "revision": self.manifest.revision, "files": dict(sorted(digests.items()))},
-        )
+        write_record(self.host_dir / RECORDED, WeightsVerity(self.manifest.model, self.manifest.revision, dict(sorted(digests.items()))))
 
-    def corrupt(self) -> dict[str, dict[str, Any]]:
-        """Files a read through fs-verity refused: {path: {"inode": N, "reason": TEXT}}. They stay
-        refused by the check before every start until fetched again (a new file, a new inode)."""
+    def corrupt(self) -> dict[str, CorruptFile]:
+        """Files a read through fs-verity refused, by path. They stay refused by the check before
+        every start until fetched again (a new file, a new inode)."""
         try:
-            data: Any = json.loads((self.host_dir / CORRUPT).read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError):
-            return {"?": {"inode": -1, "reason": f"{self.host_dir / CORRUPT} is unreadable"}}
-        files = data.get("files") if isinstance(data, dict) and data.get("revision") == self.manifest.revision else None
-        return {k: v for k, v in (files or {}).items() if isinstance(v, dict)}
+            data = load_record(WeightsCorrupt, self.host_dir / CORRUPT, lenient=True)
+        except UserError:
+            return {"?": CorruptFile(-1, f"{self.host_dir / CORRUPT} is unreadable")}
+        return dict(data.files) if data is not None and data.revision == self.manifest.revision else {}
 
     def mark_corrupt(self, path: str, inode: int, reason: str) -> None:
-        files = {**self.corrupt(), path: {"inode": inode, "reason": reason}}
-        write_json_atomic(self.host_dir / CORRUPT, {"revision": self.manifest.revision, "files": files})
+        files = {**self.corrupt(), path: CorruptFile(inode, reason)}
+        write_record(self.host_dir / CORRUPT, WeightsCorrupt(self.manifest.revision, files))
 
     def clear_corrupt(self, path: str) -> None:
         files = self.corrupt()
         if files.pop(path, None) is not None:
-            write_json_atomic(self.host_dir / CORRUPT, {"revision": self.manifest.revision, "files": files})
+            write_record(self.host_dir / CORRUPT, WeightsCorrupt(self.manifest.revision, files))
 
     def default_source(self, config: Config) -> str:
         """The per-host setting if there is one, else the configuration's model.source."""

@@ -22,17 +22,17 @@ import hmac
 import os
 import stat
 from pathlib import Path
-from typing import Any
 
 from appliance import weights as wm
 from applianctl.model.seal import Verity
 from applianctl.model.store import Store
+from applianctl.records import CorruptFile, ModelVerifyResult
 
 READ_BYTES = 4 << 20
 
 
 def _fault(entry: wm.WeightFile, store: Store, verity: Verity, recorded: dict[str, str],
-           corrupt: dict[str, dict[str, Any]]) -> str | None:
+           corrupt: dict[str, CorruptFile]) -> str | None:
     target = store.target(entry.path)
     try:
         st = os.lstat(target)
@@ -40,8 +40,8 @@ def _fault(entry: wm.WeightFile, store: Store, verity: Verity, recorded: dict[st
         return f"{entry.path} is missing"
     if not stat.S_ISREG(st.st_mode):
         return f"{entry.path} is not a regular file"
-    if entry.path in corrupt and corrupt[entry.path].get("inode") == st.st_ino:
-        return f"{entry.path}: {corrupt[entry.path].get('reason', 'a block was refused on read')}"
+    if entry.path in corrupt and corrupt[entry.path].inode == st.st_ino:
+        return f"{entry.path}: {corrupt[entry.path].reason}"
     if st.st_size != entry.size:
         return f"{entry.path} has {st.st_size} bytes, the signed manifest {entry.size}"
     measured = verity.measure(target)
@@ -74,11 +74,13 @@ def read_all(path: Path) -> None:
             pass
 
 
-def check(store: Store, verity: Verity, deep: bool = False) -> dict[str, Any]:
+def check(store: Store, verity: Verity, deep: bool = False) -> ModelVerifyResult:
     """The result of the check: ok, the reason (one line), and what was checked."""
     manifest = store.manifest
-    result: dict[str, Any] = {"revision": manifest.revision, "files": len(manifest.files), "bytes": manifest.total_bytes,
-                              "deep": deep}
+
+    def result(ok: bool, reason: str, file: str | None = None) -> ModelVerifyResult:
+        return ModelVerifyResult(ok, reason, manifest.revision, len(manifest.files), manifest.total_bytes, deep, file)
+
     recorded, corrupt = store.recorded(), store.corrupt()
     for entry in manifest.files:
         fault = _fault(entry, store, verity, recorded, corrupt)
@@ -91,8 +93,8 @@ def check(store: Store, verity: Verity, deep: bool = False) -> dict[str, Any]:
                 store.mark_corrupt(entry.path, os.stat(target).st_ino, fault)
                 fault = f"{entry.path}: {fault}"
         if fault is not None:
-            return {"ok": False, "reason": f"model weights: {fault}", "file": entry.path, **result}
+            return result(False, f"model weights: {fault}", entry.path)
     extra = _extra(store)
     if extra is not None:
-        return {"ok": False, "reason": f"model weights: {extra}", "file": extra.split(" ")[0], **result}
-    return {"ok": True, "reason": "", **result}
+        return result(False, f"model weights: {extra}", extra.split(" ")[0])
+    return result(True, "")

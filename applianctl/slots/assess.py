@@ -32,7 +32,10 @@ from appliance.config import Config, load_device
 from appliance.errors import UserError
 from appliance.run import run
 from applianctl import smoke
-from applianctl.slots import view as slots
+from applianctl.slots import release
+from applianctl.slots.entries import BAD, entries
+from applianctl.slots.machine import Host, boot_counting
+from applianctl.slots.records import read_json
 
 POLL_S = 5.0
 ATTEMPT_TIMEOUT_S = 120.0
@@ -87,12 +90,12 @@ def wait_serving(target: Target, model: str, deadline_s: float, poll_s: float = 
         time.sleep(min(poll_s, max(end - time.monotonic(), 0)))
 
 
-def demote_newer(host: slots.Host, version: str) -> list[str]:
+def demote_newer(host: Host, version: str) -> list[str]:
     """After a downgrade was judged good: mark newer entries bad (+0) so that the older version
     stays the default, as the operator asked."""
     demoted = []
-    for entry in slots.entries(host):
-        if manifest.version_tuple(entry.version) > manifest.version_tuple(version) and entry.state != slots.BAD:
+    for entry in entries(host):
+        if manifest.version_tuple(entry.version) > manifest.version_tuple(version) and entry.state != BAD:
             target = entry.renamed(0)
             entry.path.rename(target)
             state.fsync_dir(target.parent)
@@ -103,20 +106,20 @@ def demote_newer(host: slots.Host, version: str) -> list[str]:
 def assess(
     config: Config,
     *,
-    host: slots.Host | None = None,
+    host: Host | None = None,
     deadline_s: float | None = None,
     url: str | None = None,
     poll_s: float = POLL_S,
     reboot: Callable[[], None] | None = None,
     say: Callable[[str], None] = print,
 ) -> int:
-    host = host or slots.Host()
-    counting = slots.boot_counting(host)
+    host = host or Host()
+    counting = boot_counting(host)
     if counting is None:
         say("this boot is not on trial (no boot counting): the version was judged good already; nothing to assess")
         return 0
     try:
-        version = slots.running_manifest().version
+        version = release.running_manifest().version
     except UserError:
         version = config.appliance.version
     deadline = float(deadline_s if deadline_s is not None else config.update.assessment_deadline_s)
@@ -138,14 +141,14 @@ def assess(
     }
     if ok:
         record["reason"] = ""
-        last = slots.read_json(slots.last_update_path()) or {}
+        last = read_json(paths.last_update_path()) or {}
         if last.get("downgrade") and last.get("version") == version:
             record["demoted"] = demote_newer(host, version)
-        state.write_json_atomic(slots.last_assessment_path(), record)
+        state.write_json_atomic(paths.last_assessment_path(), record)
         say(f"{version} serves its clients: judged good")
         return 0
     record["reason"] = f"rolled back: {why}"
-    state.write_json_atomic(slots.last_assessment_path(), record)
+    state.write_json_atomic(paths.last_assessment_path(), record)
     say(f"{version} failed its assessment ({why}); rebooting (tries left: {counting.get('tries_left')})")
     (reboot or _reboot)()
     return 1

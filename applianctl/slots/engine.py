@@ -19,6 +19,7 @@ partition is never written. choose_engine_slot() is where it is decided.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -30,9 +31,11 @@ from appliance import atomic, paths
 from appliance.bundle import EMPTY_LABEL, ENGINE_TYPE, ENGINE_VERITY_TYPE, USR_TYPE, USR_VERITY_TYPE, engine_short
 from appliance.errors import UserError
 from appliance.hashing import DIGEST, SHA256
+from appliance.schema import load_record
+from applianctl.records import EngineSlotOpened, EngineVersions
 
 if TYPE_CHECKING:
-    from applianctl.slots.view import Partition
+    from applianctl.slots.partitions import Partition
 
 EMPTY = EMPTY_LABEL
 _LABEL = re.compile(r"^engine_([0-9a-f]{12})\Z")
@@ -164,20 +167,13 @@ def choose_engine_slot(slots: list[EngineSlot], entries: Mapping[str, str | None
 # ----------------------------------------------------------------------------------- what the updater recorded
 
 
-def record_path() -> Path:
-    return paths.update_dir() / "engines.json"
-
-
 def recorded() -> dict[str, str]:
     """version -> engine digest, as the updater recorded them from signed bundle indexes."""
     try:
-        data: Any = json.loads(record_path().read_text())
-    except (OSError, ValueError):
+        data = load_record(EngineVersions, paths.engines_record_path(), lenient=True)
+    except UserError:
         return {}
-    versions = data.get("versions") if isinstance(data, dict) else None
-    if not isinstance(versions, dict):
-        return {}
-    return {str(v): d for v, d in versions.items() if isinstance(d, str) and DIGEST.match(d)}
+    return {v: d for v, d in data.versions.items() if DIGEST.match(d)} if data is not None else {}
 
 
 def record(engines: Mapping[str, str], keep: set[str]) -> None:
@@ -185,7 +181,7 @@ def record(engines: Mapping[str, str], keep: set[str]) -> None:
     not in KEEP (they have no boot entry any more) are forgotten."""
     versions = {v: d for v, d in recorded().items() if v in keep}
     versions.update(engines)
-    atomic.write_json_atomic(record_path(), {"versions": dict(sorted(versions.items()))})
+    atomic.write_record(paths.engines_record_path(), EngineVersions(dict(sorted(versions.items()))))
 
 
 # ----------------------------------------------------------------------------------- opening the running engine
@@ -260,16 +256,16 @@ def open_slot(label: str, roothash: str, runner: Callable[[list[str], str, str],
     runner(["veritysetup", "open", data, DM_NAME, verity, roothash], "veritysetup open",
            f"{data} does not hold the engine the manifest pins (root hash {roothash[:16]}...): roll back or re-install")
     record = {"label": label, "partition": data, "verity_partition": verity, "roothash": roothash}
-    atomic.write_json_atomic(opened_path(), record)
+    atomic.write_record(opened_path(), EngineSlotOpened(**record))
     return record
 
 
 def opened() -> dict[str, str] | None:
     try:
-        data = json.loads(opened_path().read_text())
-    except (OSError, ValueError):
+        data = load_record(EngineSlotOpened, opened_path(), lenient=True)
+    except UserError:
         return None
-    return data if isinstance(data, dict) and isinstance(data.get("partition"), str) else None
+    return dataclasses.asdict(data) if data is not None else None
 
 
 def main(argv: list[str] | None = None) -> int:

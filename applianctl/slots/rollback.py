@@ -15,14 +15,18 @@ import time
 from typing import Any
 
 from appliance import atomic as state
+from appliance import paths
 from appliance.errors import Refused, UserError
 from appliance.run import run
+from applianctl.slots import release
 from applianctl.slots import view as slots
+from applianctl.slots.entries import BAD
+from applianctl.slots.machine import Host
 
 
-def rollback(host: slots.Host | None = None, *, force: bool = False, running_version: str | None = None) -> str:
-    host = host or slots.Host()
-    running_version = running_version or slots.running_manifest().version
+def rollback(host: Host | None = None, *, force: bool = False, running_version: str | None = None) -> str:
+    host = host or Host()
+    running_version = running_version or release.running_manifest().version
     view = slots.read(host, running_version)
     booted, other = view.booted, view.other
     if booted is None or other is None:
@@ -38,18 +42,18 @@ def rollback(host: slots.Host | None = None, *, force: bool = False, running_ver
     current = view.entry(booted.version or running_version)
     if current is None:
         raise UserError(f"no boot entry for the running version {running_version}", hint="see applianctl slots")
-    if target.state == slots.BAD:
+    if target.state == BAD:
         if not force:
             raise Refused(
                 f"{other.version} (slot {other.name}) used up its tries: it failed its assessment",
                 hint="roll back to it anyway with --force",
             )
         target.path.rename(target.renamed(None))
-    if current.state != slots.BAD:
+    if current.state != BAD:
         current.path.rename(current.renamed(0))
     state.fsync_dir(current.path.parent)
     state.write_json_atomic(
-        slots.last_rollback_path(),
+        paths.last_rollback_path(),
         {
             "from_version": running_version,
             "to_version": other.version,

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 from appliance import paths
 from appliance.config import Config, load_device
 from appliance.errors import UserError
+from applianctl import records
 from applianctl.status import disk, engine, files, gpu, host, os_slots, proxy, shm, systemd, tls, weights
 from applianctl.status import parts as probes
 from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
@@ -41,9 +42,9 @@ def probe_table(config: Config, src: Sources) -> dict[str, Callable[[], Part]]:
         "engine": lambda: engine.probe_engine(config, src),
         "proxy": lambda: proxy.probe_proxy(config, src),
         "startup": lambda: engine.probe_startup(config, paths.STARTUP_REPORT),
-        "verify": lambda: files.probe_check(paths.VERIFY_RESULT, "image verification"),
-        "preflight": lambda: files.probe_check(paths.PREFLIGHT_RESULT, "the preflight check"),
-        "shm-check": lambda: files.probe_check(paths.SHM_CHECK, "the /dev/shm check"),
+        "verify": lambda: files.probe_check(paths.VERIFY_RESULT, "image verification", records.VerifyResult),
+        "preflight": lambda: files.probe_check(paths.PREFLIGHT_RESULT, "the preflight check", records.PreflightResult),
+        "shm-check": lambda: files.probe_check(paths.SHM_CHECK, "the /dev/shm check", records.ShmCheck),
         "gpu": lambda: gpu.probe(config, src.run),
         "shm": lambda: shm.probe_shm(config, src, paths.SHM_DIR),
         "disk": lambda: disk.probe_disk(config, paths.STATE_DIR),

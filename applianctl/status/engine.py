@@ -12,6 +12,9 @@ from typing import Any
 
 from appliance import paths
 from appliance.config import Config
+from appliance.errors import UserError
+from appliance.schema import load_record, plain
+from applianctl.records import StartupReport
 from applianctl.status import parts as probes
 from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
@@ -113,23 +116,21 @@ def probe_engine(config: Config, src: Sources) -> Part:
 def probe_startup(config: Config, path: Path | None = None) -> Part:
     path = path or paths.STARTUP_REPORT
     try:
-        report = json.loads(path.read_text())
-        state = report["state"]
-    except FileNotFoundError:
+        report = load_record(StartupReport, path, lenient=True)
+    except UserError as e:
+        return Part(DEGRADED, e.message)
+    if report is None:
         return Part(NOT_CONFIGURED, f"no startup report ({path})")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return Part(DEGRADED, f"{path}: unreadable ({type(e).__name__})")
-    figures = report.get("figures") or {}
-    configured = {k: getattr(config.expected, k) for k in FIGURES}
-    expected = report.get("expected") or configured
+    state, figures, reason = report.state, report.figures, report.reason
+    # the expectations the report was made against; the configured ones when it names none
+    expected = report.expected if plain(report.expected) else config.expected
     details: dict[str, Any] = {
         "report_state": state,
-        "figures": {k: {"value": figures.get(k), "expected": expected.get(k)} for k in FIGURES},
-        "cuda_graphs": figures.get("cuda_graphs"),
-        "ready": figures.get("ready"),
-        "reached_s": report.get("reached_s") or {},
+        "figures": {k: {"value": getattr(figures, k), "expected": getattr(expected, k)} for k in FIGURES},
+        "cuda_graphs": figures.cuda_graphs,
+        "ready": figures.ready,
+        "reached_s": dict(report.reached_s),
     }
-    reason = str(report.get("reason") or "")
     if state == "ok":
         return Part(OK, "", details)
     if state == "loading":

@@ -5,19 +5,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from appliance.errors import UserError
+from appliance.schema import from_json
+from applianctl.records import CheckResult
 from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
 
 
-def probe_check(path: Path, what: str) -> Part:
-    """A result file written by another unit: {"ok": bool, "reason": str, ...}."""
+def probe_check(path: Path, what: str, record: type[CheckResult] = CheckResult) -> Part:
+    """A result file written by another unit, a RECORD. The details are the file's other keys as
+    written (also those a newer release adds), besides ok, reason and format."""
     try:
-        result = json.loads(path.read_text())
-        ok = result["ok"]
+        doc = json.loads(path.read_text())
+        result = from_json(record, doc, str(path), lenient=True)
     except FileNotFoundError:
         return Part(NOT_CONFIGURED, f"{what} has not run ({path} absent)")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         return Part(DEGRADED, f"{path}: unreadable ({type(e).__name__})")
-    details = {k: v for k, v in result.items() if k not in ("ok", "reason", "state")}
-    if ok is True:
+    except UserError as e:
+        return Part(DEGRADED, e.message)
+    details = {k: v for k, v in doc.items() if k not in ("ok", "reason", "state", "format")}
+    if result.ok:
         return Part(OK, "", details)
-    return Part(DOWN, str(result.get("reason") or f"{what} failed"), details)
+    return Part(DOWN, result.reason or f"{what} failed", details)

@@ -1,7 +1,8 @@
 """Status parts `os` and `slots`: the running version and the A/B slots with their boot entries.
 
 Every fact about slots, boot entries and boot counting comes from applianctl.slots.view, the one
-model of them that update, assess and rollback use too; this file only judges and words it.
+model of them that update, assess and rollback use too; this file adds the updater's records and
+only judges and words it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from appliance import paths
 from appliance.config import Config
+from applianctl.slots.machine import Host
 from applianctl.status.parts import DEGRADED, NOT_CONFIGURED, OK, Part, Sources
 
 
@@ -24,19 +27,59 @@ def read_os_release(path: Path) -> dict[str, str]:
     return out
 
 
+def slots_summary(host: Host | None = None, running_version: str | None = None) -> dict[str, Any]:
+    """What `applianctl status` shows about upgrades: View.to_json() plus the last update,
+    assessment and rollback, whether the last update was rolled back and why, and the staged update."""
+    # imported in the probe's thread: their imports cost time
+    from applianctl.slots import view as slots
+    from applianctl.slots.entries import BAD
+    from applianctl.slots.records import read_json
+    from applianctl.update import staged as update_staged
+
+    view = slots.read(host, running_version)
+    out = view.to_json()
+    running_version = view.running_version
+    last_update = read_json(paths.last_update_path())
+    last_assessment = read_json(paths.last_assessment_path())
+    last_rollback = read_json(paths.last_rollback_path())
+    rolled_back, by = False, None
+    reason = None
+    if last_assessment and last_assessment.get("ok") is False and last_assessment.get("version") != running_version:
+        rolled_back, by, reason = True, "appliance", str(last_assessment.get("reason") or "assessment failed")
+    elif (last_rollback and last_update and last_rollback.get("to_version") == running_version
+          and last_rollback.get("from_version") == last_update.get("version") != running_version):
+        # the operator went back from the last update: a choice, not a fault
+        rolled_back, by = True, "operator"
+        reason = f"applianctl rollback from {last_rollback.get('from_version')} at {last_rollback.get('at')}"
+    elif last_update and last_update.get("version") not in (None, running_version):
+        bad = view.entry(str(last_update.get("version")))
+        if bad is not None and bad.state == BAD:
+            rolled_back, by, reason = True, "appliance", f"rolled back: {bad.path.name} used up its tries without being judged good"
+    out.update(
+        {
+            "last_update": last_update,
+            "last_assessment": last_assessment,
+            "rolled_back": rolled_back,
+            "rollback_reason": reason,
+            "rolled_back_by": by,
+            "last_rollback": last_rollback,
+            "staged": update_staged.read(),
+        }
+    )
+    return out
+
+
 def slots_reader(config: Config, src: Sources) -> Callable[[], dict[str, Any]]:
-    """slots.slots_summary() read once per status run, shared by the os and slots parts (it
-    runs sfdisk; both parts run side by side)."""
+    """slots_summary() read once per status run, shared by the os and slots parts (it runs
+    sfdisk; both parts run side by side)."""
     lock = threading.Lock()
     cache: list[dict[str, Any]] = []
 
     def read() -> dict[str, Any]:
-        from applianctl.slots import view as slots  # imported in the probe's thread: its imports cost time
-
         with lock:
             if not cache:
-                host = src.slots_host if src.slots_host is not None else slots.Host()
-                cache.append(slots.slots_summary(host, config.appliance.version))
+                host = src.slots_host if src.slots_host is not None else Host()
+                cache.append(slots_summary(host, config.appliance.version))
             return cache[0]
 
     return read

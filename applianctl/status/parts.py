@@ -104,7 +104,7 @@ class Sources:
     proc: Path = Path("/proc")
     run: Runner = run_command
     bus: Callable[[], Any] | None = None  # a pydbus bus; default: the system bus
-    slots_host: Any = None  # an applianctl.slots.view.Host; default: Host() (the machine, or its APPLIANCE_* overrides)
+    slots_host: Any = None  # an applianctl.slots.machine.Host; default: Host() (the machine, or its APPLIANCE_* overrides)
 
 
 def run_probes(probes: Mapping[str, Callable[[], Part]], deadline_s: float = DEADLINE_S) -> dict[str, Part]:

@@ -6,22 +6,14 @@ and reports what the engine was started on."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from appliance.config import Config
 from appliance.errors import UserError
+from appliance.schema import load_record
+from applianctl.records import ModelVerifyResult, WeightsFetch
 from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
-
-
-def _read(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {}
 
 
 def probe_weights(config: Config, manifest: Path | None = None, release: Path | None = None,
@@ -38,19 +30,23 @@ def probe_weights(config: Config, manifest: Path | None = None, release: Path | 
     if model is None:
         return Part(NOT_CONFIGURED, "this image pins no weights (no weights manifest)",
                     {"revision": config.model.revision, "files": None, "bytes": None, "verified": None, "source": None, "file": None})
-    fetched = _read((host_dir or model_store.host_dir()) / model_store.FETCH_STATE)
-    source = fetched.get("source") if isinstance(fetched, dict) else None
+    try:
+        fetched = load_record(WeightsFetch, (host_dir or model_store.host_dir()) / model_store.FETCH_STATE, lenient=True)
+    except UserError:
+        fetched = None  # only the source shown is at stake: the configured one stands in
+    source = fetched.source if fetched is not None else None
     details: dict[str, Any] = {"revision": model.revision, "files": len(model.files), "bytes": model.total_bytes,
                                "verified": None, "source": source or config.model.source or None, "file": None}
-    checked = _read(result or model_store.verify_result())
+    try:
+        checked = load_record(ModelVerifyResult, result or model_store.verify_result(), lenient=True)
+    except UserError:
+        return Part(DEGRADED, f"{result or model_store.verify_result()}: unreadable", details)
     if checked is None:
         return Part(DEGRADED, "not checked yet (applianctl model verify runs before the engine starts)", details)
-    if not isinstance(checked, dict) or not isinstance(checked.get("ok"), bool):
-        return Part(DEGRADED, f"{result or model_store.verify_result()}: unreadable", details)
-    if checked.get("revision") != model.revision:
+    if checked.revision != model.revision:
         return Part(DEGRADED, "the last check was of another revision", details)
-    details["verified"] = checked["ok"]
-    if not checked["ok"]:
-        details["file"] = checked.get("file")
-        return Part(DOWN, str(checked.get("reason", "the weights are not as signed")).removeprefix("model weights: "), details)
+    details["verified"] = checked.ok
+    if not checked.ok:
+        details["file"] = checked.file
+        return Part(DOWN, checked.reason.removeprefix("model weights: "), details)
     return Part(OK, "", details)

@@ -1,10 +1,9 @@
 """Whether a bundle may be installed here, and whether what was downloaded is what it claims.
 
-Policy (before any download): the version is newer than the running one (older only with
---allow-downgrade, the same never), min_version is not newer than the running version, the profile
-is the running one, the engine image is one the appliance has or may write to a free engine slot,
-and the partition images fit the inactive slot. Content (after every file's SHA-256 matched): the inner release manifest
-verifies on its own and agrees with bundle.json, and the kernel image boots bundle.json's usrhash.
+Before any download: the running version is judged good, the version is newer (older only with
+--allow-downgrade, the same never), min_version is met, the profile and the engine image fit this
+appliance, the partition images fit the inactive slot. After every file's SHA-256 matched: the
+inner release manifest agrees with bundle.json, and the kernel image boots its usrhash.
 """
 
 from __future__ import annotations
@@ -18,6 +17,55 @@ from appliance.bundle import NOT_OURS, BundleIndex, engine_short, payload_names,
 from appliance.errors import Refused, UserError
 from applianctl.slots import view as slots
 from applianctl.slots.engine import EngineChoice
+from applianctl.slots.entries import BAD, GOOD, ON_TRIAL
+from applianctl.slots.partitions import Slot
+
+
+def check_judged(view: slots.View) -> None:
+    """Writing the inactive slot is safe only when the running version is judged good (its entry
+    carries no boot counter): while it is on trial the other slot may hold the only good version."""
+    state, why = view.running_state()
+    running = view.running_version
+    other = view.other
+    if state == GOOD:
+        return
+    if state == ON_TRIAL:
+        raise UserError(
+            f"refused: the running version {running} is on trial ({why}); slot {other.name if other else '?'} "
+            "may hold the only version known to be good",
+            hint="wait until this boot's assessment has passed (`applianctl slots` shows it judged good), then run the same command again",
+        )
+    if state == BAD:
+        raise UserError(
+            f"refused: the running version {running} is marked bad ({why}); "
+            f"slot {other.name if other else '?'} holds the version to fall back to",
+            hint="reboot into the other slot first (it is the default now), then update from there",
+        )
+    raise UserError(f"refused: cannot tell whether the running version is judged good ({why})", hint="see applianctl slots")
+
+
+def inactive_slot(view: slots.View) -> Slot:
+    booted = [s for s in view.slots if s.booted]
+    if len(view.slots) != 2 or len(booted) != 1:
+        errors = f" ({'; '.join(view.errors)})" if view.errors else ""
+        raise UserError(
+            f"expected two /usr slots, one of them booted; found {len(view.slots)} slot(s), {len(booted)} booted{errors}",
+            hint="the second slot is made by systemd-repart on first boot; check `sfdisk -l` of the disk",
+        )
+    other = view.other
+    assert other is not None
+    return other
+
+
+def check_staged_newer(index: BundleIndex, running: manifest.Manifest, allow_downgrade: bool) -> None:
+    """--apply, before check_policy: a staged bundle no longer newer than the running version (which
+    changed since it was staged) is a usage error (exit 2), not a bad bundle."""
+    new, cur = manifest.version_tuple(index.version), manifest.version_tuple(running.version)
+    if new == cur or (new < cur and not allow_downgrade):
+        raise UserError(
+            f"the staged bundle {index.version} is not newer than the running version {running.version}",
+            hint="stage a newer one: `applianctl update --download-only SOURCE` (an older one only with --allow-downgrade)",
+        )
 
 
 def check_policy(index: BundleIndex, running: manifest.Manifest, allow_downgrade: bool) -> bool:
@@ -64,7 +112,7 @@ def writes_engine(choice: EngineChoice | None) -> bool:
     return choice is not None and not choice.already_present
 
 
-def check_fits(index: BundleIndex, inactive: slots.Slot) -> None:
+def check_fits(index: BundleIndex, inactive: Slot) -> None:
     sizes = index.partition_sizes
     names = payload_names(index.version, index.engine_digest, False)
     targets = [("usr", inactive.usr), ("usr-verity", inactive.verity)]
@@ -77,18 +125,6 @@ def check_fits(index: BundleIndex, inactive: slots.Slot) -> None:
                 f"{names[role]} is {size} bytes, larger than slot {inactive.name}'s {role} partition ({part.size_bytes} bytes)",
                 hint="this bundle does not fit this appliance's disk layout",
             )
-
-
-def inactive_slot(host: slots.Host, running_version: str) -> slots.Slot:
-    found = slots.slots(host, running_version)
-    booted = [s for s in found if s.booted]
-    others = [s for s in found if not s.booted]
-    if len(found) != 2 or len(booted) != 1:
-        raise UserError(
-            f"expected two /usr slots, one of them booted; found {len(found)} slot(s), {len(booted)} booted",
-            hint="the second slot is made by systemd-repart on first boot; check `sfdisk -l` of the disk",
-        )
-    return others[0]
 
 
 def check_staged(index: BundleIndex, staging: Path, keys_dir: Path) -> None:

@@ -11,10 +11,10 @@ import os
 import shutil
 from pathlib import Path
 
+from appliance import paths
 from appliance.bundle import BundleFile, BundleIndex, install_names
 from appliance.errors import UserError
 from appliance.fetch import Source, fetch_proven, missing_bytes
-from applianctl.slots import view as slots
 
 SPACE_MARGIN_BYTES = 512 << 20
 
@@ -47,7 +47,7 @@ def check_space(index: BundleIndex, staging: Path, margin: int = SPACE_MARGIN_BY
 
 def staging_for(version: str) -> Path:
     """The staging directory of VERSION; other versions' leftovers are removed."""
-    root = slots.staging_dir()
+    root = paths.update_staging_dir()
     if root.is_dir():
         for old in root.iterdir():
             if old.name != version:

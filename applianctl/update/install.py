@@ -16,12 +16,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from appliance import atomic
+from appliance import atomic, paths
 from appliance.bundle import BundleIndex, engine_short, payload_names, source_names
 from appliance.errors import UserError
 from appliance.run import run
-from applianctl.slots import view as slots
 from applianctl.slots.engine import EngineSlot
+from applianctl.slots.entries import entries
+from applianctl.slots.machine import Host
+from applianctl.slots.partitions import Partition, Slot, usr_disk
 
 UKI_TRANSFER = Path("/usr/lib/sysupdate.d/90-uki.transfer")
 
@@ -50,7 +52,7 @@ def sysupdate_commands(index: BundleIndex) -> list[list[str]]:
 
 def link_sources(index: BundleIndex, staging: Path) -> None:
     """Fill the sysupdate source directory with exactly this bundle's verified files."""
-    directory = slots.source_dir()
+    directory = paths.update_source_dir()
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(mode=0o700, parents=True)
     for staged, linked in source_names(index).items():
@@ -58,29 +60,29 @@ def link_sources(index: BundleIndex, staging: Path) -> None:
     atomic.fsync_dir(directory)
 
 
-def remove_entries(host: slots.Host, version: str) -> None:
+def remove_entries(host: Host, version: str) -> None:
     """VERSION's boot entries go (before anything it needs is erased), made durable at once."""
-    for entry in slots.entries(host):
+    for entry in entries(host):
         if entry.version == version:
             entry.path.unlink()
     if host.esp is not None:
         atomic.fsync_dir(host.esp / "EFI" / "Linux")
 
 
-def _blank(host: slots.Host, parts: list[slots.Partition], what: str) -> None:
+def _blank(host: Host, parts: list[Partition], what: str) -> None:
     """Zero PARTS (the images stop at their last non-zero block), then label them empty (last:
     relabelling makes the kernel re-read the table, and the partition nodes vanish for a moment)."""
     for part in parts:
         zero = ["blkdiscard", "--zeroout", part.node]
         run(zero, " ".join(zero), f"{what} cannot be written", timeout=None)
-    disk = slots.usr_disk(host)
+    disk = usr_disk(host)
     for part in parts:
         if part.label != "_empty":
             argv = [host.sfdisk, "--part-label", disk, str(part.number), "_empty"]
             run(argv, "sfdisk --part-label", "the partition table cannot be written")
 
 
-def prepare_slot(host: slots.Host, inactive: slots.Slot, running_version: str) -> None:
+def prepare_slot(host: Host, inactive: Slot, running_version: str) -> None:
     """Make the inactive slot blank before systemd-sysupdate writes it: the boot entry of the
     version it held goes first (it would boot a slot about to be erased), then the partitions are
     zeroed (the bundle's images stop at their last non-zero block), then labelled empty (last:
@@ -105,7 +107,7 @@ def engine_sysupdate_commands(index: BundleIndex) -> list[list[str]]:
 def link_engine_sources(index: BundleIndex, staging: Path) -> None:
     """The sysupdate source directory with exactly this bundle's verified engine images."""
     names = payload_names(index.version, index.engine_digest, True)
-    directory = slots.source_dir()
+    directory = paths.update_source_dir()
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(mode=0o700, parents=True)
     for role in ("engine", "engine-verity"):
@@ -113,7 +115,7 @@ def link_engine_sources(index: BundleIndex, staging: Path) -> None:
     atomic.fsync_dir(directory)
 
 
-def prepare_engine_slot(host: slots.Host, slot: EngineSlot, leaving: str | None) -> None:
+def prepare_engine_slot(host: Host, slot: EngineSlot, leaving: str | None) -> None:
     """Blank the engine SLOT that engine_slots.choose_engine_slot chose. The version LEAVING the
     inactive /usr slot loses its boot entry first: its engine may be the one erased here, and no
     bootable entry may point at an engine that is gone (a power cut at any later step leaves the
@@ -127,8 +129,8 @@ def prepare_engine_slot(host: slots.Host, slot: EngineSlot, leaving: str | None)
 
 @contextmanager
 def locked() -> Iterator[None]:
-    slots.update_dir().mkdir(parents=True, exist_ok=True)
-    with open(slots.update_dir() / "lock", "w") as f:
+    paths.update_dir().mkdir(parents=True, exist_ok=True)
+    with open(paths.update_lock_path(), "w") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

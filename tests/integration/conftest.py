@@ -21,7 +21,7 @@ from journey import V1, V2, V3, reports_of
 from appliance import config
 from applianctl import tls
 from builder import build, keys, qemu, release
-from standin.testing import free_port
+from testkit.standin import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

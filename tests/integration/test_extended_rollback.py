@@ -14,7 +14,7 @@ One appliance, one QEMU run, no host intervention after power-on:
     1.3.0 the kernel panics once multi-user.target is reached: panic= reboots it; no try left
     base  the final report
 
-The bad versions are builder.faults' synthetic bad versions (the demo built again under a new
+The bad versions are testkit.faults' synthetic bad versions (the demo built again under a new
 version with a fault word on its kernel command line); their bundles are served over HTTPS as in
 the journey.
 """
@@ -30,7 +30,8 @@ import pytest
 from journey import reports_of
 
 from appliance import config
-from builder import build, faults, qemu, release
+from builder import build, qemu, release
+from testkit import faults
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,19 +1,19 @@
 """`make bench`, engine slots (issue 15): the time to write an engine store into a free engine slot
 against `dd bs=4M conv=fsync` of the same bytes (target: at most 1.3x).
 
-"Ours" is the way docs/disk-layout.md ("Engine updates") says an update writes it, as the /usr
-slot is written (builder/bench.py bench_slot_write): the slot blanked and labelled `_empty`
-(blkdiscard --zeroout, sfdisk), then the built image's own systemd-sysupdate, in a chroot of its
-/usr, with the engine component's transfers (image/mkosi.extra/usr/lib/sysupdate.engine.d when
-present, else as the document describes them: engine_@v.raw into the partition of type
-appliance-engine labelled engine_@v, the hash tree likewise), on a loop device over a GPT image
-file holding both engine slots. The bytes are the last demo build's engine partition images
-(out/demo/appliance_V.engine.raw, .engine-verity.raw), else a generated erofs of the same kind.
+"Ours" is the way `applianctl update` writes it, as the /usr slot is written (bench/upgrade.py
+bench_slot_write): the slot blanked and labelled `_empty` (blkdiscard --zeroout, sfdisk), then the
+built image's own systemd-sysupdate, in a chroot of its /usr, with the engine component's transfers
+(image/mkosi.extra/usr/lib/sysupdate.engine.d; else as docs/disk-layout.md describes them:
+engine_@v.raw into the partition of type appliance-engine labelled engine_@v, the hash tree
+likewise), on a loop device over a GPT image file holding both engine slots. The bytes are the
+last demo build's engine partition images (out/demo/appliance_V.engine.raw, .engine-verity.raw),
+else a generated erofs of the same kind.
 
-Not measured: the bytes written to the running engine partition during an update. No update
-writes an engine slot yet (applianctl chooses the slot, engine_slots.choose_engine_slot, but
-nothing writes it), so there is no update to measure; the run below only checks that writing
-slot B left slot A's bytes as they were.
+Not measured here: the bytes written to the running engine partition during an update. This host
+has no loop partitions to count writes through; the QEMU journey counts them on the guest's own
+partitions (tests/integration/test_image_upgrade.py). The run below checks that writing slot B
+left slot A's bytes as they were.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from pathlib import Path
 
 from appliance import bundle, config
 from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
+from bench.common import ROOT, elapsed, image_root, row, sh, undo
 from builder import build
-from builder.bench import _row, _sh, _time, image_root, undo
 
 MIB = 1 << 20
 # The image's engine component, when it has one (what `applianctl update` runs); else the
 # transfers docs/disk-layout.md describes.
-IMAGE_TRANSFERS = build.ROOT / "image/mkosi.extra/usr/lib/sysupdate.engine.d"
+IMAGE_TRANSFERS = ROOT / "image/mkosi.extra/usr/lib/sysupdate.engine.d"
 DESCRIBED = {
     "10-engine.transfer": ("engine_@v.raw", ENGINE_TYPE, "engine_@v"),
     "20-engine-verity.transfer": ("engine_@v.verity.raw", ENGINE_VERITY_TYPE, "engine_@v-verity"),
@@ -66,8 +66,8 @@ def _generated_store(work: Path, size: int) -> tuple[Path, Path]:
     tree.mkdir()
     (tree / "layer").write_bytes(os.urandom(size))
     erofs, verity = work / "engine.erofs", work / "engine.verity"
-    _sh("mkfs.erofs", "-T0", "--all-root", str(erofs), str(tree))
-    _sh("veritysetup", "format", str(erofs), str(verity))
+    sh("mkfs.erofs", "-T0", "--all-root", str(erofs), str(tree))
+    sh("veritysetup", "format", str(erofs), str(verity))
     return erofs, verity
 
 
@@ -120,18 +120,18 @@ def _engine_slot_write(demo: config.Config, generated: int) -> None:
             )
         )
         subprocess.run(["sfdisk", "-q", str(disk)], input=table, text=True, check=True)
-        loop = _sh("losetup", "-f", "--show", str(disk)).strip()
-        parts = json.loads(_sh("sfdisk", "-J", loop))["partitiontable"]["partitions"]
+        loop = sh("losetup", "-f", "--show", str(disk)).strip()
+        parts = json.loads(sh("sfdisk", "-J", loop))["partitiontable"]["partitions"]
         slot_a = [(int(p["start"]) * 512, int(p["size"]) * 512) for p in parts[:2]]
         slot_b = [(int(p["start"]) * 512, int(p["size"]) * 512) for p in parts[2:]]
         for start, length in slot_a:  # something to keep: the running engine's bytes
-            _sh("dd", "if=/dev/urandom", f"of={loop}", "bs=1M", f"count={length // MIB}", "oflag=seek_bytes",
+            sh("dd", "if=/dev/urandom", f"of={loop}", "bs=1M", f"count={length // MIB}", "oflag=seek_bytes",
                 f"seek={start}", "conv=notrunc", "status=none")
         before = [_digest(loop, s, n) for s, n in slot_a]
 
         def plain() -> None:
             for src, (start, _) in zip(images, slot_b, strict=True):
-                _sh("dd", f"if={src}", f"of={loop}", "bs=4M", "oflag=seek_bytes", f"seek={start}", "conv=fsync,notrunc", "status=none")
+                sh("dd", f"if={src}", f"of={loop}", "bs=4M", "oflag=seek_bytes", f"seek={start}", "conv=fsync,notrunc", "status=none")
 
         root = image_root(usr, work / "root", mounts)
         defs, origin = transfers(loop)
@@ -142,33 +142,33 @@ def _engine_slot_write(demo: config.Config, generated: int) -> None:
 
         def ours() -> None:  # blank the chosen slot, then the engine component
             for start, length in slot_b:
-                _sh("blkdiscard", "--force", "--zeroout", "--offset", str(start), "--length", str(length), loop)
+                sh("blkdiscard", "--force", "--zeroout", "--offset", str(start), "--length", str(length), loop)
             for i in (3, 4):
-                _sh("sfdisk", "-q", "--part-label", loop, str(i), "_empty")
-            _sh("chroot", str(root), "/usr/lib/systemd/systemd-sysupdate", "--definitions=/defs", "--no-pager", "update", short)
-            _sh("sync")
+                sh("sfdisk", "-q", "--part-label", loop, str(i), "_empty")
+            sh("chroot", str(root), "/usr/lib/systemd/systemd-sysupdate", "--definitions=/defs", "--no-pager", "update", short)
+            sh("sync")
 
-        base = _time(plain)
-        mine = _time(ours)
+        base = elapsed(plain)
+        mine = elapsed(ours)
         for src, (start, _) in zip(images, slot_b, strict=True):  # slot B holds exactly the store's bytes
-            _sh("cmp", f"--ignore-initial=0:{start}", "-n", str(src.stat().st_size), str(src), loop)
-        labels = [p.get("name") for p in json.loads(_sh("sfdisk", "-J", loop))["partitiontable"]["partitions"]]
+            sh("cmp", f"--ignore-initial=0:{start}", "-n", str(src.stat().st_size), str(src), loop)
+        labels = [p.get("name") for p in json.loads(sh("sfdisk", "-J", loop))["partitiontable"]["partitions"]]
         if labels[2:] != [f"engine_{short}", f"engine_{short}-verity"]:
             raise RuntimeError(f"systemd-sysupdate labelled slot B {labels[2:]}")
         if [_digest(loop, s, n) for s, n in slot_a] != before:
             raise RuntimeError("writing slot B changed slot A")
         mib = sum(p.stat().st_size for p in images) / MIB
         what = "generated" if images[0].parent == work else "demo"
-        _row(f"write an engine slot, {what} {mib:.0f} MiB (vs dd)", mine, base, "target <= 1.3x")
+        row(f"write an engine slot, {what} {mib:.0f} MiB (vs dd)", mine, base, "target <= 1.3x")
         print(f"  with {origin} engine transfers")
         # this host has no loop partitions to count writes through; the QEMU journey counts them on
-        # the guest's own partitions (demo/bootcheck.py, tests/integration/test_image_upgrade.py)
+        # the guest's own partitions (testkit/bootcheck.py, tests/integration/test_image_upgrade.py)
         print("  slot A (the running engine) meanwhile: SHA-256 unchanged")
     finally:
         undo(mounts, loop, work)
 
 
-if __name__ == "__main__":  # one size: python3 -m builder.bench_engine [BYTES] (0: the demo's store)
+if __name__ == "__main__":  # one size: python3 -m bench.engine [BYTES] (0: the demo's store)
     import sys
 
-    _engine_slot_write(config.load(build.ROOT / "appliance.toml", "demo"), int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    _engine_slot_write(config.load(ROOT / "appliance.toml", "demo"), int(sys.argv[1]) if len(sys.argv) > 1 else 0)

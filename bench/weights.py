@@ -9,8 +9,8 @@
 The build host's kernel has no fs-verity, so here the device code runs with a stand-in for the
 kernel: sealing is not done, and measuring a file is an open and fstat (what the ioctl costs
 besides reading the 256-byte descriptor the kernel keeps). The rows say so; the QEMU extended test
-measures the real ioctls. The device code runs in its own interpreter (builder/ never imports
-applianctl/), given the paths and the mirror on its command line.
+measures the real ioctls. The device code runs in its own interpreter, as it would start on the
+device, given the paths and the mirror on its command line.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from pathlib import Path
 
 from appliance import config
 from appliance import weights as wm
+from bench.common import ROOT
 from builder import weights
-from standin.testing import free_port
+from testkit.standin import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 FULL_SIZE = 156 * 1024**3
 
 # The device side, run as `python3 -c DEVICE MODE MANIFEST SNAPSHOT [URL CA]` in a fresh interpreter.

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from appliance import config
+from bench.common import ROOT
 from builder import build
 
 GIB = 1 << 30
@@ -81,7 +82,7 @@ def bench_install(demo: config.Config) -> dict[str, float]:
             (root / d).mkdir(parents=True)
         _sh("mount", "--bind", "-o", "ro", str(TOOLS_TREE / "usr"), str(root / "usr"))
         mounts.append(root / "usr")
-        for definition in sorted((build.ROOT / "image/mkosi.extra/usr/lib/repart.d").glob("*.conf")):
+        for definition in sorted((ROOT / "image/mkosi.extra/usr/lib/repart.d").glob("*.conf")):
             shutil.copyfile(definition, root / "defs" / definition.name)
         for d in ("bin", "sbin", "lib", "lib64"):
             (root / d).symlink_to(f"usr/{d}")
@@ -147,4 +148,4 @@ def bench_install(demo: config.Config) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    bench_install(config.load(build.ROOT / "appliance.toml", "demo"))
+    bench_install(config.load(ROOT / "appliance.toml", "demo"))

@@ -1,5 +1,5 @@
 """The boot check (demo and test images only): the facts a test host asserts about a booted
-appliance. Run as `python3 -m demo.bootcheck` by appliance-bootcheck.service, which the builder
+appliance. Run as `python3 -m testkit.bootcheck` by appliance-bootcheck.service, which the builder
 installs for the demo profile only; a production image carries neither.
 
 Waits (bounded) for the engine to be healthy, then writes one JSON report between marker
@@ -308,9 +308,10 @@ def _update_command(url: str, *options: str) -> list[str]:
 
 
 def _inactive_slot_hashes(version: str) -> dict[str, str]:
-    from applianctl.slots import view as slots
+    from applianctl.slots.machine import Host
+    from applianctl.slots.partitions import slots
 
-    inactive = next(s for s in slots.slots(slots.Host(), version) if not s.booted)
+    inactive = next(s for s in slots(Host(), version) if not s.booted)
     parts = [p for p in (inactive.usr, inactive.verity) if p is not None]
     return {p.node: _run(["sha256sum", p.node], timeout=1800).split(" ")[0] for p in parts}
 
@@ -356,9 +357,9 @@ def _slot_hashes() -> dict[str, str]:
 def _on_trial() -> dict[str, Any]:
     """Whether this boot is under boot counting (systemd-boot's LoaderBootCountPath or a +LEFT
     entry name) and how far the assessment got."""
-    from applianctl.slots import view as slots
+    from applianctl.slots.machine import Host, boot_counting
 
-    counting = slots.boot_counting(slots.Host())
+    counting = boot_counting(Host())
     return {
         "counting": counting,
         "assess_state": _run(["systemctl", "show", "-P", "ActiveState", "appliance-assess.service"]).strip(),
@@ -583,7 +584,7 @@ def _unjudged_trial() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 -m demo.bootcheck", description="Report the booted appliance's state to a test host.")
+    p = argparse.ArgumentParser(prog="python3 -m testkit.bootcheck", description="Report the booted appliance's state to a test host.")
     p.add_argument("--report", default="/dev/ttyS1", help="where to write the JSON report")
     p.add_argument("--wait", type=float, default=600, help="seconds to wait for a healthy engine")
     p.add_argument("--trial", action="store_true", help="run only the plan's steps for a version on trial, then exit")

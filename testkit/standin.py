@@ -1,4 +1,4 @@
-"""Run the stand-in as a real process, for tests (the test suite and other projects' tests)."""
+"""The stand-in engine as a real process, and free loopback ports, for the tests and the benchmarks."""
 
 from __future__ import annotations
 

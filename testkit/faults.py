@@ -2,7 +2,7 @@
 
 A bad version is the demo image built again under a new version number with a fault chosen by
 words on its kernel command line (mkosi appends them to image/mkosi.conf's); the units that act
-on those words live in demo/units/ and are inert without them, so a production image has none.
+on those words live in testkit/units/ and are inert without them, so a production image has none.
 An incremental mkosi build of it reuses the package cache (a few minutes under the builder).
 
     bad = faults.bad_version(demo, "1.0.3", "hang-before-boot-complete", assessment_deadline_s=60)
@@ -26,10 +26,10 @@ from appliance.errors import UserError
 FAULTS: dict[str, tuple[str, ...]] = {
     # The proxy never starts: the engine serves on loopback, clients get nothing.
     "proxy-never-listens": ("systemd.mask=appliance-proxy.service",),
-    # A unit boot-complete.target waits for never finishes (demo/units/appliance-demo-fault.service):
+    # A unit boot-complete.target waits for never finishes (testkit/units/appliance-demo-fault.service):
     # only the boot deadline (appliance-boot-deadline.timer) ends the boot.
     "hang-before-boot-complete": ("appliance.demo.fault=hang",),
-    # The kernel panics once multi-user.target is reached (demo/units/appliance-demo-panic.service);
+    # The kernel panics once multi-user.target is reached (testkit/units/appliance-demo-panic.service);
     # panic=10 on the command line reboots it.
     "panic": ("appliance.demo.fault=panic",),
 }

@@ -1,0 +1,306 @@
+"""The configuration model: the frozen dataclasses appliance.toml and appliance.json load into.
+
+Each field carries its check (appliance/config_checks.py); the values the build and the device
+derive from the settings are properties here. `cross_checks` holds the rules that tie settings
+together; `ConfigLoader` words the schema loader's faults (appliance.toml, appliance.json, the plan).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from appliance import config_checks as checks
+from appliance import schema
+from appliance.errors import ConfigError, UserError
+from appliance.hashing import DIGEST, SHA256
+from appliance.patterns import MODEL_ID, REVISION, VERSION
+
+PROFILES = ("production", "demo")
+GIB = 1 << 30
+
+_check = schema.check
+_each = schema.each
+
+
+@dataclass(frozen=True)
+class Appliance:
+    name: str = field(metadata=_check(checks.is_dns_name))
+    version: str = field(metadata=_check(checks.pattern(VERSION, "numbers joined by dots, e.g. 1.4.0")))
+    # The oldest version a release bundle of this build may be installed over.
+    min_version: str = field(default="0", metadata=_check(checks.pattern(VERSION, "numbers joined by dots, e.g. 1.0.0")))
+
+
+@dataclass(frozen=True)
+class Os:
+    release: str = field(metadata=_check(checks.one_of("trixie")))
+    mirror: str = field(default="", metadata=_check(checks.is_url))
+    security_mirror: str = field(default="", metadata=_check(checks.is_url))
+    hostname: str = field(default="appliance", metadata=_check(checks.is_dns_name))
+    ssh_authorized_keys: tuple[str, ...] = field(
+        default=(), metadata=_each(checks.pattern(checks.SSH_KEY, "an OpenSSH public key line, e.g. ssh-ed25519 AAAA... user@host"))
+    )
+
+
+@dataclass(frozen=True)
+class Model:
+    id: str = field(metadata=_check(checks.pattern(MODEL_ID, "a Hugging Face model id, e.g. deepseek-ai/DeepSeek-V4-Flash-0731")))
+    revision: str = field(metadata=_check(checks.pattern(REVISION, "a full commit hash: 40 lower-case hex digits")))
+    cache_dir: str = field(default="/var/lib/appliance/huggingface", metadata=_check(checks.is_abs_path))
+    # The signed weights manifest (python3 -m builder weights pin), a file of this repository;
+    # "" ships none and the weights are not checked (issue 14).
+    weights_manifest: str = field(default="", metadata=_check(lambda v: None if v == "" else checks.is_repo_file(v)))
+    # Where `applianctl model fetch` gets the weights by default: an https:// mirror or a directory.
+    source: str = field(default="", metadata=_check(checks.is_weights_source))
+
+    # Where the engine container sees cache_dir (the compose stack's Hugging Face cache mount).
+    container_cache: typing.ClassVar[str] = "/root/.cache/huggingface"
+
+    @property
+    def _snapshot(self) -> str:
+        return f"hub/models--{self.id.replace('/', '--')}/snapshots/{self.revision}"
+
+    @property
+    def snapshot_path(self) -> str:
+        """Where the engine finds the weights inside its container (the compose stack's first argument)."""
+        return f"{self.container_cache}/{self._snapshot}"
+
+    @property
+    def weights_dir(self) -> str:
+        """The same snapshot directory on the appliance's /var."""
+        return f"{self.cache_dir}/{self._snapshot}"
+
+
+@dataclass(frozen=True)
+class PinnedFile:
+    """An overlay or tuning table: a file of this repository mounted read-only in the engine."""
+
+    file: str = field(metadata=_check(checks.is_repo_file))
+    target: str = field(metadata=_check(checks.is_abs_path))
+    sha256: str = field(
+        default="", metadata=_check(lambda v: None if v == "" or SHA256.fullmatch(v) else "64 lower-case hex digits")
+    )
+
+
+@dataclass(frozen=True)
+class Health:
+    path: str = field(default="/health", metadata=_check(checks.pattern(checks.URL_PATH, "a URL path such as /health")))
+    interval_s: int = field(default=30, metadata=_check(checks.between(1, 86400)))
+    timeout_s: int = field(default=5, metadata=_check(checks.between(1, 86400)))
+    retries: int = field(default=5, metadata=_check(checks.between(1, 1000)))
+    start_period_s: int = field(default=1200, metadata=_check(checks.between(1, 7 * 86400)))
+
+
+@dataclass(frozen=True)
+class Shm:
+    margin_gib: float = field(
+        default=8.0, metadata=_check(lambda v: None if 0 < v <= checks.MAX_GIB else f"a number greater than 0, at most {checks.MAX_GIB:g}")
+    )
+
+
+@dataclass(frozen=True)
+class Engine:
+    image: str = field(metadata=_check(checks.pattern(checks.IMAGE_NAME, "an image name without tag, e.g. vllm/vllm-openai-rocm")))
+    digest: str = field(metadata=_check(checks.pattern(DIGEST, "'sha256:' followed by 64 lower-case hex digits")))
+    args: tuple[str, ...] = field(metadata=_each(checks.is_arg))
+    # What the image runs; the arguments follow `serve MODEL_PATH`.
+    entrypoint: tuple[str, ...] = field(default=("vllm",), metadata=_each(checks.is_arg))
+    # Extra read-only host mounts, HOST:CONTAINER (the demo's stand-in borrows the OS's Python).
+    volumes: tuple[str, ...] = field(default=(), metadata=_each(checks.is_volume))
+    port: int = field(default=8000, metadata=_check(checks.is_port))
+    init: bool = True
+    ipc: str = field(default="host", metadata=_check(checks.one_of("host", "private")))
+    devices: tuple[str, ...] = field(default=(), metadata=_each(checks.is_abs_path))
+    capabilities: tuple[str, ...] = field(
+        default=(), metadata=_each(checks.pattern(checks.CAPABILITY, "a capability name without CAP_, e.g. SYS_PTRACE"))
+    )
+    memlock: str = field(
+        default="unlimited",
+        metadata=_check(
+            lambda v: None if v == "unlimited" or (re.fullmatch(r"[0-9]{1,18}", v) and int(v) > 0) else "'unlimited' or a number of bytes"
+        ),
+    )
+    security_opt: tuple[str, ...] = field(
+        default=(), metadata=_each(checks.one_of("seccomp=unconfined", "label=disable", "no-new-privileges"))
+    )
+    stop_timeout_s: int = field(default=120, metadata=_check(checks.between(1, 86400)))
+    log_max_size: str = field(default="100m", metadata=_check(checks.pattern(checks.SIZE, "a size such as 100m")))
+    log_max_files: int = field(default=5, metadata=_check(checks.between(1, 1000)))
+    aiter_cache_dir: str = field(default="/var/lib/appliance/aiter", metadata=_check(checks.is_abs_path))
+    crash_dir: str = field(default="/var/crash/vllm", metadata=_check(checks.is_abs_path))
+    env: Mapping[str, str] = field(
+        default_factory=dict,
+        metadata={
+            **_each(checks.is_env_value),
+            "keys": lambda k: None if checks.ENV_NAME.match(k) else "a name of letters, digits and '_'",
+        },
+    )
+    health: Health = field(default_factory=Health)
+    shm: Shm = field(default_factory=Shm)
+    overlays: tuple[PinnedFile, ...] = ()
+    tuning: tuple[PinnedFile, ...] = ()
+    # Each of the two engine slots (docs/disk-layout.md): every engine image this appliance will
+    # ever run must fit, since slot B is made once at first boot and never resized.
+    slot_size_gib: float = field(default=40.0, metadata=_check(checks.is_slot_size))
+
+    @property
+    def slot_bytes(self) -> int:
+        """The size of each engine slot's data partition."""
+        return int(self.slot_size_gib * 1024) * (1 << 20)
+
+    @property
+    def reference(self) -> str:
+        """The image by digest, as podman runs it."""
+        return f"{self.image}@{self.digest}"
+
+    def arg_value(self, name: str) -> str | None:
+        """The value of `--name VALUE` or `--name=VALUE` in the argument list."""
+        for i, arg in enumerate(self.args):
+            if arg == name and i + 1 < len(self.args):
+                return self.args[i + 1]
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+        return None
+
+    @property
+    def offload_gib(self) -> float:
+        """CPU KV offload size (GiB), read from the engine's own --kv-offloading-size (checked by
+        the loader to be a plain decimal number)."""
+        value = self.arg_value("--kv-offloading-size")
+        return (checks.parse_decimal(value) or 0.0) if value else 0.0
+
+    @property
+    def served_model_name(self) -> str | None:
+        return self.arg_value("--served-model-name")
+
+    @property
+    def shm_required_bytes(self) -> int:
+        """What /dev/shm must have free before the engine starts: the offload file plus the margin."""
+        return int((self.offload_gib + self.shm.margin_gib) * GIB)
+
+    @property
+    def shm_size_mib(self) -> int:
+        """The size /dev/shm is mounted with: the requirement plus 64 MiB for everything else there."""
+        return math.ceil((self.offload_gib + self.shm.margin_gib) * 1024) + 64
+
+
+@dataclass(frozen=True)
+class Expected:
+    model_memory_gib: float | None = field(default=None, metadata=_check(checks.between(0, checks.MAX_GIB)))
+    draft_params: int | None = field(default=None, metadata=_check(checks.between(0, 10**15)))
+    kv_cache_tokens: int | None = field(default=None, metadata=_check(checks.between(0, 10**15)))
+    max_concurrency: float | None = field(default=None, metadata=_check(checks.between(0, 10**9)))
+    offload_mmap_gb: float | None = field(default=None, metadata=_check(checks.between(0, checks.MAX_GIB)))
+
+
+@dataclass(frozen=True)
+class Gpu:
+    required: bool = True
+    min_vram_headroom_mib: int = field(default=1024, metadata=_check(checks.positive))
+
+
+@dataclass(frozen=True)
+class Proxy:
+    hostname: str = field(metadata=_check(checks.is_dns_name))
+    tls: str = field(default="internal", metadata=_check(checks.one_of("internal", "acme")))
+    acme_email: str = field(
+        default="", metadata=_check(lambda v: None if v == "" or checks.EMAIL.fullmatch(v) else "an e-mail address such as ops@example.net")
+    )
+    https_port: int = field(default=443, metadata=_check(checks.is_port))
+    http: str = field(default="redirect", metadata=_check(checks.one_of("redirect", "close")))
+    allowed_cidrs: tuple[str, ...] = field(default=("127.0.0.1/32",), metadata=_each(checks.is_cidr))
+    allowed_paths: tuple[str, ...] = field(
+        default=("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/generate"),
+        metadata=_each(checks.pattern(checks.URL_PATH, "a URL path such as /v1/models")),
+    )
+    metrics_cidrs: tuple[str, ...] = field(default=(), metadata=_each(checks.is_cidr))
+
+
+@dataclass(frozen=True)
+class Update:
+    url: str = field(default="", metadata=_check(checks.is_url))
+    assessment_deadline_s: int = field(default=3600, metadata=_check(checks.between(1, 7 * 86400)))
+    # boot tries a newly installed version gets (systemd-boot's counter, TriesLeft= of the kernel image)
+    boot_tries: int = field(default=3, metadata=_check(checks.between(1, 20)))
+    # what the update timer does with a new bundle at url: install it into the inactive slot, or
+    # only download and verify it into /var for `applianctl update --apply` in a maintenance window
+    timer_action: str = field(default="install", metadata=_check(checks.one_of("install", "download-only")))
+
+
+@dataclass(frozen=True)
+class Config:
+    profile: str
+    appliance: Appliance
+    os: Os
+    model: Model
+    engine: Engine
+    proxy: Proxy
+    expected: Expected = field(default_factory=Expected)
+    gpu: Gpu = field(default_factory=Gpu)
+    update: Update = field(default_factory=Update)
+
+    @property
+    def served_model(self) -> str:
+        """The model name clients ask for: --served-model-name, else the model id."""
+        return self.engine.served_model_name or self.model.id
+
+    @property
+    def health_path(self) -> str:
+        """The engine's readiness path (engine.health.path), as probes and the proxy ask for it."""
+        return self.engine.health.path
+
+    def to_json(self) -> dict[str, Any]:
+        """The configuration as the device reads it (/usr/lib/appliance/appliance.json)."""
+        data = schema.plain(self)
+        assert isinstance(data, dict)
+        data["engine"]["reference"] = self.engine.reference
+        data["engine"]["offload_gib"] = self.engine.offload_gib
+        data["engine"]["served_model_name"] = self.engine.served_model_name
+        data["model"]["snapshot_path"] = self.model.snapshot_path
+        data["model"]["weights_dir"] = self.model.weights_dir
+        return data
+
+
+class ConfigLoader(schema.Loader):
+    """The schema loader's faults as appliance.toml, appliance.json and the install plan word them."""
+
+    def __init__(self, path: Path, collect: list[UserError] | None = None) -> None:
+        super().__init__(str(path), collect)
+
+    def invalid(self, key: str, value: Any, expected: str) -> ConfigError:
+        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        return ConfigError(f"{self.where}: {key} = {shown}: invalid", hint=f"expected {expected}")
+
+    def unknown(self, key: str, known: list[str]) -> ConfigError:
+        return ConfigError(f"{self.where}: unknown key {key!r}", hint=f"known keys here: {', '.join(known)}")
+
+    def missing(self, key: str, tp: Any) -> ConfigError:
+        return ConfigError(f"{self.where}: missing key {key!r}", hint=f"add {key} ({schema.type_name(tp)})")
+
+
+def cross_checks(path: Path, config: Config) -> None:
+    """Rules that tie settings together."""
+    targets = [f.target for f in (*config.engine.overlays, *config.engine.tuning)]
+    for target in targets:
+        if targets.count(target) > 1:
+            raise ConfigError(f"{path}: target {target!r} is mounted twice", hint="give each overlay and table its own target")
+    if config.proxy.tls == "acme" and not config.proxy.acme_email:
+        raise ConfigError(f"{path}: proxy.tls = 'acme' needs proxy.acme_email", hint='set proxy.acme_email or use tls = "internal"')
+    if config.engine.arg_value("--port") not in (None, str(config.engine.port)):
+        raise ConfigError(
+            f"{path}: engine.args has --port {config.engine.arg_value('--port')} but engine.port = {config.engine.port}",
+            hint="make them the same",
+        )
+    offload = config.engine.arg_value("--kv-offloading-size")
+    if offload is not None and ((gib := checks.parse_decimal(offload)) is None or gib > checks.MAX_GIB):
+        raise ConfigError(
+            f"{path}: engine.args has --kv-offloading-size {offload!r}",
+            hint=f"a size in GiB written with ASCII digits, e.g. 96 or 0.5, at most {checks.MAX_GIB:g}",
+        )
+    if config.gpu.required and config.profile == "demo":
+        raise ConfigError(f"{path}: profiles.demo needs gpu.required = false", hint="the demo runs without a GPU")

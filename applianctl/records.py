@@ -1,0 +1,240 @@
+"""The records the device writes and reads back as JSON, each a frozen dataclass.
+
+Read with appliance.schema.load_record (lenient: the previous and the next release read them too,
+so unknown keys are skipped, known ones type-checked) and written with appliance.atomic.write_record.
+Records on /var carry "format" (FORMAT = 1; a file without one was written before formats were and
+loads the same). Records on /run (FORMAT None) are emptied at every boot, so only this release reads them.
+tests/fixtures/state/ holds one of each as the release before these classes wrote it.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from appliance.hashing import SHA256
+from appliance.schema import Record, each, optional
+
+
+def _empty() -> Mapping[str, Any]:
+    return types.MappingProxyType({})
+
+
+def _sha256(value: str) -> str | None:
+    return None if SHA256.match(value) else "a SHA-256 (64 lower-case hex digits)"
+
+
+# ----------------------------------------------------------------------------------- results on /run
+
+
+@dataclass(frozen=True)
+class CheckResult(Record):
+    """What a check before the engine starts found: status shows `reason` when not `ok`."""
+
+    ok: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class VerifyResult(CheckResult):
+    """paths.VERIFY_RESULT (applianctl verify): the manifest's version and signer, null when unknown."""
+
+    version: str | None = None
+    signer: str | None = None
+
+
+@dataclass(frozen=True)
+class PreflightResult(CheckResult):
+    """paths.PREFLIGHT_RESULT (applianctl preflight)."""
+
+    gpu: str | None = optional()  # "not required"
+    vram_total_bytes: int | None = optional()
+
+
+@dataclass(frozen=True)
+class ShmRemoved:
+    path: str
+    bytes: int
+    allocated_bytes: int
+
+
+@dataclass(frozen=True)
+class ShmCheck(CheckResult):
+    """paths.SHM_CHECK (applianctl shm-clean). The figures are there whenever the command wrote it."""
+
+    removed: tuple[ShmRemoved, ...] = ()
+    shm_size_bytes: int | None = None
+    shm_used_bytes: int | None = None
+    required_bytes: int | None = None
+    mem_available_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class StartupFigures:
+    """What the engine's startup lines showed (absent: not seen); also the expected values."""
+
+    model_memory_gib: float | None = optional()
+    draft_params: int | None = optional()
+    kv_cache_tokens: int | None = optional()
+    max_concurrency: float | None = optional()
+    offload_mmap_gb: float | None = optional()
+    cuda_graphs: bool | str | None = optional()
+    ready: bool | None = optional()
+
+
+@dataclass(frozen=True)
+class StartupReport(Record):
+    """paths.STARTUP_REPORT (applianctl startup-report): state is loading, ok or degraded."""
+
+    state: str
+    ok: bool = False
+    reason: str = ""
+    figures: StartupFigures = StartupFigures()
+    reached_s: Mapping[str, float] = field(default_factory=_empty)
+    expected: StartupFigures | None = field(default=None, metadata={"omit": True})  # as optional()
+
+
+@dataclass(frozen=True)
+class ModelVerifyResult(CheckResult):
+    """model_store.verify_result() (applianctl model verify); `checked` false: no weights pinned."""
+
+    revision: str | None = optional()
+    files: int | None = optional()
+    bytes: int | None = optional()
+    deep: bool | None = optional()
+    file: str | None = optional()  # the first file at fault
+    checked: bool | None = optional()
+
+
+@dataclass(frozen=True)
+class EngineSlotOpened(Record):
+    """/run/appliance/engine-slot.json: the engine slot appliance-engine-store opened."""
+
+    label: str
+    partition: str
+    verity_partition: str
+    roothash: str
+
+
+# ----------------------------------------------------------------------------------- per-host state on /var
+
+
+@dataclass(frozen=True)
+class WeightsFetch(Record):
+    """host/weights-fetch.json: the last `applianctl model fetch`."""
+
+    FORMAT = 1
+    source: str
+    revision: str
+    finished: str
+
+
+@dataclass(frozen=True)
+class WeightsVerity(Record):
+    """host/weights-verity.json: the fs-verity digests this device measured, by file."""
+
+    FORMAT = 1
+    model: str
+    revision: str
+    files: Mapping[str, str] = field(default_factory=_empty, metadata=each(_sha256))
+
+
+@dataclass(frozen=True)
+class CorruptFile:
+    inode: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class WeightsCorrupt(Record):
+    """host/weights-corrupt.json: files whose blocks the kernel refused on a read (model verify --deep)."""
+
+    FORMAT = 1
+    revision: str
+    files: Mapping[str, CorruptFile] = field(default_factory=_empty)
+
+
+@dataclass(frozen=True)
+class FetchJournal(Record):
+    """PART.journal beside a partial weight file: LENGTH bytes are on disk, in chunks with these CRC-32s."""
+
+    FORMAT = 1
+    sha256: str
+    size: int
+    length: int
+    chunks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EngineVersions(Record):
+    """update/engines.json: the engine digest each installed version runs (from signed data)."""
+
+    FORMAT = 1
+    versions: Mapping[str, str] = field(default_factory=_empty)
+
+
+@dataclass(frozen=True)
+class LastUpdate(Record):
+    """update/last-update.json: the last install into the inactive slot."""
+
+    FORMAT = 1
+    version: str
+    from_version: str | None = optional()
+    slot: str | None = optional()
+    downgrade: bool = False
+    installed_at: str | None = optional()
+    source: str | None = optional()
+    staged_at: str | None = optional()  # installed from a staged download
+
+
+@dataclass(frozen=True)
+class LastAssessment(Record):
+    """update/last-assessment.json: whether the booted version served its clients in time."""
+
+    FORMAT = 1
+    version: str
+    ok: bool
+    reason: str = ""
+    entry: str | None = optional()
+    tries_left: int | None = optional()
+    deadline_s: float | None = optional()
+    through: str | None = optional()
+    at: str | None = optional()
+    demoted: tuple[str, ...] | None = optional()  # entries marked out of tries after a downgrade
+
+
+@dataclass(frozen=True)
+class LastRollback(Record):
+    """update/last-rollback.json: the operator's last `applianctl rollback`."""
+
+    FORMAT = 1
+    from_version: str
+    to_version: str
+    reason: str
+    at: str
+
+
+@dataclass(frozen=True)
+class Staged(Record):
+    """update/staged/staged.json: the staged bundle and the directory that holds it."""
+
+    FORMAT = 1
+    version: str
+    directory: str
+    bytes: int
+    files: int
+    signer: str
+    source: str
+    staged_at: str
+    engine: bool = False
+
+
+@dataclass(frozen=True)
+class HostResult(CheckResult):
+    """/run/appliance/host.json (appliance-host.service): where the per-host settings came from."""
+
+    source: str | None = None  # "plan" or "image defaults"
+    settings: Mapping[str, Any] | None = optional()  # the plan's effective settings, as shown
+    network_files: tuple[str, ...] | None = optional()

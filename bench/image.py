@@ -1,0 +1,134 @@
+"""`make bench`, the image: rebuilding with no change against plain mkosi, preloading the engine
+image against a plain copy, and the lean boot path (kernel image size, power-on to a healthy
+engine) against mkosi's default initrd."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from appliance import config
+from bench.common import elapsed, row
+from builder import build, engine_image, qemu
+from builder.run import mkosi_command
+from testkit.standin import free_port
+
+
+def bench_rebuild(demo: config.Config) -> None:
+    build.build(demo)  # warm caches so that both sides rebuild
+    ours = elapsed(lambda: build.build(demo))
+    key = build.signing_key_for(demo, None)
+    generated, sandbox, repart = build.prepare(demo, None, key)
+    out = Path(tempfile.mkdtemp(prefix="bench-mkosi-"))
+    args = build.mkosi_arguments(demo, generated, sandbox, repart, out, key)
+    cmd = [*mkosi_command(), *args, "build"]
+    plain = elapsed(lambda: subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    shutil.rmtree(out, ignore_errors=True)
+    row("rebuild, no change (builder vs plain mkosi)", ours, plain, "target <= 1.3x")
+
+
+def bench_preload(demo: config.Config, size: int = 2 * 1024**3) -> None:
+    work = Path(tempfile.mkdtemp(prefix="bench-engine-", dir="/var/tmp"))
+    try:
+        layout = work / "layout"
+        layer = work / "layer"
+        with open(layer, "wb") as f:
+            for _ in range(size // (64 * 1024**2)):
+                f.write(os.urandom(64 * 1024**2))
+        digest = engine_image.write_layout(layout, layer)
+        pinned = dataclasses.replace(demo, engine=dataclasses.replace(demo.engine, digest=digest))
+        cache = engine_image.CACHE / digest.replace(":", "-")
+        shutil.rmtree(cache, ignore_errors=True)
+        # the baseline copies into the cache's file system, and both sides wait for the disk
+        plain_copy = engine_image.CACHE / f".bench-plain-copy-{os.getpid()}"
+        shutil.rmtree(plain_copy, ignore_errors=True)
+
+        def plain_copy_synced() -> None:
+            shutil.copytree(layout, plain_copy)
+            os.sync()
+
+        def preload_synced() -> None:
+            engine_image.obtain(pinned, layout)
+            os.sync()
+
+        plain = elapsed(plain_copy_synced)
+        shutil.rmtree(plain_copy, ignore_errors=True)
+        cold = elapsed(preload_synced)
+        warm = elapsed(lambda: engine_image.obtain(pinned, layout))
+        row("preload 2 GiB engine image, cold vs copy", cold, plain, "target <= 1.3x")
+        print(f"{'preload 2 GiB engine image, warm (cache hit)':<44} {warm:8.2f} s  (target < 5 s)")
+        shutil.rmtree(cache, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _proxy_health(port: int, hostname: str) -> bool:
+    """One GET /health through the appliance's TLS proxy (forwarded by QEMU): the path clients
+    take. The certificate is not checked: only the time matters here."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
+                context.wrap_socket(raw, server_hostname=hostname) as tls:
+            tls.sendall(f"GET /health HTTP/1.1\r\nHost: {hostname}\r\nConnection: close\r\n\r\n".encode())
+            return tls.recv(64).startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
+
+
+def boot_to_healthy(disk: Path, demo: config.Config, timeout: float = 1500) -> float:
+    """Seconds from starting QEMU (power-on: TCG, OVMF) on a copy of DISK until GET /health
+    answers 200 through the proxy (forwarded from the host's loopback). The guest is killed
+    then: only the time matters."""
+    guest = qemu.Guest(disk)
+    port = free_port()
+    cmd = qemu._qemu_command(guest.disk, guest.vars, {})
+    nic = cmd.index("-nic") + 1
+    cmd[nic] += f",hostfwd=tcp:127.0.0.1:{port}-:{demo.proxy.https_port}"
+    cmd += ["-serial", f"file:{guest.dir / 'console.log'}", "-serial", "null"]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while time.monotonic() - started < timeout and proc.poll() is None:
+            if _proxy_health(port, demo.proxy.hostname):
+                seconds = time.monotonic() - started
+                shutil.rmtree(guest.dir, ignore_errors=True)  # kept only when the boot failed
+                return seconds
+            time.sleep(1)
+        raise RuntimeError(f"no healthy engine through the proxy within {timeout:.0f} s (console: {guest.dir / 'console.log'})")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+# mkosi's default for the kernel modules initrd (every module, with every firmware file a module
+# names): what the demo's kernel image carried before the lean boot path.
+FULL_INITRD_ARGS = ("--kernel-modules-initrd-include=", "--kernel-modules-initrd-exclude=")
+
+
+def bench_boot(demo: config.Config) -> None:
+    """Kernel image size and power-on to healthy engine: the demo as built, against the same
+    build with mkosi's default initrd modules. Builds twice and boots each once (~15 min)."""
+    work = Path(tempfile.mkdtemp(prefix="bench-boot-", dir="/var/tmp"))
+    try:
+        results = {}
+        for label, extra in (("lean", ()), ("full", FULL_INITRD_ARGS)):
+            result = build.build(demo, extra_mkosi_args=extra, output=work / label)
+            uki = result.output_dir / f"appliance_{demo.appliance.version}.efi"
+            results[label] = (uki.stat().st_size, boot_to_healthy(result.disk_image, demo))
+            shutil.rmtree(result.output_dir, ignore_errors=True)  # 4 GB each
+        (lean_size, lean_s), (full_size, full_s) = results["lean"], results["full"]
+        print(f"{'unified kernel image size (lean vs full initrd)':<44} {lean_size / 1e6:8.1f} MB  baseline {full_size / 1e6:8.1f} MB"
+              f"  ratio {lean_size / full_size:5.2f}x")
+        row("power-on to healthy engine, TCG (lean vs full)", lean_s, full_s, "one boot each; TCG varies by ~10%")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
