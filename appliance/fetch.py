@@ -343,7 +343,7 @@ class HttpsSource:
     def _chunks(self, resp: http.client.HTTPResponse, sock: socket.socket, chunk: int) -> Iterator[bytes]:
         """The body in reads of CHUNK bytes (fewer at its end), each silence within the time left.
         resp.read gathers TLS records in C: one Python step per read, not per 16 KiB record."""
-        while True:
+        while not resp.isclosed():  # read() closes it (and with it the socket) at Content-Length
             sock.settimeout(min(READ_TIMEOUT_S, self.deadline.left()))
             try:
                 data = resp.read(chunk)
@@ -351,9 +351,9 @@ class HttpsSource:
                 self.deadline.left()
                 raise OSError(f"{type(e).__name__}: {e}".splitlines()[0][:300]) from None
             if not data:
-                self.deadline.left()  # a watchdog-shut socket ends like a short body
-                return
+                break
             yield data
+        self.deadline.left()  # a watchdog-shut socket ends like a short body
 
     def read_small(self, name: str, limit: int) -> bytes:
         try:

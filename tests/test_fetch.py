@@ -328,3 +328,52 @@ def test_a_download_reports_progress_in_the_journal(tmp_path: Path, capsys: pyte
     uf.open_source(str(tmp_path), None, uf.Deadline(10)).fetch("f.raw", tmp_path / "out.part", 5000)
     err = capsys.readouterr().err.splitlines()
     assert err and err[-1].startswith("downloading f.raw: 4.9 KiB/4.9 KiB (100%)") and "done in" in err[-1]
+
+
+# ----------------------------------------------------------------------------------- ranged reads
+
+
+def ranged(data: bytes) -> Behaviour:
+    """DATA with HTTP Range support; a range past its end is answered 416."""
+
+    def send(h: http.server.BaseHTTPRequestHandler) -> None:
+        rng = h.headers.get("Range") or ""
+        start = int(rng.removeprefix("bytes=").split("-")[0]) if rng.startswith("bytes=") else 0
+        if start >= len(data) and start:
+            h.send_response(416)
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
+        h.send_response(206 if start else 200)
+        if start:
+            h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        h.send_header("Content-Length", str(len(data) - start))
+        h.end_headers()
+        h.wfile.write(data[start:])
+
+    return send
+
+
+def test_a_ranged_read_over_https_starts_at_the_offset_or_says_it_does_not(https: Server, pki: dict[str, Path]) -> None:
+    data = bytes(range(256)) * 40
+    https.routes["/bundle/r.raw"] = ranged(data)
+    https.routes["/bundle/whole.raw"] = body(data)  # no range support: from the start
+    src = source(https, pki["ca"])
+    with src.open("r.raw", 1000, chunk=4096) as b:
+        assert b.offset == 1000 and b"".join(b) == data[1000:]
+    with src.open("whole.raw", 1000) as b:
+        assert b.offset == 0 and b"".join(b) == data
+    with pytest.raises(uf.RangeRefused):
+        src.open("r.raw", len(data) + 5)
+    with pytest.raises(uf.HttpStatus) as e:
+        src.open("gone.raw")
+    assert (e.value.status, e.value.url, str(e.value)) == (404, https.url + "bundle/gone.raw", "HTTP 404")
+
+
+def test_a_ranged_read_of_a_directory_file(tmp_path: Path) -> None:
+    (tmp_path / "f.raw").write_bytes(b"0123456789" * 100)
+    src = uf.DirSource(str(tmp_path), uf.Deadline(10))
+    with src.open("f.raw", 995, chunk=3) as b:
+        assert b.offset == 995 and list(b) == [b"567", b"89"]
+    with pytest.raises(Refused, match="missing from the bundle"):
+        src.open("none.raw")

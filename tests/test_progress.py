@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import threading
 import time
 from pathlib import Path
 
@@ -91,3 +92,35 @@ def test_hashing_a_file_reports_every_chunk(tmp_path: Path) -> None:
         "hashing usr.raw: 3.0 MiB/3.0 MiB (100%)",  # the end
     ]
     assert lines[-1].endswith("done in 0.0 s")
+
+
+def test_eta_is_from_this_runs_rate_and_a_resumed_part_does_not_count_in_it() -> None:
+    out, clock = io.StringIO(), Clock()
+    with progress.Progress("fetching", total=1000, unit="", eta=True, out=out, tty=False, every_s=10, clock=clock) as p:
+        p.advance(600, resumed=True)  # found on disk: moves the bar, not the rate
+        assert "ETA" not in p.line()
+        clock.now += 10
+        p.advance(100)  # 10 per second: 300 left take 30 s
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "fetching: 700/1000 (70%), 70/s, ETA 0:00:30"
+    assert (p.done, p.fresh) == (700, 100)
+
+
+def test_reach_counts_only_an_increase() -> None:
+    out, clock = io.StringIO(), Clock()
+    with progress.Progress("downloading f", total=100, out=out, tty=False, clock=clock) as p:
+        p.reach(40)
+        p.reach(10)  # a restart from the beginning re-reads bytes already counted
+        p.reach(40)
+        p.reach(100)
+    assert p.done == 100 and out.getvalue().startswith("downloading f: 100 B/100 B (100%)")
+
+
+def test_advance_from_several_threads_loses_nothing() -> None:
+    p = progress.Progress("fetching", total=None, out=io.StringIO(), tty=False, every_s=1e9)
+    threads = [threading.Thread(target=lambda: [p.advance(1) for _ in range(20000)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert p.done == p.fresh == 80000

@@ -2,25 +2,20 @@
 
 SOURCE: an https:// mirror in the Hub's layout (BASE/resolve/REVISION/PATH, e.g. BASE =
 https://mirror.example/ORG/NAME) or a plain one (BASE/PATH), or a local directory (a USB disk, a
-network share, a Hugging Face snapshot directory). HTTPS goes through the updater's bounded client
-(appliance/fetch.py: HTTPS only, the CA given or the system's, redirects only to the same
-scheme, host and port, one deadline); the byte cap of each file is its size in the signed manifest.
+network share, a Hugging Face snapshot directory). Both are appliance.fetch's sources (HTTPS only,
+the CA given or the system's, same-origin redirects, one deadline) read by range; what is here is
+the policy on top: files in parallel, a journal of verified chunks per file, resume.
 
-Resume, power cut included: each file is written to .partial/ on /var in CHUNK_BYTES (8 MiB)
-chunks; at every chunk boundary the file is fsync'd and a small journal beside it records the
-length that is on disk and a CRC-32 of each chunk. A resumed file is cut back to the journal's
-length (bytes after it may not have reached the disk) and continues with a Range request there, so
-at most one chunk per file in flight is fetched twice.
+Resume, power cut included: each file is written to .partial/ on /var in CHUNK_BYTES chunks; at
+every chunk boundary the file is fsync'd and a journal beside it records the length on disk and a
+CRC-32 of each chunk. A resumed file is cut back to the journal's length (later bytes may not have
+reached the disk) and read from there, so at most one chunk per file in flight is fetched twice.
 
-The SHA-256 of the whole file is what the manifest pins, and hashlib cannot save a hash's state, so
-a resumed file re-hashes its verified prefix from the local disk (checking each chunk's CRC-32
-against the journal on the way, so a partial file damaged at rest starts over at once instead of
-failing the SHA-256 at the end; the CRC only guards our own file against accidents, the SHA-256
-is the check that counts, and a second SHA-256 of every byte would cost a quarter of the fetch's
-CPU time). Reading back is local and
-sequential, far faster than the network, and happens only on resume; per-chunk hashes in the
-manifest would avoid it but would make the manifest depend on our chunk size and could not use the
-Hub's own LFS hashes.
+The manifest pins each file's SHA-256, and hashlib cannot save a hash's state, so a resumed file
+re-hashes its prefix from the local disk, checking each chunk's CRC-32 on the way (a partial file
+damaged at rest starts over at once, not at the final SHA-256; a CRC is far cheaper than a second
+SHA-256). Per-chunk hashes in the manifest would tie it to our chunk size and lose the Hub's own
+LFS hashes.
 
 A file is renamed into the snapshot only after its SHA-256 equals the manifest's; it is sealed with
 fs-verity first, and its fs-verity digest checked against the manifest's or, where the manifest has

@@ -34,8 +34,8 @@ from appliance.run import run
 from applianctl import smoke
 from applianctl.slots import release
 from applianctl.slots.entries import BAD, entries
+from applianctl.slots.history import read_json
 from applianctl.slots.machine import Host, boot_counting
-from applianctl.slots.records import read_json
 
 POLL_S = 5.0
 ATTEMPT_TIMEOUT_S = 120.0

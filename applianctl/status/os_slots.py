@@ -33,7 +33,7 @@ def slots_summary(host: Host | None = None, running_version: str | None = None) 
     # imported in the probe's thread: their imports cost time
     from applianctl.slots import view as slots
     from applianctl.slots.entries import BAD
-    from applianctl.slots.records import read_json
+    from applianctl.slots.history import read_json
     from applianctl.update import staged as update_staged
 
     view = slots.read(host, running_version)

@@ -1,4 +1,5 @@
-"""The update state's JSON records on /var (last update, assessment, rollback), read as they are."""
+"""What the updater, the assessment and the rollback last recorded on /var (paths.last_*_path()),
+read as it was written."""
 
 from __future__ import annotations
 
