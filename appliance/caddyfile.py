@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from appliance import paths
-from appliance.config_checks import is_dns_name
-from appliance.config_types import Config
+from appliance.config.checks import is_dns_name
+from appliance.config.model import Config
 from appliance.errors import ConfigError
 
 TEMPLATE = "Caddyfile.j2"

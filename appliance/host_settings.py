@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from appliance import caddyfile, paths, schema
-from appliance import config_checks as checks
-from appliance.config_device import from_json, load_image, no_constant
-from appliance.config_types import Config
+from appliance.config import checks
+from appliance.config.device import from_json, load_image, no_constant
+from appliance.config.model import Config
 from appliance.errors import ConfigError
 
 IFNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,14}\Z")  # the kernel's IFNAMSIZ (15) and no '/', ':' or spaces

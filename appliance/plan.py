@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from appliance import host_settings, manifest, schema
-from appliance.config_checks import MAX_GIB
-from appliance.config_types import ConfigLoader
+from appliance.config.checks import MAX_GIB
+from appliance.config.model import ConfigLoader
 from appliance.errors import ConfigError, UserError
 
 PLAN_JSON = "plan.json"

@@ -14,7 +14,8 @@ import socket
 from pathlib import Path
 
 from appliance.atomic import atomic_write
-from appliance.config import Config, load_device
+from appliance.config import Config
+from appliance.host_settings import load_device
 from applianctl.status import collect as status
 from applianctl.status.parts import Sources
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from appliance import paths
 from appliance.atomic import write_record
-from appliance.config import Config, load_device
+from appliance.config import Config
+from appliance.host_settings import load_device
 from applianctl.records import PreflightResult
 
 SYS = Path(os.environ.get("APPLIANCE_SYSFS", "/sys"))

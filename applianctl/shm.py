@@ -29,7 +29,8 @@ from typing import Any
 
 from appliance import paths
 from appliance.atomic import write_record
-from appliance.config import Config, load_device
+from appliance.config import Config
+from appliance.host_settings import load_device
 from applianctl.records import ShmCheck, ShmRemoved
 
 GIB = 2**30

@@ -18,8 +18,8 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from appliance import paths
-from appliance.config import load_device
 from appliance.errors import UserError
+from appliance.host_settings import load_device
 
 PROMPT = "Calculate 17 * 23. Answer with the number only."
 EXPECTED = "391"

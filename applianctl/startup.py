@@ -26,8 +26,8 @@ from typing import IO, Any
 
 from appliance import paths
 from appliance.atomic import write_record
-from appliance.config import load_device
 from appliance.errors import UserError
+from appliance.host_settings import load_device
 from appliance.schema import dump_record
 from applianctl.records import StartupFigures, StartupReport
 

@@ -37,8 +37,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from appliance import paths
 from appliance.atomic import atomic_write
-from appliance.config import load_device
 from appliance.errors import UserError
+from appliance.host_settings import load_device
 from appliance.run import call
 
 PROXY_UNIT = "appliance-proxy.service"

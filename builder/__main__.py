@@ -1,7 +1,6 @@
 """python3 -m builder COMMAND: validate, build, boot and sign appliance images.
 
-Faults the user can fix are one line saying what is wrong and one saying what to do, exit
-status 2; a traceback only with --debug.
+A fault the user can fix is one error line and one hint, exit status 2; tracebacks only with --debug.
 """
 
 from __future__ import annotations
@@ -40,14 +39,13 @@ def cmd_render(args: argparse.Namespace) -> int:
     if args.template not in names:
         raise UserError(f"no template {args.template!r}", hint="one of: " + ", ".join(names))
     if args.template == proxy.TEMPLATE:
-        # The Caddyfile's values are checked and escaped by builder/proxy.py, as the build does.
+        # Rendered (values checked and escaped) exactly as the build does.
         sys.stdout.write(proxy.render_caddyfile(config))
         return 0
     digest = config.engine.digest
     store = engine_store._load(engine_store.CACHE / digest.replace(":", "-"), digest)
     if store is None:
-        # The store's verity root hash is known once the build has packed the engine image; the
-        # rest of the unit is as the build writes it.
+        # No store built yet: its root hash is a placeholder, the rest is as the build writes it.
         label = engine_store.label_for(digest)
         store = engine_store.EngineStore(Path("engine.erofs"), Path("engine.verity"), "ROOTHASH-AFTER-BUILD", label)
         if "store." in (render.UNITS_DIR / args.template).read_text():
@@ -125,8 +123,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def global_options(parser: argparse.ArgumentParser, top: bool) -> None:
-    """Options that work before or after the command: on the top parser with their defaults, on
-    each command's parser with SUPPRESS so that an absent option does not reset them."""
+    """Options valid before or after the command: defaults on the top parser, SUPPRESS on each
+    command's parser so that an absent option does not reset them."""
 
     def default(value: object) -> object:
         return value if top else argparse.SUPPRESS

@@ -1,7 +1,6 @@
-"""Build the appliance image: check, generate, run mkosi, and move the result into place.
+"""Build the appliance image: check the pins, generate the tree, run mkosi, move the result into place.
 
-Everything is written under a temporary path first; only a build that succeeded replaces the
-previous output, so a failed build leaves the previous image untouched.
+mkosi writes to OUTPUT.tmp; only a successful build replaces the previous output.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ def output_dir(config: Config) -> Path:
 
 
 def write_sandbox(config: Config, sandbox: Path) -> None:
-    """apt sources for mkosi and its tools tree, derived from the host (or appliance.toml)."""
+    """apt sources for mkosi and its tools tree: appliance.toml's os.mirror, else the host's."""
     mirrors = mirror.host_mirrors()
     if config.os.mirror:
         mirrors = mirror.Mirrors(config.os.mirror, config.os.security_mirror or None)
@@ -59,23 +58,21 @@ def write_sandbox(config: Config, sandbox: Path) -> None:
 
 
 def emergency_reboot_credential() -> str:
-    """The kernel command line word that gives emergency.service image/initrd/emergency-reboot.conf
-    as a drop-in (systemd 256+: the systemd.unit-dropin.UNIT credential), in the initrd too, whose
-    units mkosi builds and this project does not otherwise touch."""
+    """The kernel command line word that adds image/initrd/emergency-reboot.conf to emergency.service
+    (systemd.unit-dropin credential, systemd 256+); a credential because it must reach mkosi's initrd too."""
     lines = (IMAGE_DIR / "initrd/emergency-reboot.conf").read_text().splitlines()
-    text = "".join(line + "\n" for line in lines if not line.startswith("#"))  # the kernel command line is short
+    text = "".join(line + "\n" for line in lines if not line.startswith("#"))  # comments dropped: the kernel command line is short
     return f"systemd.set_credential_binary=systemd.unit-dropin.emergency.service:{base64.b64encode(text.encode()).decode()}"
 
 
 def mkosi_arguments(config: Config, generated: Path, sandbox: Path, repart: Path, out: Path, signing_key: Path) -> list[str]:
-    """The options the builder adds to image/mkosi.conf; `make bench` runs plain mkosi with the same."""
+    """The options the builder adds to image/mkosi.conf (bench/image.py runs mkosi with the same)."""
     MKOSI_CACHE.mkdir(parents=True, exist_ok=True)
     return [
-        # the project (for builder/finalize.py) and the signing key's directory, mounted only
-        # while mkosi's scripts run
+        # the project (for builder/finalize.py) and the signing key, mounted only while mkosi's scripts run
         f"--build-sources={ROOT}:appliance,{signing_key.parent}:signing-key",
         f"--environment=APPLIANCE_SIGNING_KEY_NAME={signing_key.name}",
-        # image/mkosi.postinst sets the kernel image transfer's TriesLeft= from it
+        # for image/mkosi.postinst: the kernel image transfer's TriesLeft=
         f"--environment=APPLIANCE_BOOT_TRIES={config.update.boot_tries}",
         "-C", str(IMAGE_DIR),
         f"--extra-tree={generated}",
@@ -107,7 +104,7 @@ def signing_key_for(config: Config, given: Path | None) -> Path:
 
 
 def release_plan(config: Config, artifacts: list[pins.PinnedArtifact], store: engine_store.EngineStore) -> dict[str, object]:
-    """What finalize.py puts in the signed manifest, besides what only the finished tree knows."""
+    """The signed manifest's fields that finalize.py cannot read from the finished tree."""
     return {
         "version": config.appliance.version,
         "min_version": config.appliance.min_version,
@@ -125,8 +122,8 @@ def release_plan(config: Config, artifacts: list[pins.PinnedArtifact], store: en
 
 
 def prepare(config: Config, engine_source: Path | None, signing_key: Path) -> tuple[Path, Path, Path]:
-    """Check the inputs and generate the tree and sandbox; nothing outside build/ is touched."""
-    artifacts = pins.check(config, ROOT)  # every pinned file exactly as pinned, before anything is written
+    """Check the inputs, generate the tree, repart definitions and sandbox; writes only under build/ and the host caches."""
+    artifacts = pins.check(config, ROOT)  # before anything is written
     tuning.validate_all((a.path, ROOT / a.path) for a in artifacts if a.kind == "tuning")
     layout = engine_image.obtain(config, engine_source)
     store = engine_store.make(config, layout)

@@ -1,10 +1,8 @@
-"""The engine's container image: obtained by the digest pinned in appliance.toml, cached by digest.
+"""The engine's container image as an OCI layout, obtained by the digest pinned in appliance.toml.
 
-Sources, in order: an OCI layout directory or OCI archive given on the command line; for the
-demo profile, the stand-in engine built from this repository (deterministically, so its digest
-can be pinned); otherwise a registry through skopeo, where one is reachable. Whatever the
-source, an image whose manifest digest differs from the pin is refused, and an image already
-in the cache is never copied again.
+Sources: an OCI layout or archive given on the command line; for the demo, the stand-in built from
+standin/ (reproducibly, so its digest can be pinned); else a registry through skopeo. An image whose
+manifest digest differs from the pin is refused; the host cache is keyed by digest.
 """
 
 from __future__ import annotations
@@ -54,8 +52,8 @@ def _canonical(obj: Any) -> bytes:
 
 
 def _standin_layer() -> bytes:
-    """One layer: the stand-in's code under /opt/standin, and the usr-merge symlinks so that the
-    appliance's own /usr (mounted read-only by the demo profile) provides python3."""
+    """The stand-in's code under /opt/standin, plus usr-merge symlinks: the demo profile mounts the
+    appliance's own /usr read-only into the container, which provides python3."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
 
@@ -79,13 +77,12 @@ def _standin_layer() -> bytes:
 
 
 def build_standin_layout(layout: Path, entrypoint: tuple[str, ...]) -> str:
-    """Write the stand-in engine as an OCI layout at LAYOUT; return its manifest digest.
-    Byte-for-byte reproducible: same sources, same digest."""
+    """Write the stand-in engine as an OCI layout; return its manifest digest (reproducible)."""
     return _single_layer_layout(layout, _standin_layer(), entrypoint)
 
 
 def write_layout(layout: Path, layer_file: Path) -> str:
-    """An OCI layout of one (uncompressed tar) layer read from LAYER_FILE; for benchmarks."""
+    """An OCI layout of one uncompressed tar layer, for benchmarks."""
     return _single_layer_layout(layout, layer_file.read_bytes(), ("/bin/true",))
 
 
@@ -149,8 +146,7 @@ def _copy_layout(source: Path, staging: Path) -> None:
 def _unpack_layout(source: Path, staging: Path) -> None:
     with tarfile.open(source) as tar:
         members = tar.getmembers()
-        # An OCI layout holds files and directories only. Checked here because Debian 12's
-        # Python 3.11.2 predates extractall's filter= (3.11.4), which is used where it exists.
+        # Checked by hand: Debian 12's Python 3.11.2 predates extractall's filter= (3.11.4).
         for member in members:
             if not (member.isfile() or member.isdir()) or member.name.startswith("/") or ".." in member.name.split("/"):
                 raise UserError(
@@ -171,7 +167,7 @@ def _unpack_layout(source: Path, staging: Path) -> None:
 
 
 def obtain(config: Config, source: Path | None = None) -> Path:
-    """The engine image pinned by CONFIG as an OCI layout in the build host's cache."""
+    """The pinned engine image as an OCI layout in the host cache, fetched and checked once."""
     cached = CACHE / config.engine.digest.replace(":", "-")
     if (cached / "index.json").is_file():
         return cached  # verified when it entered the cache; never copied twice

@@ -1,11 +1,8 @@
-"""The engine image as a read-only podman image store on a partition of its own.
+"""The engine image as a read-only podman image store (erofs + dm-verity) on a partition of its own.
 
-The pinned engine image (an OCI layout from builder/engine_image.py) is copied into a podman
-image store (overlay driver) with skopeo, packed into a reproducible erofs file system, and
-protected by dm-verity. The partition is labelled by the image digest, so a release that keeps
-the engine digest ships no engine bytes. The root hash is computed here, before mkosi runs, so
-that it goes into the signed release manifest and into the unit that opens the partition (both
-in the verity-protected /usr). Results are cached by digest on the build host.
+The partition is labelled by the image digest, so a release that keeps the digest ships no engine
+bytes. The root hash is computed before mkosi runs so that it can go into the signed manifest and
+the unit that opens the partition. Cached by digest on the build host.
 """
 
 from __future__ import annotations
@@ -46,9 +43,8 @@ class EngineStore:
 
 
 def hash_tree_bytes(data_bytes: int) -> int:
-    """What `veritysetup format` writes for DATA_BYTES of data: its superblock, then one level of
-    hash blocks after another (128 digests a block) until one block is left, whose digest is the
-    root hash."""
+    """The size `veritysetup format` writes for DATA_BYTES: a superblock, then hash levels of
+    128 digests a block down to a single block."""
     blocks, total = -(-data_bytes // VERITY_BLOCK), 0
     while blocks > 1:
         blocks = -(-blocks // (VERITY_BLOCK // 32))
@@ -57,12 +53,12 @@ def hash_tree_bytes(data_bytes: int) -> int:
 
 
 def verity_slot_bytes(slot_bytes: int) -> int:
-    """The verity partition of an engine slot: room for the hash tree of a full slot, in whole MiB."""
+    """The verity partition of an engine slot: a full slot's hash tree, in whole MiB."""
     return -(-hash_tree_bytes(slot_bytes) // MIB) * MIB
 
 
 def check_fits(store: EngineStore, config: Config) -> EngineStore:
-    """STORE, once its images fit an engine slot of CONFIG's size; else one line saying by how much."""
+    """STORE marked as fitting CONFIG's engine slot; UserError saying by how much it does not."""
     slot = config.engine.slot_bytes
     size = store.erofs.stat().st_size
     if size > slot:
@@ -80,7 +76,6 @@ def check_fits(store: EngineStore, config: Config) -> EngineStore:
 
 
 def built(config: Config) -> EngineStore | None:
-    """The store built on this host for CONFIG's engine digest, if any."""
     digest = config.engine.digest
     return _load(CACHE / digest.replace(":", "-"), digest)
 
@@ -107,7 +102,7 @@ def _load(cached: Path, digest: str) -> EngineStore | None:
 
 
 def make(config: Config, layout: Path) -> EngineStore:
-    """The engine store for CONFIG's pinned image (OCI layout LAYOUT), built once per digest."""
+    """The engine store for CONFIG's pinned image at LAYOUT, built once per digest."""
     digest = config.engine.digest
     cached = CACHE / digest.replace(":", "-")
     found = _load(cached, digest)
@@ -130,7 +125,7 @@ def make(config: Config, layout: Path) -> EngineStore:
                 )
             # containers/storage leaves its driver directory bind-mounted onto itself.
             run(["umount", "--recursive", "--quiet", store / "overlay"], what="umount the store")
-            # Lock files and scratch space are recreated by podman as needed; keep the store minimal.
+            # podman recreates lock files and scratch space as needed.
             for transient in ("tmp", "mounts", "storage.lock", "userns.lock"):
                 target = store / transient
                 if target.is_dir():

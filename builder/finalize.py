@@ -1,9 +1,8 @@
-"""Runs inside mkosi (image/mkosi.finalize) once the image tree is complete, before /usr is sealed.
+"""Runs inside mkosi (image/mkosi.finalize) on the finished tree, before /usr is sealed.
 
-Checks what only the finished tree can show (the MI300X firmware that amdgpu.ko declares is
-there; the pinned firmware blobs are installed), then writes the release manifest and its
-detached Ed25519 signature into /usr/lib/appliance and beside the build output. The private key
-is only mounted for this step (mkosi build sources); it never enters the image.
+With gpu.required, checks that the MI300X firmware amdgpu.ko declares is in the tree; then writes the
+signed release manifest into /usr/lib/appliance and the output directory. The private key is mounted
+only for this step (a mkosi build source) and never enters the image.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ def main() -> int:
     for directory in (root / LIB, Path(os.environ["OUTPUTDIR"])):
         (directory / "manifest.json").write_bytes(data)
         (directory / "manifest.json.sig").write_bytes(signature)
-    # the image trusts the keys installed under /usr/lib/appliance/keys by the builder
+    # the signature must verify against the keys the image trusts
     manifest.verify(data, signature, root / LIB / "keys")
     print(f"release manifest {body['version']} signed by {public}")
     return 0

@@ -1,20 +1,12 @@
-"""GPU firmware in the image: what amdgpu.ko asks for, and whether the image carries it.
+"""GPU firmware in the image: what amdgpu.ko declares, and whether the image carries it.
 
-`declared_firmware()` is `modinfo -F firmware` without kmod: it reads the `.modinfo` section
-of the module's ELF file (amdgpu.ko, .ko.xz, .ko.zst or .ko.gz). `check_image()` finds every
-amdgpu module under usr/lib/modules/*/ of an image tree and checks that each MI300X (gfx942)
-blob it declares (GC 9.4.3, PSP 13.0.6, SMU 13.0.6, SDMA 4.4.2, VCN 4.0.3, and any other
-*_9_4_3* / *_13_0_6* name) is in usr/lib/firmware, plain or compressed (.xz, .zst), looked up
-in the kernel's order: updates/<kver>/, updates/, <kver>/, then the top.
+check_image() reads each amdgpu module's .modinfo section and finds every MI300X (gfx942) blob it
+declares under usr/lib/firmware, in the kernel's lookup order. check_pinned_blobs() checks the blobs
+of firmware/amdgpu.sha256 in the image (the build does not call it; tests do).
 
-`check_pinned_blobs()` checks that the blobs pinned in firmware/amdgpu.sha256 are in the
-image's usr/lib/firmware/updates/amdgpu/ with their pinned hashes.
-
-Why not kmod's `modinfo -F firmware PATH` (measured on Debian 13's amdgpu.ko.xz, 6.12.118): the
-same 646 names in the same time (0.68 s against 0.57 s here), but it needs kmod on the build host
-(not installed by default), Debian 12's kmod 30 is built without zlib (a .ko.gz is "not found"),
-and a path not ending in .ko[.xz|.zst] is taken for a module name and looked up in the host's
-own /lib/modules, which would silently read the build host's driver instead of the image's.
+Not kmod's `modinfo -F firmware` (measured, Debian 13's amdgpu.ko.xz: same 646 names, same time):
+kmod is not on the build host by default, Debian 12's kmod cannot read .ko.gz, and a path it does
+not recognise is looked up in the host's /lib/modules, silently reading the host's driver instead.
 """
 
 from __future__ import annotations
@@ -104,12 +96,11 @@ def modinfo(elf: bytes, name: str = "module") -> list[tuple[str, str]]:
 
 
 def declared_firmware(elf: bytes, name: str = "module") -> list[str]:
-    """`modinfo -F firmware`: the firmware names the module declares."""
     return [value for key, value in modinfo(elf, name) if key == "firmware"]
 
 
 def elf_section(elf: bytes, wanted: str, name: str = "module") -> bytes | None:
-    """The contents of section WANTED of an ELF file (32/64-bit, either byte order)."""
+    """The contents of section WANTED of an ELF file (32/64-bit, either byte order), or None."""
 
     def bad(why: str) -> UserError:
         return UserError(f"{name}: not a valid ELF file ({why})", hint="the module file is damaged")
@@ -198,7 +189,7 @@ def find_firmware(image_root: Path, name: str, kernel_version: str) -> Path | No
 
 
 def check_image(image_root: Path) -> list[KernelFirmware]:
-    """Every kernel's amdgpu module and the MI300X firmware it needs, all found; else UserError."""
+    """Every kernel's amdgpu module with the MI300X firmware it needs, all found; else UserError."""
     modules = find_modules(image_root)
     if not modules:
         raise UserError(
@@ -226,7 +217,7 @@ def check_image(image_root: Path) -> list[KernelFirmware]:
 
 
 def check_pinned_blobs(image_root: Path, repo_root: Path) -> list[str]:
-    """The pinned blobs of firmware/amdgpu.sha256, each in the image with its hash; return their names."""
+    """The names of firmware/amdgpu.sha256's blobs, each checked in the image against its hash."""
     names = []
     target_dir = image_root / FIRMWARE_TARGET_DIR.lstrip("/")
     for name, sha in read_firmware_pins(repo_root):

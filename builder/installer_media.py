@@ -1,21 +1,10 @@
-"""`python3 -m builder installer` and `python3 -m builder flash DEVICE`: installer media from a
-built release, and writing one to a USB stick.
+"""`python3 -m builder installer` and `flash DEVICE`: installer media from a built release, and a USB stick.
 
-Three forms, all carrying the same installer kernel image (a UKI: the release's kernel with an
-initrd that holds the installer, `python3 -m installer`, and runs it from RAM):
-
-    installer_VERSION.raw (+ .bmap)  a GPT disk image for USB sticks: an ESP whose removable-media
-                                     path EFI/BOOT/BOOTX64.EFI is the installer UKI, and a payload
-                                     partition (ext4, label appliance-payload) holding the release's
-                                     disk image, its signed manifest and, when given, a signed plan
-    installer_VERSION.iso            the same for BMC virtual media: ISO 9660 with an El Torito EFI
-                                     boot image (a FAT image with the same BOOTX64.EFI) and the
-                                     payload files in the ISO's tree
-    installer_VERSION.efi            the UKI alone, for UEFI HTTP boot: the installer then takes the
-                                     release from the plan's update URL (a signed bundle over HTTPS)
-                                     and the plan from a systemd credential
-
-Every output is written under a temporary name and renamed into place.
+Each form boots the same installer UKI (the release's kernel, the installer in its initrd, run from RAM):
+installer_VERSION.raw (+ .bmap) for USB: an ESP with EFI/BOOT/BOOTX64.EFI and an ext4 payload partition
+(appliance-payload) with the disk image, signed manifest, bundle index and optional signed plan;
+installer_VERSION.iso for BMC virtual media: the same as ISO 9660 with an El Torito EFI image;
+installer_VERSION.efi for UEFI HTTP boot: the UKI alone, fetching the release over HTTPS.
 """
 
 from __future__ import annotations
@@ -55,7 +44,7 @@ TOOLS_HINT = "install the media tools: apt-get install dosfstools mtools e2fspro
 
 
 def esp_image(uki: Path, path: Path) -> None:
-    """A FAT image whose EFI/BOOT/BOOTX64.EFI is UKI (the firmware's default path on removable media)."""
+    """A FAT image whose EFI/BOOT/BOOTX64.EFI (the firmware's removable-media path) is UKI."""
     size_mib = (uki.stat().st_size + 8 * MIB) // MIB + 8
     with open(path, "wb") as f:
         f.truncate(size_mib * MIB)
@@ -65,9 +54,8 @@ def esp_image(uki: Path, path: Path) -> None:
 
 
 def payload_files(build_out: Path, version: str, plan_dir: Path | None, bundle_dir: Path) -> dict[str, Path]:
-    """NAME ON THE MEDIUM -> SOURCE: the release's disk image and signed manifest, the signed bundle
-    index (the installer refuses a medium without it: its usrhash is what the written /usr is
-    checked against), and the plan."""
+    """NAME ON THE MEDIUM -> SOURCE. The bundle index is required: its usrhash is what the installer
+    checks the written /usr against."""
     files = {
         f"appliance_{version}.raw": build_out / f"appliance_{version}.raw",
         "manifest.json": build_out / "manifest.json",
@@ -90,7 +78,7 @@ def _stage(files: dict[str, Path], directory: Path) -> None:
     for name, src in files.items():
         dst = directory / name
         dst.parent.mkdir(parents=True, exist_ok=True)
-        # keeps the disk image's holes: the /usr slots are mostly zeros
+        # keep the holes: the /usr slots are mostly zeros
         _run(["cp", "--sparse=always", "--reflink=auto", src, dst], f"staging {name}", "check the free space in out/")
 
 
@@ -131,7 +119,7 @@ def iso_image(esp: Path, files: dict[str, Path], out: Path, work: Path) -> None:
 
 def make(build_out: Path, version: str, uki: Path, plan_dir: Path | None, output: Path, forms: Sequence[str],
          bundle_dir: Path) -> dict[str, Path]:
-    """Write each of FORMS (usb, iso, efi) into OUTPUT; return what was written."""
+    """Write each of FORMS (usb, iso, efi) into OUTPUT under a temporary name; return what was written."""
     if not uki.is_file():
         raise UserError(f"{uki}: no installer kernel image", hint="build it: python3 -m builder installer-uki (or give --installer-uki)")
     files = payload_files(build_out, version, plan_dir, bundle_dir)
@@ -139,7 +127,7 @@ def make(build_out: Path, version: str, uki: Path, plan_dir: Path | None, output
     written: dict[str, Path] = {}
     with tempfile.TemporaryDirectory(prefix=".installer-", dir=output) as tmp:
         work = Path(tmp)
-        # the installer writes the release's disk image with bmaptool (installer/install.py)
+        # installer/install.py writes the disk image with bmaptool copy
         image_bmap = work / f"appliance_{version}.raw.bmap"
         _run(["bmaptool", "create", "-o", image_bmap, files[f"appliance_{version}.raw"]], "making the image's block map", TOOLS_HINT)
         files[image_bmap.name] = image_bmap
@@ -242,7 +230,7 @@ def cmd_flash(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: Any) -> None:
-    """Register `installer` and `flash` (builder/__main__.py: installer_media.add_parsers(sub))."""
+    """Register `installer` and `flash` on the builder's subparsers."""
     p = sub.add_parser("installer", help="make installer media (USB image + bmap, ISO, HTTP-boot UKI) from the last build")
     p.add_argument("--installer-uki", help="the installer kernel image (default: what `installer-uki` built for the profile)")
     p.add_argument("--plan", help="a signed plan directory (python3 -m builder plan) to put on the medium")

@@ -1,17 +1,9 @@
 """`python3 -m builder installer-uki`: the installer kernel image, built by mkosi from installer/mkosi/.
 
-One UKI (Format=uki) whose initrd is the whole installer system, so it runs from RAM. The builder
-adds, as an extra tree:
-
-    /usr/lib/python3/dist-packages/{appliance,installer}   the installer and the core it shares
-    /usr/lib/appliance/keys/KEYID.pub                      the release key it trusts (this profile's)
-    /usr/lib/appliance-installer/repart.d/                 the appliance's own first-boot layout
-                                                           (image/mkosi.extra/usr/lib/repart.d), so
-                                                           the installer makes slot B and /var
-                                                           exactly as a first boot would
-
-The definitions are not under /usr/lib/repart.d: the installer's own boot must not repartition
-anything. The result is written under a temporary name and renamed into place.
+One UKI whose initrd is the whole installer system, run from RAM. The extra tree adds the appliance and
+installer packages, this profile's release key, and the appliance's first-boot repart definitions under
+usr/lib/appliance-installer/repart.d: not /usr/lib/repart.d, since the installer's own boot must not
+repartition anything.
 """
 
 from __future__ import annotations
@@ -33,8 +25,8 @@ PACKAGES = ("appliance", "installer")
 REPART_SOURCE = build.IMAGE_DIR / "mkosi.extra/usr/lib/repart.d"
 REPART_IN_INSTALLER = "usr/lib/appliance-installer/repart.d"  # installer/install.py REPART_DEFINITIONS
 UKI_NAME = "appliance-installer.efi"
-# mkosi names its cached trees by distribution, release and architecture, not by project: sharing
-# the appliance's cache directory would make each build throw the other's cached image away
+# mkosi names cached trees by distribution, release and architecture, not project: a shared cache
+# directory would make each build discard the other's cached image
 CACHE = build.MKOSI_CACHE.with_name("mkosi-cache-installer")
 
 
@@ -52,11 +44,10 @@ def extra_tree(config: Config, signing_key: Path, tree: Path) -> None:
     trusted.parent.mkdir(parents=True)
     shutil.copyfile(public, trusted)
     shutil.copytree(REPART_SOURCE, tree / REPART_IN_INSTALLER)
-    render.first_boot_repart(config, tree / REPART_IN_INSTALLER)  # the engine slots, sized by the configuration
+    render.first_boot_repart(config, tree / REPART_IN_INSTALLER)  # + the engine slots
 
 
 def build_uki(config: Config, signing_key: Path | None = None, output: Path | None = None) -> Path:
-    """Build the installer UKI for CONFIG's release key; returns its path."""
     key = build.signing_key_for(config, signing_key)
     work = build.work_dir(config) / "installer"
     tree, sandbox = work / "tree", work / "sandbox"
@@ -64,7 +55,7 @@ def build_uki(config: Config, signing_key: Path | None = None, output: Path | No
     shutil.rmtree(sandbox, ignore_errors=True)
     build.write_sandbox(config, sandbox)
     final = (output or default_path(config)).resolve()
-    # mkosi's output directory: beside the result, removed after; only the UKI is renamed out of it
+    # mkosi's output directory, beside the result: only the UKI is renamed out of it
     staging = final.parent / f".{final.name}.build"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

@@ -1,10 +1,7 @@
-"""Release signing keys: Ed25519, made with `cryptography`.
+"""Release signing keys (Ed25519): NAME.key (PKCS#8 PEM, 0600) and NAME.pub in keys/ (gitignored).
 
-`generate()` writes NAME.key (PEM PKCS#8, mode 0600) and NAME.pub (PEM SubjectPublicKeyInfo)
-into keys/ at the project root (gitignored) or a directory given. The private key is written
-to a temporary file created 0600 with O_EXCL and then hard-linked to its name, so it is never
-readable by others, not even for a moment, and an existing key is never overwritten. The
-public key goes into the image's trusted-keys directory as KEYID.pub (see `trusted_name`).
+The private key is created 0600 with O_EXCL and then hard-linked to its name, so it is never readable
+by others and an existing key is never overwritten.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ DEFAULT_NAME = "release"
 
 
 def generate(directory: Path | None = None, name: str = DEFAULT_NAME) -> tuple[Path, Path]:
-    """Make a new key pair; return (private_path, public_path). Refuses to overwrite a key."""
+    """Make a new key pair; return (private, public). Refuses to overwrite a key."""
     directory = DEFAULT_DIR if directory is None else directory
     private_path = directory / f"{name}.key"
     public_path = directory / f"{name}.pub"
@@ -53,7 +50,6 @@ def generate(directory: Path | None = None, name: str = DEFAULT_NAME) -> tuple[P
 
 
 def _write_new(path: Path, data: bytes, mode: int) -> None:
-    """Write DATA to a new file PATH with MODE from its creation on; refuse if PATH exists."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
@@ -79,5 +75,5 @@ def public_key_id(public_path: Path) -> str:
 
 
 def trusted_name(public_path: Path) -> str:
-    """The file name the public key gets in the image's trusted-keys directory: KEYID.pub."""
+    """The public key's file name in the image's trusted-keys directory: KEYID.pub."""
     return f"{public_key_id(public_path)}.pub"

@@ -1,7 +1,6 @@
-"""Debian archive URLs derived from the host's own apt configuration.
+"""Debian archive URLs taken from the build host's apt configuration.
 
-No mirror host name is written into the repository: the build host already knows
-where its Debian archive is, and `appliance.toml` may override it.
+No mirror host name is in the repository: the host knows its archive, and appliance.toml may override it.
 """
 
 from __future__ import annotations
@@ -82,7 +81,7 @@ def host_mirrors(root: Path = Path("/")) -> Mirrors | None:
 
 
 def sources_deb822(mirrors: Mirrors, release: str, components: tuple[str, ...]) -> str:
-    """An apt sources file for RELEASE that replaces mkosi's own (which adds the unreachable debug archive)."""
+    """An apt sources file for RELEASE, replacing mkosi's own (which adds the unreachable debug archive)."""
     keyring = "/usr/share/keyrings/debian-archive-keyring.gpg"
     comps = " ".join(components)
     text = (

@@ -1,24 +1,9 @@
-"""SHA256SUMS: the pins of every overlay, diff, tuning table and firmware blob.
+"""SHA256SUMS: the pins of every overlay, diff, tuning table and firmware blob the profiles use.
 
-`SHA256SUMS` at the project root is read exactly as GNU `sha256sum -c` (coreutils 9) reads it:
-
-* `HASH  NAME` (text mode) and `HASH *NAME` (binary mode); the hash is 64 hex digits, either
-  case; everything after the mode character is the name, spaces included;
-* blanks and tabs before the hash are skipped (the reference stack's file indents some lines);
-* a line that starts with `\\` has an escaped name: `\\\\`, `\\n` and `\\r` only;
-* the BSD forms `SHA256 (NAME) = HASH` and `HASH NAME` (one space, as `sha256sum` never
-  writes it) are accepted like GNU does, without mixing the two-space and one-space forms;
-* a trailing CR is dropped; lines that start with `#` are comments.
-
-Where GNU only warns, this reads strictly: a malformed line is an error naming its line
-number, and so is a name listed twice or a name that leaves the project. Blank lines are
-skipped (GNU counts them as malformed but still checks the rest).
-
-`check(config, root)` verifies every file the profile uses and refuses, with one line naming
-the file: a changed file (expected and actual hash), a missing file, a file under the pinned
-directories that SHA256SUMS does not list, a symlink that leaves its directory, and an
-appliance.toml pin that disagrees with SHA256SUMS. Files listed for the other profile need
-not be present. `pin(root)` rewrites SHA256SUMS on purpose.
+SHA256SUMS is parsed by appliance/sums.py as `sha256sum -c` reads it, but strictly: a malformed line, a
+name listed twice or one that leaves the project is an error. check() refuses a changed, missing or
+unlisted file, a symlink out of its directory, or an appliance.toml pin that disagrees; files only the
+other profile uses need not be present. pin() rewrites SHA256SUMS on purpose.
 """
 
 from __future__ import annotations
@@ -196,8 +181,7 @@ def _listed(root: Path) -> set[str]:
 
 
 def check(config: Config, root: Path) -> list[PinnedArtifact]:
-    """Verify every file CONFIG's profile uses against SHA256SUMS; return what was verified.
-    The first problem is raised (`problems` lists them all, for validate)."""
+    """Verify every file CONFIG's profile uses; raise the first problem (problems() lists them all)."""
     verified, found = _verify(config, root)
     if found:
         raise found[0]
@@ -205,7 +189,6 @@ def check(config: Config, root: Path) -> list[PinnedArtifact]:
 
 
 def problems(config: Config, root: Path) -> list[UserError]:
-    """Every reason `check` would refuse, in the order it finds them."""
     try:
         return _verify(config, root)[1]
     except UserError as e:  # SHA256SUMS itself is unreadable or malformed
@@ -289,7 +272,6 @@ def compute_sums(root: Path) -> dict[str, str]:
 
 
 def write_sums(root: Path) -> list[str]:
-    """Write SHA256SUMS atomically (a temporary file renamed over it)."""
     lines = [format_line(name, sha) for name, sha in sorted(compute_sums(root).items())]
     atomic_write(root / SUMS_FILE, "".join(line + "\n" for line in lines).encode("utf-8"))
     return lines

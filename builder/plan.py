@@ -1,9 +1,7 @@
 """`python3 -m builder plan PLAN.toml`: check an install plan and sign it with the release key.
 
-Writes plan.json (canonical JSON) and plan.json.sig (Ed25519, the release manifest's encoding)
-into a new directory, renamed into place once both are written. The installer and the appliance
-accept a plan only with a signature by a key the release trusts (appliance/plan.py). The plan is
-also checked against the configuration it will meet: the image's defaults fill what it leaves out.
+Writes plan.json (canonical JSON) and plan.json.sig into a new directory renamed into place. The
+installer and the appliance accept only a plan signed by a key the release trusts (appliance/plan.py).
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Register `plan` on the builder's subparsers (builder/__main__.py: plan.add_parser(sub))."""
+    """Register `plan` on the builder's subparsers."""
     p: argparse.ArgumentParser = sub.add_parser("plan", help="check an install plan (TOML) and sign it with the release key")
     p.add_argument("plan", help="the plan, e.g. hosts/gpu-07.toml (docs/install.md)")
     p.add_argument("--output", help="the directory for plan.json and plan.json.sig (default: the plan's path without .toml)")

@@ -1,5 +1,6 @@
-"""The Caddyfile at build time: appliance/caddyfile.py, which the device shares (appliance-host.service
-renders the install plan's per-host settings through the same checks and template)."""
+"""The Caddyfile at build time: re-exports appliance/caddyfile.py, which the device's
+appliance-host.service uses too (same checks and template for the plan's per-host settings).
+"""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """Boot an image in QEMU (TCG with OVMF: KVM does not work on these build hosts).
 
-The guest's boot-check unit writes a JSON report to its second serial port and powers off;
-the host reads that report. The image itself is never modified: each boot runs on a sparse
-copy grown to a disk size where systemd-repart has room for slot B and /var.
-
-The boot check may also ask the host to do something while the guest waits (a line
-`APPLIANCE-ASK NAME JSON` on the same port); a test passes the answering functions to
-Guest.boot, and the answers come back in the report. A test can give the guest a second NIC on a
-tap device inside a network namespace of the host (ProbeNet), to reach the guest the way a
-machine on its network would.
+Each boot runs on a sparse copy of the image, grown so that systemd-repart has room for slot B and /var.
+The guest's boot check writes JSON reports to the second serial port and may ask the host questions
+there (`APPLIANCE-ASK NAME JSON`); ProbeNet gives the guest a second NIC reachable from a host namespace.
 """
 
 from __future__ import annotations
@@ -47,13 +41,10 @@ _IFF_TAP, _IFF_NO_PI = 0x0002, 0x1000
 
 
 class ProbeNet:
-    """A network namespace on the host, joined to the guest's second NIC by a tap device: the
-    guest's network as a machine beside it sees it (not QEMU's user network, which reaches the
-    guest only through forwarded ports). The namespace has SUBNET's first address, the guest
-    the second (a systemd-networkd file passed as a credential), and a route to each of
-    ROUTES via the guest.
-
-    Use as a context manager: the namespace is removed on exit, the tap device when QEMU exits."""
+    """A host network namespace joined to the guest's second NIC by a tap device, to reach the guest
+    as a machine on its network would (QEMU's user network reaches it only through forwarded ports).
+    The namespace has SUBNET's first address, the guest the second, and routes to ROUTES via the guest.
+    A context manager: the namespace is removed on exit, the tap device when QEMU exits."""
 
     MAC = "52:54:00:a9:0e:02"
 
@@ -93,9 +84,8 @@ class ProbeNet:
                               timeout=timeout, check=False)
 
     def credentials(self) -> dict[str, str]:
-        """systemd-network-generator writes network.network.NAME to /run/systemd/network/NAME.network,
-        which sorts before the image's DHCP-on-every-ethernet file. Not required for online: the
-        boot must not wait for this link."""
+        """The guest's address as a systemd-network-generator credential; its file sorts before the
+        image's DHCP-on-every-ethernet one. Not required for online: the boot must not wait for this link."""
         network = (
             f"[Match]\nMACAddress={self.MAC}\n\n[Link]\nRequiredForOnline=no\n\n"
             f"[Network]\nAddress={self.guest_address}/{self.prefix}\nLinkLocalAddressing=no\nIPv6AcceptRA=no\n"
@@ -104,8 +94,7 @@ class ProbeNet:
 
     def qemu_args(self) -> list[str]:
         assert self.fd is not None, "ProbeNet is used as a context manager"
-        # A fixed PCI address: the firmware keeps its boot entry for the disk by PCI path, so the disk
-        # must stay where it was in the boots without this NIC (or the next run finds nothing to boot).
+        # A fixed PCI address: the firmware's boot entry finds the disk by PCI path, which this NIC must not move.
         return ["-netdev", f"tap,id=probe,fd={self.fd}", "-device", f"virtio-net-pci,netdev=probe,mac={self.MAC},addr=0x10"]
 
     def _ip(self, *args: str) -> None:
@@ -115,9 +104,8 @@ class ProbeNet:
                             hint="network namespaces and tap devices need root and /dev/net/tun")
 
     def _open_tap(self) -> int:
-        """Create the tap device inside the namespace (setns for this thread, then back): QEMU
-        gets its file descriptor and itself stays in the host's namespace, where its user
-        network reaches the host's loopback."""
+        """Create the tap device inside the namespace (setns for this thread, then back), so that QEMU
+        stays in the host's namespace, where its user network reaches the host's loopback."""
         libc = ctypes.CDLL(None, use_errno=True)
         with open("/proc/thread-self/ns/net") as home, open(f"/run/netns/{self.name}") as target:
             if libc.setns(target.fileno(), _CLONE_NEWNET) != 0:
@@ -146,10 +134,9 @@ def _qemu_command(disk: Path, vars_fd: Path, credentials: dict[str, str]) -> lis
         "-device", "virtio-rng-pci",
         "-device", "i6300esb",  # a hardware watchdog, as servers have (systemd.watchdog_sec= arms it)
         "-display", "none", "-monitor", "none",
-        # Under emulation on a busy host the disk can appear after systemd's 90 s device wait
-        # (seen: 148 s), and the initrd then goes to emergency mode, which reboots and would use
-        # up a try of a version on trial. systemd-stub appends this to the signed command line
-        # only without Secure Boot, as here; the image itself keeps the default.
+        # Emulated on a busy host, the disk can appear after systemd's 90 s device wait (seen: 148 s);
+        # emergency mode would reboot and use up a try of a version on trial. systemd-stub appends
+        # this only without Secure Boot, as here; the image keeps the default.
         "-smbios", f"type=11,value=io.systemd.stub.kernel-cmdline-extra=systemd.default_device_timeout_sec={DEVICE_TIMEOUT_S}",
     ]
     return cmd + credential_args(credentials)
@@ -159,8 +146,7 @@ def credential_args(credentials: dict[str, str]) -> list[str]:
     """QEMU options that hand CREDENTIALS to the guest's systemd (SMBIOS type 11)."""
     args = []
     for name, value in credentials.items():
-        # binary form: values carry newlines (a PEM certificate) and commas (JSON), which
-        # QEMU's option syntax would otherwise split
+        # binary form: QEMU's option syntax would split values' newlines (PEM) and commas (JSON)
         encoded = base64.b64encode(value.encode()).decode()
         args += ["-smbios", f"type=11,value=io.systemd.credential.binary:{name}={encoded}"]
     return args
@@ -193,13 +179,10 @@ class Guest:
         answer: dict[str, Answerer] | None = None,
         probe_net: ProbeNet | None = None,
     ) -> dict[str, Any]:
-        """Boot until the guest powers off (or TIMEOUT); return the guest's last report, with the
-        reports of earlier boots of this run (the guest may reboot) in "earlier_boots".
+        """Boot until the guest powers off (or TIMEOUT); return its last report, earlier boots' in "earlier_boots".
 
-        CUT_POWER (TEXT, SECONDS): kill QEMU that many seconds after TEXT appears on the console,
-        as a power cut would; the report is then the last one written before the cut.
-        ANSWER: {NAME: function} for the guest's questions; each question and its answer, in
-        order, are in the report's "asked". PROBE_NET: a second NIC on that namespace's tap."""
+        CUT_POWER (TEXT, SECONDS): kill QEMU that long after TEXT appears on the console, like a power cut.
+        ANSWER: {NAME: function} for the guest's questions; questions and answers go into "asked"."""
         for path in (self.console_log, self.report_log):
             path.unlink(missing_ok=True)
         creds = {"appliance.bootcheck": "poweroff", **(credentials or {}), **(probe_net.credentials() if probe_net else {})}
@@ -228,7 +211,7 @@ class Guest:
                     break
                 if answer:
                     self._answer(answer, asked)
-                # watching for the cut's text: often, so the cut lands within a short write
+                # poll often while waiting for the cut's text, so that the cut lands within a short write
                 time.sleep(0.1 if cut_power and cut_at is None else 1)
         finally:
             if proc.poll() is None:
@@ -253,8 +236,7 @@ class Guest:
         return self.console_log.read_text(errors="replace") if self.console_log.exists() else ""
 
     def _answer(self, answer: dict[str, Answerer], asked: list[dict[str, Any]]) -> None:
-        """Answer each question not answered yet; the guest waits for what the answer causes
-        (the answer itself goes into the host's report)."""
+        """Answer each question not answered yet."""
         text = self.report_log.read_text(errors="replace") if self.report_log.exists() else ""
         for question in parse_questions(text)[len(asked):]:
             handler = answer.get(question["name"])

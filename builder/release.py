@@ -1,31 +1,10 @@
-"""`python3 -m builder release`: a signed release bundle from a finished build.
+"""`python3 -m builder release`: a signed release bundle (a directory any static web server can serve).
 
-A bundle is a directory any static web server can serve:
-
-    appliance_VERSION.usr.raw           the /usr partition image (erofs), as mkosi names it, without
-                                        its trailing zeros (the updater zeroes the slot first)
-    appliance_VERSION.usr-verity.raw    its dm-verity hash partition image, likewise
-    appliance_VERSION.efi               the unified kernel image (its command line carries usrhash=)
-    engine_DIGEST12.raw, engine_DIGEST12.verity.raw
-                                        the engine partition image, only when the target lacks its digest
-    appliance_VERSION.raw.zst, appliance_VERSION.raw.bmap
-                                        with --install-image: the whole disk image, compressed, and its
-                                        block map, for installing a bare host over HTTPS (installer/);
-                                        the updater never fetches them
-    manifest.json, manifest.json.sig    the signed release manifest of the build
-    SHA256SUMS                          sha256sum(1) lines over all of the above
-    bundle.json, bundle.json.sig        the signed index: version, min_version, profile, engine_digest,
-                                        usrhash, files [{name, sha256, size}], partition_sizes (the
-                                        full size of each trimmed image), manifest_sha256, signer
-
-A /usr slot (or an engine slot) is a few GiB of which the file system fills a fraction; the rest is zeros that the
-dm-verity tree covers. Shipping them would make an emulated or slow-linked appliance download
-and hash gigabytes of nothing, so the images stop at their last non-zero block and the updater
-zeroes the slot (BLKZEROOUT) before writing: the bytes on disk are the signed ones either way.
-
-Nothing in a bundle is trusted before bundle.json's signature (Ed25519, canonical JSON, the same
-key and signature encoding as the release manifest) is checked; every other file is bound to it
-by size and SHA-256. The directory is written under a temporary name and renamed into place.
+The bundle holds the /usr and verity images, the UKI, the engine images unless the target has that
+digest, with --install-image the zstd disk image and its block map (for installer/), the signed
+manifest, SHA256SUMS, and bundle.json(.sig), the signed index binding every file by size and SHA-256.
+Partition images stop at their last non-zero block (the updater zeroes the slot before writing), so a
+slow-linked appliance does not download and hash gigabytes of zeros.
 """
 
 from __future__ import annotations
@@ -49,7 +28,7 @@ from builder.run import run
 
 
 def _copy(src: Path, dst: Path) -> None:
-    """Copy keeping holes (the /usr image is a sparse 3 GiB file); reflink where the file system can."""
+    """Copy keeping holes (the /usr image is sparse); reflink where the file system can."""
     if shutil.which("cp"):
         proc = subprocess.run(["cp", "--reflink=auto", "--sparse=always", str(src), str(dst)], capture_output=True, text=True, check=False)
         if proc.returncode == 0:
@@ -58,8 +37,8 @@ def _copy(src: Path, dst: Path) -> None:
 
 
 def data_end(path: Path) -> int:
-    """The length of PATH without its trailing zeros, rounded up to a 4 KiB block. Holes are
-    skipped with SEEK_DATA/SEEK_HOLE, so a sparse 3 GiB image costs a read of its last extent."""
+    """PATH's length without its trailing zeros, rounded up to 4 KiB. SEEK_DATA/SEEK_HOLE skip the holes,
+    so a sparse image costs a read of its last extent."""
     with open(path, "rb") as f:
         fd, size = f.fileno(), os.fstat(f.fileno()).st_size
         end, pos = 0, 0
@@ -87,8 +66,7 @@ def _copy_trimmed(src: Path, dst: Path) -> int:
 
 
 def _known_engine_digests(previous: Path | Iterable[str] | None) -> tuple[set[str], str | None]:
-    """The engine digests the target already has, and the previous bundle's version (if a bundle
-    directory was given)."""
+    """The engine digests the target already has, and the previous bundle's version if a directory was given."""
     if previous is None:
         return set(), None
     if isinstance(previous, str | os.PathLike):
@@ -112,12 +90,10 @@ def make_bundle(
     previous_version: str | None = None,
     with_install_image: bool = False,
 ) -> bundle.BundleIndex:
-    """Write the bundle for CONFIG's build in BUILD_OUTPUT_DIR to BUNDLE_DIR; return its index (bundle.json).
+    """Write the bundle for the build in BUILD_OUTPUT_DIR to BUNDLE_DIR; return its index.
 
-    PREVIOUS_BUNDLE_OR_ENGINE_DIGESTS: the bundle the target runs (a directory) or the engine
-    digests it has; the engine image is left out when its digest is among them.
-    PREVIOUS_VERSION (or the previous bundle's version): the new version must be greater.
-    WITH_INSTALL_IMAGE: add the whole disk image (zstd) and its block map, for installs over HTTPS."""
+    PREVIOUS_BUNDLE_OR_ENGINE_DIGESTS: the target's bundle directory or engine digests (no engine image
+    then if its digest is among them). The version must be greater than PREVIOUS_VERSION and the previous bundle's."""
     version = config.appliance.version
     known_digests, prev_bundle_version = _known_engine_digests(previous_bundle_or_engine_digests)
     for prev in (previous_version, prev_bundle_version):
@@ -151,8 +127,7 @@ def make_bundle(
     names = bundle.payload_names(version, config.engine.digest, with_engine=False)
     sources = {names[r]: out / names[r] for r in ("usr", "usr-verity", "uki")}
     if config.engine.digest not in known_digests:
-        # the engine store partition as mkosi splits it out (SplitName=engine, engine-verity),
-        # shipped under its digest's name
+        # mkosi's split engine partitions (SplitName=engine, engine-verity), shipped under the digest's name
         engine_names = bundle.payload_names(version, config.engine.digest, with_engine=True)
         sources[engine_names["engine"]] = out / f"appliance_{version}.engine.raw"
         sources[engine_names["engine-verity"]] = out / f"appliance_{version}.engine-verity.raw"
@@ -173,7 +148,7 @@ def make_bundle(
         partition_sizes = {}
         all_names = bundle.payload_names(version, config.engine.digest, with_engine=True)
         trimmed = {all_names[r] for r in bundle.TRIMMED_ROLES}
-        # the images are sparse: the bar counts their apparent size, most of it holes that cost nothing
+        # the bar counts apparent sizes, mostly holes that cost nothing
         with progress.Progress("copying payloads", total=sum(src.stat().st_size for src in sources.values())) as p:
             for name, src in sources.items():
                 if name in trimmed:
@@ -217,7 +192,7 @@ def make_bundle(
 
 
 def _install_image(disk_image: Path, directory: Path, version: str) -> list[str]:
-    """The disk image zstd-compressed (its zeros cost nothing) and its block map, into DIRECTORY."""
+    """The disk image zstd-compressed and its block map, into DIRECTORY."""
     names = bundle.install_names(version)
     with progress.step("compressing the install image"):
         run(["bmaptool", "create", "-o", directory / names["install-bmap"], disk_image], capture=True, what="bmaptool create")
@@ -262,7 +237,7 @@ def cmd_release(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Register `release` on the builder's subparsers (builder/__main__.py: release.add_parser(sub))."""
+    """Register `release` on the builder's subparsers."""
     p: argparse.ArgumentParser = sub.add_parser("release", help="write a signed release bundle from the last build")
     p.add_argument("--output", help="the bundle directory (default: out/bundles/PROFILE-VERSION)")
     p.add_argument("--build-output", help="the build's output directory (default: out/PROFILE)")

@@ -1,9 +1,8 @@
-"""Derive the generated part of the image from the configuration.
+"""The configuration-dependent tree that mkosi copies into the image (ExtraTrees).
 
-Everything that depends on appliance.toml is written here into one tree that mkosi copies into
-the image (ExtraTrees): the device's configuration JSON, the units and the quadlet rendered
-from units/*.j2, the preset, the engine's overlay and tuning files, applianctl itself, and
-the trusted keys and signed manifest.
+appliance.json, the units and quadlet from units/*.j2, the engine partition and first-boot repart
+definitions, applianctl, the engine's overlay and tuning files, OS settings and the weights manifest;
+build.prepare adds the trusted key and the release plan.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from appliance.bundle import EMPTY_LABEL as EMPTY
 from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from appliance.caddyfile import render_caddyfile
 from appliance.config import Config
-from appliance.config_types import PinnedFile
+from appliance.config.model import PinnedFile
 from appliance.errors import UserError
 from builder import unit_values, weights
 from builder.engine_store import MOUNT_POINT, EngineStore, verity_slot_bytes
@@ -49,7 +48,6 @@ def device_path(kind: str, pinned: PinnedFile) -> str:
 
 
 def shm_size_mib(config: Config) -> int:
-    """/dev/shm holds the offload file plus the margin, with 64 MiB for everything else there."""
     return config.engine.shm_size_mib
 
 
@@ -62,7 +60,7 @@ def _environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,
     )
-    env.filters.update(unit_values.FILTERS)  # systemd_escape, systemd_quote: values reach units exactly
+    env.filters.update(unit_values.FILTERS)
     return env
 
 
@@ -105,8 +103,8 @@ def render_units(config: Config, tree: Path, store: EngineStore) -> list[Path]:
         if source.name.startswith(".") or not source.is_file():
             continue
         if source.name == "Caddyfile.j2":
-            text = render_caddyfile(config)  # checks every value again before it enters
-            # The template too: appliance-host.service renders it again with the plan's settings.
+            text = render_caddyfile(config)  # checks every value
+            # and the template: appliance-host.service renders it again with the plan's settings
             _write(tree / LIB / source.name, source.read_text())
             written.append(tree / LIB / source.name)
         elif source.suffix == ".j2":
@@ -120,8 +118,8 @@ def render_units(config: Config, tree: Path, store: EngineStore) -> list[Path]:
 
 
 def install_applianctl(tree: Path) -> None:
-    """applianctl as a command, run by the image's own python3 (Debian's pydbus, requests, cryptography)."""
-    for name in ("appliance", "applianctl"):  # applianctl imports the shared core, appliance
+    """applianctl as a command, run by the image's python3 (Debian's pydbus, requests, cryptography)."""
+    for name in ("appliance", "applianctl"):
         package = tree / "usr/lib/python3/dist-packages" / name
         shutil.copytree(ROOT / name, package, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
     _write(
@@ -132,9 +130,8 @@ def install_applianctl(tree: Path) -> None:
 
 
 def install_demo(tree: Path) -> None:
-    """The demo profile's test machinery (test images are demo images): the boot check as
-    `python3 -m testkit.bootcheck`, the units in testkit/units and the preset that enables them.
-    Never in production."""
+    """The demo profile's test machinery (test images are demo images), never in production: the boot
+    check (`python3 -m testkit.bootcheck`), testkit/units and their preset."""
     for name in TESTKIT_GUEST:
         _write(tree / "usr/lib/python3/dist-packages/testkit" / name, (TESTKIT_DIR / name).read_text())
     for source in sorted((TESTKIT_DIR / "units").iterdir()):
@@ -161,24 +158,23 @@ def install_os_settings(config: Config, tree: Path) -> None:
         f"AuthorizedKeysFile /{LIB}/ssh/authorized_keys /var/lib/appliance/host/authorized_keys\n"
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n",
     )
-    # No boot menu editor: without Secure Boot it would let anyone at the console change the
-    # kernel command line (init=/bin/sh). Copied to the ESP with /efi.
+    # No boot menu editor: without Secure Boot anyone at the console could set init=/bin/sh.
     _write(tree / "efi/loader/loader.conf", "# SPDX-License-Identifier: MIT\neditor no\n")
-    # Bounded engine logs: the compose stack kept log_max_size x log_max_files.
+    # Engine logs bounded as the compose stack bounded them: log_max_size x log_max_files.
     size = int(config.engine.log_max_size[:-1]) * config.engine.log_max_files
     _write(
         tree / "usr/lib/systemd/journald.conf.d/50-appliance.conf",
         f"[Journal]\nStorage=persistent\nSystemMaxUse={size}{config.engine.log_max_size[-1].upper()}\n",
     )
     if config.profile == "demo":
-        # The stand-in's "weights": the snapshot directory the engine's first argument names.
+        # The stand-in's "weights": the snapshot directory named by the engine's first argument.
         snapshot = config.model.weights_dir
         _write(
             tree / "usr/lib/tmpfiles.d/appliance-demo-model.conf",
             f"d {config.model.cache_dir} 0755 root root -\n"
             f"d {snapshot} 0755 root root -\n"
             f"f {snapshot}/config.json 0644 root root - {{}}\n"
-            # fault switches for the stand-in, written by tests (testkit.bootcheck scenarios)
+            # the stand-in's fault switches, written by tests
             "d /run/appliance/standin 0755 root root -\n",
         )
     _write(
@@ -187,14 +183,13 @@ def install_os_settings(config: Config, tree: Path) -> None:
         f"d {config.engine.aiter_cache_dir} 0755 root root -\n"
         f"d {config.engine.crash_dir} 0700 root root -\n"
         "d /var/lib/appliance 0755 root root -\n"
-        # per-host settings that survive upgrades (docs/disk-layout.md): /var is never written by one
+        # per-host settings: upgrades never write /var, so they survive (docs/disk-layout.md)
         "d /var/lib/appliance/host 0700 root root -\n",
     )
 
 
 ENGINE_PARTITION_DIR = Path("engine-partition")
-# systemd-repart's definitions at first boot (and the installer's, builder/installer_uki.py): the
-# static ones are image/mkosi.extra/usr/lib/repart.d; the engine slots' come from the configuration.
+# First-boot repart definitions (the installer's too): static ones in image/mkosi.extra, engine slots rendered.
 FIRST_BOOT_REPART = Path("usr/lib/repart.d")
 
 
@@ -205,10 +200,9 @@ def _partition(comment: str, **keys: object) -> str:
 
 
 def repart_definitions(store: EngineStore, directory: Path) -> None:
-    """Engine slot A at build: the engine store's two partitions, copied block for block from what
-    engine_store made, with the appliance-engine types and a full slot's size (so that first boot
-    matches them to 15-engine-a*.conf and any later engine fits). Placed before root (file names
-    15-, 16-) so that root stays last on the image and can grow."""
+    """Engine slot A at build: the store's two partitions copied block for block, with the engine types
+    and a full slot's size, so that first boot matches them to 15-engine-a*.conf and any later engine fits.
+    Named 15-/16- to come before root, which stays last on the image and can grow."""
     if not store.slot_bytes:
         raise UserError(f"engine store {store.label}: not checked against engine.slot_size_gib",
                         hint="make the store with builder.engine_store.make(), which sizes it for a slot")
@@ -225,12 +219,10 @@ def repart_definitions(store: EngineStore, directory: Path) -> None:
 
 
 def first_boot_repart(config: Config, directory: Path) -> list[Path]:
-    """Both engine slots as systemd-repart sees them at first boot. Existing partitions are matched
-    to definitions of their type in file-name order, so slot A (made at build) matches 15-/16-;
-    slot B is new: made `_empty`, the same size, in the free space after root in file-name order,
-    i.e. after /usr B (12-, 13-) and before /var (30-, the rest of the disk). Priority=1: a disk
-    partitioned before engine slots had types (its /var already holds the rest) drops them instead
-    of failing every boot; it needs a re-install to gain slot B (docs/disk-layout.md)."""
+    """Both engine slots for systemd-repart at first boot. Existing partitions match definitions of
+    their type in file-name order, so slot A (made at build) takes 15-/16-; slot B is new, `_empty`, after
+    /usr B (12-, 13-) and before /var (30-). Priority=1: a disk partitioned before engine slots existed
+    drops them instead of failing every boot; it needs a re-install to gain slot B (docs/disk-layout.md)."""
     slot, verity = config.engine.slot_bytes, verity_slot_bytes(config.engine.slot_bytes)
     written = []
     for name, type_uuid, size, what in (
@@ -246,7 +238,6 @@ def first_boot_repart(config: Config, directory: Path) -> list[Path]:
 
 
 def generate_tree(config: Config, tree: Path, store: EngineStore) -> None:
-    """The whole generated tree for CONFIG at TREE (which must not exist yet)."""
     tree.mkdir(parents=True)
     _write(tree / LIB / "appliance.json", json.dumps(config.to_json(), indent=2, sort_keys=True) + "\n")
     render_units(config, tree, store)
@@ -259,4 +250,4 @@ def generate_tree(config: Config, tree: Path, store: EngineStore) -> None:
         install_demo(tree)
     install_engine_files(config, tree)
     install_os_settings(config, tree)
-    weights.install(config, tree)  # the signed weights manifest (issue 14), when configured
+    weights.install(config, tree)

@@ -1,5 +1,4 @@
-"""Every subprocess of the builder goes through here (appliance.run underneath, the one run()
-mechanism): the command logged under --debug, a failure reported once."""
+"""The builder's subprocesses (appliance.run.checked underneath): logged under --debug, a failure reported once."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def run(
     hint: str = "",
     timeout: float | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """appliance.run.checked with the build host's defaults: the command logged under --debug, its
-    output on the terminal unless CAPTURE, no timeout, a missing tool pointing at `make setup`."""
+    """checked() with the build host's defaults: output on the terminal unless CAPTURE, no timeout."""
     args = [str(c) for c in cmd]
     log.debug("+ %s", shlex.join(args))
     return checked(

@@ -1,19 +1,8 @@
 """AITER GEMM tuning tables: the CSV files AITER reads to pick a kernel for each GEMM shape.
 
-A table is accepted when its header is one of the column sets AITER writes, every row has a
-value for each column, the numeric columns hold numbers, and no two rows share a lookup key
-(`cu_num,M,N,K`, plus `q_dtype_w` in the tables that have it: AITER keeps one kernel per
-key, so a second row would be silently shadowed). Errors name the file and line.
-
-Known headers (AITER `aiter/configs/*tuned*.csv` and its tuners' output):
-- current:       gfx,cu_num,M,N,K,libtype,kernelId,splitK,us,kernelName,tflops,bw,errRatio
-- with gfx:      gfx,cu_num,M,N,K,kernelId,splitK,us,kernelName,tflops,bw,errRatio
-- a8w8 rowwise:  gfx,cu_num,M,N,K,q_dtype_w,kernelId,splitK,us,kernelName,tflops,bw,errRatio
-- with metrics:  cu_num,M,N,K,kernelId,splitK,us,kernelName,tflops,bw,errRatio
-- older:         cu_num,M,N,K,kernelId,splitK,us,kernelName
-
-AITER writes `nan` timings (with kernelId -1 and kernelName None) for shapes that found no
-kernel; those are accepted as AITER reads them.
+Accepted: one of the headers AITER writes (HEADERS), a value in every column, numbers where numbers
+belong (`nan` timings included: AITER writes them for shapes without a kernel), and no two rows with
+one lookup key (cu_num,M,N,K[,q_dtype_w]): AITER keeps one kernel per key, silently shadowing the rest.
 """
 
 from __future__ import annotations
@@ -100,7 +89,7 @@ def _err(where: str, message: str, hint: str) -> UserError:
 
 
 def validate(path: Path, name: str | None = None) -> TuningTable:
-    """Check the table at PATH; UserError naming file and line on the first fault."""
+    """Check the table at PATH; UserError naming the file and line of the first fault."""
     shown = name or str(path)
     try:
         data = path.read_bytes()
@@ -212,12 +201,11 @@ def _check_row(row: dict[str, str], where: str) -> None:
 
 
 def validate_all(paths: Iterable[tuple[str, Path]]) -> list[TuningTable]:
-    """Validate each (name, path); the builder passes the tuning tables the profile uses."""
     return [validate(path, name) for name, path in paths]
 
 
 def problems(paths: Iterable[tuple[str, Path]]) -> list[UserError]:
-    """What validate_all would refuse, for every table (validate reports them all)."""
+    """What validate_all would refuse, for every table."""
     found: list[UserError] = []
     for name, path in paths:
         try:

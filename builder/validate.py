@@ -1,8 +1,7 @@
-"""`python3 -m builder validate`: everything a build would refuse, found before anything is written.
+"""`python3 -m builder validate`: every problem a build would refuse, one line each, before anything is written.
 
-Each check is the build's own (pins.problems is what pins.check raises, tuning.problems what
-tuning.validate_all raises, the templates rendered as the build renders them), run to the end so
-that one run lists every problem, one line each.
+Each check is the build's own (pins.problems, tuning.problems, the templates as the build renders them),
+run to the end so that one run lists every problem.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ def problems(config: Config, root: Path) -> list[UserError]:
 
 
 def _slot_problems(config: Config) -> list[UserError]:
-    """The engine store must fit engine.slot_size_gib; known here when this host built it already."""
+    """The engine store must fit engine.slot_size_gib; known only when this host built it already."""
     from builder import engine_store
 
     store = engine_store.built(config)
@@ -42,7 +41,7 @@ def _slot_problems(config: Config) -> list[UserError]:
 
 
 def _render_problems(config: Config) -> list[UserError]:
-    """Render every template as the build does (the store's root hash is not known yet)."""
+    """Render every template as the build does (with a placeholder root hash)."""
     from builder import engine_store, proxy, render
 
     store = engine_store.EngineStore(Path("engine.erofs"), Path("engine.verity"), "0" * 64, engine_store.label_for(config.engine.digest))
@@ -59,8 +58,7 @@ def _render_problems(config: Config) -> list[UserError]:
 
 
 def run(config_path: Path, profile: str, root: Path, debug: bool = False) -> int:
-    """validate: every fault of the configuration, then (when it loads) every other problem a
-    build would refuse; one line each and one hint, exit 2; or one line saying it is valid."""
+    """Print every fault with one hint and return 2, or one line saying the profile is valid and return 0."""
     config, found = config_model.problems(config_path, profile)
     if config is not None:
         found += problems(config, root)

@@ -1,16 +1,8 @@
 """`python3 -m builder weights pin|demo`: the weights manifest of the configured model and revision.
 
-    python3 -m builder weights pin                    # from the Hub's file tree (LFS SHA-256 of large files)
-    python3 -m builder weights pin --from SNAPSHOT    # also every file's fs-verity digest (and SHA-256 computed)
-    python3 -m builder --profile demo weights demo --output DIR   # the demo's generated weights and their manifest
-
-Large files: the Hub's tree API gives their SHA-256 (`lfs.sha256`), which is what the manifest pins.
-Small files have only a git blob SHA-1 there, so their SHA-256 is computed: from the local copy with
---from, else from a download through huggingface_hub, checked against that blob SHA-1 first. With
---from the local copy must agree with the Hub's tree (same files, sizes and hashes) unless --offline,
-which pins the directory as it is (a mirror operator without Hub access, and the demo).
-
-huggingface_hub runs on the build host only; it is never in the image.
+The manifest pins SHA-256s. The Hub's tree gives them for LFS files only; small files have a git blob
+SHA-1 there, so their SHA-256 is computed from the --from copy or a download checked against that SHA-1.
+--from must match the Hub's tree unless --offline. huggingface_hub runs on the build host only.
 """
 
 from __future__ import annotations
@@ -37,7 +29,6 @@ HUB_HINT = "check the model id and revision in appliance.toml and the network; o
 
 @dataclass(frozen=True)
 class HubFile:
-    """One file of the Hub's tree at the revision: its size, git blob SHA-1 and, for LFS files, SHA-256."""
 
     path: str
     size: int
@@ -46,14 +37,14 @@ class HubFile:
 
 
 def hub_files(model_id: str, revision: str, api: Any = None) -> list[HubFile]:
-    """The snapshot's files as the Hub lists them (HfApi.list_repo_tree, recursive)."""
+    """The snapshot's files as the Hub lists them (recursive)."""
     import logging
 
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
 
     if not logging.getLogger().isEnabledFor(logging.DEBUG):
-        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retries, unless --debug
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # hide its retries
     api = api or HfApi()
     try:
         entries = list(api.list_repo_tree(model_id, recursive=True, revision=revision))
@@ -69,7 +60,7 @@ def hub_files(model_id: str, revision: str, api: Any = None) -> list[HubFile]:
 
 
 def git_blob_sha1(path: Path) -> str:
-    """The git blob id of a file, as the Hub reports it for small (non-LFS) files."""
+    """The git blob id of a file: what the Hub reports for small (non-LFS) files."""
     digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode(), usedforsecurity=False)
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -87,8 +78,8 @@ def _download_small(model_id: str, revision: str, entry: HubFile, directory: Pat
 
 
 def local_files(directory: Path) -> dict[str, Path]:
-    """Every regular file under DIRECTORY by its relative path (links followed: a Hugging Face cache
-    snapshot links into its blobs), leaving out huggingface_hub's own .cache/."""
+    """Every regular file under DIRECTORY by relative path, links followed (a Hugging Face cache snapshot
+    links into its blobs), huggingface_hub's .cache/ left out."""
     if not directory.is_dir():
         raise UserError(f"{directory}: no such directory", hint="--from takes the snapshot directory (the files the engine loads)")
     out: dict[str, Path] = {}
@@ -103,7 +94,7 @@ def local_files(directory: Path) -> dict[str, Path]:
 
 
 def pin(model_id: str, revision: str, source: Path | None, offline: bool, api: Any = None) -> wm.WeightsManifest:
-    """The weights manifest from the Hub's tree and/or a local copy (see the module's docstring)."""
+    """The weights manifest from the Hub's tree and/or a local copy (see the module docstring)."""
     local = local_files(source) if source is not None else None
     if offline:
         if local is None:
@@ -132,7 +123,7 @@ def _local_entry(rel: str, path: Path) -> wm.WeightFile:
 
 
 def _checked_entry(entry: HubFile, path: Path | None) -> wm.WeightFile:
-    """ENTRY's manifest line; the local copy at PATH (if any) must match what the Hub says."""
+    """ENTRY's manifest line; a local copy at PATH must match the Hub's size and hashes."""
     if path is None:
         assert entry.lfs_sha256 is not None
         return wm.WeightFile(entry.path, entry.size, entry.lfs_sha256)
@@ -151,7 +142,7 @@ def _checked_entry(entry: HubFile, path: Path | None) -> wm.WeightFile:
 
 DEMO_SEED = 14
 MIB = 1 << 20
-# About 128 MiB in a few files; sizes not multiples of a block or a fetch chunk on purpose.
+# About 128 MiB; sizes deliberately not multiples of a block or a fetch chunk.
 DEMO_SIZES = {
     "model-00001-of-00003.safetensors": 48 * MIB + 1234,
     "model-00002-of-00003.safetensors": 48 * MIB - 777,
@@ -160,7 +151,7 @@ DEMO_SIZES = {
 
 
 def demo_files() -> Iterable[tuple[str, bytes]]:
-    """The demo's weights, the same bytes on every machine (a seeded generator)."""
+    """The demo's weights: the same bytes on every machine (seeded generator)."""
     yield "config.json", b'{"architectures": ["StandinForCausalLM"], "model_type": "standin"}\n'
     index = "".join(f'"{name}": {size},' for name, size in DEMO_SIZES.items())
     yield "model.safetensors.index.json", ('{"sizes": {' + index.rstrip(",") + "}}\n").encode()
@@ -203,7 +194,6 @@ def cmd_weights(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Register `weights` on the builder's subparsers."""
     p: argparse.ArgumentParser = sub.add_parser("weights", help="pin the model's weights: write the weights manifest")
     p.add_argument("action", choices=["pin", "demo"], help="pin: the configured model and revision; demo: the demo's generated weights")
     p.add_argument("--from", dest="source", help="pin: a local copy of the snapshot (adds each file's fs-verity digest)")
@@ -219,7 +209,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def manifest_bytes(config: config_model.Config, root: Path = ROOT) -> bytes | None:
-    """The configured weights manifest, checked (loads, pins the configured model and revision); None if none."""
+    """The configured weights manifest, checked to load and to pin the configured model and revision; None if none."""
     if not config.model.weights_manifest:
         return None
     path = root / config.model.weights_manifest
@@ -236,7 +226,6 @@ def manifest_bytes(config: config_model.Config, root: Path = ROOT) -> bytes | No
 
 
 def problems(config: config_model.Config, root: Path) -> list[UserError]:
-    """What the build would refuse about the weights manifest (for `validate`)."""
     try:
         manifest_bytes(config, root)
     except UserError as e:
@@ -245,13 +234,12 @@ def problems(config: config_model.Config, root: Path) -> list[UserError]:
 
 
 def install(config: config_model.Config, tree: Path) -> None:
-    """/usr/lib/appliance/weights.json in the image tree, when the configuration names one."""
     data = manifest_bytes(config)
     if data is not None:
         atomic_write(tree / "usr/lib/appliance" / wm.FILE_NAME, data)
 
 
 def release_pin(config: config_model.Config) -> dict[str, str]:
-    """What the signed release manifest's model entry adds: the weights manifest's SHA-256."""
+    """The weights manifest's SHA-256 for the signed release manifest's model entry."""
     data = manifest_bytes(config)
     return {"weights_sha256": wm.sha256(data)} if data is not None else {}

@@ -1,13 +1,9 @@
 """python3 -m installer: install the appliance onto the one disk the signed plan names.
 
-Runs on the installer medium (from RAM), never on the appliance. The release comes from the
-medium's payload partition (or the ISO), or, with no medium (the installer kernel image booted
-alone, e.g. by UEFI HTTP boot), from a release bundle over HTTPS: --source, else the plan's
-[update] url (installer/remote.py). The plan comes from the medium's plan/ directory or from the
-systemd credentials appliance.install-plan and appliance.install-plan.sig (BMC automation, tests);
-an HTTPS server's CA, when not a public one, from the credential appliance.install-ca or --ca.
-Nothing unsigned is used: the plan, the bundle index and the manifest are each checked against the
-keys this installer's release trusts before anything is read from them.
+The release comes from the medium's payload (USB or ISO) or, without one (UEFI HTTP boot), from a
+bundle over HTTPS (--source, else the plan's [update] url). The plan comes from --plan, the
+appliance.install-plan(.sig) credentials, or the medium's plan/. Plan, bundle index and manifest are
+each checked against the keys this installer trusts before anything is read from them.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ CREDENTIAL = "appliance.install-plan"
 
 
 def find_medium(runner: install.Runner = install._run) -> Path | None:
-    """Mount the medium's payload read-only under /run/installer/medium (once); None without one."""
+    """Mount the medium's payload read-only at /run/installer/medium (once); None without a medium."""
     mnt = Path("/run/installer/medium")
     if (mnt / "bundle.json").exists():
         return mnt
@@ -85,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         if plan is None:
             raise UserError(f"{plan_dir}: no install plan", hint="sign one with python3 -m builder plan PLAN.toml and put it on the medium")
         if medium is None:
-            # the plan was verified above: only then may it say where the release comes from
+            # only a verified plan may say where the release comes from
             url = args.source or (plan.update.url if plan.update else "")
             if not url:
                 raise NO_RELEASE

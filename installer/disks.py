@@ -1,9 +1,7 @@
-"""The disks of this machine as the installer judges them: read from `lsblk --json -O -b` and
-udev's properties (`udevadm info --query=property`), the same outputs the decoy matrix recorded.
+"""This machine's disks as the installer judges them, from `lsblk --json -O -b` and udev properties.
 
-Only what identifies a disk and what makes it unsafe to write is kept: identity (serial, WWN,
-model, by-path), size, transport, removable/hot-plug, read-only, mount points, and the partitions
-or file-system signature that say it holds data.
+Kept: what identifies a disk (serial, WWN, model, by-path) and what makes it unsafe to write (size,
+transport, removable, read-only, mounts, partitions or a signature that say it holds data).
 """
 
 from __future__ import annotations
@@ -129,8 +127,7 @@ def _run(argv: Sequence[str]) -> str:
 
 
 def read(runner: Runner = _run) -> tuple[dict[str, Any], dict[str, dict[str, str]]]:
-    """This machine's `lsblk --json -O -b` and each whole disk's udev properties (what the
-    fixtures record)."""
+    """This machine's `lsblk --json -O -b` and each whole disk's udev properties."""
     try:
         doc = json.loads(runner(["lsblk", "--json", "-O", "-b"]))
     except ValueError as e:

@@ -1,17 +1,9 @@
-"""The install: one disk chosen by the signed plan, written from the release's disk image, /usr and
-the engine store checked block by block against the signed root hashes, the plan put where the
-appliance keeps per-host settings, a firmware boot entry for the new disk put first, and a
-one-page summary.
+"""The install: write the release's disk image to the chosen disk, verify /usr and the engine store
+against the signed root hashes, store the plan on /var, put a firmware boot entry first, print a summary.
 
-    bmaptool copy --bmap IMAGE.bmap IMAGE TARGET
-    systemd-repart --dry-run=no --definitions=/usr/lib/appliance-installer/repart.d TARGET
-
-writes the image's used blocks (its partitions with their types, labels and UUIDs, so the UKI's
-usrhash= finds /usr), then creates slot B and /var exactly as a first boot would
-(docs/disk-layout.md). This is the layout `systemd-repart --empty=force --copy-from=IMAGE` makes
-too, but that copies every block of each partition, zeros included: measured 2.8x the time of
-`bmaptool copy` against 0.4-1x for this (bench/install.py). A target that already holds
-this version is not written again: the install is idempotent.
+`bmaptool copy` writes the image's used blocks, then `systemd-repart` with the first-boot definitions
+makes slot B and /var. `systemd-repart --copy-from=IMAGE` would make the same layout but copies zeros
+too: measured 2.8x bmaptool's time against 0.4-1x for this (bench/install.py).
 """
 
 from __future__ import annotations
@@ -37,23 +29,20 @@ from appliance.errors import UserError
 from appliance.run import run
 from installer import disks, select
 
-# the appliance's first-boot layout, put there by builder/installer_uki.py (not /usr/lib/repart.d:
-# the installer's own boot must not repartition anything)
+# put there by builder/installer_uki.py; not /usr/lib/repart.d, which the installer's own boot would apply
 REPART_DEFINITIONS = Path("/usr/lib/appliance-installer/repart.d")
 VAR_LABEL = "appliance-var"
 HOST_SUBDIR = "lib/appliance/host"  # on /var: /var/lib/appliance/host
 BOOT_LABEL = "Appliance"
 SYSTEMD_BOOT = r"\EFI\systemd\systemd-bootx64.efi"
 GIB = 1 << 30
-# what the layout adds to the image besides engine slot B: /usr B and its verity, root grown to
-# 1 GiB, /var's minimum
+# first boot's additions besides engine slot B: /usr B and its verity, root grown to 1 GiB, /var's minimum
 LAYOUT_EXTRA = 3 * GIB + 64 * (1 << 20) + 1 * GIB + 1 * GIB
 _SIZE_MIN = re.compile(r"^SizeMinBytes=([0-9]+)$", re.M)
 
 
 def layout_extra(definitions: Path = REPART_DEFINITIONS) -> int:
-    """What first boot adds to the image: LAYOUT_EXTRA and engine slot B, whose size is the
-    configuration's (the builder rendered it into the definitions this installer carries)."""
+    """What first boot adds to the image: LAYOUT_EXTRA plus engine slot B as sized in DEFINITIONS."""
     extra = LAYOUT_EXTRA
     for name in paths.ENGINE_B_REPART:
         m = _SIZE_MIN.search((definitions / name).read_text()) if (definitions / name).is_file() else None
@@ -69,8 +58,7 @@ def _run(argv: Sequence[str]) -> str:
 
 @dataclass(frozen=True)
 class Payload:
-    """What the installer installs: the release's disk image (raw on a medium, zstd when downloaded)
-    with its block map, and its signed facts."""
+    """The release's disk image (raw on a medium, zstd when downloaded), its block map and signed facts."""
 
     image: Path
     bmap: Path
@@ -81,7 +69,7 @@ class Payload:
 
 
 def load_payload(directory: Path, trusted_keys: Path) -> Payload:
-    """The release on the medium (or a downloaded bundle directory), its signatures checked first."""
+    """The release in DIRECTORY (a medium or a downloaded bundle), its signatures checked first."""
     index = bundle.verify_index((directory / bundle.BUNDLE_INDEX).read_bytes(), (directory / bundle.BUNDLE_SIG).read_bytes(),
                                 trusted_keys)
     man = manifest.verify((directory / "manifest.json").read_bytes(), (directory / "manifest.json.sig").read_bytes(), trusted_keys)
@@ -100,7 +88,7 @@ _IMAGE_SIZE = re.compile(rb"<ImageSize>\s*([0-9]{1,15})\s*</ImageSize>")
 
 
 def image_size(bmap: Path) -> int:
-    """The disk image's size as its block map gives it (the image itself may be compressed)."""
+    """The disk image's size from its block map (the image itself may be compressed)."""
     m = _IMAGE_SIZE.search(bmap.read_bytes()[:65536])
     if not m:
         raise UserError(f"{bmap}: no <ImageSize>", hint="the block map is damaged; make the medium or the bundle again")
@@ -111,15 +99,13 @@ def required_bytes(payload: Payload, definitions: Path = REPART_DEFINITIONS) -> 
     return image_size(payload.bmap) + layout_extra(definitions)
 
 
-# How long the kernel's and udev's view of a freshly written partition table may lag behind it
+# how long the kernel's and udev's view of a new partition table may lag behind it
 PARTITION_WAIT_S = 60.0
 
 
 def _by_partuuid(runner: Runner, disk: str, label: str | None = None, partuuid: str | None = None) -> str:
-    """The node of DISK's partition with LABEL or PARTUUID. lsblk reads udev's database, which
-    can still describe the table bmaptool wrote when systemd-repart's is already on the disk
-    (seen once in QEMU: the /usr partition there, its PARTUUID not yet listed): so ask the
-    kernel to read the table again and udev to catch up before giving up."""
+    """The node of DISK's partition with LABEL or PARTUUID. udev's database (which lsblk reads) can
+    still show bmaptool's table after systemd-repart's is on disk (seen in QEMU), so re-read and retry."""
     deadline = time.monotonic() + PARTITION_WAIT_S
     while True:
         doc = json.loads(runner(["lsblk", "--json", "-O", "-b", disk]))
@@ -136,7 +122,6 @@ def _by_partuuid(runner: Runner, disk: str, label: str | None = None, partuuid: 
 
 
 def verify_written(runner: Runner, disk: str, payload: Payload) -> list[str]:
-    """/usr and the engine store on DISK checked block by block against the signed root hashes."""
     data_uuid, hash_uuid = bundle.partuuids_from_usrhash(payload.usrhash)
     usr = _by_partuuid(runner, disk, partuuid=data_uuid.lower())
     usr_verity = _by_partuuid(runner, disk, partuuid=hash_uuid.lower())
@@ -149,7 +134,7 @@ def verify_written(runner: Runner, disk: str, payload: Payload) -> list[str]:
 
 
 def write_plan(runner: Runner, disk: str, plan_dir: Path) -> None:
-    """The signed plan into /var/lib/appliance/host on the new disk's /var (made by systemd-repart)."""
+    """The signed plan into /var/lib/appliance/host on the new disk's /var."""
     var = _by_partuuid(runner, disk, label=VAR_LABEL)
     mnt = Path(tempfile.mkdtemp(prefix="appliance-var-"))
     runner(["mount", var, str(mnt)])
@@ -167,8 +152,8 @@ def write_plan(runner: Runner, disk: str, plan_dir: Path) -> None:
 
 
 def boot_first(runner: Runner, disk: str) -> str:
-    """A firmware boot entry for systemd-boot on DISK's ESP, first in BootOrder; older entries with
-    our label are removed first, so installing again does not pile them up."""
+    """A firmware boot entry for systemd-boot on DISK's ESP, first in BootOrder; older entries with our
+    label are removed so that re-installs do not pile them up."""
     doc = json.loads(runner(["lsblk", "--json", "-O", "-b", disk]))
     esp = next(n for n in doc["blockdevices"][0].get("children") or [] if (n.get("parttype") or "").lower() == bundle_esp())
     partn = str(esp.get("partn") or esp["path"].rstrip("0123456789p")[-1:])
@@ -225,7 +210,7 @@ def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: 
             listing: tuple[dict[str, Any], dict[str, dict[str, str]]] | None = None, boot_partuuid: str | None = None,
             dry_run: bool = False, json_out: bool = False, signer: str = "", reboot: bool = True,
             out: Callable[[str], None] = print) -> int:
-    """Choose, write, verify, record the plan, make the boot entry, summarise. Returns an exit status."""
+    """Choose, write, verify, record the plan, make the boot entry, summarise; return the exit status."""
     if plan.target is None:
         raise UserError("the install plan has no [target]", hint="name the disk: target.serial, wwn, model or by_path")
     started = time.monotonic()
@@ -254,8 +239,7 @@ def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: 
         steps.append(f"firmware boot entry Boot{entry} first in BootOrder")
     out(summary(choice, payload, plan, steps, time.monotonic() - started, signer))
     if reboot and not choice.installed:
-        # stdout is block-buffered when it is not a terminal (journal, serial): the summary must
-        # be out before the reboot takes this process down
+        # stdout is block-buffered off a terminal: the summary must be out before the reboot
         sys.stdout.flush()
         runner(["systemctl", "reboot"])
     return 0

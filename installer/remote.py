@@ -1,12 +1,8 @@
-"""The release from a bundle over HTTPS, for hosts booted from the installer kernel image alone
-(UEFI HTTP boot, or the .efi on any FAT medium): no payload partition, so the release comes from
-the URL the signed plan gives ([update] url) or --source.
+"""The release from a bundle over HTTPS, for hosts booted from the installer UKI alone (no payload partition).
 
-The updater's bounded, resumable download (appliance.fetch) does the work: bundle.json and its
-signature first, checked against the keys this installer trusts, then only what an install needs
-(the manifest, the block map and the zstd disk image that `builder release --install-image` adds),
-each bound to the signed index by size and SHA-256. They land in RELEASE_DIR, on the installer's
-own file system in RAM; bmaptool then checks every written range against the block map.
+appliance.fetch downloads bundle.json and its signature, checks them against the trusted keys, then
+fetches only the manifest, block map and zstd disk image, each bound to the index by size and SHA-256,
+into RAM; bmaptool later checks every written range against the block map.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ SPACE_MARGIN_BYTES = 64 << 20
 
 
 def credential_ca() -> str | None:
-    """The CA a BMC or test passed as credential appliance.install-ca (PEM), else None: the system's."""
+    """The PEM CA passed as credential appliance.install-ca, else None (the system's CAs)."""
     creds = os.environ.get("CREDENTIALS_DIRECTORY")
     path = Path(creds) / CA_CREDENTIAL if creds else None
     return str(path) if path is not None and path.is_file() else None
@@ -40,7 +36,7 @@ def wait_online(timeout_s: int = 120) -> None:
 
 
 def download(spec: str, ca: str | None, trusted_keys: Path, directory: Path | None = None) -> Path:
-    """The release at SPEC (https://.../ of a bundle directory) into DIRECTORY, proven; returns DIRECTORY."""
+    """The bundle at SPEC (https:// URL or directory) into DIRECTORY, verified; returns DIRECTORY."""
     directory = RELEASE_DIR if directory is None else directory
     if spec.startswith("https://"):
         wait_online()
@@ -63,7 +59,7 @@ def download(spec: str, ca: str | None, trusted_keys: Path, directory: Path | No
     print(f"installer: downloading release {index.version} from {spec} ({need >> 20} MiB)", flush=True)
     for f in wanted:
         fetch.fetch_proven(source, f.name, f.size, f.sha256, directory)
-    # what load_payload checks again, as on a medium
+    # load_payload checks these again, as on a medium
     atomic_write(directory / bundle.BUNDLE_INDEX, data)
     atomic_write(directory / bundle.BUNDLE_SIG, sig)
     return directory

@@ -1,11 +1,9 @@
 """Which disk receives the appliance: exactly one disk matches the plan's target, and it is safe.
 
-Never the boot medium (the disk holding the partition the firmware loaded us from, or anything
-mounted), never a removable or hot-plugged disk (USB sticks, BMC virtual media), never a read-only
-one or one too small for the layout; a disk that holds data only when the plan sets
-`wipe_existing_data`. A disk that already holds the version being installed is chosen but not
-written (the install is idempotent). Anything else - no match, several matches, a match that is
-refused - stops with every candidate listed and nothing written.
+Refused: the boot medium, anything mounted, removable or hot-plugged disks (USB sticks, BMC virtual
+media), read-only or too small ones, and one holding data unless the plan sets wipe_existing_data. A
+disk already holding this version is chosen but not written. Otherwise nothing is written and every
+candidate is listed.
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ class Choice:
 
 
 class NoSafeChoice(UserError):
-    """Nothing is written; the candidates say why."""
 
     def __init__(self, message: str, hint: str, candidates: Sequence[Candidate]) -> None:
         super().__init__(message, hint)

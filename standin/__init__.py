@@ -1,7 +1,6 @@
-"""A stand-in for vLLM: speaks its HTTP API and prints its startup lines, with no GPU and no model.
+"""A stand-in for vLLM: its HTTP API and startup lines, without GPU or model (standard library only).
 
-Used by the demo profile (in place of the vLLM image) and by the tests. Standard library only.
-Run `python3 -m standin --help`.
+Runs as the demo profile's engine and in the tests; see `python3 -m standin --help`.
 """
 
 __version__ = "0.1.0"

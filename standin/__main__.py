@@ -1,8 +1,7 @@
-"""Command line: `python3 -m standin serve [MODEL] [vLLM arguments]`.
+"""`python3 -m standin serve [MODEL] [vLLM arguments]`.
 
-Loading (the port closed) takes STANDIN_LOAD_SECONDS and prints vLLM's startup lines in the order
-of a real start; then the OpenAI-compatible API listens on --host/--port. Fault switches: see
-standin/faults.py and the `serve --help` text.
+Loading (port closed) lasts STANDIN_LOAD_SECONDS and prints vLLM's startup lines in order; then the
+OpenAI-compatible API listens on --host/--port. Fault switches: standin/faults.py and `serve --help`.
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ environment:
 
 
 class _Stop(Exception):
-    """Raised by the SIGTERM/SIGINT handler in the main thread."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -88,7 +86,7 @@ def _sleep_until(deadline: float) -> None:
 
 
 def _load(args: argparse.Namespace, cfg: faults.Faults, model: str, shm_dir: Path) -> OffloadRegion | None:
-    """The loading phase: vLLM's startup lines, in order, spread over cfg.load_seconds."""
+    """The loading phase: vLLM's startup lines in order, spread over cfg.load_seconds."""
     start = time.monotonic()
 
     def at(fraction: float) -> None:
@@ -201,7 +199,7 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    # `serve MODEL ...`: take the model here, so an ignored option's value is never mistaken for it.
+    # Take `serve MODEL` here, so that an ignored option's value is never mistaken for the model.
     model = None
     if len(argv) >= 2 and argv[0] == "serve" and not argv[1].startswith("-"):
         model = argv.pop(1)

@@ -1,15 +1,14 @@
 """The stand-in engine's answers: which prompt gets which completion.
 
-The demo profile mounts overlays/demo/standin_answers.py read-only over this file inside the
-engine container, the way the production overlays replace vLLM's own files. VARIANT tells which
-copy is in effect; the engine reports it in /v1/models and in the X-Standin-Answers header.
+The demo profile mounts overlays/demo/standin_answers.py over this file, as production overlays replace
+vLLM's files; VARIANT (in /v1/models and the X-Standin-Answers header) shows which copy is in effect.
 """
 
 from __future__ import annotations
 
 VARIANT = "upstream"
 
-# Prompts are compared after collapsing runs of whitespace (see normalise()).
+# Keys as normalise() leaves prompts.
 ANSWERS: dict[str, str] = {
     # The runbook's smoke test.
     "Calculate 17 * 23. Answer with the number only.": "391",

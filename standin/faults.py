@@ -1,9 +1,7 @@
-"""Fault switches: environment variables STANDIN_*, and an optional JSON file.
+"""Fault switches: STANDIN_* environment variables and the optional JSON file STANDIN_FAULTS_FILE.
 
-STANDIN_FAULTS_FILE names a JSON object whose keys are the variable names lower-cased without the
-STANDIN_ prefix (e.g. {"hang_after_s": 30}). It is read once at start; a missing file is fine.
-A key in the file wins over the environment variable, so a test can inject a fault into an engine
-whose unit sets the variables, by writing the file and restarting the engine.
+The file's keys are the variable names lower-cased without STANDIN_; it is read once at start and wins
+over the environment, so a test can inject a fault into an engine whose unit sets the variables.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""Engine counters, exposed on /metrics in Prometheus text format with vLLM's metric names.
-
-Names, help texts and label sets follow a real vLLM V1 scrape (fixtures/vllm/metrics-v1-*.prom);
-the spec-decode counters follow PLATFORM.md (counters carry `_total`).
-"""
+"""Engine counters on /metrics in Prometheus text format, with vLLM V1's metric names, help texts and labels."""
 
 from __future__ import annotations
 
@@ -41,7 +37,7 @@ class Stats:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self, prompt: str, prompt_tokens: int) -> None:
-        """A request enters the batch: count it, look its prompt up in the 'prefix cache'."""
+        """A request enters the batch; its prompt is looked up in the 'prefix cache'."""
         with self._lock:
             self.running += 1
             self.tokens_in_use += prompt_tokens
@@ -62,13 +58,12 @@ class Stats:
                 self.ttft_counts[-1] += 1
 
     def finish(self, prompt_tokens: int, completion_tokens: int, reason: str) -> None:
-        """The request leaves the batch; its tokens were produced by draft-and-verify steps."""
         with self._lock:
             self.running -= 1
             self.tokens_in_use -= prompt_tokens
             self.generation_tokens += completion_tokens
             self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
-            # Each step drafts NUM_SPECULATIVE_TOKENS tokens; about a third of each draft is accepted.
+            # Each step drafts NUM_SPECULATIVE_TOKENS tokens and yields about 3 tokens.
             steps = max(1, -(-completion_tokens // 3))
             self.drafts += steps
             self.draft_tokens += steps * NUM_SPECULATIVE_TOKENS

@@ -1,8 +1,7 @@
-"""The CPU KV offload region: a file in /dev/shm, created and mapped the way vLLM does it.
+"""The CPU KV offload region, a /dev/shm file made as vLLM's v1/kv_offload/cpu/shared_offload_region.py does.
 
-vLLM (v1/kv_offload/cpu/shared_offload_region.py) opens /dev/shm/vllm_offload_<id>.mmap with
-O_CREAT|O_EXCL and mode 0600, ftruncates it to the offload size and maps it shared. The file
-leaks on any unclean exit; the stand-in removes it only on a clean one.
+O_CREAT|O_EXCL, mode 0600, ftruncated to the offload size, mapped shared. vLLM leaks it on any unclean
+exit; the stand-in, too, removes it only on a clean one.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""The OpenAI-compatible HTTP API of the stand-in, on http.server.
+"""The stand-in's OpenAI-compatible HTTP API on http.server, with vLLM's routes.
 
-Routes as vLLM serves them: GET /health, /ping, /version, /v1/models, /metrics; POST
-/v1/completions and /v1/chat/completions (both also as server-sent events with "stream": true).
-Every response carries X-Standin-Answers: the VARIANT of the answers module in effect.
+GET /health, /ping, /version, /v1/models, /metrics; POST /v1/completions and /v1/chat/completions
+(streamed as server-sent events with "stream": true). Every response carries X-Standin-Answers.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ _TOKEN = re.compile(r"\s*\S+")
 
 
 def tokens(text: str) -> list[str]:
-    """The stand-in's 'tokenizer': words with their leading white space; joined, they give TEXT back."""
+    """The 'tokenizer': words with their leading white space; joined, they give TEXT back."""
     return _TOKEN.findall(text)
 
 
@@ -98,7 +97,7 @@ class Handler(BaseHTTPRequestHandler):
     def parse_request(self) -> bool:
         ok = super().parse_request()
         if ok and self.engine.hung():
-            # The hang fault: the connection was accepted and the request read, but no answer ever comes.
+            # The hang fault: request read, no answer ever.
             threading.Event().wait()
         return ok
 
@@ -214,7 +213,7 @@ class Handler(BaseHTTPRequestHandler):
         return Generation(prompt, prompt_tokens, pieces, finish)
 
     def _run(self, gen: Generation, emit: Any) -> None:
-        """Produce GEN's pieces through EMIT(piece) while the metrics see the request in the batch."""
+        """Emit GEN's pieces through EMIT while the metrics count the request in the batch."""
         stats = self.engine.stats
         started = time.monotonic()
         stats.start(gen.prompt, gen.prompt_tokens)

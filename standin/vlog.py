@@ -1,7 +1,7 @@
-"""Log lines in vLLM's own format, on stderr.
+"""Log lines on stderr in vLLM V1's format.
 
-vLLM V1 prints `(EngineCore_DP0 pid=278) INFO 09-25 13:39:07 [gpu_model_runner.py:2598] message`;
-the uvicorn lines of its API server print `(APIServer pid=8) INFO:     message`.
+Engine: `(EngineCore_DP0 pid=278) INFO 09-25 13:39:07 [gpu_model_runner.py:2598] message`;
+API server (uvicorn): `(APIServer pid=8) INFO:     message`.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.atomic import write_json_atomic
-from appliance.config import load_device
+from appliance.host_settings import load_device
 from applianctl import __version__
 
 BEGIN, END = "APPLIANCE-REPORT-BEGIN", "APPLIANCE-REPORT-END"

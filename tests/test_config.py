@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import config
+from appliance import config, host_settings
 from appliance.errors import ConfigError, UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,7 +255,7 @@ def test_device_loads_the_image_json_as_the_same_model(tmp_path: Path) -> None:
         c = config.load(APPLIANCE_TOML, profile)
         path = tmp_path / f"{profile}.json"
         path.write_text(json.dumps(c.to_json()))
-        assert config.load_device(path) == c
+        assert host_settings.load_device(path) == c
         tampered = c.to_json()
         tampered["engine"]["served_model_name"] = "other"
         tampered["engine"]["surprise"] = 1

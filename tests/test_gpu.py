@@ -20,7 +20,7 @@ from fakeprog import calls, fake_program
 
 from appliance import config as config_model
 from appliance.config import Config
-from appliance.config_types import Gpu
+from appliance.config.model import Gpu
 from applianctl.status import gpu
 from applianctl.status import parts as probes
 

@@ -226,7 +226,7 @@ def test_the_device_checks_the_settings_file_again(appliance_json: Callable[[str
     path = tmp_path / "host-settings.json"
     path.write_text(json.dumps(settings))
     with pytest.raises(ConfigError) as e:
-        config_mod.load_device(appliance_json("demo"), path)
+        host_settings.load_device(appliance_json("demo"), path)
     assert message in e.value.message and str(path) in e.value.message, e.value.message
     assert "\n" not in e.value.message and e.value.hint and e.value.exit_status == 2
 
@@ -243,7 +243,7 @@ def test_readers_see_the_plans_values(machine: Host, appliance_json: Callable[[s
     monkeypatch.setenv("APPLIANCE_CONFIG", str(image_json))
     monkeypatch.setenv("APPLIANCE_HOST_SETTINGS", str(machine.run_dir / host.HOST_SETTINGS))
 
-    device = config_mod.load_device()
+    device = host_settings.load_device()
     assert (device.proxy.hostname, device.proxy.allowed_cidrs) == (PLAN_NAME, PLAN_CIDRS)
     assert dataclasses.replace(device, proxy=image.proxy) == image  # nothing else changed
     assert assess.client_target(device).server_name == PLAN_NAME
@@ -273,14 +273,14 @@ def test_without_a_plan_everything_is_the_images(machine: Host, appliance_json: 
     assert doc["settings"]["proxy_hostname"] == image.proxy.hostname
     monkeypatch.setenv("APPLIANCE_CONFIG", str(image_json))
     monkeypatch.setenv("APPLIANCE_HOST_SETTINGS", str(machine.run_dir / host.HOST_SETTINGS))
-    assert config_mod.load_device() == image
-    assert assess.client_target(config_mod.load_device()).server_name == image.proxy.hostname
+    assert host_settings.load_device() == image
+    assert assess.client_target(host_settings.load_device()).server_name == image.proxy.hostname
 
     # A plan without proxy settings: the image's Caddyfile stays in use too.
     machine.install(plan_model.Plan(hostname="gpu-07"))
     assert machine.apply(image)["ok"] is True
     assert machine.proxy_files() == []
-    assert config_mod.load_device() == image
+    assert host_settings.load_device() == image
 
 
 # ------------------------------------------------------------------------------ the image

@@ -46,6 +46,12 @@ def imported(tree: ast.AST, this: str, is_package: bool, known: set[str]) -> set
                     out.add(f"{source}.{alias.name}")
                 elif source in known:
                     out.add(source)
+    # Importing a.b.c runs a/__init__ and a/b/__init__ first; a package that `this` lives in is
+    # already being imported, so only other packages count.
+    own = {".".join(this.split(".")[:i]) for i in range(1, this.count(".") + 1)}
+    for target in list(out):
+        parts = target.split(".")
+        out.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in known and p not in own)
     out.discard(this)
     return out
 
@@ -100,7 +106,18 @@ def test_no_import_cycle_anywhere() -> None:
 
 def test_the_graph_sees_imports_inside_functions(tmp_path: Path) -> None:
     late = ast.parse("def f():\n    from applianctl.slots import view\n")
-    assert imported(late, "applianctl.update.staged", False, {"applianctl.slots.view", "applianctl.slots"}) == {"applianctl.slots.view"}
+    assert imported(late, "applianctl.update.staged", False, {"applianctl.slots.view", "applianctl.slots"}) == {
+        "applianctl.slots.view",
+        "applianctl.slots",
+    }
+
+
+def test_importing_a_submodule_runs_its_package() -> None:
+    # host_settings -> appliance.config.checks also runs appliance/config/__init__.py
+    tree = ast.parse("from appliance.config import checks\n")
+    known = {"appliance", "appliance.config", "appliance.config.checks"}
+    assert imported(tree, "appliance.host_settings", False, known) == {"appliance.config", "appliance.config.checks"}
+    assert imported(tree, "appliance.config.model", False, known) == {"appliance.config.checks"}
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 
 from appliance import sums
 from appliance.config import Config, load
-from appliance.config_types import PinnedFile
+from appliance.config.model import PinnedFile
 from appliance.errors import ConfigError, UserError
 from builder import pins
 

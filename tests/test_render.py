@@ -232,15 +232,15 @@ def test_the_image_carries_the_core_and_applianctl_runs_from_it(tmp_path: Path, 
 
     render.install_applianctl(tmp_path)
     site = tmp_path / "usr/lib/python3/dist-packages"
-    assert (site / "appliance" / "config.py").is_file() and not (site / "builder").exists()
+    assert (site / "appliance" / "config" / "__init__.py").is_file() and not (site / "builder").exists()
     (tmp_path / "appliance.json").write_text(json.dumps(production.to_json()))
     python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
     code = (
         f"import sys; sys.path[:0] = [{str(site)!r}]\n"
-        "import appliance.config, applianctl.__main__, applianctl.status.collect, applianctl.update.command\n"
+        "import appliance.config, appliance.host_settings, applianctl.__main__, applianctl.status.collect, applianctl.update.command\n"
         "assert appliance.config.__file__.startswith(sys.path[0]), appliance.config.__file__\n"
         "assert 'builder' not in sys.modules\n"
-        "print(appliance.config.load_device().served_model)\n"
+        "print(appliance.host_settings.load_device().served_model)\n"
     )
     done = subprocess.run(
         [python, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True, check=False,

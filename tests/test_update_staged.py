@@ -14,7 +14,7 @@ import pytest
 from fake_release import bundle, make_signing, usrhash_for
 from test_update import RUNNING, Device, _esp, _on_trial
 
-from appliance import atomic, config, paths
+from appliance import atomic, host_settings, paths
 from appliance.bundle import partuuids_from_usrhash, verify_index
 from appliance.errors import ConfigError, Refused, UserError
 from applianctl.slots import release
@@ -344,7 +344,7 @@ def test_timer_action_is_checked_on_the_device_too(tmp_path: Path, appliance_jso
     data["update"]["timer_action"] = "apply"
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=r"update\.timer_action = 'apply': invalid") as e:
-        config.load_device(path)
+        host_settings.load_device(path)
     assert "'download-only'" in e.value.hint
 
 

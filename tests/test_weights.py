@@ -514,7 +514,7 @@ def test_model_fetch_and_verify_commands(device: tuple[Path, wm.WeightsManifest,
 
 
 def _config() -> Any:
-    from appliance.config import load_device
+    from appliance.host_settings import load_device
 
     return load_device()
 

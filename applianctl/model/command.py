@@ -13,8 +13,8 @@ import sys
 import time
 
 from appliance.atomic import write_record
-from appliance.config import load_device
 from appliance.errors import UserError
+from appliance.host_settings import load_device
 from appliance.schema import dump_record
 from applianctl.model import store as model_store
 from applianctl.model.seal import Kernel, Verity

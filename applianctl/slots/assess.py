@@ -28,8 +28,9 @@ from typing import Any
 
 from appliance import atomic as state
 from appliance import manifest, paths
-from appliance.config import Config, load_device
+from appliance.config import Config
 from appliance.errors import UserError
+from appliance.host_settings import load_device
 from appliance.run import run
 from applianctl import smoke
 from applianctl.slots import release

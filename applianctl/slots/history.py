@@ -1,17 +1,48 @@
-"""What the updater, the assessment and the rollback last recorded on /var (paths.last_*_path()),
-read as it was written."""
+"""What the updater, the assessment and the rollback last recorded on /var (paths.last_*_path())."""
 
 from __future__ import annotations
 
-import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from appliance import paths
+from appliance.errors import UserError
+from appliance.schema import dump_record, load_record
+from applianctl.records import LastAssessment, LastRollback, LastUpdate
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
-    """The object in PATH; None when it is missing, unreadable or not an object."""
+@dataclass(frozen=True)
+class History:
+    """The three records, each None when absent or damaged (as before they were typed: nothing to
+    judge by; the file's next write replaces it)."""
+
+    update: LastUpdate | None
+    assessment: LastAssessment | None
+    rollback: LastRollback | None
+
+    def to_json(self) -> dict[str, Any]:
+        """Status's last_update, last_assessment and last_rollback: each record as written, or null."""
+        return {
+            "last_update": dump_record(self.update) if self.update is not None else None,
+            "last_assessment": dump_record(self.assessment) if self.assessment is not None else None,
+            "last_rollback": dump_record(self.rollback) if self.rollback is not None else None,
+        }
+
+
+R = TypeVar("R")
+
+
+def _read(cls: type[R], path: Path) -> R | None:
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return load_record(cls, path, lenient=True)
+    except UserError:
         return None
-    return value if isinstance(value, dict) else None
+
+
+def last_update() -> LastUpdate | None:
+    return _read(LastUpdate, paths.last_update_path())
+
+
+def read() -> History:
+    return History(last_update(), _read(LastAssessment, paths.last_assessment_path()), _read(LastRollback, paths.last_rollback_path()))

@@ -16,8 +16,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 from appliance import paths
-from appliance.config import Config, load_device
+from appliance.config import Config
 from appliance.errors import UserError
+from appliance.host_settings import load_device
 from applianctl import records
 from applianctl.status import disk, engine, files, gpu, host, os_slots, proxy, shm, systemd, tls, weights
 from applianctl.status import parts as probes

@@ -31,39 +31,40 @@ def slots_summary(host: Host | None = None, running_version: str | None = None) 
     """What `applianctl status` shows about upgrades: View.to_json() plus the last update,
     assessment and rollback, whether the last update was rolled back and why, and the staged update."""
     # imported in the probe's thread: their imports cost time
+    from applianctl.slots import history
     from applianctl.slots import view as slots
     from applianctl.slots.entries import BAD
-    from applianctl.slots.history import read_json
     from applianctl.update import staged as update_staged
 
     view = slots.read(host, running_version)
     out = view.to_json()
     running_version = view.running_version
-    last_update = read_json(paths.last_update_path())
-    last_assessment = read_json(paths.last_assessment_path())
-    last_rollback = read_json(paths.last_rollback_path())
+    last = history.read()
+    update, assessment, rollback = last.update, last.assessment, last.rollback
     rolled_back, by = False, None
     reason = None
-    if last_assessment and last_assessment.get("ok") is False and last_assessment.get("version") != running_version:
-        rolled_back, by, reason = True, "appliance", str(last_assessment.get("reason") or "assessment failed")
-    elif (last_rollback and last_update and last_rollback.get("to_version") == running_version
-          and last_rollback.get("from_version") == last_update.get("version") != running_version):
+    if assessment is not None and not assessment.ok and assessment.version != running_version:
+        rolled_back, by, reason = True, "appliance", assessment.reason or "assessment failed"
+    elif (rollback is not None and update is not None and rollback.to_version == running_version
+          and rollback.from_version == update.version != running_version):
         # the operator went back from the last update: a choice, not a fault
         rolled_back, by = True, "operator"
-        reason = f"applianctl rollback from {last_rollback.get('from_version')} at {last_rollback.get('at')}"
-    elif last_update and last_update.get("version") not in (None, running_version):
-        bad = view.entry(str(last_update.get("version")))
+        reason = f"applianctl rollback from {rollback.from_version} at {rollback.at}"
+    elif update is not None and update.version != running_version:
+        bad = view.entry(update.version)
         if bad is not None and bad.state == BAD:
             rolled_back, by, reason = True, "appliance", f"rolled back: {bad.path.name} used up its tries without being judged good"
+    staged = update_staged.read()
+    records = last.to_json()
     out.update(
         {
-            "last_update": last_update,
-            "last_assessment": last_assessment,
+            "last_update": records["last_update"],
+            "last_assessment": records["last_assessment"],
             "rolled_back": rolled_back,
             "rollback_reason": reason,
             "rolled_back_by": by,
-            "last_rollback": last_rollback,
-            "staged": update_staged.read(),
+            "last_rollback": records["last_rollback"],
+            "staged": staged.to_json() if staged is not None else None,
         }
     )
     return out
@@ -160,8 +161,8 @@ def staged_line(staged: dict[str, Any] | None) -> str:
         return ""
     if "error" in staged:
         return f"; staged update unusable: {staged['error']}"
-    mib = int(staged.get("bytes") or 0) / (1 << 20)
-    return f"; staged {staged['version']} ({mib:.1f} MiB, {staged.get('staged_at')})"
+    mib = staged["bytes"] / (1 << 20)
+    return f"; staged {staged['version']} ({mib:.1f} MiB, {staged['staged_at']})"
 
 
 def slots_line(found: list[dict[str, Any]]) -> str:

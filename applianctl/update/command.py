@@ -116,7 +116,7 @@ def update(
         staging = staging_for(p.version)
         _download(p, staging, space_margin, keys_dir)
         say(f"bundle {p.version} verified ({len(p.index.files)} files, signed by {p.index.signer})")
-        install(p, staging, host=host, deadline=deadline, record={"source": spec}, say=say)
+        install(p, staging, host=host, deadline=deadline, source=spec, say=say)
         shutil.rmtree(staging, ignore_errors=True)
     installed(p, reboot, say)
     return 0
@@ -128,12 +128,14 @@ def install(
     *,
     host: Host,
     deadline: Deadline,
-    record: dict[str, Any],
+    source: str,
+    staged_at: str | None = None,
     say: Callable[[str], None],
 ) -> None:
     """For files in STAGING proven this run: the new engine into its engine slot when the plan
     writes one, then blank the inactive slot, let systemd-sysupdate write it, record the update
-    (RECORD adds to last-update.json). The caller holds the lock."""
+    in last-update.json (from SOURCE; STAGED_AT: downloaded then by --download-only). The caller
+    holds the lock."""
     index, inactive, running, version = p.index, p.inactive, p.running, p.version
     if p.engine is not None and p.engine_written:
         slot = p.engine.slot
@@ -159,17 +161,9 @@ def install(
     os.sync()
     if p.downgrade:
         run(["bootctl", "set-oneshot", f"appliance_{version}.efi"], "bootctl set-oneshot", "select the entry in the boot menu")
-    atomic.write_json_atomic(
-        paths.last_update_path(),
-        {
-            "version": version,
-            "from_version": running.version,
-            "slot": inactive.name,
-            "downgrade": p.downgrade,
-            "installed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            **record,
-        },
-    )
+    installed_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    atomic.write_record(paths.last_update_path(), LastUpdate(version, running.version, inactive.name, p.downgrade, installed_at,
+                                                             source, staged_at))
     # which engine each version runs, from signed data, for choosing engine slots (slots.engine)
     engine_slots.record({running.version: running.engine_image.digest, version: index.engine_digest},
                         keep={e.version for e in entries(host)} | {running.version, version})
@@ -185,16 +179,16 @@ def installed(p: UpdatePlan, reboot: bool, say: Callable[[str], None]) -> None:
         run(["systemctl", "reboot"], "systemctl reboot", "reboot by hand")
 
 
-def _already_staged(p: UpdatePlan, previous: dict[str, Any] | None) -> str | None:
-    """When PREVIOUS (the staged record) holds this very bundle.json, its staged_at: nothing to
-    fetch or hash."""
-    if not previous or "error" in previous or previous["version"] != p.version:
+def _already_staged(p: UpdatePlan, previous: Staged | None) -> str | None:
+    """When PREVIOUS (the usable staged record) holds this very bundle.json, its staged_at: nothing
+    to fetch or hash."""
+    if previous is None or previous.version != p.version:
         return None
     try:
         same = (update_staged.directory(previous) / BUNDLE_INDEX).read_bytes() == p.signed[0]
     except OSError:
         return None
-    return str(previous["staged_at"]) if same else None
+    return previous.staged_at if same else None
 
 
 def download_only(
@@ -219,7 +213,8 @@ def download_only(
         p = make_plan(spec, ca=ca, deadline=deadline, host=host, keys_dir=keys_dir, running=running, allow_downgrade=allow_downgrade)
         if p.already_installed:
             return _already_installed(p, say)
-        previous = update_staged.read()
+        state = update_staged.read()
+        previous = state.usable if state is not None else None
         staged_at = _already_staged(p, previous)
         if staged_at is not None:  # the daily timer against an unchanged server
             say(f"version {p.version} is already staged ({staged_at}); apply it with applianctl update --apply")
@@ -228,8 +223,8 @@ def download_only(
         update_staged.seed(previous, p.index, staging, p.engine_written)
         _download(p, staging, space_margin, keys_dir)
         record = update_staged.publish(staging, p.index, p.signed, spec, p.engine_written)
-    mib = record["bytes"] / (1 << 20)
-    say(f"staged {p.version} ({record['files']} files, {mib:.1f} MiB, signed by {p.index.signer}); "
+    mib = record.bytes / (1 << 20)
+    say(f"staged {p.version} ({record.files} files, {mib:.1f} MiB, signed by {p.index.signer}); "
         "install it with applianctl update --apply")
     return 0
 
@@ -256,14 +251,15 @@ def apply(
         raise update_staged.nothing_staged()
     check_judged(slots.read(host, running.version))
     with locked():
-        record = update_staged.read()
-        if record is None:
+        state = update_staged.read()
+        if state is None:
             raise update_staged.nothing_staged()
-        if "error" in record:
-            raise UserError(f"the staged update cannot be used: {record['error']}", hint=update_staged.DOWNLOAD_AGAIN)
+        record = state.usable
+        if record is None:
+            raise UserError(f"the staged update cannot be used: {state.problem}", hint=update_staged.DOWNLOAD_AGAIN)
         staged = update_staged.directory(record)
         p = make_plan(str(staged), ca=None, deadline=deadline, host=host, keys_dir=keys_dir, running=running,
-                      allow_downgrade=allow_downgrade, staged=record["version"])
+                      allow_downgrade=allow_downgrade, staged=record.version)
         check_judged(p.view)
         if p.already_installed:
             update_staged.discard()
@@ -274,8 +270,7 @@ def apply(
             update_staged.verify_in_place(p.index, staged, p.engine_written)
             check_staged(p.index, staged, keys_dir)
         say(f"staged bundle {p.version} verified again ({len(p.index.files)} files, signed by {p.index.signer})")
-        install(p, staged, host=host, deadline=deadline, record={"source": record.get("source"), "staged_at": record.get("staged_at")},
-                say=say)
+        install(p, staged, host=host, deadline=deadline, source=record.source, staged_at=record.staged_at, say=say)
     installed(p, reboot, say)
     return 0
 
@@ -328,7 +323,7 @@ def cmd_update(args: argparse.Namespace) -> int:
     spec = args.source
     download = args.download_only
     if args.from_config:
-        from appliance.config import load_device
+        from appliance.host_settings import load_device
 
         settings = load_device().update
         spec = settings.url

@@ -13,13 +13,13 @@ again (verify_in_place), since files on /var can change after they were verified
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,8 @@ from appliance import atomic, manifest, paths, progress
 from appliance.bundle import BundleIndex
 from appliance.errors import Refused, UserError
 from appliance.hashing import sha256_file
+from appliance.schema import dump_record, load_record
+from applianctl.records import Staged
 from applianctl.update.download import to_fetch
 
 RECORD = "staged.json"
@@ -38,28 +40,43 @@ def record_path() -> Path:
     return paths.staged_update_dir() / RECORD
 
 
-def read() -> dict[str, Any] | None:
-    """The staged update's record ({version, directory, bytes, files, signer, source, staged_at}),
-    None when nothing is staged. A record whose directory is missing is returned with "error"."""
+@dataclass(frozen=True)
+class StagedState:
+    """staged.json as read: its RECORD (None when it is not one) and PROBLEM, why it cannot be used
+    (None: it can)."""
+
+    record: Staged | None
+    problem: str | None = None
+
+    @property
+    def usable(self) -> Staged | None:
+        return self.record if self.problem is None else None
+
+    def to_json(self) -> dict[str, Any]:
+        """As status shows it: the record as written, plus "error" when it cannot be used."""
+        doc = dump_record(self.record) if self.record is not None else {}
+        return doc if self.problem is None else {**doc, "error": self.problem}
+
+
+def read() -> StagedState | None:
+    """The staged update, None when nothing is staged."""
     try:
-        record = json.loads(record_path().read_text())
-    except FileNotFoundError:
+        record = load_record(Staged, record_path(), lenient=True)
+    except UserError as e:
+        return StagedState(None, e.message)
+    if record is None:
         return None
-    except (OSError, ValueError) as e:
-        return {"error": f"{record_path()}: unreadable ({type(e).__name__})"}
-    if not isinstance(record, dict) or not isinstance(record.get("version"), str):
-        return {"error": f"{record_path()}: not a staged update's record"}
-    name = record.get("directory")
-    if not isinstance(name, str) or not _DIRECTORY.match(name) or not (paths.staged_update_dir() / name).is_dir():
-        return {**record, "error": f"the staged directory {name!r} is missing"}
-    return record
+    name = record.directory
+    if not _DIRECTORY.match(name) or not (paths.staged_update_dir() / name).is_dir():
+        return StagedState(record, f"the staged directory {name!r} is missing")
+    return StagedState(record)
 
 
-def directory(record: dict[str, Any]) -> Path:
-    return paths.staged_update_dir() / str(record["directory"])
+def directory(record: Staged) -> Path:
+    return paths.staged_update_dir() / record.directory
 
 
-def publish(work: Path, index: BundleIndex, signed: tuple[bytes, bytes], source: str, engine: bool = False) -> dict[str, Any]:
+def publish(work: Path, index: BundleIndex, signed: tuple[bytes, bytes], source: str, engine: bool = False) -> Staged:
     """Make WORK (every file proven this run) the staged update, replacing the previous one."""
     data, sig = signed
     atomic.atomic_write(work / "bundle.json", data, mode=0o600)
@@ -72,17 +89,10 @@ def publish(work: Path, index: BundleIndex, signed: tuple[bytes, bytes], source:
     atomic.fsync_dir(work.parent)
     atomic.fsync_dir(root)
     files = to_fetch(index, engine)
-    record = {
-        "version": index.version,
-        "directory": name,
-        "bytes": sum(f.size for f in files),
-        "files": len(files),
-        "engine": engine,
-        "signer": index.signer,
-        "source": source,
-        "staged_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    atomic.write_json_atomic(record_path(), record)  # the switch: one rename
+    record = Staged(version=index.version, directory=name, bytes=sum(f.size for f in files), files=len(files),
+                    signer=index.signer, source=source, staged_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    engine=engine)
+    atomic.write_record(record_path(), record)  # the switch: one rename
     _remove_others(name)
     return record
 
@@ -106,18 +116,18 @@ def discard() -> None:
 
 def discard_if_not_newer(version: str) -> None:
     """After VERSION was installed: a staged update of it, or of an older version, has nothing left to do."""
-    record = read()
-    if record is None:
+    state = read()
+    if state is None:
         return
-    staged = record.get("version")
-    if "error" in record or not isinstance(staged, str) or manifest.version_tuple(staged) <= manifest.version_tuple(version):
+    if state.usable is None or manifest.version_tuple(state.usable.version) <= manifest.version_tuple(version):
         discard()
 
 
-def seed(record: dict[str, Any] | None, index: BundleIndex, work: Path, engine: bool = False) -> None:
-    """Hard-link the files of the same version already staged into WORK: stage() re-hashes them
-    instead of downloading them again (and replaces, never modifies, one that does not match)."""
-    if record is None or "error" in record or record.get("version") != index.version:
+def seed(record: Staged | None, index: BundleIndex, work: Path, engine: bool = False) -> None:
+    """Hard-link the files of RECORD (a usable staged update) into WORK when it is the same version:
+    stage() re-hashes them instead of downloading them again (and replaces, never modifies, one that
+    does not match)."""
+    if record is None or record.version != index.version:
         return
     old = directory(record)
     for f in to_fetch(index, engine):

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from appliance.config_types import PROFILES, Config, ConfigLoader, cross_checks
+from appliance.config.model import PROFILES, Config, ConfigLoader, cross_checks
 from appliance.errors import ConfigError, UserError
 from appliance.patterns import VERSION
 

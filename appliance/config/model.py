@@ -1,6 +1,6 @@
 """The configuration model: the frozen dataclasses appliance.toml and appliance.json load into.
 
-Each field carries its check (appliance/config_checks.py); the values the build and the device
+Each field carries its check (appliance/config/checks.py); the values the build and the device
 derive from the settings are properties here. `cross_checks` holds the rules that tie settings
 together; `ConfigLoader` words the schema loader's faults (appliance.toml, appliance.json, the plan).
 """
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import config_checks as checks
 from appliance import schema
+from appliance.config import checks
 from appliance.errors import ConfigError, UserError
 from appliance.hashing import DIGEST, SHA256
 from appliance.patterns import MODEL_ID, REVISION, VERSION

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import paths
-from appliance.config_types import PROFILES, Config, ConfigLoader, cross_checks
+from appliance.config.model import PROFILES, Config, ConfigLoader, cross_checks
 from appliance.errors import ConfigError
 
 # Values Config.to_json() adds for readers that are not Python; on loading they must equal what
