@@ -183,7 +183,7 @@ def test_default_certificate_paths_are_the_devices() -> None:
 
 # ------------------------------------------------------------------------------ injection
 
-# (key, value, a case that once slipped through builder/config.py)
+# (key, value, a case that once slipped through the configuration checks)
 INJECTIONS: list[tuple[str, str | list[str], bool]] = [
     ("hostname", "dsv4.example.net {", False),
     ("hostname", "dsv4.example.net:443 {\n\trespond 200\n}\nx.example.net", False),

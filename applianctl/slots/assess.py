@@ -20,6 +20,7 @@ previous version by itself.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +36,8 @@ from appliance.run import run
 from applianctl import smoke
 from applianctl.slots import release
 from applianctl.slots.entries import BAD, entries
-from applianctl.slots.history import read_json
+from applianctl.records import LastAssessment
+from applianctl.slots import history
 from applianctl.slots.machine import Host, boot_counting
 
 POLL_S = 5.0
@@ -131,26 +133,18 @@ def assess(
         f"the smoke completion through {target.describe()} within {deadline:g} s"
     )
     ok, why = wait_serving(target, model, deadline, poll_s)
-    record: dict[str, Any] = {
-        "version": version,
-        "ok": ok,
-        "entry": counting.get("entry"),
-        "tries_left": counting.get("tries_left"),
-        "deadline_s": deadline,
-        "through": target.describe(),
-        "at": _now(),
-    }
+    entry, tries_left = counting.get("entry"), counting.get("tries_left")  # the EFI variables' reading
+    record = LastAssessment(version=version, ok=ok, reason="" if ok else f"rolled back: {why}", entry=entry,
+                            tries_left=tries_left, deadline_s=deadline, through=target.describe(), at=_now())
     if ok:
-        record["reason"] = ""
-        last = read_json(paths.last_update_path()) or {}
-        if last.get("downgrade") and last.get("version") == version:
-            record["demoted"] = demote_newer(host, version)
-        state.write_json_atomic(paths.last_assessment_path(), record)
+        last = history.last_update()
+        if last is not None and last.downgrade and last.version == version:
+            record = dataclasses.replace(record, demoted=tuple(demote_newer(host, version)))
+        state.write_record(paths.last_assessment_path(), record)
         say(f"{version} serves its clients: judged good")
         return 0
-    record["reason"] = f"rolled back: {why}"
-    state.write_json_atomic(paths.last_assessment_path(), record)
-    say(f"{version} failed its assessment ({why}); rebooting (tries left: {counting.get('tries_left')})")
+    state.write_record(paths.last_assessment_path(), record)
+    say(f"{version} failed its assessment ({why}); rebooting (tries left: {tries_left})")
     (reboot or _reboot)()
     return 1
 

@@ -18,6 +18,7 @@ from appliance import atomic as state
 from appliance import paths
 from appliance.errors import Refused, UserError
 from appliance.run import run
+from applianctl.records import LastRollback
 from applianctl.slots import release
 from applianctl.slots import view as slots
 from applianctl.slots.entries import BAD
@@ -52,15 +53,8 @@ def rollback(host: Host | None = None, *, force: bool = False, running_version: 
     if current.state != BAD:
         current.path.rename(current.renamed(0))
     state.fsync_dir(current.path.parent)
-    state.write_json_atomic(
-        paths.last_rollback_path(),
-        {
-            "from_version": running_version,
-            "to_version": other.version,
-            "reason": "operator rollback",
-            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        },
-    )
+    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    state.write_record(paths.last_rollback_path(), LastRollback(running_version, other.version, "operator rollback", at))
     return f"slot {other.name} ({other.version}) boots next; {running_version} is marked as out of tries"
 
 

@@ -33,6 +33,7 @@ from appliance.errors import Refused, UserError
 from appliance.fetch import Deadline
 from appliance.manifest import Manifest
 from appliance.run import run
+from applianctl.records import LastUpdate, Staged
 from applianctl.slots import engine as engine_slots
 from applianctl.slots import release
 from applianctl.slots import view as slots
@@ -162,8 +163,9 @@ def install(
     if p.downgrade:
         run(["bootctl", "set-oneshot", f"appliance_{version}.efi"], "bootctl set-oneshot", "select the entry in the boot menu")
     installed_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    atomic.write_record(paths.last_update_path(), LastUpdate(version, running.version, inactive.name, p.downgrade, installed_at,
-                                                             source, staged_at))
+    atomic.write_record(paths.last_update_path(), LastUpdate(version=version, from_version=running.version, slot=inactive.name,
+                                                             downgrade=p.downgrade, installed_at=installed_at, source=source,
+                                                             staged_at=staged_at))
     # which engine each version runs, from signed data, for choosing engine slots (slots.engine)
     engine_slots.record({running.version: running.engine_image.digest, version: index.engine_digest},
                         keep={e.version for e in entries(host)} | {running.version, version})
