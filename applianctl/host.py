@@ -30,10 +30,12 @@ from typing import Any
 
 from appliance import caddyfile, host_settings, paths
 from appliance import plan as plan_model
-from appliance.atomic import atomic_write, write_json_atomic
+from appliance.atomic import atomic_write, write_record
 from appliance.config import Config, load_image
 from appliance.errors import ConfigError, UserError
 from appliance.run import call
+from appliance.schema import dump_record, from_json, load_record
+from applianctl.records import EffectiveSettings, HostResult
 
 HOST_DIR = paths.STATE_DIR / "host"  # plan.json, plan.json.sig, authorized_keys
 NETWORK_RUN_DIR = Path(os.environ.get("APPLIANCE_NETWORK_RUN_DIR", "/run/systemd/network"))
@@ -143,9 +145,9 @@ def _write_proxy(run_dir: Path, files: dict[str, str]) -> None:
 
 
 def apply(config: Config, host_dir: Path = HOST_DIR, network_dir: Path = NETWORK_RUN_DIR, result: Path = RESULT,
-          trusted_keys: Path = paths.TRUSTED_KEYS_DIR, set_hostname: bool = True) -> dict[str, Any]:
+          trusted_keys: Path = paths.TRUSTED_KEYS_DIR, set_hostname: bool = True) -> HostResult:
     """Verify the plan in HOST_DIR and render it; write RESULT (status reads it) and the proxy's
-    files beside it (the runtime directory). Returns RESULT's content.
+    files beside it (the runtime directory). Returns what RESULT holds.
     CONFIG is the image's (load_image), never one with an earlier rendering's settings over it."""
     run_dir = result.parent
     network_dir.mkdir(parents=True, exist_ok=True)
@@ -155,13 +157,9 @@ def apply(config: Config, host_dir: Path = HOST_DIR, network_dir: Path = NETWORK
     try:
         plan = plan_model.load_signed(host_dir, trusted_keys)
     except UserError as e:
-        doc: dict[str, Any] = {"ok": False, "reason": f"plan refused: {e.message}", "source": "image defaults"}
-        write_json_atomic(result, doc)
-        return doc
+        return _result(result, HostResult(False, f"plan refused: {e.message}", "image defaults"))
     if plan is None:
-        doc = {"ok": True, "reason": "", "source": "image defaults", "settings": _defaults(config)}
-        write_json_atomic(result, doc)
-        return doc
+        return _result(result, HostResult(True, "", "image defaults", _shown(_defaults(config))))
     proxy_refused = ""
     try:
         files = render(plan, config)
@@ -185,18 +183,23 @@ def apply(config: Config, host_dir: Path = HOST_DIR, network_dir: Path = NETWORK
         try:
             socket.sethostname(plan.hostname)
         except OSError as e:
-            doc = {"ok": False, "reason": f"cannot set the host name: {e.strerror}", "source": "plan"}
-            write_json_atomic(result, doc)
-            return doc
+            return _result(result, HostResult(False, f"cannot set the host name: {e.strerror}", "plan"))
     settings = plan.effective(config) if not proxy_refused else dataclasses.replace(plan, proxy=None).effective(config)
-    doc = {"ok": not proxy_refused, "reason": proxy_refused, "source": "plan", "settings": settings,
-           "network_files": sorted(n.removeprefix("network/") for n in files if n.startswith("network/"))}
-    write_json_atomic(result, doc)
-    return doc
+    rendered = tuple(sorted(n.removeprefix("network/") for n in files if n.startswith("network/")))
+    return _result(result, HostResult(not proxy_refused, proxy_refused, "plan", _shown(settings), rendered))
 
 
 def _defaults(config: Config) -> dict[str, Any]:
     return plan_model.Plan().effective(config)
+
+
+def _shown(settings: dict[str, Any]) -> EffectiveSettings:
+    return from_json(EffectiveSettings, settings, "the effective host settings", lenient=False)
+
+
+def _result(path: Path, result: HostResult) -> HostResult:
+    write_record(path, result)
+    return result
 
 
 def addresses() -> list[str]:
@@ -214,19 +217,19 @@ def privileged(result: Path = RESULT, runner: Any = call) -> list[str]:
     name, and SSH when the plan brings keys (the image's firewall and preset open it only for the
     image's own keys). Returns what was done."""
     try:
-        doc = json.loads(result.read_text())
-    except (OSError, ValueError):
+        doc = load_record(HostResult, result, lenient=True)
+    except UserError:
         return []
     # Also when only the plan's proxy settings were refused (ok false, settings there): the host
     # name and keys are the plan's all the same.
-    if doc.get("source") != "plan" or not isinstance(doc.get("settings"), dict):
+    if doc is None or doc.source != "plan" or doc.settings is None:
         return []
     done = []
-    settings = doc.get("settings", {})
-    if settings.get("hostname"):
-        socket.sethostname(settings["hostname"])
-        done.append(f"host name {settings['hostname']}")
-    if settings.get("ssh_authorized_keys"):
+    settings = doc.settings
+    if settings.hostname:
+        socket.sethostname(settings.hostname)
+        done.append(f"host name {settings.hostname}")
+    if settings.ssh_authorized_keys:
         runner(["nft", "add", "rule", "inet", "appliance", "input", "tcp", "dport", "22", "accept"])
         runner(["systemctl", "--no-block", "start", "ssh.service"])
         done.append("SSH opened for the plan's keys")
@@ -244,10 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     config = load_image()
     if args.action == "apply":
         doc = apply(config, set_hostname=False)
-        print(doc["reason"] or f"host settings from the {doc['source']}")
+        print(doc.reason or f"host settings from the {doc.source}")
         # A refused plan leaves the image's defaults: the boot goes on, status reports it.
         return 0
-    print(json.dumps(json.loads(RESULT.read_text()) if RESULT.exists() else {}, indent=2))
+    shown = load_record(HostResult, RESULT, lenient=True)
+    print(json.dumps(dump_record(shown) if shown is not None else {}, indent=2, sort_keys=True))
     return 0
 
 

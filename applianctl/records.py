@@ -197,8 +197,8 @@ class LastAssessment(Record):
     version: str
     ok: bool
     reason: str = ""
-    entry: str | None = optional()
-    tries_left: int | None = optional()
+    entry: str | None = None  # null when boot counting names none
+    tries_left: int | None = None
     deadline_s: float | None = optional()
     through: str | None = optional()
     at: str | None = optional()
@@ -232,9 +232,23 @@ class Staged(Record):
 
 
 @dataclass(frozen=True)
+class EffectiveSettings:
+    """The per-host settings in effect (appliance.host_settings HostSettings.effective), as shown."""
+
+    hostname: str
+    network: str  # one line
+    ssh_authorized_keys: tuple[str, ...]
+    proxy_hostname: str
+    proxy_allowed_cidrs: tuple[str, ...]
+    proxy_acme_email: str
+    update_url: str
+    weights_source: str
+
+
+@dataclass(frozen=True)
 class HostResult(CheckResult):
     """/run/appliance/host.json (appliance-host.service): where the per-host settings came from."""
 
     source: str | None = None  # "plan" or "image defaults"
-    settings: Mapping[str, Any] | None = optional()  # the plan's effective settings, as shown
+    settings: EffectiveSettings | None = field(default=None, metadata={"omit": True})  # as optional()
     network_files: tuple[str, ...] | None = optional()

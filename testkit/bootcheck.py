@@ -447,7 +447,8 @@ def _engine_partitions() -> dict[str, Any]:
     from applianctl.slots import engine as engine_slots
 
     parts = [p for p in _partitions() if p.get("type", "").upper() in (ENGINE_TYPE, ENGINE_VERITY_TYPE)]
-    return {"running": (engine_slots.opened() or {}).get("partition"),
+    opened = engine_slots.opened()
+    return {"running": opened.partition if opened is not None else None,
             "partitions": {p["node"]: {"label": p.get("name", ""), "sha256": _run(["sha256sum", p["node"]], timeout=600).split(" ")[0],
                                        "written": _sectors_written(p["node"])} for p in parts}}
 

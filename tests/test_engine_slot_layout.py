@@ -18,6 +18,7 @@ import pytest
 from appliance import config, paths
 from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from appliance.errors import UserError
+from applianctl.records import EngineSlotOpened
 from applianctl.slots import engine as engine_slots
 from applianctl.slots.partitions import Partition
 from builder import engine_store, render, validate
@@ -345,8 +346,9 @@ def test_open_pins_the_root_hash_and_records_the_slot(tmp_path: Path, monkeypatc
              Partition(9, "/dev/vda9", ENGINE_TYPE, "", LABEL, 64 * MIB),
              Partition(10, "/dev/vda10", ENGINE_VERITY_TYPE, "", "_empty", MIB)]
     assert [s.running for s in engine_slots.find(parts, None)] == [True, False]
-    assert [s.running for s in engine_slots.find(parts, None, {"partition": "/dev/vda9"})] == [False, True]
-    assert [s.running for s in engine_slots.find(parts, "sha256:6fe62b3716e5" + "0" * 52, {})] == [True, False]
+    other = EngineSlotOpened(LABEL, "/dev/vda9", "/dev/vda10", "ab" * 32)
+    assert [s.running for s in engine_slots.find(parts, None, other)] == [False, True]
+    assert [s.running for s in engine_slots.find(parts, "sha256:6fe62b3716e5" + "0" * 52, False)] == [True, False]
 
 
 def test_open_refuses_before_running_anything_on_a_bad_root_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

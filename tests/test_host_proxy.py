@@ -25,6 +25,7 @@ from appliance import config as config_mod
 from appliance import plan as plan_model
 from appliance.errors import ConfigError
 from applianctl import host, tls
+from applianctl.records import HostResult
 from applianctl.slots import assess
 from builder import keys
 
@@ -63,7 +64,7 @@ class Host:
         (self.host_dir / plan_model.PLAN_JSON).write_bytes(data)
         (self.host_dir / plan_model.PLAN_SIG).write_bytes(sig)
 
-    def apply(self, config: config_mod.Config) -> dict[str, Any]:
+    def apply(self, config: config_mod.Config) -> HostResult:
         return host.apply(config, self.host_dir, self.root / "network", self.result, self.trusted, set_hostname=False)
 
     def proxy_files(self) -> list[str]:
@@ -128,8 +129,8 @@ def test_apply_renders_the_plans_caddyfile_and_caddy_accepts_it(machine: Host, t
     image = _image()
     machine.install(_plan(hostname=PLAN_NAME, allowed_cidrs=PLAN_CIDRS))
     doc = machine.apply(image)
-    assert doc["ok"] is True and doc["source"] == "plan", doc
-    assert doc["settings"]["proxy_hostname"] == PLAN_NAME
+    assert doc.ok is True and doc.source == "plan", doc
+    assert doc.settings.proxy_hostname == PLAN_NAME
     assert machine.proxy_files() == sorted([host.CADDYFILE, host.PROXY_ENV, host.HOST_SETTINGS])
     path = machine.run_dir / host.CADDYFILE
     assert (machine.run_dir / host.PROXY_ENV).read_text() == f"CADDYFILE={path}\n"
@@ -153,7 +154,7 @@ def test_apply_renders_the_plans_caddyfile_and_caddy_accepts_it(machine: Host, t
 @needs_caddy
 def test_the_plans_acme_email_and_name_reach_the_acme_issuer(machine: Host, tmp_path: Path) -> None:
     machine.install(_plan(hostname=PLAN_NAME, acme_email=PLAN_EMAIL))
-    assert machine.apply(_image("acme"))["ok"] is True
+    assert machine.apply(_image("acme")).ok is True
     adapted = _caddy(["adapt"], machine.run_dir / host.CADDYFILE, tmp_path / "home")
     assert adapted.returncode == 0, adapted.stderr
     data = json.loads(adapted.stdout)
@@ -185,9 +186,9 @@ def test_a_hostile_signed_plan_is_refused_and_no_caddyfile_is_written(machine: H
         (machine.run_dir / name).write_text("stale")
     machine.install(_plan(**proxy))
     doc = machine.apply(_image("acme"))
-    assert doc["ok"] is False and doc["source"] == "image defaults" and message in doc["reason"], doc
+    assert doc.ok is False and doc.source == "image defaults" and message in doc.reason, doc
     assert machine.proxy_files() == []
-    assert json.loads(machine.result.read_text())["reason"] == doc["reason"]
+    assert json.loads(machine.result.read_text())["reason"] == doc.reason
 
 
 def test_proxy_values_only_the_caddyfile_refuses_leave_the_image_proxy_and_the_rest_of_the_plan(
@@ -196,13 +197,13 @@ def test_proxy_values_only_the_caddyfile_refuses_leave_the_image_proxy_and_the_r
     machine.install(_plan(hostname=PLAN_NAME, allowed_cidrs=()))
     image = _image()
     doc = machine.apply(image)
-    assert doc["ok"] is False and doc["source"] == "plan"
-    assert "proxy settings refused" in doc["reason"] and "allowed_cidrs" in doc["reason"], doc["reason"]
+    assert doc.ok is False and doc.source == "plan"
+    assert "proxy settings refused" in doc.reason and "allowed_cidrs" in doc.reason, doc.reason
     assert machine.proxy_files() == []
     # status shows what applies: the plan's host name, the image's proxy
-    assert doc["settings"]["hostname"] == "gpu-07"
-    assert doc["settings"]["proxy_hostname"] == image.proxy.hostname
-    assert doc["settings"]["proxy_allowed_cidrs"] == list(image.proxy.allowed_cidrs)
+    assert doc.settings.hostname == "gpu-07"
+    assert doc.settings.proxy_hostname == image.proxy.hostname
+    assert list(doc.settings.proxy_allowed_cidrs) == list(image.proxy.allowed_cidrs)
     # The privileged step still gives the host the plan's name (a refused proxy value is no reason
     # to leave the host misnamed); the test records it instead of renaming the machine it runs on.
     named: list[str] = []
@@ -239,7 +240,7 @@ def test_readers_see_the_plans_values(machine: Host, appliance_json: Callable[[s
     image_json = appliance_json("demo")
     image = config_mod.load_image(image_json)
     machine.install(_plan(hostname=PLAN_NAME, allowed_cidrs=PLAN_CIDRS))
-    assert machine.apply(image)["ok"] is True
+    assert machine.apply(image).ok is True
     monkeypatch.setenv("APPLIANCE_CONFIG", str(image_json))
     monkeypatch.setenv("APPLIANCE_HOST_SETTINGS", str(machine.run_dir / host.HOST_SETTINGS))
 
@@ -268,9 +269,9 @@ def test_without_a_plan_everything_is_the_images(machine: Host, appliance_json: 
     for name in (host.CADDYFILE, host.PROXY_ENV, host.HOST_SETTINGS):  # an earlier boot's plan, since removed
         (machine.run_dir / name).write_text("stale")
     doc = machine.apply(image)
-    assert doc["ok"] is True and doc["source"] == "image defaults"
+    assert doc.ok is True and doc.source == "image defaults"
     assert machine.proxy_files() == []
-    assert doc["settings"]["proxy_hostname"] == image.proxy.hostname
+    assert doc.settings.proxy_hostname == image.proxy.hostname
     monkeypatch.setenv("APPLIANCE_CONFIG", str(image_json))
     monkeypatch.setenv("APPLIANCE_HOST_SETTINGS", str(machine.run_dir / host.HOST_SETTINGS))
     assert host_settings.load_device() == image
@@ -278,7 +279,7 @@ def test_without_a_plan_everything_is_the_images(machine: Host, appliance_json: 
 
     # A plan without proxy settings: the image's Caddyfile stays in use too.
     machine.install(plan_model.Plan(hostname="gpu-07"))
-    assert machine.apply(image)["ok"] is True
+    assert machine.apply(image).ok is True
     assert machine.proxy_files() == []
     assert host_settings.load_device() == image
 

@@ -152,7 +152,7 @@ def test_an_unsigned_plan_is_refused_and_the_defaults_stay(tmp_path: Path, relea
     (host_dir / plan_model.PLAN_JSON).write_bytes(plan_model.dumps(_plan(tmp_path, STATIC), "0" * 16))
     netdir, result = tmp_path / "run-network", tmp_path / "host.json"
     doc = host.apply(_config(), host_dir, netdir, result, trusted, set_hostname=False)
-    assert doc["ok"] is False and "plan.json.sig: missing" in doc["reason"]
+    assert doc.ok is False and "plan.json.sig: missing" in doc.reason
     assert list(netdir.iterdir()) == []
     assert json.loads(result.read_text())["source"] == "image defaults"
 
@@ -168,9 +168,9 @@ def test_apply_renders_the_signed_plan_and_replaces_an_older_rendering(tmp_path:
     (host_dir / plan_model.PLAN_JSON).write_bytes(data)
     (host_dir / plan_model.PLAN_SIG).write_bytes(sig)
     doc = host.apply(_config(), host_dir, netdir, result, trusted, set_hostname=False)
-    assert doc["ok"] is True and doc["source"] == "plan"
+    assert doc.ok is True and doc.source == "plan"
     names = sorted(p.name for p in netdir.iterdir())
-    assert names == sorted([*doc["network_files"], "50-other.network"])
+    assert names == sorted([*doc.network_files, "50-other.network"])
     assert f"{host.PREFIX}-vlan99.netdev" not in names
     assert (host_dir / "authorized_keys").read_text() == KEY + "\n"
     assert json.loads((result.parent / host.HOST_SETTINGS).read_text())["proxy"]["hostname"] == "gpu-07.example.net"

@@ -1,8 +1,10 @@
 """The device's records: each sample in tests/fixtures/state/ (written by the release before the
-records were typed) loads, and what this release writes is what those readers read."""
+records were typed) loads, what this release writes is what those readers read, and what a newer
+release writes (a newer format, keys added) this one reads leniently."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -120,3 +122,132 @@ def test_optional_fields_are_absent_when_unset_and_nulls_stay_where_they_were() 
     assert dump_record(records.PreflightResult(False, "no GPU")) == {"ok": False, "reason": "no GPU"}
     assert dump_record(records.VerifyResult(False, "bad")) == {"ok": False, "reason": "bad", "version": None, "signer": None}
     assert dump_record(records.EngineVersions()) == {"versions": {}, "format": 1}
+
+
+# ----------------------------------------------------------------------------------- across releases
+# The previous release's readers of the updater's, the assessment's, the rollback's, the staged
+# update's and appliance-host's records, as they were (0c8769f: slots/records.py read_json,
+# status/os_slots.py slots_summary, slots/assess.py assess, update/staged.py read, update/command.py
+# apply, host.py privileged, status/host.py probe_host), cut to what each took from the file.
+
+
+def _old_read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _old_rolled_back(last_update: dict[str, Any] | None, last_assessment: dict[str, Any] | None,
+                     last_rollback: dict[str, Any] | None, running_version: str) -> tuple[bool, str | None, str | None]:
+    if last_assessment and last_assessment.get("ok") is False and last_assessment.get("version") != running_version:
+        return True, "appliance", str(last_assessment.get("reason") or "assessment failed")
+    if (last_rollback and last_update and last_rollback.get("to_version") == running_version
+            and last_rollback.get("from_version") == last_update.get("version") != running_version):
+        return True, "operator", f"applianctl rollback from {last_rollback.get('from_version')} at {last_rollback.get('at')}"
+    return False, None, None
+
+
+def _old_staged(path: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        return {"error": f"{path}: unreadable ({type(e).__name__})"}
+    if not isinstance(record, dict) or not isinstance(record.get("version"), str):
+        return {"error": f"{path}: not a staged update's record"}
+    name = record.get("directory")
+    if not isinstance(name, str) or not (path.parent / name).is_dir():
+        return {**record, "error": f"the staged directory {name!r} is missing"}
+    return record
+
+
+def _old_host(path: Path) -> tuple[Any, ...]:
+    applied = json.loads(path.read_text())
+    settings = applied.get("settings", {}) if applied.get("source") == "plan" and isinstance(applied.get("settings"), dict) else {}
+    return (applied["ok"], applied.get("source"), applied.get("network_files", []), settings.get("hostname"),
+            bool(settings.get("ssh_authorized_keys")), str(applied.get("reason") or "the install plan was not applied"))
+
+
+def test_the_previous_release_reads_what_this_one_writes(tmp_path: Path) -> None:
+    """Written as this release's writers write them (update/command.py install, slots/assess.py,
+    slots/rollback.py, update/staged.py publish, host.py apply), read by the previous release's code."""
+    update = records.LastUpdate(version="2.0.0", from_version="1.0.0", slot="B", downgrade=True,
+                                installed_at="2026-12-01T09:29:23Z", source="/media/usb/bundle-2.0.0")
+    failed = records.LastAssessment(version="2.0.0", ok=False, reason="rolled back: no right smoke completion", entry=None,
+                                    tries_left=None, deadline_s=600.0, through="https://127.0.0.1:443 as appliance.local",
+                                    at="2026-12-01T09:30:00Z")
+    rollback = records.LastRollback("2.0.0", "1.0.0", "operator rollback", "2026-12-01T09:31:00Z")
+    for name, record in (("last-update.json", update), ("last-assessment.json", failed), ("last-rollback.json", rollback)):
+        write_record(tmp_path / name, record)
+    old = [_old_read_json(tmp_path / n) for n in ("last-update.json", "last-assessment.json", "last-rollback.json")]
+    assert old[1] is not None and (old[1]["entry"], old[1]["tries_left"]) == (None, None)  # null, as it always was
+    assert _old_rolled_back(old[0], old[1], old[2], "1.0.0") == (True, "appliance", "rolled back: no right smoke completion")
+    write_record(tmp_path / "last-assessment.json", dataclasses.replace(failed, ok=True, reason="", version="2.0.0"))
+    old[1] = _old_read_json(tmp_path / "last-assessment.json")
+    assert _old_rolled_back(*old, "1.0.0") == (True, "operator", "applianctl rollback from 2.0.0 at 2026-12-01T09:31:00Z")
+    assert _old_rolled_back(*old, "2.0.0") == (False, None, None)
+    last = old[0] or {}
+    assert last.get("downgrade") and last.get("version") == "2.0.0"  # assess: a judged downgrade demotes newer entries
+
+    staged = tmp_path / "staged"
+    (staged / "2.0.0-20261201T092923Z-13902").mkdir(parents=True)
+    record = records.Staged(version="2.0.0", directory="2.0.0-20261201T092923Z-13902", bytes=102563, files=6,
+                            signer="b28ddc5ae8cc1309", source="/media/usb/bundle-2.0.0", staged_at="2026-12-01T09:29:23Z")
+    write_record(staged / "staged.json", record)
+    seen = _old_staged(staged / "staged.json")
+    assert seen is not None and "error" not in seen
+    assert (seen["version"], seen.get("source"), seen.get("staged_at")) == ("2.0.0", record.source, record.staged_at)  # apply
+    assert seen.get("bytes") == record.bytes  # status line
+
+    settings = from_json(records.EffectiveSettings, _sample("host.json")["settings"], "host.json", lenient=False)
+    write_record(tmp_path / "host.json", records.HostResult(True, "", "plan", settings, ("10-appliance-host-en.network",)))
+    assert _old_host(tmp_path / "host.json") == (True, "plan", ["10-appliance-host-en.network"], "gpu-07", False,
+                                                 "the install plan was not applied")
+    write_record(tmp_path / "host.json", records.HostResult(False, "plan refused: unsigned", "image defaults"))
+    assert _old_host(tmp_path / "host.json") == (False, "image defaults", [], None, False, "plan refused: unsigned")
+
+
+NEWER = {"format": 2, "added_later": {"by": "the next release"}}
+
+
+def test_this_release_reads_what_a_newer_one_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a rollback the older slot reads the newer one's state: a newer format and keys it does
+    not know are read leniently (the keys it knows are checked and used), never refused."""
+    from appliance import paths
+    from applianctl import host
+    from applianctl.slots import history
+    from applianctl.update import staged as update_staged
+
+    monkeypatch.setattr(paths, "STATE_DIR", tmp_path / "state")
+    paths.update_dir().mkdir(parents=True)
+    for name, path in (("last-update.json", paths.last_update_path()), ("last-assessment.json", paths.last_assessment_path()),
+                       ("last-rollback.json", paths.last_rollback_path())):
+        path.write_text(json.dumps({**_sample(name), **NEWER}))
+    last = history.read()
+    assert last.update == from_json(records.LastUpdate, _sample("last-update.json"), "x", lenient=True)
+    assert last.assessment is not None and last.assessment.tries_left == 2 and last.rollback is not None
+    shown = last.to_json()
+    assert shown["last_rollback"] == {**_sample("last-rollback.json"), "format": 1}  # status: as this release reads it
+
+    sample = _sample("staged.json")
+    (paths.staged_update_dir() / sample["directory"]).mkdir(parents=True)
+    update_staged.record_path().write_text(json.dumps({**sample, **NEWER}))
+    state = update_staged.read()
+    assert state is not None and state.problem is None and state.usable is not None and state.usable.version == "2.0.0"
+    assert state.to_json() == {**sample, "format": 1}
+
+    result = tmp_path / "host.json"
+    result.write_text(json.dumps({**_sample("host.json"), **NEWER}))
+    named: list[str] = []
+    monkeypatch.setattr(host.socket, "sethostname", named.append)
+    assert host.privileged(result, runner=lambda argv: None) == ["host name gpu-07"] and named == ["gpu-07"]
+    loaded = load_record(records.HostResult, result, lenient=True)
+    assert loaded is not None and loaded.settings is not None and loaded.settings.hostname == "gpu-07"
+    # a known key with a wrong type is still one clear line, in a newer format too
+    paths.last_rollback_path().write_text(json.dumps({**_sample("last-rollback.json"), **NEWER, "at": 5}))
+    with pytest.raises(UserError, match=r"last-rollback\.json: at = 5: invalid"):
+        load_record(records.LastRollback, paths.last_rollback_path(), lenient=True)
+    assert history.read().rollback is None  # the readers take a damaged record as none, as read_json did

@@ -17,6 +17,7 @@ from test_update import RUNNING, Device, _esp, _on_trial
 from appliance import atomic, host_settings, paths
 from appliance.bundle import partuuids_from_usrhash, verify_index
 from appliance.errors import ConfigError, Refused, UserError
+from applianctl.records import Staged
 from applianctl.slots import release
 from applianctl.status import os_slots as probes_os
 from applianctl.update import command as up
@@ -33,6 +34,13 @@ def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Device:
 @pytest.fixture
 def signing(tmp_path: Path) -> tuple[Path, Path]:
     return make_signing(tmp_path)
+
+
+def staged_record() -> Staged:
+    """The staged record, which must be there and usable."""
+    state = update_staged.read()
+    assert state is not None and state.problem is None and state.record is not None, state
+    return state.record
 
 
 def download(device: Device, source: Path, trusted: Path, **kw: Any) -> int:
@@ -64,16 +72,15 @@ def test_download_only_stages_a_verified_bundle_and_touches_no_slot(tmp_path: Pa
     no_slot_written(device)
     assert device.gpt.read_text() == gpt and _esp(device) == esp
     assert not paths.last_update_path().exists() and not paths.update_source_dir().exists()
-    record = update_staged.read()
-    assert record is not None and "error" not in record
+    record = staged_record()  # there, and no error
     payload = [f for f in b.iterdir() if not f.name.startswith("bundle.json")]
-    assert (record["version"], record["files"], record["bytes"]) == ("2.0.0", len(payload), sum(f.stat().st_size for f in payload))
-    assert record["source"] == str(b) and record["staged_at"].endswith("Z")
+    assert (record.version, record.files, record.bytes) == ("2.0.0", len(payload), sum(f.stat().st_size for f in payload))
+    assert record.source == str(b) and record.staged_at.endswith("Z")
     staged = update_staged.directory(record)
     assert sorted(p.name for p in staged.iterdir()) == sorted(p.name for p in b.iterdir())
     for f in b.iterdir():
         assert (staged / f.name).read_bytes() == f.read_bytes()
-    assert staged_dirs() == [record["directory"]]
+    assert staged_dirs() == [record.directory]
     assert not any(paths.update_staging_dir().iterdir()), "the download directory was moved, not copied"
 
 
@@ -106,15 +113,14 @@ def test_a_second_download_replaces_the_first_and_a_failed_one_leaves_it(
 ) -> None:
     key, trusted = signing
     assert download(device, bundle(tmp_path, key, "2.0.0"), trusted) == 0
-    first = update_staged.read()
-    assert first is not None
+    first = staged_record()
     # a bundle with a damaged file: refused after downloading, the staged 2.0.0 stays whole
     bad = bundle(tmp_path, key, "2.1.0")
     efi = bad / "appliance_2.1.0.efi"
     efi.write_bytes(efi.read_bytes()[:-1] + b"X")
     with pytest.raises(Refused, match="SHA-256"):
         download(device, bad, trusted)
-    assert update_staged.read() == first and staged_dirs() == [first["directory"]]
+    assert staged_record() == first and staged_dirs() == [first.directory]
     # cut between the rename and the record: the record still names the whole first staging
     real = atomic.write_json_atomic
 
@@ -125,13 +131,13 @@ def test_a_second_download_replaces_the_first_and_a_failed_one_leaves_it(
     with pytest.raises(OSError, match="power cut"):
         download(device, bundle(tmp_path, key, "2.2.0"), trusted)
     monkeypatch.setattr(atomic, "write_json_atomic", real)
-    assert update_staged.read() == first
+    assert staged_record() == first
     update_staged.verify_in_place(verify_index(*_signed(update_staged.directory(first)), trusted), update_staged.directory(first))
     assert len(staged_dirs()) == 2, "the unnamed directory of the cut run"
     # a good second download: the record switches, the previous staging and the orphan are gone
     assert download(device, bundle(tmp_path, key, "2.3.0"), trusted) == 0
-    second = update_staged.read()
-    assert second is not None and second["version"] == "2.3.0" and staged_dirs() == [second["directory"]]
+    second = staged_record()
+    assert second.version == "2.3.0" and staged_dirs() == [second.directory]
     no_slot_written(device)
 
 
@@ -161,8 +167,7 @@ def test_apply_installs_what_was_staged(tmp_path: Path, device: Device, signing:
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")
     assert download(device, b, trusted) == 0
-    record = update_staged.read()
-    assert record is not None
+    record = staged_record()
     for f in b.iterdir():  # the source is gone: apply needs only what was staged
         f.unlink()
     assert apply(device, trusted) == 0
@@ -174,7 +179,7 @@ def test_apply_installs_what_was_staged(tmp_path: Path, device: Device, signing:
                               f"appliance_2.0.0_{verity_uuid}.usr-verity.raw"])]
     assert calls.index(["blkdiscard", "--zeroout", "/dev/vda5"]) < calls.index(["systemd-sysupdate", "--no-pager", "update", "2.0.0"])
     last = json.loads(paths.last_update_path().read_text())
-    assert (last["version"], last["slot"], last["source"], last["staged_at"]) == ("2.0.0", "B", str(b), record["staged_at"])
+    assert (last["version"], last["slot"], last["source"], last["staged_at"]) == ("2.0.0", "B", str(b), record.staged_at)
     assert update_staged.read() is None and staged_dirs() == [], "applied: nothing staged any more"
     assert not paths.update_source_dir().exists()
 
@@ -198,8 +203,7 @@ def test_a_staged_file_changed_on_var_is_refused_before_the_slot_is_touched(
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")
     assert download(device, b, trusted) == 0
-    record = update_staged.read()
-    assert record is not None
+    record = staged_record()
     path = update_staged.directory(record) / victim
     data = bytearray(path.read_bytes())
     data[len(data) // 2 if victim != "bundle.json.sig" else 10] ^= 0x01
@@ -219,8 +223,7 @@ def test_a_staged_file_replaced_by_a_link_or_cut_short_is_refused(tmp_path: Path
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")
     assert download(device, b, trusted) == 0
-    record = update_staged.read()
-    assert record is not None
+    record = staged_record()
     usr = update_staged.directory(record) / "appliance_2.0.0.usr.raw"
     copy = tmp_path / "usr-copy"
     copy.write_bytes(usr.read_bytes())
@@ -230,8 +233,7 @@ def test_a_staged_file_replaced_by_a_link_or_cut_short_is_refused(tmp_path: Path
         apply(device, trusted)
     assert update_staged.read() is None, "discarded"
     assert download(device, b, trusted) == 0
-    record = update_staged.read()
-    assert record is not None
+    record = staged_record()
     usr = update_staged.directory(record) / "appliance_2.0.0.usr.raw"
     usr.write_bytes(usr.read_bytes()[:-1])
     with pytest.raises(Refused, match=r"bytes, bundle\.json says"):

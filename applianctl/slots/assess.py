@@ -34,10 +34,9 @@ from appliance.errors import UserError
 from appliance.host_settings import load_device
 from appliance.run import run
 from applianctl import smoke
-from applianctl.slots import release
-from applianctl.slots.entries import BAD, entries
 from applianctl.records import LastAssessment
-from applianctl.slots import history
+from applianctl.slots import history, release
+from applianctl.slots.entries import BAD, entries
 from applianctl.slots.machine import Host, boot_counting
 
 POLL_S = 5.0
@@ -129,12 +128,12 @@ def assess(
     model = config.served_model
     target = client_target(config, url)
     say(
-        f"assessing {version} (entry {counting.get('entry')}, {counting.get('tries_left')} tries left): "
+        f"assessing {version} (entry {counting['entry']}, {counting['tries_left']} tries left): "
         f"the smoke completion through {target.describe()} within {deadline:g} s"
     )
     ok, why = wait_serving(target, model, deadline, poll_s)
-    entry, tries_left = counting.get("entry"), counting.get("tries_left")  # the EFI variables' reading
-    record = LastAssessment(version=version, ok=ok, reason="" if ok else f"rolled back: {why}", entry=entry,
+    tries_left = counting["tries_left"]
+    record = LastAssessment(version=version, ok=ok, reason="" if ok else f"rolled back: {why}", entry=counting["entry"],
                             tries_left=tries_left, deadline_s=deadline, through=target.describe(), at=_now())
     if ok:
         last = history.last_update()

@@ -19,13 +19,12 @@ partition is never written. choose_engine_slot() is where it is decided.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from appliance import atomic, paths
 from appliance.bundle import EMPTY_LABEL, ENGINE_TYPE, ENGINE_VERITY_TYPE, USR_TYPE, USR_VERITY_TYPE, engine_short
@@ -77,11 +76,12 @@ class EngineSlot:
         return digest is not None and self.short is not None and self.short == engine_short(digest)
 
 
-def find(parts: list[Partition], running_digest: str | None, record: Mapping[str, Any] | None = None) -> list[EngineSlot]:
+def find(parts: list[Partition], running_digest: str | None,
+         record: EngineSlotOpened | Literal[False] | None = None) -> list[EngineSlot]:
     """The engine slots on the disk, A first. Each data partition is paired with the verity
     partition labelled after it, else (an empty slot) the next unpaired one after it on the disk.
-    The running slot is the one the engine-store unit recorded opening (RECORD, default: its file
-    in /run), else the first that holds RUNNING_DIGEST."""
+    The running slot is the one the engine-store unit recorded opening (RECORD; None: its file in
+    /run; False: none), else the first that holds RUNNING_DIGEST."""
     data = sorted((p for p in parts if is_engine(p)), key=lambda p: p.number)
     verity = sorted((p for p in parts if is_engine_verity(p)), key=lambda p: p.number)
     paired: dict[int, Partition] = {}
@@ -98,7 +98,7 @@ def find(parts: list[Partition], running_digest: str | None, record: Mapping[str
     # What the engine-store unit opened this boot, when it says so; else the first slot holding the
     # running digest (an image whose unit did not record it).
     record = opened() if record is None else record
-    by_record = record.get("partition") if record and any(d.node == record.get("partition") for d in data) else None
+    by_record = record.partition if record and any(d.node == record.partition for d in data) else None
     out: list[EngineSlot] = []
     running_seen = False
     for i, d in enumerate(data):
@@ -260,12 +260,11 @@ def open_slot(label: str, roothash: str, runner: Callable[[list[str], str, str],
     return record
 
 
-def opened() -> dict[str, str] | None:
+def opened() -> EngineSlotOpened | None:
     try:
-        data = load_record(EngineSlotOpened, opened_path(), lenient=True)
+        return load_record(EngineSlotOpened, opened_path(), lenient=True)
     except UserError:
         return None
-    return dataclasses.asdict(data) if data is not None else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,9 @@ from typing import Any
 
 from appliance import plan as plan_model
 from appliance.config import Config
+from appliance.errors import UserError
+from appliance.schema import load_record, plain
+from applianctl.records import HostResult
 from applianctl.status import parts as probes
 from applianctl.status.parts import DEGRADED, NOT_CONFIGURED, OK, Part, Sources
 
@@ -31,17 +34,16 @@ def probe_host(config: Config, src: Sources, result: Path) -> Part:
     details: dict[str, Any] = {"source": None, "hostname": socket.gethostname(), "addresses": addresses(src),
                                "network_files": [], "settings": plan_model.Plan().effective(config)}
     try:
-        applied = json.loads(result.read_text())
-        ok = applied["ok"]
-    except FileNotFoundError:
+        applied = load_record(HostResult, result, lenient=True)
+    except UserError as e:
+        return Part(DEGRADED, e.message, details)
+    if applied is None:
         return Part(NOT_CONFIGURED, f"appliance-host has not run ({result} absent): the image's defaults apply", details)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return Part(DEGRADED, f"{result}: unreadable ({type(e).__name__})", details)
-    details["source"] = applied.get("source")
-    details["network_files"] = applied.get("network_files", [])
-    if isinstance(applied.get("settings"), dict):
-        details["settings"] = applied["settings"]
-    if ok is not True:
+    details["source"] = applied.source
+    details["network_files"] = list(applied.network_files or ())  # none: no plan rendered
+    if applied.settings is not None:
+        details["settings"] = plain(applied.settings)
+    if not applied.ok:
         # The image's defaults apply: the host runs, but not as its plan says.
-        return Part(DEGRADED, str(applied.get("reason") or "the install plan was not applied"), details)
+        return Part(DEGRADED, applied.reason or "the install plan was not applied", details)
     return Part(OK, "", details)

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from appliance import paths
 from appliance.config import Config
 from applianctl.slots.machine import Host
 from applianctl.status.parts import DEGRADED, NOT_CONFIGURED, OK, Part, Sources
