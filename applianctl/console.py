@@ -17,7 +17,7 @@ from appliance.atomic import atomic_write
 from appliance.config import Config
 from appliance.host_settings import load_device
 from applianctl.status import collect as status
-from applianctl.status.parts import Sources
+from applianctl.status.probes import Sources
 
 ISSUE = Path("/run/issue.d/50-appliance.issue")
 

@@ -39,8 +39,7 @@ from pathlib import Path
 from appliance import weights as wm
 from applianctl.model import fetch as model_fetch
 from applianctl.model import store as model_store
-from applianctl.model import verify as model_verify
-
+from applianctl.model import verify
 mode, manifest_path, snapshot = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 manifest = wm.loads(manifest_path.read_bytes())
 digests = {str(snapshot / f.path): f.fsverity for f in manifest.files}
@@ -60,7 +59,7 @@ if mode == "fetch":
     source = model_fetch.open_source(sys.argv[4], sys.argv[5], "plain", manifest.model, manifest.revision)
     model_fetch.fetch(store, source, HostVerity(), out=open(os.devnull, "w"))
 else:
-    result = model_verify.check(store, HostVerity())
+    result = verify.check(store, HostVerity())
     assert result["ok"], result
 print(json.dumps({"elapsed_s": time.monotonic() - start}))
 """

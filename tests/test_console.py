@@ -10,7 +10,7 @@ import pytest
 from appliance import config as config_model
 from applianctl import console
 from applianctl.status import collect as status
-from applianctl.status import parts as probes
+from applianctl.status import probes
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -31,7 +31,7 @@ from applianctl.slots import view as slots
 from applianctl.slots.engine import EngineSlot, choose_engine_slot
 from applianctl.slots.machine import Host
 from applianctl.slots.partitions import Partition, parse_sfdisk
-from applianctl.status import os_slots as probes_os
+from applianctl.status import os_slots
 from applianctl.update import command as up
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gpt"
@@ -242,8 +242,8 @@ def test_the_view_knows_which_version_uses_which_engine_slot(tmp_path: Path, mon
 def test_status_and_slots_show_both_engine_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     disk = Disk(tmp_path, monkeypatch, "first-boot", ["appliance_1.0.0.efi"], A_HASH)
     monkeypatch.setattr(release, "running_manifest", lambda: ENGINE_RUNNING)
-    summary = probes_os.slots_summary(disk.host, "1.0.0")
-    part = probes_os.probe_slots(None, lambda: summary)  # type: ignore[arg-type]
+    summary = os_slots.slots_summary(disk.host, "1.0.0")
+    part = os_slots.probe_slots(None, lambda: summary)  # type: ignore[arg-type]
     assert part.reason == "A 1.0.0 booted, good; B empty; engine A e68d18b2ba50 running (1.0.0), B empty"
     lines = slots_cmd.render(slots.read(disk.host, "1.0.0"))
     assert "engine slot A first-boot.img4 (8 MiB): e68d18b2ba50 used by 1.0.0 (running, untyped: labelled by an older image)" in lines

@@ -21,8 +21,7 @@ from fakeprog import calls, fake_program
 from appliance import config as config_model
 from appliance.config import Config
 from appliance.config.model import Gpu
-from applianctl.status import gpu
-from applianctl.status import parts as probes
+from applianctl.status import gpu, probes
 
 FIXTURES = Path(__file__).parents[1].parent / "shared" / "fixtures" / "gpu"
 STATIC_VRAM = json.loads((FIXTURES / "amd-smi-static-json-vram-fragment-rocm6-mi300x.json").read_text())

@@ -1,5 +1,5 @@
 """The signed release manifest (appliance/manifest.py), signing keys (builder/keys.py) and
-`applianctl verify` (applianctl/verify.py)."""
+`applianctl verify` (applianctl/engine/verify.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from appliance import manifest, paths
 from appliance.errors import UserError
-from applianctl import verify
+from applianctl.engine import verify
 from builder import keys
 
 OVERLAY = b"print('overlay')\n"
@@ -414,7 +414,7 @@ def test_verify_parser() -> None:
     assert parser.parse_args(["verify"]).func is verify.run
     from applianctl.__main__ import COMMAND_MODULES
 
-    assert COMMAND_MODULES["verify"] == "applianctl.verify"
+    assert COMMAND_MODULES["verify"] == "applianctl.engine.verify"
 
 
 def test_manifest_copy_is_not_mutated_by_dumps(keypair: tuple[Path, Path]) -> None:

@@ -270,8 +270,7 @@ def test_the_networkd_check_can_fail(tmp_path: Path) -> None:
 
 def test_status_part_host_follows_what_apply_wrote(tmp_path: Path, release_keys: tuple[Path, Path]) -> None:
     from applianctl.status import host as probes_host
-    from applianctl.status import parts as probes
-
+    from applianctl.status import probes
     def ip(argv: object, timeout: float) -> tuple[int, str]:
         return 0, json.dumps([{"ifname": "vlan120", "addr_info": [{"local": "192.0.2.10", "prefixlen": 24}]}])
 

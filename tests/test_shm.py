@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from appliance.config import Config, load
-from applianctl import shm
+from applianctl.engine import shm
 from applianctl.records import ShmRemoved
 from testkit.standin import ROOT, StandinProcess
 

@@ -21,7 +21,7 @@ from standin_engine import MODEL, free_port, start_standin, stop
 
 from appliance import config as builder_config
 from appliance import paths
-from applianctl import smoke
+from applianctl.engine import smoke
 
 ROOT = Path(__file__).parents[1]
 

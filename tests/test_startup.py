@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from applianctl.startup import Report, parse
+from applianctl.engine.startup import Report, parse
 from testkit.standin import ROOT, StandinProcess
 
 pytestmark = pytest.mark.timeout(60)

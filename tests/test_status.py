@@ -35,8 +35,7 @@ from applianctl.status import collect as status
 from applianctl.status import disk as probes_disk
 from applianctl.status import engine as probes_engine
 from applianctl.status import files as probes_files
-from applianctl.status import os_slots as probes_os
-from applianctl.status import parts as probes
+from applianctl.status import os_slots, probes
 from applianctl.status import proxy as probes_proxy
 from applianctl.status import shm as probes_shm
 from applianctl.status import tls as probes_tls
@@ -407,7 +406,7 @@ def _efivar(tree: Path, entry: str) -> None:
 
 
 def os_part(config: Config, src: probes.Sources) -> probes.Part:
-    return probes_os.probe_os(config, src, probes_os.slots_reader(config, src))
+    return os_slots.probe_os(config, src, os_slots.slots_reader(config, src))
 
 
 @pytest.mark.parametrize(("booted_hash", "slot", "version"), [("a" * 64, "A", "1.0.0"), ("b" * 64, "B", "1.1.0")])
@@ -431,8 +430,8 @@ def test_booted_slot_from_usrhash_through_the_slots_model(tree: Path, config: Co
     assert part.details["usr"]["slot"] == slot
     assert part.details["usr"]["version"] == version
     assert part.details["usr"]["partition"] == ("/dev/vda2" if slot == "A" else "/dev/vda5")
-    read = probes_os.slots_reader(config, src)
-    assert probes_os.probe_slots(config, read).details["booted_slot"] == slot
+    read = os_slots.slots_reader(config, src)
+    assert os_slots.probe_slots(config, read).details["booted_slot"] == slot
 
 
 def test_boot_counting_states(tree: Path, config: Config) -> None:
@@ -570,8 +569,8 @@ def test_the_slots_line_names_versions_the_booted_slot_and_trials() -> None:
     good = {"slot": "B", "version": "1.0.1", "state": "good", "booted": True, "tries_left": None}
     trial = {"slot": "A", "version": "1.0.2", "state": "on trial", "booted": False, "tries_left": 2}
     empty = {"slot": "B", "version": None, "state": "empty", "booted": False, "tries_left": None}
-    assert probes_os.slots_line([trial, good]) == "A 1.0.2 on trial (2 tries left); B 1.0.1 booted, good"
-    assert probes_os.slots_line([{**good, "slot": "A", "version": "1.0.0"}, empty]) == "A 1.0.0 booted, good; B empty"
+    assert os_slots.slots_line([trial, good]) == "A 1.0.2 on trial (2 tries left); B 1.0.1 booted, good"
+    assert os_slots.slots_line([{**good, "slot": "A", "version": "1.0.0"}, empty]) == "A 1.0.0 booted, good; B empty"
 
 
 # ----------------------------------------------------------------------------------- proxy

@@ -13,8 +13,7 @@ pydbus = pytest.importorskip("pydbus")
 
 from mock_systemd import MockSystemd, start_mock_systemd, stop_mock_systemd  # noqa: E402
 
-from applianctl.status import parts as probes  # noqa: E402
-from applianctl.status import systemd  # noqa: E402
+from applianctl.status import probes, systemd  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from appliance.errors import Refused, UserError
 from applianctl.slots import engine as engine_slots
 from applianctl.slots import release, rollback
 from applianctl.slots.machine import EFI_LOADER_GUID, Host, boot_counting
-from applianctl.status import os_slots as probes_os
+from applianctl.status import os_slots
 from applianctl.update import command as up
 from applianctl.update import download as update_stage
 from applianctl.update import staged as update_staged
@@ -567,7 +567,7 @@ def test_slots_summary_and_rollback(device: Device) -> None:
     state.write_json_atomic(paths.last_update_path(), {"version": "2.0.0", "from_version": "1.0.0"})
     failed = {"version": "2.0.0", "ok": False, "reason": "rolled back: engine not healthy within 600 s"}
     state.write_json_atomic(paths.last_assessment_path(), failed)
-    summary = probes_os.slots_summary(device.host, running_version="1.0.0")
+    summary = os_slots.slots_summary(device.host, running_version="1.0.0")
     assert summary["booted_slot"] == "A"
     assert [(s["slot"], s["version"], s["state"]) for s in summary["slots"]] == [("A", "1.0.0", "good"), ("B", "2.0.0", "bad")]
     assert summary["slots"][1]["tries_left"] == 0
@@ -583,7 +583,7 @@ def test_slots_summary_and_rollback(device: Device) -> None:
 
 def test_an_operator_rollback_is_reported_as_such_and_not_as_a_fault(device: Device) -> None:
     from appliance.config import Config
-    from applianctl.status import parts as probes
+    from applianctl.status import probes
 
     device.set_gpt("appliance_1.0.0", "appliance_2.0.0")
     (device.esp / "EFI/Linux/appliance_2.0.0.efi").write_bytes(b"uki 2")  # judged good, then left by hand
@@ -591,18 +591,18 @@ def test_an_operator_rollback_is_reported_as_such_and_not_as_a_fault(device: Dev
     state.write_json_atomic(paths.last_assessment_path(), {"version": "2.0.0", "ok": True})
     state.write_json_atomic(paths.last_rollback_path(),
                             {"from_version": "2.0.0", "to_version": "1.0.0", "reason": "operator rollback", "at": "2026-11-30T12:00:00Z"})
-    summary = probes_os.slots_summary(device.host, running_version="1.0.0")
+    summary = os_slots.slots_summary(device.host, running_version="1.0.0")
     assert (summary["rolled_back"], summary["rolled_back_by"]) == (True, "operator")
     assert summary["rollback_reason"] == "applianctl rollback from 2.0.0 at 2026-11-30T12:00:00Z"
-    part = probes_os.probe_slots(cast(Config, None), lambda: summary)
+    part = os_slots.probe_slots(cast(Config, None), lambda: summary)
     assert part.state == probes.OK and part.reason.startswith("rolled back by the operator (applianctl rollback from 2.0.0"), part.reason
     # back on 2.0.0 (rolled forward by hand): nothing was rolled back
-    assert probes_os.slots_summary(device.host, running_version="2.0.0")["rolled_back"] is False
+    assert os_slots.slots_summary(device.host, running_version="2.0.0")["rolled_back"] is False
     # the appliance's own rollback of a later update is a fault again
     state.write_json_atomic(paths.last_assessment_path(), {"version": "2.0.0", "ok": False, "reason": "engine not healthy"})
-    summary = probes_os.slots_summary(device.host, running_version="1.0.0")
+    summary = os_slots.slots_summary(device.host, running_version="1.0.0")
     assert summary["rolled_back_by"] == "appliance"
-    assert probes_os.probe_slots(cast(Config, None), lambda: summary).state == probes.DEGRADED
+    assert os_slots.probe_slots(cast(Config, None), lambda: summary).state == probes.DEGRADED
 
 
 def test_rollback_to_an_empty_slot_is_refused(device: Device) -> None:

@@ -19,7 +19,7 @@ from appliance.bundle import partuuids_from_usrhash, verify_index
 from appliance.errors import ConfigError, Refused, UserError
 from applianctl.records import Staged
 from applianctl.slots import release
-from applianctl.status import os_slots as probes_os
+from applianctl.status import os_slots
 from applianctl.update import command as up
 from applianctl.update import staged as update_staged
 
@@ -352,13 +352,13 @@ def test_timer_action_is_checked_on_the_device_too(tmp_path: Path, appliance_jso
 
 def test_status_shows_what_is_staged(tmp_path: Path, device: Device, signing: Any) -> None:
     key, trusted = signing
-    summary = probes_os.slots_summary(device.host, running_version="1.0.0")
-    assert summary["staged"] is None and probes_os.staged_line(None) == ""
+    summary = os_slots.slots_summary(device.host, running_version="1.0.0")
+    assert summary["staged"] is None and os_slots.staged_line(None) == ""
     assert download(device, bundle(tmp_path, key, "2.0.0", usr_bytes=3 << 20), trusted) == 0
-    summary = probes_os.slots_summary(device.host, running_version="1.0.0")
+    summary = os_slots.slots_summary(device.host, running_version="1.0.0")
     staged = summary["staged"]
     assert staged["version"] == "2.0.0" and staged["bytes"] > 3 << 20
-    part = probes_os.probe_slots(None, lambda: summary)  # type: ignore[arg-type]
+    part = os_slots.probe_slots(None, lambda: summary)  # type: ignore[arg-type]
     assert part.state == "ok"
     mib = staged["bytes"] / (1 << 20)
     engine = RUNNING.engine_image.digest.removeprefix("sha256:")[:12]  # not marked running: no manifest on this host's /usr
@@ -367,8 +367,8 @@ def test_status_shows_what_is_staged(tmp_path: Path, device: Device, signing: An
     for d in paths.staged_update_dir().iterdir():
         if d.is_dir():
             d.rename(tmp_path / "moved")
-    summary = probes_os.slots_summary(device.host, running_version="1.0.0")
+    summary = os_slots.slots_summary(device.host, running_version="1.0.0")
     assert "is missing" in summary["staged"]["error"]
-    assert probes_os.staged_line(summary["staged"]).startswith("; staged update unusable: the staged directory")
+    assert os_slots.staged_line(summary["staged"]).startswith("; staged update unusable: the staged directory")
     with pytest.raises(UserError, match="the staged update cannot be used"):
         apply(device, trusted)

@@ -486,7 +486,7 @@ def test_model_fetch_and_verify_commands(device: tuple[Path, wm.WeightsManifest,
     from appliance import paths
     from applianctl.__main__ import main
     from applianctl.model import command as model
-    from applianctl.status import parts as probes
+    from applianctl.status import probes
     from applianctl.status import weights as probes_weights
 
     src, _, snapshot = device

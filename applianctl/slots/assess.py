@@ -6,7 +6,7 @@ this is a no-op, so an engine that fails later on a good version is restarted by
 rolled back.
 
 Within update.assessment_deadline_s the runbook's smoke completion ("Calculate 17 * 23..." must
-contain 391, applianctl.smoke) must succeed the way a client reaches the appliance: through the
+contain 391, applianctl.engine.smoke) must succeed the way a client reaches the appliance: through the
 proxy, over TLS, on the public port (proxy.https_port), with the configured server name as SNI
 and Host, trusting the appliance's own CA (paths.TLS_DIR/ca.crt; the system's CAs with ACME).
 It connects to 127.0.0.1: the proxy admits the appliance's own loopback besides allowed_cidrs.
@@ -33,7 +33,7 @@ from appliance.config import Config
 from appliance.errors import UserError
 from appliance.host_settings import load_device
 from appliance.run import run
-from applianctl import smoke
+from applianctl.engine import smoke
 from applianctl.records import LastAssessment
 from applianctl.slots import history, release
 from applianctl.slots.entries import BAD, entries

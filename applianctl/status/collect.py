@@ -20,9 +20,8 @@ from appliance.config import Config
 from appliance.errors import UserError
 from appliance.host_settings import load_device
 from applianctl import records
-from applianctl.status import disk, engine, files, gpu, host, os_slots, proxy, shm, systemd, tls, weights
-from applianctl.status import parts as probes
-from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
+from applianctl.status import disk, engine, files, gpu, host, os_slots, probes, proxy, shm, systemd, tls, weights
+from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
 SCHEMA = 1
 EXIT_STATUS = {OK: 0, NOT_CONFIGURED: 0, DEGRADED: 1, DOWN: 2}

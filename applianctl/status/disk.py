@@ -9,7 +9,7 @@ from typing import Any
 
 from appliance import paths
 from appliance.config import Config
-from applianctl.status.parts import DEGRADED, DOWN, OK, Part
+from applianctl.status.probes import DEGRADED, DOWN, OK, Part
 
 GIB = 1024**3
 DISK_MIN_FREE_FRACTION = 0.05

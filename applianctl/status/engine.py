@@ -15,8 +15,8 @@ from appliance.config import Config
 from appliance.errors import UserError
 from appliance.schema import load_record, plain
 from applianctl.records import StartupReport
-from applianctl.status import parts as probes
-from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
+from applianctl.status import probes
+from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
 FIGURES = ("model_memory_gib", "draft_params", "kv_cache_tokens", "max_concurrency", "offload_mmap_gb")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from appliance.errors import UserError
 from appliance.schema import from_json
 from applianctl.records import CheckResult
-from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
+from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
 
 
 def probe_check(path: Path, what: str, record: type[CheckResult] = CheckResult) -> Part:

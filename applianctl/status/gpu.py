@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from appliance.config import Config
-from applianctl.status.parts import COMMAND_TIMEOUT_S, DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Runner, ToolMissing
+from applianctl.status.probes import COMMAND_TIMEOUT_S, DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Runner, ToolMissing
 
 AMD_SMI_STATIC = ("amd-smi", "static", "--json")
 AMD_SMI_METRIC = ("amd-smi", "metric", "--json")

@@ -14,8 +14,8 @@ from appliance.config import Config
 from appliance.errors import UserError
 from appliance.schema import load_record, plain
 from applianctl.records import HostResult
-from applianctl.status import parts as probes
-from applianctl.status.parts import DEGRADED, NOT_CONFIGURED, OK, Part, Sources
+from applianctl.status import probes
+from applianctl.status.probes import DEGRADED, NOT_CONFIGURED, OK, Part, Sources
 
 
 def addresses(src: Sources) -> list[str] | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from appliance.config import Config
 from applianctl.slots.machine import Host
-from applianctl.status.parts import DEGRADED, NOT_CONFIGURED, OK, Part, Sources
+from applianctl.status.probes import DEGRADED, NOT_CONFIGURED, OK, Part, Sources
 
 
 def read_os_release(path: Path) -> dict[str, str]:

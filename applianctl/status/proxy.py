@@ -19,8 +19,8 @@ from typing import Any
 
 from appliance import paths
 from appliance.config import Config
-from applianctl.status import parts as probes
-from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
+from applianctl.status import probes
+from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
 CERT_WARN_DAYS = 14  # the server certificate is renewed by appliance-tls.timer well before this
 

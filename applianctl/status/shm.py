@@ -1,6 +1,6 @@
 """Status part `shm`: /dev/shm's size against the CPU KV offload, and offload files nobody holds.
 
-Holders are found by applianctl.shm's scanner, the one the cleaner trusts before it removes a
+Holders are found by applianctl.engine.shm's scanner, the one the cleaner trusts before it removes a
 file; status only reports.
 """
 
@@ -12,13 +12,13 @@ from typing import Any
 
 from appliance import paths
 from appliance.config import Config
-from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
+from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
 GIB = 1024**3
 
 
 def probe_shm(config: Config, src: Sources, shm_dir: Path | None = None) -> Part:
-    from applianctl import shm
+    from applianctl.engine import shm
 
     shm_dir = shm_dir or paths.SHM_DIR
     offload_gib = config.engine.offload_gib

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, first_reason, worst
+from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, first_reason, worst
 
 BUS_NAME = "org.freedesktop.systemd1"
 MANAGER_PATH = "/org/freedesktop/systemd1"

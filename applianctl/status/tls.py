@@ -8,7 +8,7 @@ from pathlib import Path
 
 from appliance import paths
 from appliance.config import Config
-from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
+from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
 
 TLS_WARN_DAYS = 30
 

@@ -13,17 +13,16 @@ from appliance.config import Config
 from appliance.errors import UserError
 from appliance.schema import load_record
 from applianctl.records import ModelVerifyResult, WeightsFetch
-from applianctl.status.parts import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
+from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
 
 
 def probe_weights(config: Config, manifest: Path | None = None, release: Path | None = None,
                   result: Path | None = None, host_dir: Path | None = None) -> Part:
     # here, not at the top: the manifest code imports cryptography, which this probe's thread
     # then loads beside the others instead of before every probe starts
-    from applianctl.model import store as model_store
-
+    from applianctl.model import store
     try:
-        model = model_store.load_manifest(manifest, release)
+        model = store.load_manifest(manifest, release)
     except UserError as e:
         return Part(DOWN, e.message, {"revision": config.model.revision, "files": None, "bytes": None, "verified": False,
                                       "source": None, "file": None})
@@ -31,16 +30,16 @@ def probe_weights(config: Config, manifest: Path | None = None, release: Path | 
         return Part(NOT_CONFIGURED, "this image pins no weights (no weights manifest)",
                     {"revision": config.model.revision, "files": None, "bytes": None, "verified": None, "source": None, "file": None})
     try:
-        fetched = load_record(WeightsFetch, (host_dir or model_store.host_dir()) / model_store.FETCH_STATE, lenient=True)
+        fetched = load_record(WeightsFetch, (host_dir or store.host_dir()) / store.FETCH_STATE, lenient=True)
     except UserError:
         fetched = None  # only the source shown is at stake: the configured one stands in
     source = fetched.source if fetched is not None else None
     details: dict[str, Any] = {"revision": model.revision, "files": len(model.files), "bytes": model.total_bytes,
                                "verified": None, "source": source or config.model.source or None, "file": None}
     try:
-        checked = load_record(ModelVerifyResult, result or model_store.verify_result(), lenient=True)
+        checked = load_record(ModelVerifyResult, result or store.verify_result(), lenient=True)
     except UserError:
-        return Part(DEGRADED, f"{result or model_store.verify_result()}: unreadable", details)
+        return Part(DEGRADED, f"{result or store.verify_result()}: unreadable", details)
     if checked is None:
         return Part(DEGRADED, "not checked yet (applianctl model verify runs before the engine starts)", details)
     if checked.revision != model.revision:

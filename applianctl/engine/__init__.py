@@ -1,0 +1,1 @@
+"""What runs around an engine start: the checks before it, the startup report, the smoke test."""
