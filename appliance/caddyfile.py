@@ -1,14 +1,9 @@
-"""The Caddyfile: the [proxy] settings rendered through the template Caddyfile.j2.
+"""The Caddyfile: the [proxy] settings through the template Caddyfile.j2, at build
+(builder/render.py) and on the device with a plan's per-host settings (appliance-host.service).
 
-Shared by the build (builder/render.py: appliance.toml's values into /usr/lib/appliance/Caddyfile)
-and the device (appliance-host.service: the same with the signed install plan's per-host settings
-into /run/appliance/Caddyfile). The template is units/Caddyfile.j2 in the source tree and
-/usr/lib/appliance/Caddyfile.j2 on the device.
-
-Every value that enters the file is checked again here, whatever the schema let through: a
-Caddyfile has no quoting we could rely on, so a value is either plainly safe (a DNS name, a network
-as ipaddress prints it, an e-mail address, a URL path, a port) or rendering stops with a
-ConfigError naming the key.
+Every value is checked again here, whatever the schema let through: a Caddyfile has no quoting we
+could rely on, so a value is plainly safe (a DNS name, a network as ipaddress prints it, an e-mail
+address, a URL path, a port) or rendering stops with a ConfigError naming the key.
 """
 
 from __future__ import annotations
@@ -54,8 +49,8 @@ _ADMIN = re.compile(r"off|unix/" + _ABS_PATH.pattern + r"|localhost:[0-9]{1,5}")
 _SEGMENT = r"(?:[A-Za-z0-9_~-][A-Za-z0-9._~-]*|\.[A-Za-z0-9_~-][A-Za-z0-9._~-]*|\.\.[A-Za-z0-9._~-]+)"
 _QUERY = r"(?:\?(?:[A-Za-z0-9._~!$&'()*+,;=:@/?-]|%[0-9A-Fa-f][0-9A-Fa-f])*)?"
 CANONICAL_RE = rf"^/(?:{_SEGMENT}(?:/{_SEGMENT})*/?)?{_QUERY}$"
-# The proxy's own host: always admitted besides allowed_cidrs (issue 12: local checks take the
-# clients' path). Exactly these two addresses, not 127.0.0.0/8.
+# The proxy's own host: always admitted besides allowed_cidrs, so local checks take the clients'
+# path. Exactly these two addresses, not 127.0.0.0/8.
 LOOPBACK = ("127.0.0.1/32", "::1/128")
 
 
@@ -184,12 +179,8 @@ def render_caddyfile(
     http_port: int = 80,
     admin: str = f"unix/{ADMIN_SOCKET}",
 ) -> str:
-    """The Caddyfile for CONFIG.
-
-    TLS_DIR holds server.crt and server.key in mode "internal" (default: appliance.paths.TLS_DIR,
-    where appliance-tls.service writes them). HTTP_PORT and ADMIN are for tests, which run Caddy
-    unprivileged on loopback.
-    """
+    """The Caddyfile for CONFIG; TLS_DIR holds server.crt/.key in mode "internal". HTTP_PORT and
+    ADMIN are for tests, which run Caddy unprivileged on loopback."""
     import jinja2  # only where a Caddyfile is written (the build, appliance-host.service)
 
     values = template_values(config, tls_dir=tls_dir, http_port=http_port, admin=admin)

@@ -1,20 +1,15 @@
-"""Files from a directory or an https:// URL, with every server-controlled quantity bounded; the
-one download stack of the updater, the installer and the weights fetch.
+"""The one download stack (updater, installer, weights fetch): files from a directory or an
+https:// URL by ranged read (open(name, offset) -> Body); fetch() resumes into NAME.part,
+fetch_proven() checks against the signed index. Nothing a server or a directory sends can make a
+caller use more memory, disk or time than it decided beforehand:
 
-A source's open(name, offset) is a ranged read (a Body); fetch() resumes a bundle file into
-NAME.part on top of it, and fetch_proven() checks the result against the signed index.
-Nothing a server (or a directory someone else filled) sends can make a caller use more memory,
-disk or time than it decided beforehand:
-
-- HTTPS only; a redirect is followed only to the same scheme, host and port (at most MAX_REDIRECTS).
-- The CA is the one given (--ca) or the system's; the environment (REQUESTS_CA_BUNDLE,
-  CURL_CA_BUNDLE, proxies) plays no part: the client is http.client with its own ssl context.
-- Small files (bundle.json, its signature) are read with a byte cap while streaming: a larger
-  Content-Length is refused before the body is read, an endless body after cap + 1 bytes.
-- Large files stop at the size the signed index gives; a byte more is refused.
-- One overall deadline: every socket operation gets at most the time left, and a watchdog shuts
-  the socket at the deadline, so a body trickled one byte at a time (slow loris) ends too.
-- A bundle directory is opened without following symbolic links, and only regular files are read.
+- HTTPS only; redirects only to the same scheme, host and port (at most MAX_REDIRECTS).
+- The CA given or the system's; the environment (REQUESTS_CA_BUNDLE, proxies) plays no part.
+- Small files are read under a byte cap (a larger Content-Length refused before the body); large
+  ones stop at the size the signed index gives.
+- One deadline: each socket operation gets the time left, and a watchdog shuts the socket at it,
+  so a body trickled a byte at a time ends too.
+- A bundle directory's files: no symbolic links followed, regular files only.
 """
 
 from __future__ import annotations

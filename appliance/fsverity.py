@@ -1,15 +1,9 @@
 """The fs-verity file digest, computed in user space (the kernel's Documentation/filesystems/fsverity.rst).
 
-The builder records it for each weight file (`builder weights pin --from DIR`); the device asks the
-kernel for it (FS_IOC_MEASURE_VERITY) and compares. Both must agree to the bit, so the parameters
-are the ones `fsverity enable` uses by default and the device seals with: SHA-256, 4096-byte
-Merkle tree blocks, no salt.
-
-The Merkle tree: the file in 4096-byte blocks (the last zero-padded) is hashed block by block; the
-hashes, packed 128 to a block (the last block zero-padded), form the next level up, until one
-block remains; its hash is the root hash (a file of at most one block: that block's hash; an empty
-file: all zeros). The file digest is the SHA-256 of the 256-byte fs-verity descriptor, which holds
-the version, the algorithm, log2 of the block size, the file size and the root hash.
+The builder records it per weight file (`builder weights pin --from DIR`); the device compares it
+with the kernel's (FS_IOC_MEASURE_VERITY), so the parameters are those of `fsverity enable`'s
+default and the device's seal: SHA-256, 4096-byte blocks, no salt. The digest is the SHA-256 of the
+256-byte descriptor holding the Merkle root (an empty file's: all zeros) and the file size.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Per-host settings: what a signed install plan may set for one host (host name, uplink and
-addresses, SSH keys, the proxy's name, allowlist and ACME e-mail, update URL, weights source), how
-each is checked, and how they are laid over the image's configuration.
-
-The plan (appliance/plan.py) is these settings plus the disk to install on. On the device,
-appliance-host.service renders them (applianctl/host.py) and leaves the proxy's in
-/run/appliance/host-settings.json, which `load_device` lays over the image's appliance.json for
-every reader of the configuration.
+"""What a signed install plan may set for one host, how each setting is checked, and `load_device`:
+the image's configuration with the proxy settings appliance-host.service left in
+/run/appliance/host-settings.json laid over it, for every reader on the device.
 """
 
 from __future__ import annotations

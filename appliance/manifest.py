@@ -1,17 +1,10 @@
 """The signed release manifest: what a release contains and who vouched for it.
 
-This module runs on the device too, so it uses only the standard library and `cryptography`.
-
-The manifest is canonical JSON: keys sorted, no whitespace, UTF-8 (not ASCII-escaped), no
-floats (the schema has none, so none are allowed anywhere; NaN/Infinity likewise), no
-duplicate keys. The signed bytes must be exactly `canonical(manifest)`, so there is only one
-byte string for each manifest and nothing outside the signature can change its meaning.
-
-The signature is detached: `manifest.json.sig` holds the 64-byte Ed25519 signature in base64
-(standard alphabet, padded) followed by one newline. A key is trusted when its public key is a
-`*.pub` file (PEM SubjectPublicKeyInfo) in the trusted-keys directory; keys rotate by adding
-the new key in one release and removing the old one in a later one. A key's id is the first
-16 hex digits of the SHA-256 of its 32 raw public-key bytes.
+Canonical JSON (sorted keys, no whitespace, UTF-8, no floats or NaN, no duplicate keys), and the
+signed bytes must be exactly `canonical(manifest)`: one byte string per manifest, so nothing
+outside the signature can change its meaning. `manifest.json.sig`: the 64-byte Ed25519 signature
+in padded base64 and one newline. Trusted keys are `*.pub` (PEM) files in the trusted-keys
+directory; keys rotate by adding the new one in one release and removing the old in a later one.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""The install plan: what one host is (its settings: name, network, SSH keys, proxy, update URL,
-weights source; appliance/host_settings.py) and which disk of it receives the appliance.
-
-Written by the operator as TOML (`python3 -m builder plan PLAN.toml` checks and signs it), carried
-to the installer on the medium or as a systemd credential, and kept on the appliance in
-/var/lib/appliance/host (outside the A/B slots, so it survives every upgrade and rollback). The
-device accepts it only as canonical JSON (`plan.json`) with a detached Ed25519 signature
-(`plan.json.sig`) by a key the release trusts: the same canonical form, signature encoding and keys
-as the release manifest.
-
-The same frozen dataclasses and the same schema loader as appliance.toml check it: unknown keys,
-wrong types and bad values are one line naming the file, the key and the value, and a hint.
-A setting the plan leaves out (None) keeps the image's default (appliance.toml at build).
+"""The install plan: one host's settings (appliance/host_settings.py) and the disk that receives
+the appliance. The operator writes TOML (`python3 -m builder plan` checks and signs it); the device
+keeps it in /var/lib/appliance/host, outside the A/B slots so it survives upgrades and rollbacks,
+and accepts only canonical JSON signed by a release key, exactly as the release manifest.
 """
 
 from __future__ import annotations

@@ -4,13 +4,9 @@
         for chunk in chunks:
             p.advance(len(chunk))
 
-On a terminal (stderr is a tty) the bar is redrawn in place at most ten times a second; elsewhere
-(the journal, a pipe) one line every EVERY_S seconds ("downloading usr.raw: 1.2/4.0 GiB (30%),
-95.3 MiB/s") and one at the end, so a unit's journal shows a long step moving without flooding.
-TOTAL may be None when the size is unknown. advance() may be called from several threads.
-
-A step whose amount cannot be counted (an external tool) uses step(): a line when it starts, how
-long it has been running every EVERY_S seconds (every second in place on a terminal), how long it took.
+On a tty the bar is redrawn at most ten times a second; elsewhere (the journal, a pipe) a line
+every EVERY_S seconds and one at the end, so a journal shows a long step moving without flooding.
+advance() may be called from several threads; step() is for work that cannot be counted.
 """
 
 from __future__ import annotations
@@ -39,9 +35,7 @@ def _amount(value: float, unit: str) -> str:
 
 
 class Progress:
-    """Progress of one step; use as a context manager and call advance() as work is done.
-
-    With ETA the line ends in the time left at this run's rate ("ETA 1:02:03"); work found already
+    """Progress of one step. With ETA the line ends in the time left at this run's rate; work found
     done (advance(n, resumed=True): a resumed download's prefix) moves the bar but not that rate."""
 
     def __init__(

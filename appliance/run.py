@@ -21,10 +21,9 @@ def call(
     cwd: Path | None = None,
     env: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ARGV; the exit status is the caller's to judge. CAPTURE: no stdin, output captured;
-    otherwise the command shares the caller's terminal (mkosi build, whose output the user
-    watches). ENV: variables set on top of the caller's environment. FileNotFoundError (not
-    installed) and subprocess.TimeoutExpired reach the caller."""
+    """Run ARGV; the exit status is the caller's to judge. Without CAPTURE the command shares the
+    caller's terminal (mkosi build); ENV is set on top of the caller's environment.
+    FileNotFoundError and subprocess.TimeoutExpired reach the caller."""
     args = [str(a) for a in argv]
     return subprocess.run(
         args,

@@ -1,20 +1,13 @@
 """The one validation mechanism: frozen dataclasses describe a document, one loader walks them.
 
-The configuration (appliance.toml on the host, appliance.json on the device), the release
-manifest and the bundle index are each a tree of frozen dataclasses; `Loader.load` checks a parsed
-document against it: unknown keys refused, missing ones named, types exact (a bool is not a
-number, floats must be finite), and each field's own check (metadata "check", or "each" for the
-elements of a list or the values of a table, "keys" for a table's keys). A fault is one line
-naming the document, the key and the value, and a hint; each document words it through the
-Loader's methods (`invalid`, `unknown`, `missing`).
+`Loader.load` checks parsed data against the tree: unknown keys refused, missing ones named, types
+exact (a bool is not a number, floats finite), each field's metadata check ("check", "each",
+"keys"). A fault is one line naming document, key and value, with a hint, worded per document
+by overriding `invalid`, `unknown`, `missing`.
 
-The device's records (results on /run, state on /var, a bundle's staging record) are frozen
-dataclasses too, read with `load_record`/`from_json` and written with `dump_record` (and
-appliance.atomic.write_record). Outside input is strict. The device's own records are read
-`lenient`ly: the previous release reads what this one writes and, after a rollback, this one reads
-what the next wrote, so unknown keys are skipped while every known key's type is still checked.
-Records on /var carry "format" (the class's FORMAT); a file without it was written before formats
-were (format 0) and loads all the same.
+The device's records are read `lenient`ly (unknown keys skipped, known ones type-checked) because
+after a rollback one release reads what another wrote; outside input is strict. Records on /var
+carry "format" (the class's FORMAT); a file without it, from older releases, loads as format 0.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The weights manifest: every file of the model snapshot the engine serves, pinned.
 
-Written on the build host (`python3 -m builder weights pin`), shipped in the verity-protected /usr
-as /usr/lib/appliance/weights.json and pinned by the signed release manifest (model.weights_sha256),
-so the device trusts it exactly as far as it trusts the release. Canonical JSON like the release
-manifest (one byte form per manifest), checked by the same schema loader.
-
-Each file: its path inside the snapshot, its size, its SHA-256 (for large files the Hub's LFS
-hash; computed for the others) and, when the builder had the files, its fs-verity digest
-(appliance/fsverity.py). Where the manifest has no fs-verity digest the device records the one it
-measured right after it proved the SHA-256 (applianctl/model/fetch.py).
+Made by `python3 -m builder weights pin`, shipped on the verity-protected /usr and pinned by the
+signed release manifest (model.weights_sha256), so the device trusts it as far as the release;
+canonical JSON like the manifest. Each file: path, size, SHA-256 (the Hub's LFS hash for large
+files) and, when the builder had the files, its fs-verity digest; without one the device records
+the digest it measures after proving the SHA-256 (applianctl/model/fetch.py).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
-"""Per-host settings: the signed install plan in /var/lib/appliance/host made into the files the
-system reads, on every boot (`appliance-host.service`, before the network comes up).
-
-The plan lives on /var, outside the A/B slots, so it survives upgrades and rollbacks; what it
-renders goes to /run (systemd-networkd's runtime directory, the transient host name), so each
-version renders it with its own code and nothing of an older version's rendering lingers.
-A plan that is absent leaves the image's defaults (DHCP on every Ethernet link, the image's host
-name and keys); a plan that is present but not signed by a trusted key is refused and also leaves
-the defaults, and status says so.
-
-Rendered: systemd-networkd .netdev/.network files (static IPv4/IPv6, bond, VLAN, MTU, DNS, NTP),
-the host name, the SSH authorized keys (a file sshd reads besides the image's), and the proxy's
-per-host settings (host name, allowlist, ACME e-mail): the Caddyfile rendered with them
-(/run/appliance/Caddyfile, which appliance-proxy.service takes through proxy.env instead of the
-image's) and host-settings.json, which every reader of the configuration (appliance.config
-load_device: certificate names, assessment, smoke test, console, status) lays over the image's.
-Proxy values the Caddyfile's checks refuse leave the image's Caddyfile and values in use; the
-result (status part host) says so.
+"""Per-host settings on every boot (appliance-host.service, before the network): the signed
+install plan in /var/lib/appliance/host rendered into /run, so each version renders it with its
+own code and no older rendering lingers. Rendered: systemd-networkd files, the host name, SSH keys
+(a file sshd reads besides the image's), and for the proxy's settings a Caddyfile plus
+host-settings.json, which load_device() lays over the image's configuration. An absent plan, or
+one not signed by a trusted key, leaves the image's defaults (DHCP, its host name and keys); proxy
+values the Caddyfile's checks refuse leave the image's Caddyfile. Status shows the result.
 """
 
 from __future__ import annotations
@@ -103,10 +92,8 @@ def network_files(net: host_settings.Network) -> dict[str, str]:
 
 
 def render(plan: plan_model.Plan, config: Config) -> dict[str, str]:
-    """Every file the plan sets, by path relative to the rendering root:
-    network/NAME for systemd-networkd, hostname, authorized_keys; and, when the plan has proxy
-    settings, host-settings.json and the Caddyfile made with them (ConfigError when the Caddyfile's
-    checks refuse one of them)."""
+    """Path (relative to the rendering root) -> content of every file the plan sets; ConfigError
+    when the Caddyfile's checks refuse a proxy setting."""
     out: dict[str, str] = {}
     if plan.network is not None:
         out.update({f"network/{name}": text for name, text in network_files(plan.network).items()})

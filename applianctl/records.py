@@ -1,10 +1,8 @@
-"""The records the device writes and reads back as JSON, each a frozen dataclass.
-
-Read with appliance.schema.load_record (lenient: the previous and the next release read them too,
-so unknown keys are skipped, known ones type-checked) and written with appliance.atomic.write_record.
-Records on /var carry "format" (FORMAT = 1; a file without one was written before formats were and
-loads the same). Records on /run (FORMAT None) are emptied at every boot, so only this release reads them.
-tests/fixtures/state/ holds one of each as the release before these classes wrote it.
+"""The records the device writes and reads back as JSON, each a frozen dataclass: read leniently
+with appliance.schema.load_record (another release may have written it), written with
+appliance.atomic.write_record. /var records carry FORMAT 1 (none: an older release's, loads the
+same); /run ones none, as only this boot's release reads them. tests/fixtures/state/ holds one of
+each as the release before these classes wrote it.
 """
 
 from __future__ import annotations
@@ -98,7 +96,7 @@ class StartupReport(Record):
 
 @dataclass(frozen=True)
 class ModelVerifyResult(CheckResult):
-    """model_store.verify_result() (applianctl model verify); `checked` false: no weights pinned."""
+    """applianctl.model.store.verify_result() (applianctl model verify); `checked` false: no weights pinned."""
 
     revision: str | None = optional()
     files: int | None = optional()

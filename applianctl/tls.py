@@ -1,18 +1,10 @@
 """`applianctl tls`: the appliance CA and the proxy's certificate (proxy.tls = "internal").
 
-`applianctl tls generate` (appliance-tls.service, daily through appliance-tls.timer) creates an
-appliance CA (EC P-256, 10 years) on first run and a server certificate signed by it for the
-configured host name and the host's addresses (90 days). It renews the server certificate when
-fewer than 30 days remain, when the names changed or when it no longer matches the CA or its key;
-otherwise it changes nothing. After a renewal it asks systemd to reload the proxy if it runs.
-
-`applianctl tls [show] [--json]` prints what a client needs: the CA certificate's path and its
-SHA-256 fingerprint (as `openssl x509 -noout -fingerprint -sha256` prints it), the names in the
-server certificate and the expiry dates.
-
-Files in paths.TLS_DIR: ca.crt (0644), ca.key (0600 root), server.crt (0644), server.key (0640
-root:caddy, readable by the proxy's user only). Each is written to a temporary file and renamed.
-Runs on the device: standard library and cryptography only.
+`generate` (appliance-tls.service, daily by its timer) makes the CA once and a server certificate
+for the host name and addresses, renewed when under RENEW_DAYS remain, the names changed or it no
+longer matches the CA; then reloads a running proxy. `show` prints what a client needs: the CA's
+path and SHA-256 fingerprint (as openssl prints it), the server names and expiry dates.
+In paths.TLS_DIR: ca.crt, ca.key (0600), server.crt, server.key (0640 root:caddy: the proxy's user).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
-"""`make bench`, engine slots (issue 15): the time to write an engine store into a free engine slot
-against `dd bs=4M conv=fsync` of the same bytes (target: at most 1.3x).
+"""`make bench`, engine slots: writing an engine store into a free engine slot against
+`dd bs=4M conv=fsync` of the same bytes (target: at most 1.3x).
 
-"Ours" is the way `applianctl update` writes it, as the /usr slot is written (bench/upgrade.py
-bench_slot_write): the slot blanked and labelled `_empty` (blkdiscard --zeroout, sfdisk), then the
-built image's own systemd-sysupdate, in a chroot of its /usr, with the engine component's transfers
-(image/mkosi.extra/usr/lib/sysupdate.engine.d; else as docs/disk-layout.md describes them:
-engine_@v.raw into the partition of type appliance-engine labelled engine_@v, the hash tree
-likewise), on a loop device over a GPT image file holding both engine slots. The bytes are the
-last demo build's engine partition images (out/demo/appliance_V.engine.raw, .engine-verity.raw),
-else a generated erofs of the same kind.
-
-Not measured here: the bytes written to the running engine partition during an update. This host
-has no loop partitions to count writes through; the QEMU journey counts them on the guest's own
-partitions (tests/integration/test_image_upgrade.py). The run below checks that writing slot B
-left slot A's bytes as they were.
+"Ours" is what `applianctl update` does: blank the slot and label it `_empty`, then the built
+image's own systemd-sysupdate (chroot of its /usr) with the engine component's transfers, on a loop
+device over a GPT file holding both slots. The bytes: the last demo build's engine partition
+images, else a generated erofs. Writes to the running engine partition are counted in the QEMU
+journey (no loop partitions here); this run checks slot A's bytes unchanged.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def boot_to_healthy(disk: Path, demo: config.Config, timeout: float = 1500) -> f
 
 
 # mkosi's default for the kernel modules initrd (every module, with every firmware file a module
-# names): what the demo's kernel image carried before the lean boot path.
+# names): the baseline the lean boot path is measured against.
 FULL_INITRD_ARGS = ("--kernel-modules-initrd-include=", "--kernel-modules-initrd-exclude=")
 
 

@@ -1,13 +1,10 @@
 """`make bench`: installing the release onto a disk, against `bmaptool copy` of the same image.
 
-Both write a loop device of the size a server disk would have for the layout (the image, slot B,
-root's growth, /var's minimum). The install is what the installer runs: Debian 13's
-systemd-repart 257 and mkfs.ext4 (from a chroot of mkosi's tools tree, which is Debian 13 like the
-installer UKI; the build host's systemd may be older than 255, which added --copy-from, and the
-appliance's own /usr has no mkfs.ext4: its initrd formats /var)
-`--empty=force --copy-from=IMAGE --definitions=<the image's repart.d>`, then a sync. The baseline is
-`bmaptool copy` of the raw image with its block map (made beforehand, not timed), which writes
-the same image's used blocks and nothing else: what flashing the disk image would cost.
+Both write a loop device sized for the layout (the image, slot B, root's growth, /var's minimum).
+Ours is what the installer runs: `systemd-repart --empty=force --copy-from=IMAGE` with the image's
+repart.d, then a sync, using Debian 13's systemd-repart and mkfs.ext4 from mkosi's tools tree (the
+host's systemd may predate --copy-from, 255; the appliance's /usr has no mkfs.ext4). The baseline:
+`bmaptool copy` with a block map made beforehand, i.e. what flashing the disk image costs.
 """
 
 from __future__ import annotations

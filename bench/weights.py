@@ -1,16 +1,12 @@
-"""`make bench`, the weights (issue 14): fetch and the check before every start, against baselines.
+"""`make bench`, the weights:
+- fetch: the demo's generated weights (about 128 MiB, 5 files) from a loopback Caddy over HTTPS
+  with the device's fetcher against `curl --parallel` (target: at most 1.1x);
+- the check before every start at 128 MiB and 1 GiB against `sha256sum`: it must stay flat while
+  sha256sum grows (extrapolated to 156 GiB).
 
-- fetch: the demo's generated weights (about 128 MiB, 5 files) from a loopback HTTPS server (real
-  Caddy) with the device's fetcher (4 files at once, every byte hashed, fsync'd journal every
-  8 MiB) against `curl --parallel` of the same files (target: at most 1.1x);
-- the check before every start at 128 MiB and 1 GiB of weights against `sha256sum` of the same
-  files: the check must stay flat while sha256sum grows with the size (extrapolated to 156 GiB).
-
-The build host's kernel has no fs-verity, so here the device code runs with a stand-in for the
-kernel: sealing is not done, and measuring a file is an open and fstat (what the ioctl costs
-besides reading the 256-byte descriptor the kernel keeps). The rows say so; the QEMU extended test
-measures the real ioctls. The device code runs in its own interpreter, as it would start on the
-device, given the paths and the mirror on its command line.
+The build host's kernel has no fs-verity, so the device code (in its own interpreter, as on the
+device) gets a stand-in: no sealing, and a measurement is an open and fstat. The rows say so; the
+QEMU extended test measures the real ioctls.
 """
 
 from __future__ import annotations

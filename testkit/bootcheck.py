@@ -1,11 +1,8 @@
-"""The boot check (demo and test images only): the facts a test host asserts about a booted
-appliance. Run as `python3 -m testkit.bootcheck` by appliance-bootcheck.service, which the builder
-installs for the demo profile only; a production image carries neither.
-
-Waits (bounded) for the engine to be healthy, then writes one JSON report between marker
-lines to a serial port: `applianctl status --json`, failed units, how /usr is mounted and
-protected, the partition table, file system sizes. When the host passed the credential
-appliance.bootcheck=poweroff, the machine then powers off so the host can read the report.
+"""The boot check (demo images only, from appliance-bootcheck.service): waits, bounded, for a
+healthy engine, then writes the facts a test host asserts as one JSON report between marker lines
+to a serial port: `applianctl status --json`, failed units, how /usr is mounted and protected, the
+partition table, file system sizes. With the credential appliance.bootcheck=poweroff it then
+powers off so the host can read the report.
 """
 
 from __future__ import annotations
@@ -119,10 +116,8 @@ def _ppid(pid: str) -> str | None:
 
 
 def engine_environment() -> dict[str, Any]:
-    """The environment of the engine's process in the running container, read from
-    /proc/PID/environ on the host (exact bytes: what the engine itself got), with the image's
-    own variables (podman adds those) for comparison. With RunInit the container's first process
-    is its init; the engine is that process's child."""
+    """The engine process's environment from /proc/PID/environ (the exact bytes it got), and the
+    image's own variables for comparison. With RunInit the engine is the container init's child."""
     inspected = _json(["podman", "inspect", "appliance-engine"]) or [{}]
     container = inspected[0] if isinstance(inspected, list) and inspected else {}
     pid = str(container.get("State", {}).get("Pid") or "")
@@ -342,10 +337,9 @@ def _partitions() -> list[dict[str, Any]]:
 
 
 def _slot_hashes() -> dict[str, str]:
-    """Every /usr and /usr verity partition (both slots) with its label (a relabel is an install
-    too), and the ESP's boot entries. The inactive slot is hashed whole; the running slot is
-    mounted through dm-verity, so the kernel's write counter proves it untouched without
-    reading 6 GiB under emulation."""
+    """Every /usr and /usr verity partition with its label (a relabel is an install too), and the
+    ESP's boot entries. The inactive slot is hashed whole; the running one is proven untouched by
+    the kernel's write counter, not by reading 6 GiB under emulation."""
     parts = [p for p in _partitions() if p.get("type", "").upper() in USR_TYPES]
     inactive = _inactive_slot_hashes(_running_version())
     hashes = {f"{p['node']} {p.get('name', '')}": inactive.get(p["node"]) or _sectors_written(p["node"]) for p in parts}
@@ -406,13 +400,10 @@ def _proxy_saw(path: str, since: str) -> bool:
 
 
 def run_netprobe(wait_s: float = 120) -> dict[str, Any]:
-    """Ask the host to probe this appliance from a machine on its network (a network namespace
-    on the host, on the guest's second NIC, with a route to the container bridge via the
-    guest): the engine's port and bridge address must not answer, the proxy must. The host's
-    last request goes to the proxy at NETPROBE_DONE; the guest waits for it in the proxy's log
-    (bounded), so nothing else happens to the engine meanwhile. The engine's health on the
-    bridge address, from the guest itself, before and after: the negatives were not because
-    the engine was down."""
+    """Have the host probe this appliance from its network (a host namespace on the guest's second
+    NIC): the engine's port and bridge address must not answer, the proxy must. The guest waits
+    (bounded) for the host's last request, to NETPROBE_DONE, in the proxy's log, and checks the
+    engine's health itself before and after, so a refusal does not mean the engine was down."""
     config = load_device()
     inspected = _json(["podman", "inspect", "appliance-engine"]) or [{}]
     networks = (inspected[0] if isinstance(inspected, list) and inspected else {}).get("NetworkSettings", {}).get("Networks") or {}

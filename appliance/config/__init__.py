@@ -1,12 +1,7 @@
-"""The configuration model and its loaders, in one import.
-
-appliance.toml is parsed into frozen dataclasses (`model`, each value checked by `checks`) by the
-one schema loader: unknown keys, wrong types and bad values are each one line naming the file, the
-key and the value, and a hint. Everything the build produces is derived from `Config`. Loaders:
+"""The configuration model (`model`, values checked by `checks`) and its loaders, in one import:
 appliance.toml with its profiles at build (`profiles`), the image's appliance.json on the device
-(`device`); the device's configuration with this host's settings laid over it is
-`appliance.host_settings.load_device`, outside this package (it needs the Caddyfile's checks,
-which need this model).
+(`device`). This host's settings laid over it is `appliance.host_settings.load_device`, outside
+this package because it needs the Caddyfile's checks, which need this model.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class Model:
     revision: str = field(metadata=_check(checks.pattern(REVISION, "a full commit hash: 40 lower-case hex digits")))
     cache_dir: str = field(default="/var/lib/appliance/huggingface", metadata=_check(checks.is_abs_path))
     # The signed weights manifest (python3 -m builder weights pin), a file of this repository;
-    # "" ships none and the weights are not checked (issue 14).
+    # "" ships none and the weights are not checked.
     weights_manifest: str = field(default="", metadata=_check(lambda v: None if v == "" else checks.is_repo_file(v)))
     # Where `applianctl model fetch` gets the weights by default: an https:// mirror or a directory.
     source: str = field(default="", metadata=_check(checks.is_weights_source))

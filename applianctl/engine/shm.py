@@ -1,15 +1,12 @@
-"""/dev/shm hygiene before the engine starts (`applianctl shm-clean`).
+"""`applianctl shm-clean`, before the engine starts. vLLM's CPU KV offload files
+(/dev/shm/vllm_offload_<id>.mmap) leak when an EngineCore dies uncleanly, and the next start fails
+("Bad address") or runs short of memory. Removes each one no process holds, then checks that
+/dev/shm and memory can take the configured offload plus its margin (verdict: paths.SHM_CHECK).
 
-vLLM's CPU KV offload lives in /dev/shm/vllm_offload_<id>.mmap and leaks whenever an EngineCore
-dies uncleanly; the next start then fails ("Bad address") or runs short of memory. This removes
-every such file that no process holds open or mapped, then checks that /dev/shm and memory can
-take the configured offload plus its margin. The verdict goes to paths.SHM_CHECK.
-
-A file held by any process (another replica, an engine still shutting down) is never removed.
-Holders are looked for in /proc/*/fd and /proc/*/maps, by device and inode (which works across
-container mount namespaces) and by path; then, as the kernel's own word, the file is removed only
-while this process holds a write lease on it (F_SETLEASE F_WRLCK), which the kernel grants only
-when no other open file or mapping of it exists anywhere, even in processes /proc does not show us.
+A held file (another replica, an engine shutting down) is never removed: holders are found in
+/proc/*/fd and /proc/*/maps by device and inode (across mount namespaces) and by path, and the
+unlink happens only under a write lease (F_SETLEASE F_WRLCK), which the kernel grants only when no
+other open file or mapping exists, even in processes /proc does not show us.
 """
 
 from __future__ import annotations
@@ -70,11 +67,8 @@ def mem_available_bytes(meminfo: str) -> int:
 
 @dataclass
 class Holders:
-    """Who holds what open or mapped, from every readable /proc/PID: the appliance's one scanner.
-
-    By (device, inode), which works across container mount namespaces, and by path. Use
-    `scan_holders()` once, then `pids(path, st)` / `held(st)` for each file of interest.
-    """
+    """Who holds what open or mapped, from every readable /proc/PID (the appliance's one scanner):
+    `scan_holders()` once, then `pids(path, st)` / `held(st)` per file."""
 
     inodes: dict[tuple[int, int], set[int]] = field(default_factory=dict)
     paths: dict[str, set[int]] = field(default_factory=dict)
@@ -103,11 +97,8 @@ def _maps_entry(line: str) -> tuple[int, int, str] | None:
 
 
 def scan_holders(proc: Path = Path("/proc")) -> Holders:
-    """Every file some process other than this one holds open (/proc/PID/fd) or mapped (/proc/PID/maps).
-
-    Processes whose fd or maps this user may not read are listed in `unreadable` (status runs
-    unprivileged; the cleaner runs with CAP_SYS_PTRACE and reads all of them).
-    """
+    """Every file another process holds open or mapped; processes this user may not read go in
+    `unreadable` (status runs unprivileged; the cleaner has CAP_SYS_PTRACE)."""
     holders = Holders()
     me = os.getpid()
     for entry in proc.iterdir():
@@ -207,12 +198,9 @@ def _unlink_unless_open(dir_fd: int, name: str, seen: os.stat_result, trust_proc
 
 
 def clean(shm_dir: Path, proc: Path = Path("/proc"), dry_run: bool = False) -> tuple[list[dict[str, Any]], int]:
-    """Remove unheld offload files in SHM_DIR; return [{path, bytes, allocated_bytes}] and the bytes freed.
-
-    Never fails on one entry: one it cannot handle (a symlink, directory or FIFO, a file swapped
-    while looked at, an error) is reported and kept. Every operation is relative to one open
-    descriptor of SHM_DIR and never follows a symlink.
-    """
+    """Remove unheld offload files in SHM_DIR; return [{path, bytes, allocated_bytes}] and the bytes
+    freed. An entry it cannot handle (symlink, FIFO, swapped, an error) is reported and kept; every
+    operation is relative to one descriptor of SHM_DIR and never follows a symlink."""
     dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         # Listed before the scan: a file made later is never a candidate.

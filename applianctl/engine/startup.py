@@ -3,13 +3,10 @@
 A healthy start shows, in order (REFERENCE-STACK runbook): `Model loading took 156.67 GiB`,
 `DSpark draft model loaded: 96 params`, `GPU KV cache size: 1,927,444 tokens`, `Maximum
 concurrency for 262,144 tokens per request: 7.35x`, `Created mmap file ... (103.08 GB)`,
-`Capturing CUDA graphs`, `Application startup complete`. Each figure is compared with the
-configuration's `expected` values: one below its expectation, or one missing when startup
-completes, makes the start "degraded". The report goes to paths.STARTUP_REPORT.
-
-Lines may carry a docker-compose (`vllm-1  | `) or journal prefix. Times are seconds since the
-first line seen: from vLLM's own time stamps where lines have them (so a replayed log gives the
-times of the original start), else from the clock.
+`Capturing CUDA graphs`, `Application startup complete`. A figure below the configuration's
+`expected`, or missing at startup complete, makes the start "degraded" (paths.STARTUP_REPORT).
+Times are seconds since the first line, from vLLM's own stamps where lines have them (a replayed
+log gives the original start's times), else from the clock.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""model"""
+"""The weights: fetch, store, seal and the check before every engine start (`applianctl model`)."""

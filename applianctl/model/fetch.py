@@ -1,25 +1,16 @@
 """`applianctl model fetch [SOURCE]`: the pinned weights onto /var, every byte checked, resumable.
 
-SOURCE: an https:// mirror in the Hub's layout (BASE/resolve/REVISION/PATH, e.g. BASE =
-https://mirror.example/ORG/NAME) or a plain one (BASE/PATH), or a local directory (a USB disk, a
-network share, a Hugging Face snapshot directory). Both are appliance.fetch's sources (HTTPS only,
-the CA given or the system's, same-origin redirects, one deadline) read by range; what is here is
-the policy on top: files in parallel, a journal of verified chunks per file, resume.
+SOURCE: an https:// mirror in the Hub's layout (BASE/resolve/REVISION/PATH) or a plain one
+(BASE/PATH), or a local directory (e.g. a Hugging Face snapshot), read by range through
+appliance.fetch's bounded sources. Here: files in parallel, and resume across power cuts.
 
-Resume, power cut included: each file is written to .partial/ on /var in CHUNK_BYTES chunks; at
-every chunk boundary the file is fsync'd and a journal beside it records the length on disk and a
-CRC-32 of each chunk. A resumed file is cut back to the journal's length (later bytes may not have
-reached the disk) and read from there, so at most one chunk per file in flight is fetched twice.
-
-The manifest pins each file's SHA-256, and hashlib cannot save a hash's state, so a resumed file
-re-hashes its prefix from the local disk, checking each chunk's CRC-32 on the way (a partial file
-damaged at rest starts over at once, not at the final SHA-256; a CRC is far cheaper than a second
-SHA-256). Per-chunk hashes in the manifest would tie it to our chunk size and lose the Hub's own
-LFS hashes.
-
-A file is renamed into the snapshot only after its SHA-256 equals the manifest's; it is sealed with
-fs-verity first, and its fs-verity digest checked against the manifest's or, where the manifest has
-none, recorded in per-host state for the check before every start (applianctl/model/verify.py).
+Each file goes to .partial/ in CHUNK_BYTES chunks, fsync'd at each boundary, with a journal of the
+durable length and each chunk's CRC-32. A resume cuts the file back to the journal's length and,
+since hashlib cannot save a hash's state, re-hashes that prefix, checking the CRCs on the way (damage
+at rest starts over at once). Per-chunk hashes in the manifest would tie it to our chunk size and
+lose the Hub's own LFS hashes. A file enters the snapshot only after its SHA-256 matches, sealed
+with fs-verity, its digest checked against the manifest's or, where it has none, recorded for
+applianctl/model/verify.py.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """fs-verity through the kernel: seal a weight file, ask for its digest.
 
-FS_IOC_ENABLE_VERITY builds the file's Merkle tree (SHA-256, 4096-byte blocks, no salt: the
-parameters appliance/fsverity.py computes with) and makes the file read-only for good; from then on
-the kernel checks every page read from disk against the tree, mmap included, and a changed block
-reads as EIO. FS_IOC_MEASURE_VERITY returns the file digest in constant time (it is stored with the
-tree), which is what makes the check before every engine start cheap whatever the weights' size.
-
-The commands take a `Verity`; unit tests pass a fake (the build host's kernel has no fs-verity),
-the QEMU tests exercise this one.
+Sealing (appliance/fsverity.py's parameters) makes the file read-only for good; the kernel then
+checks every page read against the Merkle tree, mmap included (a changed block reads as EIO), and
+returns the digest in constant time, which keeps the check before every start cheap. The commands
+take a `Verity`: unit tests pass a fake (the build host's kernel has no fs-verity).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """`applianctl model verify`: before every engine start, the weights on /var are exactly the signed ones.
 
-Each file of the signed weights manifest must be in the snapshot directory, a regular file of the
-pinned size, sealed with fs-verity, with the fs-verity digest the manifest gives (or, where it gives
-none, the one this device recorded when it proved the file's SHA-256). Asking the kernel for a
-sealed file's digest costs the same for 1 KiB and 10 GiB, so the check takes milliseconds where
-re-hashing 156 GiB would take minutes; the kernel then checks every byte the engine reads against
-that digest's Merkle tree. No other file may be in the snapshot (the engine runs code from it with
---trust-remote-code). The first fault is one line naming the file; the engine stays stopped.
-
-What the digest cannot show is a block changed on the disk behind the file system's back (a
-failing disk, an offline edit): the digest is of the signed contents, and the kernel refuses the
-changed block only when it is read (EIO; the engine reads every weight when it loads). `--deep`
-reads every byte through fs-verity, like a RAID scrub, and records a refused file in per-host
-state; from then on the check before every start refuses it too (naming it, in constant time)
-until `applianctl model fetch` replaces it.
+Each manifest file must be a regular file of the pinned size, sealed with fs-verity, with the
+manifest's fs-verity digest (or the one this device recorded on proving its SHA-256). The kernel
+gives a sealed file's digest in constant time, so this takes milliseconds where re-hashing 156 GiB
+takes minutes, and then checks every byte the engine reads. No other file may be in the snapshot
+(the engine runs its code with --trust-remote-code). A block changed behind the file system's
+back shows only when read (EIO): `--deep` reads every byte, like a RAID scrub, and records a
+refused file, which every later check refuses until `applianctl model fetch` replaces it.
 """
 
 from __future__ import annotations

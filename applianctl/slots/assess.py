@@ -1,20 +1,12 @@
-"""`applianctl assess`: judge a new version by what its clients get (appliance-assess.service).
+"""`applianctl assess` (appliance-assess.service): judge a new version by what its clients get.
 
-Runs on a boot under boot counting only (systemd-boot set LoaderBootCountPath, or the booted
-entry's name carries +LEFT[-DONE]); on any other boot the version was judged good already and
-this is a no-op, so an engine that fails later on a good version is restarted by its unit, never
-rolled back.
-
-Within update.assessment_deadline_s the runbook's smoke completion ("Calculate 17 * 23..." must
-contain 391, applianctl.engine.smoke) must succeed the way a client reaches the appliance: through the
-proxy, over TLS, on the public port (proxy.https_port), with the configured server name as SNI
-and Host, trusting the appliance's own CA (paths.TLS_DIR/ca.crt; the system's CAs with ACME).
-It connects to 127.0.0.1: the proxy admits the appliance's own loopback besides allowed_cidrs.
-So a version that breaks the proxy, TLS or the engine is judged bad; one whose proxy never
-listens too. Success: exit 0, boot-complete.target is reached and systemd-bless-boot marks the
-entry good. Failure: the reason goes to /var/lib/appliance/update/last-assessment.json and the
-machine reboots; each boot uses up one try, and when none is left systemd-boot falls back to the
-previous version by itself.
+Only on a boot under boot counting; otherwise a no-op, so a good version whose engine fails later
+is restarted by its unit, never rolled back. Within update.assessment_deadline_s the smoke
+completion (applianctl.engine.smoke) must succeed as a client gets it: via 127.0.0.1 through the
+proxy's public TLS port, the server name as SNI and Host, trusting the appliance CA (the system's
+with ACME), so a broken proxy, TLS or engine is judged bad. Success: boot-complete.target and
+systemd-bless-boot. Failure: the reason in update/last-assessment.json and a reboot; when no try
+is left systemd-boot falls back to the previous version.
 """
 
 from __future__ import annotations

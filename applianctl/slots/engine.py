@@ -1,20 +1,13 @@
-"""The two engine slots: which partitions they are, which engine each holds, which versions use
-it, which one runs, and which one a new engine image may be written to.
+"""The two engine slots (an erofs podman image store plus its dm-verity partition): which engine
+each holds, which versions use it, which runs, and which a new engine may be written to.
 
-An engine slot is an erofs partition (the podman image store of one engine image) with its
-dm-verity partition (docs/disk-layout.md). It is recognised by its GPT type, appliance-engine
-344e5f5f-… / appliance-engine-verity e8587844-…, or, since images built before those types
-label the engine partitions with `linux-generic`, by its label alone: `engine_` + the image
-digest's first 12 hex digits (`engine_D12-verity` for the hash partition). `_empty` is a slot
-that holds nothing; without the engine type it cannot be told from any other empty partition.
-
-Which engine a version uses comes from signed data only: the running version's manifest (on
-its verified /usr), and for other versions the engine digest of the signed bundle index they
-were installed from, recorded by the updater in update/engines.json when it wrote them. A
-bootable version whose engine is not known could be using any slot that holds an engine.
-
-The invariant (issue 15): every bootable entry's engine is present, and the running engine's
-partition is never written. choose_engine_slot() is where it is decided.
+A slot is recognised by its GPT type (appliance-engine 344e5f5f-…, -verity e8587844-…) or, because
+older images typed them `linux-generic`, by its label alone: `engine_` + the digest's first 12 hex
+digits (`…-verity` for the hash partition); `_empty` holds nothing. Which engine a version uses
+comes from signed data only: the running manifest, else the bundle index digest the updater
+recorded in update/engines.json; an unknown one could be in any slot that holds an engine.
+The invariant, decided in choose_engine_slot(): every bootable entry's engine stays present, and
+the running engine's partition is never written.
 """
 
 from __future__ import annotations
@@ -188,7 +181,7 @@ def record(engines: Mapping[str, str], keep: set[str]) -> None:
 # appliance-engine-store.service: `python3 -m applianctl.slots.engine open LABEL ROOTHASH` opens the
 # slot that holds the signed manifest's engine (LABEL and ROOTHASH are pinned in the unit, on the
 # verified /usr). Only a partition on the disk /usr is on, with that label AND the engine type, and
-# exactly one: a same-labelled partition of another type (an image before issue 15, a decoy) or a
+# exactly one: a same-labelled partition of another type (an older image's, a decoy) or a
 # second one is refused, so that nothing but this appliance's own slot is ever opened.
 
 DM_NAME = "appliance-engine-store"

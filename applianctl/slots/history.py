@@ -14,8 +14,8 @@ from applianctl.records import LastAssessment, LastRollback, LastUpdate
 
 @dataclass(frozen=True)
 class History:
-    """The three records, each None when absent or damaged (as before they were typed: nothing to
-    judge by; the file's next write replaces it)."""
+    """The three records, each None when absent or damaged (nothing to judge by; the file's next
+    write replaces it)."""
 
     update: LastUpdate | None
     assessment: LastAssessment | None

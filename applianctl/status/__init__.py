@@ -1,1 +1,1 @@
-"""status"""
+"""`applianctl status`: one probe per part, all under one deadline."""

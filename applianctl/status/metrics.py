@@ -1,13 +1,9 @@
-"""Read vLLM's /metrics with prometheus_client's parsers (Debian's python3-prometheus-client in
-the image) and work out the figures `applianctl status` shows from it.
+"""vLLM's /metrics through prometheus_client's parsers, and the figures `applianctl status` shows.
 
-Counters are exposed with a `_total` suffix and each has a `_created` gauge beside it; vLLM
-renamed some series over time (`gpu_cache_usage_perc` -> `kv_cache_usage_perc`,
-`gpu_prefix_cache_*` -> `prefix_cache_*`), so every figure names the series it accepts, newest
-first. With several engines (data parallel) a figure is summed over their label sets.
-
-What the engine may add later must not turn a healthy engine "degraded": exemplars (text or
-OpenMetrics) are dropped, a family of a type the text parser does not know is read as untyped.
+vLLM renamed series over time (`gpu_cache_usage_perc` -> `kv_cache_usage_perc`, `gpu_prefix_cache_*`
+-> `prefix_cache_*`), so each figure names the series it accepts, newest first; with data parallel
+it is summed over label sets. What the engine may add later must not make a healthy engine
+"degraded": exemplars are dropped, a family of an unknown type is read as untyped.
 """
 
 from __future__ import annotations
@@ -69,13 +65,9 @@ def _text_format(text: str) -> str:
 
 
 def _parsers() -> tuple[Any, Any]:
-    """prometheus_client's two parser modules, without running the package's __init__.
-
-    The package's __init__ imports its HTTP exposition server (http.server, wsgiref, email, ...):
-    about 100 ms, a third of the time `applianctl status` may take, for code status never runs.
-    The parsers need only metrics_core, samples and validation, so when the package is not yet
-    imported it is registered bare (its __path__ only) and the parsers imported from it.
-    """
+    """prometheus_client's two parser modules, without running the package's __init__: it imports
+    the HTTP exposition server, about 100 ms (a third of status's budget) for code status never
+    runs. When the package is not yet imported it is registered bare (its __path__ only)."""
     import importlib
     import importlib.util
     import sys

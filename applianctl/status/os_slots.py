@@ -1,8 +1,6 @@
-"""Status parts `os` and `slots`: the running version and the A/B slots with their boot entries.
-
-Every fact about slots, boot entries and boot counting comes from applianctl.slots.view, the one
-model of them that update, assess and rollback use too; this file adds the updater's records and
-only judges and words it.
+"""Status parts `os` and `slots`: the running version and the A/B slots with their boot entries,
+as applianctl.slots.view reads them (the model update, assess and rollback use too) plus the
+updater's records; this module only judges and words them.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The parts `applianctl status` reports, and the machinery that runs their probes.
-
-Each probe is a function that returns a `Part`: a state, a one-line reason when the state is not
-ok, and details. Probes run side by side in daemon threads under one deadline, so one that hangs
-(an engine that accepts connections but never answers, a GPU tool stuck in the driver) costs no
-more than the deadline and never keeps the command from exiting.
-
-Everything a probe reads from the machine comes through `Sources`, so tests point it at a
-temporary tree; the paths of the appliance's own files come from `appliance.paths`.
+"""The `Part` each `applianctl status` probe returns (state, one-line reason, details), and the
+machinery that runs the probes: daemon threads under one deadline, so a probe that hangs (an engine
+that never answers, a GPU tool stuck in the driver) costs no more than the deadline and never
+keeps the command from exiting. Probes read the machine through `Sources`, which tests redirect.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""The appliance's units as systemd reports them over D-Bus (pydbus).
-
-For each unit: org.freedesktop.systemd1.Manager.GetUnit (LoadUnit when the unit is not loaded),
-then the Unit properties ActiveState, SubState, LoadState, ActiveEnterTimestamp,
-StateChangeTimestamp and, for services, NRestarts and Result.
-"""
+"""The appliance's units as systemd reports them over D-Bus (pydbus)."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""update"""
+"""`applianctl update`: plan, download, stage and install a signed release bundle."""

@@ -92,7 +92,7 @@ def check_policy(index: BundleIndex, running: manifest.Manifest, allow_downgrade
 def check_engine(index: BundleIndex, running: manifest.Manifest, view: slots.View) -> EngineChoice | None:
     """Where the new version's engine comes from, before anything is downloaded: None when it runs
     the running engine; else the engine slot that holds it or that it is written to
-    (engine_slots.choose_engine_slot: every bootable entry's engine stays, the running one is never
+    (slots.engine.choose_engine_slot: every bootable entry's engine stays, the running one is never
     written). Refused in one line when no slot may be written, or when the engine is needed and
     the bundle does not carry it."""
     if index.engine_digest == running.engine_image.digest:

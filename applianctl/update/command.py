@@ -1,18 +1,14 @@
-"""`applianctl update SOURCE`: install a signed release bundle into the inactive slot.
+"""`applianctl update SOURCE` (a bundle directory or its https:// URL): install a signed release
+bundle into the inactive slot. Nothing is trusted before its signature, nothing written before
+every byte is proven:
 
-SOURCE is a bundle directory or an https:// URL of one. Nothing in a bundle is trusted before its
-signature is checked, and nothing is written to a slot before every byte is proven:
+0. the running version must be judged good (checks.check_judged), before any network;
+1. bundle.json verified against the RUNNING version's keys, then policy and fit: plan.make_plan;
+2. free space, every file downloaded and hashed (download), the content checked (checks.check_staged);
+3. only then the new engine's slot, if any, and the inactive slot are written (install).
 
-0. the running version must be judged good (checks.check_judged), refused before any network;
-1. bundle.json and its signature are checked against the keys the RUNNING version trusts, then
-   policy and fit: one frozen plan.UpdatePlan, made by plan.make_plan;
-2. free space, then every file the plan names downloaded and hashed (download), the content
-   checked (checks.check_staged);
-3. only then the engine slot (when the engine is new) and the inactive slot are written (install).
-
-`--check` makes the plan and prints it; it writes nothing. `--download-only` does steps 1-2 and
-publishes the bundle as the staged update (staged); `--apply` makes the plan again from the staged
-directory and checks every file again before step 3.
+`--check` prints the plan and writes nothing; `--download-only` does 1-2 into the staged update;
+`--apply` makes the plan again from it and re-checks every file before 3.
 """
 
 from __future__ import annotations

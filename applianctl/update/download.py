@@ -1,8 +1,5 @@
-"""Downloading a bundle into the staging directory, every file proven against the signed index.
-
-Before the first byte: the file system that holds the staging directory must have room for
-what is still to be fetched plus a margin (it is /var, which also holds the journal and the
-model). A file already staged is re-hashed, not trusted; a partial one (NAME.part) is resumed.
+"""Downloading a bundle into the staging directory, every file proven against the signed index,
+after checking /var (shared with the journal and the model) has room for the rest plus a margin.
 """
 
 from __future__ import annotations
@@ -20,8 +17,8 @@ SPACE_MARGIN_BYTES = 512 << 20
 
 
 def to_fetch(index: BundleIndex, engine: bool = False) -> list[BundleFile]:
-    """The files of the bundle this appliance downloads: the engine image only when ENGINE (it is
-    written to an engine slot: update_verify.check_engine), never the installer's whole disk image."""
+    """The bundle files this appliance downloads: the engine image only when ENGINE (an engine slot
+    is written: update.checks.check_engine), never the installer's whole disk image."""
     install = set(install_names(index.version).values())
     return [f for f in index.files if (engine or not f.name.startswith("engine_")) and f.name not in install]
 

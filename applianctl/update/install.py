@@ -1,10 +1,7 @@
-"""Writing the inactive slot: blank it, hand the verified files to systemd-sysupdate, and let its
-transfers (/usr/lib/sysupdate.d) write /usr, its verity and the kernel image last. A new engine
-image goes first, into the engine slot applianctl chose, by sysupdate's engine component
-(/usr/lib/sysupdate.engine.d).
-
-Only the inactive slot and a new boot entry are written, the entry last; an interrupted run leaves
-the running version bootable, and running the command again starts over.
+"""Writing the inactive slot: blank it, then systemd-sysupdate's transfers (/usr/lib/sysupdate.d)
+write /usr, its verity and the kernel image last. A new engine goes first, into the chosen engine
+slot, through sysupdate's engine component (/usr/lib/sysupdate.engine.d). The boot entry comes
+last, so an interrupted run leaves the running version bootable and a rerun starts over.
 """
 
 from __future__ import annotations
@@ -83,11 +80,9 @@ def _blank(host: Host, parts: list[Partition], what: str) -> None:
 
 
 def prepare_slot(host: Host, inactive: Slot, running_version: str) -> None:
-    """Make the inactive slot blank before systemd-sysupdate writes it: the boot entry of the
-    version it held goes first (it would boot a slot about to be erased), then the partitions are
-    zeroed (the bundle's images stop at their last non-zero block), then labelled empty (last:
-    relabelling makes the kernel re-read the table, and the partition nodes vanish for a moment).
-    Each step leaves a state the next run starts from again, so a power cut anywhere is harmless."""
+    """Blank the inactive slot for systemd-sysupdate: the boot entry of the version it held goes
+    first (it would boot a slot about to be erased), then _blank. Each step leaves a state a rerun
+    starts from, so a power cut anywhere is harmless."""
     old = inactive.version
     if old is not None and old != running_version:
         remove_entries(host, old)
@@ -116,10 +111,9 @@ def link_engine_sources(index: BundleIndex, staging: Path) -> None:
 
 
 def prepare_engine_slot(host: Host, slot: EngineSlot, leaving: str | None) -> None:
-    """Blank the engine SLOT that engine_slots.choose_engine_slot chose. The version LEAVING the
+    """Blank the engine SLOT that slots.engine.choose_engine_slot chose. The version LEAVING the
     inactive /usr slot loses its boot entry first: its engine may be the one erased here, and no
-    bootable entry may point at an engine that is gone (a power cut at any later step leaves the
-    running version and its engine as they were)."""
+    bootable entry may point at an engine that is gone."""
     if leaving is not None:
         remove_entries(host, leaving)
     if slot.verity is None:

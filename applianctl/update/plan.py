@@ -105,7 +105,7 @@ def make_plan(
 ) -> UpdatePlan:
     """The signature first, before anything in the bundle is looked at; then policy and fit.
     STAGED: SPEC is the staged directory and this the version its record names; a staged bundle
-    that fails its signature is discarded (update_staged.discarded_if_refused)."""
+    that fails its signature is discarded (update.staged.discarded_if_refused)."""
     guard: AbstractContextManager[None] = update_staged.discarded_if_refused() if staged is not None else nullcontext()
     with guard:
         source = open_source(spec, ca, deadline)

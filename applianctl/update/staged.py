@@ -1,14 +1,10 @@
 """The staged update: a verified bundle on /var, waiting for `applianctl update --apply`.
 
-`applianctl update --download-only` downloads into the ordinary staging directory (resumable,
-update_stage), proves every file, and only then publishes it here, in two steps that each leave a
-whole state: the finished directory is renamed into paths.staged_update_dir() under a new name,
-then the record staged.json, which names it, is replaced atomically. Whoever reads the record
-sees the previous complete staging or the new one, never a half-staged directory; a power cut
-between the two steps leaves an unnamed directory that the next publish removes.
-
-Nothing here is trusted later: --apply checks the signature and every file's size and SHA-256
-again (verify_in_place), since files on /var can change after they were verified.
+`--download-only` stages as a plain update does (update.download), then publishes in two steps
+that each leave a whole state: the directory is renamed into paths.staged_update_dir() under a new
+name, then staged.json, naming it, is replaced atomically. A power cut between them leaves an
+unnamed directory the next publish removes. --apply trusts none of it: files on /var can change,
+so the signature and every file are checked again (verify_in_place).
 """
 
 from __future__ import annotations
@@ -124,9 +120,8 @@ def discard_if_not_newer(version: str) -> None:
 
 
 def seed(record: Staged | None, index: BundleIndex, work: Path, engine: bool = False) -> None:
-    """Hard-link the files of RECORD (a usable staged update) into WORK when it is the same version:
-    stage() re-hashes them instead of downloading them again (and replaces, never modifies, one that
-    does not match)."""
+    """Hard-link RECORD's files (a usable staged update of the same version) into WORK, so that
+    download.stage() re-hashes them instead of downloading (and replaces, never modifies, a mismatch)."""
     if record is None or record.version != index.version:
         return
     old = directory(record)
