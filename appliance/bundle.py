@@ -18,7 +18,7 @@ from typing import Any
 from appliance import manifest, schema
 from appliance.errors import Refused, UserError
 from appliance.hashing import DIGEST, SHA256
-from appliance.patterns import VERSION
+from appliance.patterns import VERSION, VERSION_FORM
 
 BUNDLE_INDEX = "bundle.json"
 BUNDLE_SIG = "bundle.json.sig"
@@ -141,8 +141,8 @@ class BundleIndex:
     """bundle.json, as the schema loader reads it."""
 
     format: int = field(metadata=schema.check(lambda v: None if v == BUNDLE_FORMAT else f"{BUNDLE_FORMAT}"))
-    version: str = field(metadata=_string(VERSION, "numbers joined by dots"))
-    min_version: str = field(metadata=_string(VERSION, "numbers joined by dots"))
+    version: str = field(metadata=_string(VERSION, VERSION_FORM))
+    min_version: str = field(metadata=_string(VERSION, VERSION_FORM))
     profile: str = field(metadata=schema.check(lambda v: None if v in manifest.PROFILES else "one of " + ", ".join(manifest.PROFILES)))
     engine_digest: str = field(metadata=_string(DIGEST, "sha256: and 64 hex digits"))
     usrhash: str = field(metadata=_string(SHA256, "64 hex digits"))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,7 +17,8 @@ from appliance import caddyfile, paths, schema
 from appliance.config import checks
 from appliance.config.device import from_json, load_image, no_constant
 from appliance.config.model import Config
-from appliance.errors import ConfigError
+from appliance.errors import ConfigError, UserError
+from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
 
 IFNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,14}\Z")  # the kernel's IFNAMSIZ (15) and no '/', ':' or spaces
 MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}\Z")
@@ -92,9 +92,8 @@ class Network:
 
 @dataclass(frozen=True)
 class Ssh:
-    authorized_keys: tuple[str, ...] = field(
-        metadata=schema.each(checks.pattern(checks.SSH_KEY, "an OpenSSH public key line, e.g. ssh-ed25519 AAAA... user@host"))
-    )
+    # each parsed as OpenSSH parses it (checks.ssh_key_blob): the installer's summary fingerprints them
+    authorized_keys: tuple[str, ...] = field(metadata=schema.each(checks.is_ssh_key))
 
 
 @dataclass(frozen=True)
@@ -216,10 +215,14 @@ def load_device(path: Path | None = None, settings: Path | None = None) -> Confi
     plan (SETTINGS, written by appliance-host.service after it verified the plan) where there are."""
     config = load_image(path)
     settings = settings or settings_path()
-    try:
-        data = json.loads(settings.read_text(), parse_constant=no_constant)
-    except FileNotFoundError:
+    try:  # a regular file, capped, bounded JSON: every reader of the configuration reads it
+        raw = read_capped(settings, MAX_RECORD_BYTES, what="the per-host settings", hint=HINT)
+    except UserError as e:
+        raise ConfigError(e.message, hint=e.hint) from None
+    if raw is None:
         return config
-    except (OSError, ValueError) as e:
+    try:
+        data = loads_bounded(raw.decode("utf-8"), parse_constant=no_constant)
+    except ValueError as e:
         raise ConfigError(f"{settings}: not valid JSON ({e})", hint=HINT) from None
     return overlay(config, data, str(settings))

@@ -28,7 +28,8 @@ from appliance.errors import UserError
 from appliance.hashing import DIGEST, SHA256
 from appliance.patterns import MODEL_ID as _MODEL_ID
 from appliance.patterns import REVISION as _REVISION
-from appliance.patterns import VERSION
+from appliance.patterns import VERSION, VERSION_FORM
+from appliance.safe_read import loads_bounded
 
 KINDS = ("overlay", "tuning", "firmware", "diff")
 PROFILES = ("production", "demo")
@@ -95,10 +96,11 @@ def parse_canonical(data: bytes) -> Any:
         )
     try:
         text = data.decode("utf-8")
-        value = json.loads(text, object_pairs_hook=_no_duplicates, parse_float=_no_float, parse_constant=_no_constant)
+        # Depth and number sizes bounded: refused in one line, never a RecursionError or a slow int.
+        value = loads_bounded(text, object_pairs_hook=_no_duplicates, parse_float=_no_float, parse_constant=_no_constant)
     except UnicodeDecodeError:
         raise ManifestError("manifest is not UTF-8", hint="the file is damaged") from None
-    except json.JSONDecodeError as e:
+    except ValueError as e:
         raise ManifestError(f"manifest is not valid JSON ({e})", hint="the file is damaged") from None
     if canonical(value) != data:
         raise ManifestError("manifest is not in canonical form", hint="the file was changed after it was written")
@@ -126,7 +128,13 @@ def _no_constant(text: str) -> Any:
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
-    """1.2 -> (1, 2, 0, 0): versions compare numerically, missing parts are 0."""
+    """1.2 -> (1, 2, 0, 0): versions compare numerically, missing parts are 0. Anything but a
+    VERSION (e.g. a number too long for int()) is refused before any conversion."""
+    if not isinstance(version, str) or not VERSION.fullmatch(version):
+        raise ManifestError(
+            f"version {schema.shown(version, 40)}: expected {VERSION_FORM}, e.g. 1.4.0",
+            hint="the version was not written by this builder",
+        )
     parts = tuple(int(p) for p in version.split("."))
     return parts + (0,) * (4 - len(parts))
 
@@ -204,8 +212,8 @@ class ModelRef:
 class Manifest:
     """The signed release manifest, as the schema loader reads it."""
 
-    version: str = field(metadata=_string(VERSION, "numbers joined by dots, e.g. 1.4.0"))
-    min_version: str = field(metadata=_string(VERSION, "numbers joined by dots, e.g. 1.0.0"))
+    version: str = field(metadata=_string(VERSION, f"{VERSION_FORM}, e.g. 1.4.0"))
+    min_version: str = field(metadata=_string(VERSION, f"{VERSION_FORM}, e.g. 1.0.0"))
     build_time: str = field(metadata=_string(_TIME, "a UTC time such as 2026-08-04T12:00:00Z"))
     profile: str = field(metadata=_one_of(*PROFILES))
     engine_image: EngineImage

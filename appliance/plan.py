@@ -15,10 +15,14 @@ from appliance import host_settings, manifest, schema
 from appliance.config.checks import MAX_GIB
 from appliance.config.model import ConfigLoader
 from appliance.errors import ConfigError, UserError
+from appliance.safe_read import read_capped
 
 PLAN_JSON = "plan.json"
 PLAN_SIG = "plan.json.sig"
+# The largest signed plan (plan.json): `builder plan` signs none larger, the installer and the device
+# read none larger.
 MAX_PLAN_BYTES = 256 * 1024
+MAX_PLAN_SIG_BYTES = 4096  # the written form is 89 bytes
 
 _SERIAL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._:/+-]{0,63}\Z")
 _WWN = re.compile(r"^(0x[0-9a-f]{16}([0-9a-f]{16})?|eui\.[0-9a-f]{16,32}|nvme\.[0-9a-f-]{8,120}|naa\.[0-9a-f]{16,32})\Z")
@@ -72,9 +76,16 @@ def _cross_checks(where: str, plan: Plan) -> None:
             raise ConfigError(f"{where}: target.min_size_gib is larger than target.max_size_gib", hint="swap them")
 
 
+class _PlanLoader(ConfigLoader):
+    """Worded as appliance.toml's faults; no control character in any string (each reaches the
+    installer's console, a networkd file or authorized_keys)."""
+
+    printable = True
+
+
 def from_plain(data: Any, where: str) -> Plan:
     """DATA (a parsed TOML or JSON document) as a Plan, checked."""
-    plan: Plan = ConfigLoader(Path(where)).load(Plan, data)  # worded as appliance.toml's faults
+    plan: Plan = _PlanLoader(Path(where)).load(Plan, data)
     _cross_checks(where, plan)
     return plan
 
@@ -106,10 +117,14 @@ def dumps(plan: Plan, signer: str) -> bytes:
     return manifest.canonical(to_document(plan, signer))
 
 
-def sign(plan: Plan, private_key_path: Path) -> tuple[bytes, bytes]:
-    """(plan.json bytes, plan.json.sig bytes) signed with the release key at PRIVATE_KEY_PATH."""
+def sign(plan: Plan, private_key_path: Path, where: str = "the install plan") -> tuple[bytes, bytes]:
+    """(plan.json bytes, plan.json.sig bytes) signed with the release key at PRIVATE_KEY_PATH; a plan
+    whose signed form is larger than the device reads (MAX_PLAN_BYTES) is refused, not signed."""
     key = manifest.load_private_key(private_key_path)
     data = dumps(plan, manifest.key_id(key.public_key()))
+    if len(data) > MAX_PLAN_BYTES:
+        raise ConfigError(f"{where}: signed, the plan would be {len(data)} bytes, more than the {MAX_PLAN_BYTES} the appliance reads",
+                          hint="make it smaller: fewer or shorter SSH keys and comments")
     return data, manifest.encode_signature(key.sign(data))
 
 
@@ -143,11 +158,16 @@ def load_signed(directory: Path, trusted_keys_dir: Path) -> Plan | None:
     """The verified plan in DIRECTORY (plan.json + plan.json.sig); None when there is no plan.
     A plan without its signature, or with a bad one, is refused: nothing unsigned is used."""
     data_path, sig_path = directory / PLAN_JSON, directory / PLAN_SIG
-    if not data_path.exists() and not sig_path.exists():
-        return None
+    # Regular files only, capped before reading: a FIFO or a link to /dev/zero must not hang the boot.
+    hint = "put the signed plan there: python3 -m builder plan PLAN.toml writes plan.json and plan.json.sig"
     try:
-        data, sig = data_path.read_bytes(), sig_path.read_bytes()
-    except FileNotFoundError as e:
-        raise PlanRefused(f"{e.filename}: missing (a plan needs plan.json and plan.json.sig)",
-                          hint="sign the plan: python3 -m builder plan PLAN.toml") from None
+        data = read_capped(data_path, MAX_PLAN_BYTES, what="an install plan", hint=hint)
+        sig = read_capped(sig_path, MAX_PLAN_SIG_BYTES, what="a plan's signature", hint=hint)
+    except UserError as e:
+        raise PlanRefused(e.message, hint=e.hint) from None
+    if data is None and sig is None:
+        return None
+    if data is None or sig is None:
+        raise PlanRefused(f"{data_path if data is None else sig_path}: missing (a plan needs plan.json and plan.json.sig)",
+                          hint="sign the plan: python3 -m builder plan PLAN.toml")
     return verify(data, sig, trusted_keys_dir, str(data_path))

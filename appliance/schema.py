@@ -13,8 +13,8 @@ carry "format" (the class's FORMAT); a file without it, from older releases, loa
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -22,11 +22,14 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from appliance.errors import UserError
+from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
 
 # Each check returns None when the value is good, else what a good value is ("a DNS name ...").
 Check = Callable[[Any], str | None]
 
 MAX_INT = 2**31 - 1
+# C0, DEL and C1: refused in every string of a `printable` document (Loader.printable)
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def check(fn: Check) -> dict[str, Any]:
@@ -74,7 +77,10 @@ class Loader:
     """Walk a dataclass tree over parsed data. Subclasses word the faults for their document.
 
     By default the first fault is raised. With `collect` (a list), every fault is appended to it
-    and `load` returns None when there was any: `validate` reports them all in one run."""
+    and `load` returns None when there was any: `validate` reports them all in one run.
+    A `printable` document (the install plan) has no control character in any string."""
+
+    printable: ClassVar[bool] = False
 
     def __init__(self, where: str, collect: list[UserError] | None = None, lenient: bool = False) -> None:
         self.where = where
@@ -179,6 +185,8 @@ class Loader:
             ok = -MAX_INT <= value <= 10**15
         if not ok:
             raise self.invalid(key, value, type_name(tp) + (" (finite, at most 15 digits)" if tp in (int, float) else ""))
+        if self.printable and tp is str and CONTROL.search(value):
+            raise self.invalid(key, value, "text without control characters (C0, DEL, C1)")
         fn = meta.get("check")
         if fn is not None and (hint := fn(value)) is not None:
             raise self.invalid(key, value, hint)
@@ -234,17 +242,14 @@ def from_json(cls: type[R], data: Any, where: str, *, lenient: bool) -> R:
 def load_record(cls: type[R], path: Path, *, lenient: bool) -> R | None:
     """The record at PATH, None when there is no file; UserError (one line) when it cannot be read
     or is not a CLS."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
+    damaged = "the file is damaged: remove it, the command that writes it writes it again"
+    raw = read_capped(path, MAX_RECORD_BYTES, what="a record", hint=damaged)
+    if raw is None:
         return None
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})", hint="check the file's permissions") from None
     try:
-        data = json.loads(text)
+        data = loads_bounded(raw.decode("utf-8"))
     except ValueError as e:
-        raise UserError(f"{path}: not JSON ({e})".splitlines()[0], hint="the file is damaged: remove it, "
-                        "the command that writes it writes it again") from None
+        raise UserError(f"{path}: not JSON ({e})".splitlines()[0], hint=damaged) from None
     return from_json(cls, data, str(path), lenient=lenient)
 
 

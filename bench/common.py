@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+from appliance.errors import UserError
 from builder.run import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,3 +59,31 @@ def undo(mounts: list[Path], loop: str, work: Path) -> None:
     if loop:
         subprocess.run(["losetup", "-d", loop], check=False)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def run_benches(benches: Sequence[Callable[[Any], object]], config: Any, only: str = "") -> int:
+    """Run each of BENCHES (ONLY: comma-separated names, only those) on CONFIG. A benchmark that
+    raises does not stop the others; each one not measured is named, and the run then fails (1).
+    ONLY naming no benchmark is a usage fault (2): a run that measures nothing must not pass."""
+    names = [b.__name__ for b in benches]
+    wanted = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        print(f"BENCH_ONLY: no benchmark {', '.join(unknown)}", file=sys.stderr)
+        print(f"hint: one of: {', '.join(names)}", file=sys.stderr)
+        return 2
+    failed = []
+    for bench in benches:
+        if wanted and bench.__name__ not in wanted:
+            continue
+        try:
+            bench(config)
+        except Exception as e:  # a benchmark that cannot run says so and the others still run
+            why = e.message if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+            print(f"{bench.__name__}: not measured: {why}".splitlines()[0])
+            failed.append(bench.__name__)
+        sys.stdout.flush()
+    if failed:
+        print(f"bench: {len(failed)} figure(s) not measured: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0

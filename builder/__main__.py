@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from appliance import config as config_model
 from appliance.errors import UserError, run_reporting
@@ -122,6 +123,51 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def project_version() -> str:
+    """The project's version (pyproject.toml beside builder/)."""
+    import tomllib
+
+    try:
+        version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unknown"
+    return version if isinstance(version, str) else "unknown"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Remembers its arguments, so that --version sees a --config or --profile given after it."""
+
+    argv: tuple[str, ...] = ()
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self.argv = tuple(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+
+class _Version(argparse.Action):
+    """--version: the project's version and the configuration's appliance.version, then exit."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kw: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the builder's version and the configuration's appliance.version, and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, *args: object, **kw: object) -> None:
+        options = argparse.ArgumentParser(prog=parser.prog, add_help=False)
+        global_options(options, top=True)
+        known, _ = options.parse_known_args(list(getattr(parser, "argv", ())), argparse.Namespace(**vars(namespace)))
+
+        def report() -> int:
+            try:
+                config = config_model.load(Path(known.config), known.profile)
+            except UserError:
+                print(f"builder {project_version()}")  # the configuration's fault follows on stderr
+                raise
+            print(f"builder {project_version()}; {known.config} ({config.profile}): appliance.version {config.appliance.version}")
+            return 0
+
+        parser.exit(run_reporting(report, prefix="error: ", debug=known.debug))
+
+
 def global_options(parser: argparse.ArgumentParser, top: bool) -> None:
     """Options valid before or after the command: defaults on the top parser, SUPPRESS on each
     command's parser so that an absent option does not reset them."""
@@ -137,7 +183,8 @@ def global_options(parser: argparse.ArgumentParser, top: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python3 -m builder", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python3 -m builder", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action=_Version)
     global_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 

@@ -19,7 +19,7 @@ from appliance.atomic import atomic_write, replace_dir
 
 def write(plan_toml: Path, key: Path, output: Path) -> plan_model.Plan:
     plan = plan_model.load_toml(plan_toml)
-    data, sig = plan_model.sign(plan, key)
+    data, sig = plan_model.sign(plan, key, str(plan_toml))  # refuses what the device would (MAX_PLAN_BYTES)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     atomic_write(tmp / plan_model.PLAN_JSON, data)

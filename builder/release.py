@@ -19,11 +19,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle, manifest, progress
+from appliance import bundle, manifest, progress, schema
 from appliance.atomic import replace_dir
 from appliance.config import Config
 from appliance.errors import UserError
 from appliance.hashing import CHUNK, sha256_file
+from appliance.patterns import VERSION
 from builder.run import run
 
 
@@ -210,6 +211,13 @@ def _read(path: Path) -> bytes:
 # ----------------------------------------------------------------------------------- CLI glue
 
 
+def _is_dir(name: str) -> bool:
+    try:
+        return Path(name).is_dir()
+    except OSError:  # e.g. a name too long to be a path
+        return False
+
+
 def cmd_release(args: argparse.Namespace) -> int:
     from appliance import config as config_model
     from builder import build
@@ -221,13 +229,18 @@ def cmd_release(args: argparse.Namespace) -> int:
     previous: Path | list[str] | None = None
     previous_version = None
     if args.previous:
-        if Path(args.previous).is_dir():
+        if _is_dir(args.previous):
             previous = Path(args.previous)
-        else:
+        elif VERSION.fullmatch(args.previous):
             previous_version = args.previous
+        else:
+            raise UserError(
+                f"--previous {schema.shown(args.previous)}: no such bundle directory, and not a version",
+                hint="give the previous release's bundle directory (out/bundles/PROFILE-VERSION) or its version, e.g. --previous 1.0.0",
+            )
     if args.engine_digest:
         previous = [*(previous if isinstance(previous, list) else []), *args.engine_digest]
-        if args.previous and Path(args.previous).is_dir():
+        if args.previous and _is_dir(args.previous):
             raise UserError("--engine-digest and a --previous bundle directory exclude each other", hint="give one of them")
     index = make_bundle(config, out, bundle, key, previous, previous_version, with_install_image=args.install_image)
     total = sum(f.size for f in index.files)

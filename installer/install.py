@@ -25,6 +25,7 @@ from typing import Any
 
 from appliance import bundle, manifest, paths
 from appliance import plan as plan_model
+from appliance.config import checks
 from appliance.errors import UserError
 from appliance.run import run
 from installer import disks, select
@@ -174,8 +175,9 @@ def bundle_esp() -> str:
 
 
 def ssh_fingerprint(key_line: str) -> str:
-    """OpenSSH's SHA256 fingerprint of an authorized key line (as ssh-keygen -l prints it)."""
-    blob = base64.b64decode(key_line.split()[1])
+    """OpenSSH's SHA256 fingerprint of an authorized key line (as ssh-keygen -l prints it); the plan's
+    keys were parsed as OpenSSH parses them when it was loaded (checks.ssh_key_blob)."""
+    blob = checks.ssh_key_blob(key_line)[1]
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
@@ -194,7 +196,7 @@ def summary(choice: select.Choice, payload: Payload, plan: plan_model.Plan, step
     if net and net.bond:
         lines.append(f" links       bond {net.bond} over {', '.join(net.interfaces)}" + (f", VLAN {net.vlan}" if net.vlan else ""))
     keys = plan.ssh.authorized_keys if plan.ssh else ()
-    lines.append(f" SSH keys    {len(keys)}" + "".join(f"\n             {ssh_fingerprint(k)} {' '.join(k.split()[2:])}" for k in keys))
+    lines.append(f" SSH keys    {len(keys)}" + "".join(f"\n             {ssh_fingerprint(k)} {checks.ssh_key_blob(k)[2]}" for k in keys))
     lines += [
         f" release key {signer} (signed the release and this plan)",
         f" /usr        {payload.usrhash[:32]}...",

@@ -133,6 +133,29 @@ def test_version_is_the_release_version(tmp_path: Path, monkeypatch: pytest.Monk
     assert capsys.readouterr().out == "applianctl 1.2.2\n"
 
 
+@pytest.mark.parametrize("argv", [["--version", "--profile", "demo"], ["--profile", "demo", "--version"]])
+def test_builder_version_names_the_project_and_the_configuration(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        builder_main.main(argv)
+    assert e.value.code == 0
+    from appliance import config as config_model
+
+    version = config_model.load(ROOT / "appliance.toml", "demo").appliance.version
+    out = capsys.readouterr().out
+    assert out == f"builder {applianctl.__version__}; {ROOT / 'appliance.toml'} (demo): appliance.version {version}\n"
+    # `build --version V` is still the release version to build as, not this option
+    assert builder_main.build_parser().parse_args(["build", "--version", "1.2.3"]).version == "1.2.3"
+
+
+def test_builder_version_with_a_missing_configuration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        builder_main.main(["--version", "--config", str(tmp_path / "nonesuch.toml")])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == f"builder {applianctl.__version__}\n"
+    assert "nonesuch.toml: no such file" in err and "hint: " in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("verb", ["start", "stop", "restart"])
 def test_start_stop_restart(verb: str) -> None:
     args = applianctl_main.build_parser().parse_args([verb, "proxy"])

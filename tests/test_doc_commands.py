@@ -89,7 +89,7 @@ def _make_targets() -> set[str]:
 @pytest.mark.parametrize(("where", "command"), COMMANDS, ids=[c for _, c in COMMANDS])
 def test_command_works_as_printed(where: str, command: str) -> None:
     words = shlex.split(command)
-    if "--help" in words or words[1:] == ["--version"]:
+    if "--help" in words or words[1:] == ["--version"] or words[:4] == ["python3", "-m", "builder", "--version"]:
         on_device = words[0] == "applianctl"
         parser = applianctl_main.build_parser() if on_device else builder_main.build_parser()
         with pytest.raises(SystemExit) as e:  # argparse prints the help (or version) and exits 0
@@ -139,3 +139,22 @@ def test_render_lists_only_templates_that_render(profile: str) -> None:
         )
         assert out.returncode == 0, f"render {name} --profile {profile}: {out.stderr}"
         assert out.stdout.strip() and "Traceback" not in out.stderr
+
+
+def _plan_examples() -> list[str]:
+    return re.findall(r"```toml\n(.*?)```", (ROOT / "docs" / "install.md").read_text(), re.S)
+
+
+def test_install_md_has_a_plan_example() -> None:
+    assert _plan_examples(), "docs/install.md: no ```toml plan block found"
+
+
+@pytest.mark.parametrize("index", range(len(_plan_examples())))
+def test_the_plan_examples_in_install_md_are_valid_plans(index: int, tmp_path: Path) -> None:
+    # `python3 -m builder plan` reads the file with this loader: the example must pass it as written.
+    from appliance import plan as plan_model
+
+    path = tmp_path / "gpu-07.toml"
+    path.write_text(_plan_examples()[index])
+    plan = plan_model.load_toml(path)
+    assert plan.ssh is not None and plan.ssh.authorized_keys

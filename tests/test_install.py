@@ -8,16 +8,17 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import plan_values
 import pytest
 
 from appliance import host_settings
 from appliance import plan as plan_model
 from appliance.errors import UserError
-from installer import install, select
+from installer import disks, install, select
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "disks"
 USRHASH = "a" * 32 + "b" * 32
@@ -176,3 +177,94 @@ def test_the_disk_must_hold_engine_slot_b_as_the_configuration_sizes_it(tmp_path
         extra = install.layout_extra(definitions) - install.LAYOUT_EXTRA
         assert slot < extra <= slot + max(slot // 100, 1 << 20), (profile, extra)  # the slot and its hash tree
     assert install.layout_extra(tmp_path / "none") == install.LAYOUT_EXTRA
+
+
+# ------------------------------------------------------------------------------ after the first write
+
+
+def test_every_plan_field_at_its_most_hostile_goes_through_the_install_and_its_summary(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing after bmaptool's first write may fail on a plan value: a plan with every field set to
+    the longest or strangest value the plan accepts installs, and its summary renders."""
+    plan = plan_model.from_plain(plan_values.HOSTILE, "plan.json")
+    assert plan_values.every_field_set(plan) == []  # a field added to the plan is added to HOSTILE too
+    target = plan.target
+    assert target is not None
+    disk = _as_spare_disk(_host_listing(), WRITTEN)
+    vda = next(n for n in disk["blockdevices"] if n["name"] == "vda")
+    vda.update(serial=target.serial, model=target.model, wwn=target.wwn)  # the disk the plan names by all four
+    udev = {"/dev/vda": {"ID_PATH": target.by_path.removeprefix("/dev/disk/by-path/")}}
+    rec = Recorder({"blockdevices": [vda]})
+    monkeypatch.setattr(install.shutil, "copyfile", lambda src, dst: None)
+    _, plan_dir = _plan(tmp_path)
+    out: list[str] = []
+    listing = _as_spare_disk(_host_listing())
+    spare = next(n for n in listing["blockdevices"] if n["name"] == "vda")
+    spare.update(serial=target.serial, model=target.model, wwn=target.wwn)
+    status = install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(listing, udev), boot_partuuid="",
+                             signer="0123456789abcdef", reboot=False, out=out.append)
+    assert status == 0 and rec.calls[0][0] == "bmaptool"
+    page = out[-1]
+    page.encode("utf-8")  # printable on the console as it is
+    assert not [c for c in page if c != "\n" and (ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f)]
+    assert plan.hostname in page and plan.network is not None and all(a in page for a in plan.network.addresses)
+    assert plan.ssh is not None and f"SSH keys    {len(plan.ssh.authorized_keys)}" in page
+    for key, comment in zip(plan.ssh.authorized_keys, [*plan_values.COMMENTS, ""], strict=True):
+        assert f"{install.ssh_fingerprint(key)} {comment.lstrip(' ')}\n" in page + "\n"  # OpenSSH's comment: after the spaces
+    # and a plan that sets nothing but the target
+    choice = select.choose(disks.from_lsblk(listing, udev), target, boot_partuuid="", required_bytes=1, version="1.0.0")
+    bare = plan_model.Plan(target=target)
+    assert "SSH keys    0" in install.summary(choice, _payload(tmp_path), bare, [], 1.0, "?")
+
+
+# ------------------------------------------------------------------------------ the plan's signature
+
+
+REAL_INSTALL = install.install
+
+
+def _main(tmp_path: Path, plan_dir: Path, monkeypatch: pytest.MonkeyPatch, trusted: Path) -> tuple[int, Recorder]:
+    """python3 -m installer --medium --plan PLAN_DIR with this test's runner and listing in place of the tools."""
+    from installer import __main__ as installer_main
+
+    rec = Recorder({"blockdevices": [next(n for n in _as_spare_disk(_host_listing(), WRITTEN)["blockdevices"] if n["name"] == "vda")]})
+    monkeypatch.setattr(install.shutil, "copyfile", lambda src, dst: None)
+    monkeypatch.setattr(installer_main.paths, "TRUSTED_KEYS_DIR", trusted)
+    monkeypatch.setattr(install, "load_payload", lambda medium, keys: _payload(tmp_path))
+    monkeypatch.setattr(install, "install", lambda *a, **kw: REAL_INSTALL(
+        *a, **kw, runner=rec, listing=(_as_spare_disk(_host_listing()), {}), boot_partuuid="", out=lambda _: None))
+    status = installer_main.main(["--medium", str(tmp_path), "--plan", str(plan_dir), "--no-reboot"])
+    return status, rec
+
+
+def test_the_installer_writes_nothing_for_a_plan_it_does_not_trust(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from builder import keys
+
+    private, public = keys.generate(tmp_path / "keys")
+    other, _ = keys.generate(tmp_path / "other")
+    trusted = tmp_path / "trusted"
+    trusted.mkdir()
+    shutil.copy(public, trusted / "release.pub")
+    plan, _ = _plan(tmp_path)
+
+    def plan_dir(name: str, key: Path, change: Callable[[bytes], bytes] = lambda d: d, sig: bool = True) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        data, signature = plan_model.sign(plan, key)
+        (d / plan_model.PLAN_JSON).write_bytes(change(data))
+        if sig:
+            (d / plan_model.PLAN_SIG).write_bytes(signature)
+        return d
+
+    status, rec = _main(tmp_path, plan_dir("good", private), monkeypatch, trusted)
+    assert status == 0 and rec.calls[0][:2] == ["bmaptool", "copy"]  # this harness does reach the writes
+
+    for d, said in [
+        (plan_dir("another-key", other), "not signed by a key this release trusts"),
+        (plan_dir("changed", private, lambda d: d.replace(b"gpu-07", b"gpu-08")), "not signed by a key this release trusts"),
+        (plan_dir("unsigned", private, sig=False), "plan.json.sig: missing"),
+    ]:
+        status, rec = _main(tmp_path, d, monkeypatch, trusted)
+        assert status == 2 and rec.calls == [], d.name  # refused before the disks are even listed
+        assert said in capsys.readouterr().err, d.name

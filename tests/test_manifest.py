@@ -422,3 +422,16 @@ def test_manifest_copy_is_not_mutated_by_dumps(keypair: tuple[Path, Path]) -> No
     before = copy.deepcopy(m)
     manifest.dumps(m)
     assert m == before
+
+
+@pytest.mark.parametrize("version", ["1" * 5000, "1" * 10, "1.2.3.4.5", "", "1.x", "1..2", " 1"])
+def test_version_tuple_refuses_what_is_not_a_version_before_int(version: str) -> None:
+    # 5,000 digits is past Python's int-string limit: one refusal, never a ValueError traceback
+    with pytest.raises(manifest.ManifestError, match="expected up to four numbers of up to 9 digits") as e:
+        manifest.version_tuple(version)
+    assert "\n" not in e.value.message and len(e.value.message) < 200 and e.value.hint
+
+
+def test_version_tuple_of_versions() -> None:
+    assert manifest.version_tuple("1.2") == (1, 2, 0, 0)
+    assert manifest.version_tuple("999999999.0.0.1") == (999999999, 0, 0, 1)

@@ -4,20 +4,29 @@ without a complaint (run in a private mount and network namespace on this host).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
 import subprocess
 import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+from plan_values import HOSTILE, string_fields, string_leaves
 
 from appliance import config as config_model
+from appliance import host_settings, manifest
 from appliance import plan as plan_model
-from appliance.errors import ConfigError
+from appliance.errors import ConfigError, UserError
+from appliance.host_settings import Update
+from appliance.schema import CONTROL
 from applianctl import host
 from builder import keys
+from builder import plan as builder_plan
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIK0wmN/Cr3JXqmLW7u+g9pTh+wyqDHpSQEIQczXkVx9q ops@example.net"
@@ -296,3 +305,103 @@ def test_status_part_host_follows_what_apply_wrote(tmp_path: Path, release_keys:
     refused = probes_host.probe_host(config, src, result)
     assert refused.state == probes.DEGRADED and "not signed by a key this release trusts" in refused.reason
     assert refused.details["settings"]["hostname"] == config.os.hostname  # the image's defaults apply
+
+
+# ------------------------------------------------------------------------------ control characters
+
+
+def _with(doc: dict[str, Any], n: int, f: Callable[[str], str]) -> dict[str, Any]:
+    """DOC with its Nth string (plan_values.string_leaves' order) replaced by F of it."""
+    doc = copy.deepcopy(doc)
+    _, container, index = list(string_leaves(doc))[n]
+    container[index] = f(container[index])  # type: ignore[index]
+    return doc
+
+
+@pytest.mark.parametrize("char", ["\x00", "\x0b", "\x1b", "\x1f", "\x7f", "\x80", "\x85", "\x9b", "\x9f"])
+def test_a_control_character_in_any_string_of_the_plan_is_refused(char: str) -> None:
+    leaves = list(string_leaves(HOSTILE))
+    assert {key.split("[")[0] for key, _, _ in leaves} == string_fields()  # every string field of the plan is tried
+    assert plan_model.from_plain(HOSTILE, "plan.json")
+    for n, (key, _, _) in enumerate(leaves):
+        for f in (lambda v: v + char, lambda v: v[:1] + char + v[1:]):
+            with pytest.raises(ConfigError) as e:
+                plan_model.from_plain(_with(HOSTILE, n, f), "plan.json")
+            # refused by the loader's walk over every string, whatever the field's own check says
+            assert f"plan.json: {key} = " in e.value.message and "text without control characters" in e.value.hint, key
+            assert not CONTROL.search(e.value.message + e.value.hint)  # shown escaped, never raw on a console
+
+
+def test_the_walk_refuses_control_characters_where_no_field_check_would() -> None:
+    from appliance import schema
+
+    @dataclass(frozen=True)
+    class Free:
+        text: str = ""
+        texts: tuple[str, ...] = ()
+        inner: Update | None = None
+
+    doc = {"text": "a\x1bb", "texts": ["ok"], "inner": {"url": ""}}
+    assert schema.Loader("doc").load(Free, doc).text == "a\x1bb"  # an unchecked field takes anything...
+    for bad in (doc, {"texts": ["ok", "\x00"]}, {"inner": {"url": "\x85"}}):
+        with pytest.raises(UserError, match="invalid") as e:  # ...but not in a printable document
+            plan_model._PlanLoader(Path("doc")).load(Free, bad)
+        assert "control characters" in e.value.hint
+
+
+@pytest.mark.parametrize("char", ["\x0b", "\x00", "\x1b"])
+def test_a_key_with_a_control_character_is_refused_from_toml_and_from_a_signed_plan(
+        tmp_path: Path, release_keys: tuple[Path, Path], char: str) -> None:
+    escaped = f"\\u{ord(char):04x}"
+    with pytest.raises(ConfigError, match=r"ssh.authorized_keys\[0\]"):
+        _plan(tmp_path, f'[ssh]\nauthorized_keys = ["{KEY}{escaped}[2J"]')
+    # signed as it is (a Plan made in code skips the loader): the device still refuses it
+    private, trusted = release_keys
+    plan = plan_model.Plan(ssh=host_settings.Ssh(authorized_keys=(f"{KEY}{char}[2J",)))
+    data, sig = plan_model.sign(plan, private)
+    with pytest.raises(ConfigError, match=r"ssh.authorized_keys\[0\]"):
+        plan_model.verify(data, sig, trusted)
+
+
+# ------------------------------------------------------------------------------ size
+
+
+def test_builder_plan_signs_the_largest_plan_the_device_reads_and_no_larger(
+        tmp_path: Path, release_keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    private, trusted = release_keys
+    key = manifest.load_private_key(private)
+    signer = manifest.key_id(key.public_key())
+
+    def toml(comment_bytes: int) -> Path:
+        path = tmp_path / f"plan-{comment_bytes}.toml"
+        path.write_text(f'[ssh]\nauthorized_keys = ["{KEY} {"x" * comment_bytes}"]\n')
+        return path
+
+    exact = plan_model.MAX_PLAN_BYTES - len(plan_model.dumps(plan_model.load_toml(toml(1)), signer)) + 1
+    out = tmp_path / "signed"
+    plan = builder_plan.write(toml(exact), private, out)
+    assert len((out / plan_model.PLAN_JSON).read_bytes()) == plan_model.MAX_PLAN_BYTES
+    assert plan_model.load_signed(out, trusted) == plan  # the device reads the largest plan builder signs
+
+    # a byte more: `builder plan` refuses it, writing nothing (it was signed, then refused by the device)
+    with pytest.raises(ConfigError, match=f"more than the {plan_model.MAX_PLAN_BYTES} the appliance reads") as e:
+        builder_plan.write(toml(exact + 1), private, tmp_path / "too-large")
+    assert "\n" not in e.value.message and e.value.hint and e.value.exit_status == 2
+    assert not (tmp_path / "too-large").exists()
+    # and the device refuses a plan that large even when a trusted key signed it
+    big = plan_model.dumps(plan_model.load_toml(toml(exact + 1)), signer)
+    big_sig = manifest.encode_signature(key.sign(big))
+    with pytest.raises(plan_model.PlanRefused, match=f"{len(big)} bytes, more than {plan_model.MAX_PLAN_BYTES}"):
+        plan_model.verify(big, big_sig, trusted)
+    (out / plan_model.PLAN_JSON).write_bytes(big)
+    (out / plan_model.PLAN_SIG).write_bytes(big_sig)
+    with pytest.raises(plan_model.PlanRefused, match="more than"):
+        plan_model.load_signed(out, trusted)
+
+    # one constant: lowered, both sides follow
+    monkeypatch.setattr(plan_model, "MAX_PLAN_BYTES", plan_model.MAX_PLAN_BYTES - 1)
+    with pytest.raises(ConfigError, match="more than"):
+        builder_plan.write(toml(exact), private, tmp_path / "lowered")
+    data = plan_model.dumps(plan, signer)
+    with pytest.raises(plan_model.PlanRefused, match="more than"):
+        plan_model.verify(data, manifest.encode_signature(key.sign(data)), trusted)

@@ -178,3 +178,21 @@ def test_the_release_command_summarises_the_bundle_and_reports_progress(
     total = sum(f.size for f in index.files)
     assert stdout == f"bundle {version} (demo) at {b}: {len(index.files)} files, {total} bytes, without an engine image\n"
     assert [line.split(":")[0] for line in stderr.splitlines()] == ["copying payloads", "hashing payloads"]
+
+
+@pytest.mark.parametrize("previous", ["out/bundles/demo-1.0.0", "1.0.0-rc1", "1" * 5000])
+def test_a_previous_that_is_neither_a_bundle_directory_nor_a_version_is_one_line(
+    tmp_path: Path, signing: tuple[Path, Path], capsys: pytest.CaptureFixture[str], previous: str
+) -> None:
+    from builder.__main__ import main
+
+    key, _ = signing
+    config = demo_config("2.0.0")
+    out = fake_build(tmp_path / "out", config, key)
+    argv = ["--profile", "demo", "release", "--build-output", str(out), "--signing-key", str(key),
+            "--output", str(tmp_path / "b"), "--previous", str(tmp_path / previous) if "/" in previous else previous]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("error: --previous '") and "no such bundle directory" in err[0]
+    assert err[1].startswith("hint: ") and "--previous 1.0.0" in err[1]
+    assert not (tmp_path / "b").exists()

@@ -70,10 +70,27 @@ def test_fails_when_the_model_is_not_served(
     assert f"does not list other/model (it lists {MODEL})" in out
 
 
-def test_fails_when_nothing_listens(configured: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    code, out = run(monkeypatch, args(url=f"http://127.0.0.1:{free_port()}"))
+def test_fails_when_nothing_listens(configured: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    code, out = run(monkeypatch, args(url=url))
     assert code == 1
-    assert "FAILED" in out and "ConnectionError" in out
+    assert out == f"FAILED: could not reach {url} (GET /v1/models): Connection refused\n"
+    assert capsys.readouterr().err == f"hint: is anything serving at {url}? `applianctl status` shows the engine and the proxy\n"
+
+
+def test_the_proxy_not_listening_is_one_line_and_a_hint(configured: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # the default target: the local proxy's HTTPS port, here one nothing listens on
+    port = free_port()
+    config = dict(configured)
+    config["proxy"] = {**configured["proxy"], "https_port": port}
+    (Path(os.environ["APPLIANCE_CONFIG"])).write_text(json.dumps(config))
+    code, out = run(monkeypatch, args())
+    assert code == 1
+    assert out == f"FAILED: could not reach https://127.0.0.1:{port} (GET /v1/models): Connection refused\n"
+    assert capsys.readouterr().err == "hint: is the proxy running? `applianctl status`, `applianctl logs proxy`\n"
+    assert "ConnectionError" not in out and "HTTPSConnectionPool" not in out
 
 
 # ----------------------------------------------------------------------------------- TLS

@@ -333,6 +333,22 @@ def test_an_unknown_file_in_the_index_is_refused_before_any_download(tmp_path: P
     _refused(device, str(b), trusted, "not that of a release bundle")
 
 
+@pytest.mark.parametrize("key_name", ["version", "min_version"])
+def test_a_signed_index_with_a_5000_digit_version_is_one_refusal(tmp_path: Path, device: Device, signing: Any,
+                                                                 key_name: str) -> None:
+    # past Python's int-string limit (4300 digits): refused by the index's schema, never a ValueError
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    index = json.loads((b / "bundle.json").read_text())
+    index[key_name] = "9" * 5000
+    data = manifest.canonical(index)
+    (b / "bundle.json").write_bytes(data)
+    (b / "bundle.json.sig").write_bytes(manifest.encode_signature(manifest.load_private_key(key).sign(data)))
+    with pytest.raises(Refused, match=f"bundle.json: {key_name} = '9+\\.\\.\\.: expected up to four numbers of up to 9 digits"):
+        bundle_format.verify_index(data, (b / "bundle.json.sig").read_bytes(), trusted)
+    _refused(device, str(b), trusted, "expected up to four numbers of up to 9 digits")
+
+
 def test_a_half_written_slot_is_relabelled_and_written_again(tmp_path: Path, device: Device, signing: Any) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")

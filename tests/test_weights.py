@@ -513,6 +513,32 @@ def test_model_fetch_and_verify_commands(device: tuple[Path, wm.WeightsManifest,
     assert probes_weights.probe_weights(_config()).state == probes.NOT_CONFIGURED
 
 
+def test_model_fetch_where_no_appliance_is_installed_names_the_missing_configuration(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from appliance import paths
+    from applianctl.__main__ import main
+
+    monkeypatch.setenv("APPLIANCE_CONFIG", str(tmp_path / "lib/appliance.json"))
+    for name, value in {"LIB_DIR": tmp_path / "lib", "RUN_DIR": tmp_path / "run", "STATE_DIR": tmp_path / "state",
+                        "MANIFEST": tmp_path / "lib/manifest.json"}.items():
+        monkeypatch.setattr(paths, name, value)
+    assert main(["model", "fetch", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"applianctl: {tmp_path / 'lib/appliance.json'}: no appliance configuration"
+    assert err[1].startswith("hint: ") and len(err) == 2
+    assert "pins no weights" not in "\n".join(err)
+
+
+def test_model_fetch_on_an_image_without_weights_says_so(device: tuple[Path, wm.WeightsManifest, Path],
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from appliance import paths
+    from applianctl.__main__ import main
+
+    (paths.LIB_DIR / "weights.json").unlink()
+    assert main(["model", "fetch", str(device[0])]) == 2
+    assert "this image pins no weights" in capsys.readouterr().err
+
+
 def _config() -> Any:
     from appliance.host_settings import load_device
 
@@ -553,3 +579,33 @@ def test_sources_https_only_and_ca_for_https_only(tmp_path: Path) -> None:
     plain = model_fetch.open_source("https://mirror.test/weights/", None, "auto", MODEL, REV)
     assert isinstance(hub, model_fetch.HttpsSource) and isinstance(plain, model_fetch.HttpsSource)
     assert (hub.name("sub/a b.safetensors"), plain.name("config.json")) == (f"resolve/{REV}/sub/a%20b.safetensors", "config.json")
+
+
+@pytest.mark.parametrize(
+    ("err", "kernel_has_it", "message", "hint"),
+    [
+        (errno.ENOTTY, True, "its file system type does not implement fs-verity", "findmnt -T"),
+        (errno.EOPNOTSUPP, False, "the running kernel has no fs-verity (built without CONFIG_FS_VERITY)", "CONFIG_FS_VERITY=y"),
+        (errno.EOPNOTSUPP, True, "its file system does not have the ext4 verity feature turned on", "appliance-var-verity.service"),
+    ],
+)
+def test_sealing_where_fs_verity_is_missing_says_which_part_lacks_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int, kernel_has_it: bool, message: str, hint: str) -> None:
+    from applianctl.model import seal
+
+    feature = tmp_path / "sys-fs-ext4-features-verity"
+    if kernel_has_it:
+        feature.write_text("supported\n")
+    monkeypatch.setattr(seal, "EXT4_VERITY_FEATURE", feature)
+
+    def ioctl(*args: Any) -> None:
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(seal.fcntl, "ioctl", ioctl)
+    target = tmp_path / "w.safetensors"
+    target.write_bytes(b"x")
+    with pytest.raises(UserError) as e:
+        seal.Kernel().enable(target)
+    assert e.value.message == f"{target}: {message}" and hint in e.value.hint
+    if not kernel_has_it:  # a kernel without fs-verity is not helped by the ext4 feature or a reboot
+        assert "reboot" not in e.value.hint and "appliance-var-verity" not in e.value.hint

@@ -5,6 +5,8 @@ Each check returns None when the value is good, else a hint saying what a good v
 
 from __future__ import annotations
 
+import base64
+import binascii
 import ipaddress
 import re
 
@@ -18,7 +20,6 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 CAPABILITY = re.compile(r"^[A-Z_]+\Z")
 SIZE = re.compile(r"^[0-9]+[kmg]\Z")
 URL_PATH = re.compile(r"^/[A-Za-z0-9._~/-]*\Z")
-SSH_KEY = re.compile(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp(256|384|521)|sk-ssh-ed25519@openssh\.com) [A-Za-z0-9+/=]+( [^\n\r]*)?\Z")
 # Characters that would let a value break out of a line in a generated unit, Caddyfile or
 # sources file.
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029{}\"'`$\\;]")  # C0, C1 and Unicode line breaks too
@@ -33,6 +34,123 @@ def is_dns_name(value: str) -> str | None:
 
 def pattern(regex: re.Pattern[str], hint: str) -> Check:
     return lambda value: None if regex.fullmatch(value) else hint
+
+
+# ------------------------------------------------------------------------------ SSH public keys
+
+# The key types a plan or appliance.toml may carry, and what each blob holds after its type name.
+SSH_KEY_TYPES = ("ssh-ed25519", "sk-ssh-ed25519@openssh.com", "ssh-rsa",
+                 "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384", "ecdsa-sha2-nistp521")
+SSH_KEY_HINT = "an OpenSSH public key line as ssh-keygen writes it, e.g. ssh-ed25519 AAAA... user@host"
+_SSH_LINE = re.compile(r" *([^ ]+) +([^ ]+)(?: +(.*))?\Z", re.S)  # as sshd and ssh-keygen split it
+_BASE64 = re.compile(r"[A-Za-z0-9+/]+={0,2}\Z", re.ASCII)
+CONTROL = schema.CONTROL
+# OpenSSH's bounds (sshkey.c, sshbuf-getput-crypto.c): RSA moduli of 1024 to 16384 bits, bignums of
+# at most 2048 bytes (one more for a leading zero); for ECDSA (coordinate bytes, bits of the order).
+_RSA_BITS = (1024, 16384)
+_MAX_BIGNUM = 16384 // 8
+_CURVES = {"nistp256": (32, 256), "nistp384": (48, 384), "nistp521": (66, 521)}
+
+
+class _Blob:
+    """A key blob read as RFC 4251 strings (a 4-byte big-endian length, then that many bytes)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.at = data, 0
+
+    def string(self, what: str) -> bytes:
+        if len(self.data) - self.at < 4:
+            raise ValueError(f"the key ends before its {what}")
+        size = int.from_bytes(self.data[self.at:self.at + 4], "big")
+        if size > len(self.data) - self.at - 4:
+            raise ValueError(f"the key's {what} runs past its end")
+        self.at += 4 + size
+        return self.data[self.at - size:self.at]
+
+    def mpint(self, what: str) -> int:
+        raw = self.string(what)
+        if raw and raw[0] & 0x80:
+            raise ValueError(f"the key's {what} is negative")
+        if len(raw) > _MAX_BIGNUM + 1 or (len(raw) == _MAX_BIGNUM + 1 and raw[0]):
+            raise ValueError(f"the key's {what} is too large")
+        return int.from_bytes(raw, "big")
+
+    def end(self) -> None:
+        if self.at != len(self.data):
+            raise ValueError("the key has bytes after its end")
+
+
+def _ecdsa_point(curve: str, point: bytes) -> None:
+    """What OpenSSH checks of an ECDSA public key: uncompressed, on the curve, as sshkey_ec_validate_public."""
+    size, order_bits = _CURVES[curve]
+    if len(point) != 1 + 2 * size or point[0] != 4:
+        raise ValueError(f"the key's point is not an uncompressed {curve} point")
+    x, y = int.from_bytes(point[1:1 + size], "big"), int.from_bytes(point[1 + size:], "big")
+    if x.bit_length() <= order_bits // 2 or y.bit_length() <= order_bits // 2:
+        raise ValueError("the key's point is not a valid public key")
+    from cryptography.hazmat.primitives.asymmetric import ec  # imported only for an ECDSA key
+
+    named: ec.EllipticCurve = {"nistp256": ec.SECP256R1(), "nistp384": ec.SECP384R1(), "nistp521": ec.SECP521R1()}[curve]
+    try:
+        ec.EllipticCurvePublicKey.from_encoded_point(named, point)
+    except ValueError:
+        raise ValueError(f"the key's point is not on {curve}") from None
+
+
+def _mpint_bytes(value: int) -> bytes:
+    return value.to_bytes((value.bit_length() + 8) // 8, "big") if value else b""
+
+
+def ssh_key_blob(line: str) -> tuple[str, bytes, str]:
+    """(type, blob, comment) of an authorized key line, read as OpenSSH reads one (sshkey_read: the
+    type, the base64 of a blob that begins with the same type, the rest a comment); ValueError
+    saying what is wrong when OpenSSH would refuse it, or when the comment holds control characters.
+    The blob is the key as OpenSSH writes it again, the one its fingerprint is of."""
+    m = _SSH_LINE.fullmatch(line)
+    if not m:
+        raise ValueError("not a key type, a space and the key in base64")
+    kind, text, comment = m.group(1), m.group(2), m.group(3) or ""
+    if kind not in SSH_KEY_TYPES:
+        raise ValueError(f"{schema.shown(kind, 40)} is not a key type this appliance takes: {', '.join(SSH_KEY_TYPES)}")
+    try:
+        # strict: the alphabet, the padding and zero bits past the last byte, as OpenSSH's b64_pton
+        blob = base64.b64decode(text, validate=True) if _BASE64.fullmatch(text) else None
+    except binascii.Error:
+        blob = None
+    if blob is None or base64.b64encode(blob).decode() != text:
+        raise ValueError("the key is not valid base64")
+    b = _Blob(blob)
+    inner = b.string("type")
+    if inner != kind.encode():
+        raise ValueError(f"the key is a {inner.decode(errors='replace')!r} key, not {kind!r}")
+    if kind in ("ssh-ed25519", "sk-ssh-ed25519@openssh.com"):
+        if len(b.string("public key")) != 32:
+            raise ValueError("an Ed25519 public key is 32 bytes")
+        if kind.startswith("sk-") and b"\0" in b.string("application"):
+            raise ValueError("the key's application holds a NUL")
+    elif kind == "ssh-rsa":
+        e, n = b.mpint("exponent"), b.mpint("modulus")
+        if not _RSA_BITS[0] <= n.bit_length() <= _RSA_BITS[1]:
+            raise ValueError(f"an RSA key of {n.bit_length()} bits (OpenSSH takes {_RSA_BITS[0]} to {_RSA_BITS[1]})")
+        # the numbers as OpenSSH writes them again (no leading zeros): what its fingerprint is of
+        blob = b"".join(len(x).to_bytes(4, "big") + x for x in (kind.encode(), *(_mpint_bytes(v) for v in (e, n))))
+    else:
+        curve = kind.removeprefix("ecdsa-sha2-")
+        if b.string("curve") != curve.encode():
+            raise ValueError(f"the key's curve is not {curve}")
+        _ecdsa_point(curve, b.string("point"))
+    b.end()
+    if CONTROL.search(comment):
+        raise ValueError("the comment holds control characters")
+    return kind, blob, comment
+
+
+def is_ssh_key(value: str) -> str | None:
+    try:
+        ssh_key_blob(value)
+    except ValueError as e:
+        return f"{SSH_KEY_HINT} ({e})"
+    return None
 
 
 def is_cidr(value: str) -> str | None:

@@ -19,7 +19,7 @@ from appliance import schema
 from appliance.config import checks
 from appliance.errors import ConfigError, UserError
 from appliance.hashing import DIGEST, SHA256
-from appliance.patterns import MODEL_ID, REVISION, VERSION
+from appliance.patterns import MODEL_ID, REVISION, VERSION, VERSION_FORM
 
 PROFILES = ("production", "demo")
 GIB = 1 << 30
@@ -31,9 +31,9 @@ _each = schema.each
 @dataclass(frozen=True)
 class Appliance:
     name: str = field(metadata=_check(checks.is_dns_name))
-    version: str = field(metadata=_check(checks.pattern(VERSION, "numbers joined by dots, e.g. 1.4.0")))
+    version: str = field(metadata=_check(checks.pattern(VERSION, f"{VERSION_FORM}, e.g. 1.4.0")))
     # The oldest version a release bundle of this build may be installed over.
-    min_version: str = field(default="0", metadata=_check(checks.pattern(VERSION, "numbers joined by dots, e.g. 1.0.0")))
+    min_version: str = field(default="0", metadata=_check(checks.pattern(VERSION, f"{VERSION_FORM}, e.g. 1.0.0")))
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,7 @@ class Os:
     mirror: str = field(default="", metadata=_check(checks.is_url))
     security_mirror: str = field(default="", metadata=_check(checks.is_url))
     hostname: str = field(default="appliance", metadata=_check(checks.is_dns_name))
-    ssh_authorized_keys: tuple[str, ...] = field(
-        default=(), metadata=_each(checks.pattern(checks.SSH_KEY, "an OpenSSH public key line, e.g. ssh-ed25519 AAAA... user@host"))
-    )
+    ssh_authorized_keys: tuple[str, ...] = field(default=(), metadata=_each(checks.is_ssh_key))
 
 
 @dataclass(frozen=True)

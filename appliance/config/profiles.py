@@ -9,7 +9,7 @@ from typing import Any
 
 from appliance.config.model import PROFILES, Config, ConfigLoader, cross_checks
 from appliance.errors import ConfigError, UserError
-from appliance.patterns import VERSION
+from appliance.patterns import VERSION, VERSION_FORM
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -72,5 +72,5 @@ def _load(path: Path, profile: str, collect: list[UserError] | None) -> Config |
 def with_version(config: Config, version: str) -> Config:
     """CONFIG as release VERSION (`build --version`), checked like appliance.version."""
     if not VERSION.fullmatch(version):
-        raise ConfigError(f"--version {version!r}: invalid", hint="expected numbers joined by dots, e.g. 1.4.0")
+        raise ConfigError(f"--version {version[:40]!r}: invalid", hint=f"expected {VERSION_FORM}, e.g. 1.4.0")
     return dataclasses.replace(config, appliance=dataclasses.replace(config.appliance, version=version))

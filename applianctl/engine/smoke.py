@@ -9,6 +9,7 @@ none (ACME certificates), the system's CAs.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,31 @@ class Result:
     models_s: float | None = None
     completion_s: float | None = None
     answer: str | None = None
+    unreachable: bool = False  # nothing answered at the address (no connection, or no answer in time)
+
+
+def _os_reason(e: BaseException) -> str:
+    """The socket's own words under a requests/urllib3 error ("Connection refused"), or ""."""
+    seen: set[int] = set()
+    todo: list[object] = [e]
+    while todo:
+        x = todo.pop(0)
+        if not isinstance(x, BaseException) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and isinstance(x.strerror, str) and x.strerror:
+            return x.strerror
+        if isinstance(x, TimeoutError) or type(x).__name__.endswith("TimeoutError"):
+            return "timed out"
+        todo += [*x.args, getattr(x, "reason", None), x.__cause__, x.__context__]
+    return ""
+
+
+def _unreachable(url: str, what: str, e: BaseException, timeout: float) -> Result:
+    if isinstance(e, requests.exceptions.ReadTimeout):
+        return Result(False, f"{what} at {url}: no answer within {timeout:g} s", unreachable=True)
+    reason = _os_reason(e)
+    return Result(False, f"could not reach {url} ({what}): {reason or type(e).__name__}", unreachable=True)
 
 
 def session_for(url: str, hostname: str | None, verify: bool | str) -> requests.Session:
@@ -60,6 +86,7 @@ def session_for(url: str, hostname: str | None, verify: bool | str) -> requests.
 
 def smoke(session: requests.Session, url: str, model: str, timeout: float = 60.0) -> Result:
     url = url.rstrip("/")
+    what = "GET /v1/models"
     try:
         t0 = time.monotonic()
         r = session.get(f"{url}/v1/models", timeout=timeout)
@@ -72,6 +99,7 @@ def smoke(session: requests.Session, url: str, model: str, timeout: float = 60.0
                 False, f"GET /v1/models does not list {model} (it lists {', '.join(served) or 'nothing'})", models_s
             )
         body = {"model": model, "prompt": PROMPT, "temperature": 0, "max_tokens": 32}
+        what = "POST /v1/completions"
         t0 = time.monotonic()
         r = session.post(f"{url}/v1/completions", json=body, timeout=timeout)
         completion_s = time.monotonic() - t0
@@ -80,6 +108,8 @@ def smoke(session: requests.Session, url: str, model: str, timeout: float = 60.0
         answer = str(r.json()["choices"][0]["text"])
     except requests.exceptions.SSLError as e:
         return Result(False, f"TLS failed: {e}".splitlines()[0][:300])
+    except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
+        return _unreachable(url, what, e, timeout)
     except requests.RequestException as e:
         return Result(False, f"{url}: {type(e).__name__}: {e}".splitlines()[0][:300])
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
@@ -115,6 +145,13 @@ def run(args: argparse.Namespace) -> int:
     if result.completion_s is not None:
         print(f"POST {url}/v1/completions: {result.completion_s:.2f} s, answer {(result.answer or '').strip()!r}")
     print(("ok: " if result.ok else "FAILED: ") + result.message)
+    if result.unreachable:
+        sys.stdout.flush()
+        if args.url:
+            hint = f"is anything serving at {url}? `applianctl status` shows the engine and the proxy"
+        else:
+            hint = "is the proxy running? `applianctl status`, `applianctl logs proxy`"
+        print(f"hint: {hint}", file=sys.stderr)
     return 0 if result.ok else 1
 
 

@@ -13,6 +13,7 @@ import sys
 import time
 
 from appliance.atomic import write_record
+from appliance.config import Config
 from appliance.errors import UserError
 from appliance.host_settings import load_device
 from appliance.schema import dump_record
@@ -21,20 +22,24 @@ from applianctl.model.seal import Kernel, Verity
 from applianctl.records import ModelVerifyResult, WeightsFetch
 
 
-def _store() -> model_store.Store | None:
+def _store() -> tuple[model_store.Store | None, Config]:
+    """The weights' store (None when the image pins no weights) and the device's configuration.
+    The configuration is read first: where there is none, no appliance is installed (that fault,
+    naming where it looked), which is not the same as an image without weights."""
+    config = load_device()
     manifest = model_store.load_manifest()
     if manifest is None:
-        return None
-    return model_store.open_store(load_device(), manifest)
+        return None, config
+    return model_store.open_store(config, manifest), config
 
 
 def cmd_fetch(args: argparse.Namespace, verity: Verity | None = None) -> int:
     from applianctl.model import fetch as model_fetch
 
-    store = _store()
+    store, config = _store()
     if store is None:
         raise UserError(f"{model_store.weights_manifest()}: this image pins no weights", hint="nothing to fetch")
-    spec = args.source or store.default_source(load_device())
+    spec = args.source or store.default_source(config)
     source = model_fetch.open_source(spec, args.ca, args.layout, store.manifest.model, store.manifest.revision)
     summary = model_fetch.fetch(store, source, verity or Kernel(), workers=args.jobs)
     write_record(store.host_dir / model_store.FETCH_STATE,
@@ -50,7 +55,7 @@ def cmd_fetch(args: argparse.Namespace, verity: Verity | None = None) -> int:
 def cmd_verify(args: argparse.Namespace, verity: Verity | None = None) -> int:
     from applianctl.model import verify as model_verify
 
-    store = _store()
+    store, _ = _store()
     if store is None:
         result = ModelVerifyResult(True, "", checked=False)
         message = "model verify: this image pins no weights; nothing to check"

@@ -27,6 +27,8 @@ MAX_DIGEST = 64
 
 NO_VERITY_HINT = ("/var needs the ext4 verity feature: appliance-var-verity.service sets it before /var is mounted; "
                   "reboot once (see systemctl status appliance-var-verity.service)")
+# Present when the running kernel's ext4 can do fs-verity (fs/ext4/sysfs.c, under CONFIG_FS_VERITY).
+EXT4_VERITY_FEATURE = Path("/sys/fs/ext4/features/verity")
 
 
 class Verity(Protocol):
@@ -42,6 +44,21 @@ def _enable_arg() -> bytes:
     return struct.pack("=IIIIQIIQ88x", 1, HASH_ALG_SHA256, BLOCK_SIZE, 0, 0, 0, 0, 0)
 
 
+def unsupported(path: Path, err: int) -> UserError:
+    """Why the kernel refused to seal PATH (Documentation/filesystems/fsverity.rst): ENOTTY, the
+    file system type has no fs-verity at all; EOPNOTSUPP, the kernel was built without
+    CONFIG_FS_VERITY, or it has it and this file system has the verity feature off."""
+    if err == errno.ENOTTY:
+        return UserError(f"{path}: its file system type does not implement fs-verity",
+                         hint="the weights must be on /var's ext4 file system (model.cache_dir under /var); "
+                              f"`findmnt -T {path.parent}` shows which file system holds them")
+    if not EXT4_VERITY_FEATURE.exists():
+        return UserError(f"{path}: the running kernel has no fs-verity (built without CONFIG_FS_VERITY)",
+                         hint="boot a kernel built with CONFIG_FS_VERITY=y (the image's Debian kernel is); "
+                              "`uname -r` names the running one")
+    return UserError(f"{path}: its file system does not have the ext4 verity feature turned on", hint=NO_VERITY_HINT)
+
+
 class Kernel:
     """fs-verity through the ioctls (no program needed)."""
 
@@ -53,7 +70,7 @@ class Kernel:
             if e.errno == errno.EEXIST:
                 return
             if e.errno in (errno.EOPNOTSUPP, errno.ENOTTY):
-                raise UserError(f"{path}: the file system does not support fs-verity", hint=NO_VERITY_HINT) from None
+                raise unsupported(path, e.errno) from None
             raise UserError(f"{path}: cannot seal with fs-verity ({e.strerror})", hint="run the same command again") from None
         finally:
             os.close(fd)

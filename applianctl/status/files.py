@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from appliance.errors import UserError
+from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
 from appliance.schema import from_json
 from applianctl.records import CheckResult
 from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
@@ -15,11 +15,12 @@ def probe_check(path: Path, what: str, record: type[CheckResult] = CheckResult) 
     """A result file written by another unit, a RECORD. The details are the file's other keys as
     written (also those a newer release adds), besides ok, reason and format."""
     try:
-        doc = json.loads(path.read_text())
+        raw = read_capped(path, MAX_RECORD_BYTES, what="a result file")
+        if raw is None:
+            return Part(NOT_CONFIGURED, f"{what} has not run ({path} absent)")
+        doc = loads_bounded(raw.decode("utf-8"))
         result = from_json(record, doc, str(path), lenient=True)
-    except FileNotFoundError:
-        return Part(NOT_CONFIGURED, f"{what} has not run ({path} absent)")
-    except (OSError, ValueError) as e:
+    except ValueError as e:
         return Part(DEGRADED, f"{path}: unreadable ({type(e).__name__})")
     except UserError as e:
         return Part(DEGRADED, e.message)

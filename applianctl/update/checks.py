@@ -13,8 +13,9 @@ import re
 from pathlib import Path
 
 from appliance import manifest
-from appliance.bundle import NOT_OURS, BundleIndex, engine_short, payload_names, uki_facts
+from appliance.bundle import MAX_SIG_BYTES, NOT_OURS, BundleIndex, engine_short, payload_names, uki_facts
 from appliance.errors import Refused, UserError
+from appliance.safe_read import read_capped
 from applianctl.slots import view as slots
 from applianctl.slots.engine import EngineChoice
 from applianctl.slots.entries import BAD, GOOD, ON_TRIAL
@@ -130,7 +131,15 @@ def check_fits(index: BundleIndex, inactive: Slot) -> None:
 def check_staged(index: BundleIndex, staging: Path, keys_dir: Path) -> None:
     """What is inside the verified files agrees with the signed index."""
     names = payload_names(index.version, index.engine_digest, False)
-    data, sig = (staging / names["manifest"]).read_bytes(), (staging / names["manifest-sig"]).read_bytes()
+    # On /var: regular files, capped before reading (the hashes below are checked after).
+    again = "fetch the bundle again: applianctl update SOURCE (or --download-only SOURCE)"
+    try:
+        data = read_capped(staging / names["manifest"], manifest.MAX_MANIFEST_BYTES, what="a release manifest")
+        sig = read_capped(staging / names["manifest-sig"], MAX_SIG_BYTES, what="a signature")
+    except UserError as e:
+        raise Refused(f"the staged bundle: {e.message}", hint=again) from None
+    if data is None or sig is None:
+        raise Refused(f"the staged bundle has no {names['manifest'] if data is None else names['manifest-sig']}", hint=again)
     if hashlib.sha256(data).hexdigest() != index.manifest_sha256:
         raise Refused("manifest.json does not match bundle.json's manifest_sha256", hint="the bundle is inconsistent")
     try:

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from appliance import atomic, paths, progress
-from appliance.bundle import BUNDLE_INDEX, engine_short
+from appliance.bundle import BUNDLE_INDEX, MAX_INDEX_BYTES, engine_short
 from appliance.errors import Refused, UserError
 from appliance.fetch import Deadline
 from appliance.manifest import Manifest
 from appliance.run import run
+from appliance.safe_read import read_capped
 from applianctl.records import LastUpdate, Staged
 from applianctl.slots import engine as engine_slots
 from applianctl.slots import release
@@ -183,8 +184,8 @@ def _already_staged(p: UpdatePlan, previous: Staged | None) -> str | None:
     if previous is None or previous.version != p.version:
         return None
     try:
-        same = (update_staged.directory(previous) / BUNDLE_INDEX).read_bytes() == p.signed[0]
-    except OSError:
+        same = read_capped(update_staged.directory(previous) / BUNDLE_INDEX, MAX_INDEX_BYTES, what="a bundle index") == p.signed[0]
+    except UserError:
         return None
     return previous.staged_at if same else None
 
