@@ -9,6 +9,7 @@ address, a URL path, a port) or rendering stops with a ConfigError naming the ke
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,71 @@ CANONICAL_RE = rf"^/(?:{_SEGMENT}(?:/{_SEGMENT})*/?)?{_QUERY}$"
 # The proxy's own host: always admitted besides allowed_cidrs, so local checks take the clients'
 # path. Exactly these two addresses, not 127.0.0.0/8.
 LOOPBACK = ("127.0.0.1/32", "::1/128")
+
+
+# Idle connections from Caddy to the engine close after this long: under the engine's own keep-alive
+# timeout (uvicorn's timeout_keep_alive, 5 s in vLLM), so the proxy always closes first and never
+# sends a request on a connection the engine is closing at that moment.
+UPSTREAM_IDLE_S = 2
+
+# The request body limit: the engine's context (--max-model-len) times BYTES_PER_TOKEN, at least
+# MIN_BODY. A token of prompt is ~4 bytes of JSON text, ~6-12 for escaped non-ASCII or token ids
+# ("prompt": [123, ...]); 32 leaves margin for chat structure. Without --max-model-len (the model's
+# own context applies), FALLBACK_CONTEXT tokens are assumed.
+BYTES_PER_TOKEN = 32
+MIN_BODY = 1 << 20
+FALLBACK_CONTEXT = 131072
+
+
+def max_model_len(args: tuple[str, ...] | list[str]) -> int | None:
+    """--max-model-len from the engine's arguments (N, 'Nk' as vLLM takes it), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == "--max-model-len" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--max-model-len="):
+            value = arg.split("=", 1)[1]
+    if value is None:
+        return None
+    m = re.fullmatch(r"([0-9]+)([kKmM]?)", value.strip())
+    if not m:
+        return None
+    scale = {"": 1, "k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}[m.group(2)]
+    return int(m.group(1)) * scale
+
+
+def max_body_bytes(config: Config) -> int:
+    """The largest request body the proxy forwards to the engine."""
+    context = max_model_len(config.engine.args) or FALLBACK_CONTEXT
+    return max(MIN_BODY, context * BYTES_PER_TOKEN)
+
+
+def greater_than_re(limit: int) -> str:
+    """An RE2 regexp for the decimal numbers (leading zeros allowed) greater than LIMIT."""
+    digits = str(limit)
+    n = len(digits)
+    alternatives = [f"[1-9][0-9]{{{n},}}"]
+    for i, d in enumerate(digits):
+        if d != "9":
+            rest = f"[0-9]{{{n - i - 1}}}" if n - i - 1 else ""
+            alternatives.append(f"{digits[:i]}[{int(d) + 1}-9]{rest}")
+    return "^0*(?:" + "|".join(alternatives) + ")$"
+
+
+def _error_json(message: str, kind: str, code: int | str) -> str:
+    """The OpenAI error shape. CODE may be a Caddy placeholder (rendered unquoted)."""
+    text = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": 0}})
+    return text.replace('"code": 0', f'"code": {code}')
+
+
+REFUSALS = {
+    "noncanonical": _error_json("The request target is not in canonical form.", "invalid_request_error", 400),
+    "forbidden": _error_json("Not allowed here: the source address or the path is not admitted.",
+                             "permission_error", 403),
+    "method": _error_json("Method not allowed: the engine's API takes GET and POST.", "invalid_request_error", 405),
+    "too_large": _error_json("The request body is larger than the proxy admits.", "invalid_request_error", 413),
+    "error": _error_json("{http.error.status_text}", "proxy_error", "{http.error.status_code}"),
+}
 
 
 def allowed_re(allowed_paths: list[str]) -> str:
@@ -166,6 +232,10 @@ def template_values(
         "cert_file": _file("tls_dir", tls_dir / "server.crt"),
         "key_file": _file("tls_dir", tls_dir / "server.key"),
         "admin": admin,
+        "max_body": max_body_bytes(config),
+        "too_large_re": greater_than_re(max_body_bytes(config)),
+        "upstream_idle_s": UPSTREAM_IDLE_S,
+        "refusals": REFUSALS,
     }
     if proxy.https_port == http_port and values["redirect"]:
         raise _refuse("https_port", proxy.https_port, "a port other than the plain HTTP port")

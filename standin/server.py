@@ -21,6 +21,10 @@ from standin import __version__, answers, vlog
 from standin.metrics import Stats
 
 _TOKEN = re.compile(r"\s*\S+")
+# As vLLM's uvicorn: an idle keep-alive connection is closed after this long (timeout_keep_alive).
+KEEP_ALIVE_S = 5.0
+# The largest request body read (vLLM sets none; this only bounds the stand-in's memory).
+MAX_BODY = 64 << 20
 
 
 def tokens(text: str) -> list[str]:
@@ -84,6 +88,10 @@ class Generation:
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # uvicorn's sockets have TCP_NODELAY: without it, headers and body written apart wait for the
+    # peer's delayed ACK (~40 ms) on a kept-alive connection.
+    disable_nagle_algorithm = True
+    keep_alive_s = KEEP_ALIVE_S
 
     def version_string(self) -> str:
         return "uvicorn"
@@ -93,6 +101,20 @@ class Handler(BaseHTTPRequestHandler):
         return cast(Server, self.server).engine
 
     # ----------------------------------------------------------------------------- plumbing
+
+    def handle_one_request(self) -> None:
+        # Waiting for the next request on a kept-alive connection: closed after keep_alive_s idle.
+        self.connection.settimeout(self.keep_alive_s)
+        try:
+            waiting = cast(Any, self.rfile).peek(1)
+        except OSError:  # TimeoutError included
+            waiting = b""
+        finally:
+            self.connection.settimeout(None)
+        if not waiting:
+            self.close_connection = True
+            return
+        super().handle_one_request()
 
     def parse_request(self) -> bool:
         ok = super().parse_request()
@@ -129,9 +151,45 @@ class Handler(BaseHTTPRequestHandler):
     def _error(self, e: ApiError) -> None:
         self._json(e.status, {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}})
 
+    def _read_chunked(self) -> bytes:
+        """A Transfer-Encoding: chunked request body (what h11 reads for uvicorn)."""
+        parts: list[bytes] = []
+        total = 0
+        while True:
+            line = self.rfile.readline(1024)
+            try:
+                size = int(line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                self.close_connection = True
+                raise ApiError(400, "malformed chunked request body") from None
+            if size == 0:
+                break
+            total += size
+            if total > MAX_BODY:
+                self.close_connection = True
+                raise ApiError(413, "request body too large")
+            data = self.rfile.read(size)
+            if len(data) != size or self.rfile.read(2) != b"\r\n":
+                self.close_connection = True
+                raise ApiError(400, "malformed chunked request body")
+            parts.append(data)
+        while self.rfile.readline(65537) not in (b"\r\n", b"\n", b""):
+            pass  # trailers
+        return b"".join(parts)
+
     def _body(self) -> dict[str, Any]:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            raw = self._read_chunked()
+        else:
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                self.close_connection = True
+                raise ApiError(400, "invalid Content-Length") from None
+            if length > MAX_BODY:
+                self.close_connection = True
+                raise ApiError(413, "request body too large")
+            raw = self.rfile.read(length) if length > 0 else b""
         try:
             data = json.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

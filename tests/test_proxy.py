@@ -709,17 +709,34 @@ class _RecordingHandler(socketserver.StreamRequestHandler):
                 return
             probe = b""
             length = 0
+            chunked = False
             while (header := self.rfile.readline(65536)) not in (b"\r\n", b"\n", b""):
                 name, _, value = header.partition(b":")
                 if name.strip().lower() == b"x-probe":
                     probe = value.strip()
                 elif name.strip().lower() == b"content-length":
                     length = int(value.strip())
+                elif name.strip().lower() == b"transfer-encoding":
+                    chunked = b"chunked" in value.lower()
             if length:
                 self.rfile.read(length)
+            if chunked and not self._read_chunked():
+                return  # a body cut off on the way: no request arrived
             self.server.recorded.lines.append((line.rstrip(b"\r\n"), probe))
             self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 8\r\n\r\nbackend\n")
             self.wfile.flush()
+
+    def _read_chunked(self) -> bool:
+        """Read a chunked body to its end; False if the connection ended before it."""
+        while True:
+            size_line = self.rfile.readline(1024)
+            if not size_line.endswith(b"\n"):
+                return False
+            size = int(size_line.split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                return self.rfile.readline(1024).endswith(b"\n")
+            if len(self.rfile.read(size + 2)) != size + 2:
+                return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -942,3 +959,160 @@ def test_http2_engine_gets_exactly_an_allowed_path_or_nothing(raw_live: RawLive,
     else:
         assert seen == [], f"refused ({out.stdout or out.stderr}) but the backend got {seen}"
     assert ("pass" if status == 200 else "refuse") == expect, f"{target!r}: {out.stdout} {out.stderr}"
+
+
+# ------------------------------------------------------------------------------ methods, body limit, JSON refusals
+
+
+def _raw_response(live: RawLive, target: bytes, *, method: bytes = b"GET", extra: bytes = b"", body: bytes = b"",
+                  source: str = "127.0.0.3") -> tuple[int, dict[str, str], bytes, str]:
+    """Like _raw_request, with the response's headers and body."""
+    probe = uuid.uuid4().hex
+    request = (method + b" " + target + b" HTTP/1.1\r\n"
+               + f"Host: {live.hostname}\r\nX-Probe: {probe}\r\nConnection: close\r\n".encode() + extra + b"\r\n")
+    ctx = ssl.create_default_context(cafile=str(live.ca))
+    with socket.socket() as raw:
+        raw.settimeout(20)
+        raw.bind((source, 0))
+        raw.connect(("127.0.0.1", live.https_port))
+        with ctx.wrap_socket(raw, server_hostname=live.hostname) as conn:
+            conn.sendall(request)
+            with contextlib.suppress(OSError):  # the proxy may answer (and close) before the body is sent
+                conn.sendall(body)
+            data = b""
+            with contextlib.suppress(OSError):
+                while chunk := conn.recv(65536):
+                    data += chunk
+    head, _, payload = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    if headers.get("transfer-encoding") == "chunked":
+        out, rest = b"", payload
+        while rest:
+            size_line, _, rest = rest.partition(b"\r\n")
+            size = int(size_line.split(b";")[0] or b"0", 16)
+            if size == 0:
+                break
+            out, rest = out + rest[:size], rest[size + 2:]
+        payload = out
+    return int(lines[0].split()[1]), headers, payload, probe
+
+
+def _openai_error(status: int, headers: dict[str, str], payload: bytes, code: int) -> None:
+    assert status == code, (status, payload[:300])
+    assert headers["content-type"].startswith("application/json"), headers
+    error = json.loads(payload)["error"]
+    assert error["code"] == code and error["message"] and error["type"], error
+
+
+@needs_caddy
+@pytest.mark.parametrize("method", [b"PUT", b"DELETE", b"PATCH", b"OPTIONS", b"TRACE", b"HEAD"])
+@pytest.mark.parametrize("target", [b"/v1/models", b"/v1/chat/completions", b"/health"])
+def test_other_methods_on_allowed_paths_get_405_json_and_never_reach_the_engine(
+    raw_live: RawLive, method: bytes, target: bytes
+) -> None:
+    status, headers, payload, probe = _raw_response(raw_live, target, method=method)
+    assert _seen(raw_live, probe) == []
+    assert status == 405 and headers["allow"] == "GET, POST"
+    if method != b"HEAD":
+        _openai_error(status, headers, payload, 405)
+
+
+@needs_caddy
+@pytest.mark.parametrize("method", [b"GET", b"POST"])
+def test_get_and_post_still_reach_the_engine(raw_live: RawLive, method: bytes) -> None:
+    status, _, _, probe = _raw_response(raw_live, b"/v1/models", method=method, extra=b"Content-Length: 0\r\n")
+    assert status == 200 and _seen(raw_live, probe) == [method + b" /v1/models HTTP/1.1"]
+
+
+def test_body_limit_is_derived_from_the_context_length() -> None:
+    config = config_mod.load(TOML)
+    assert proxy_mod.max_model_len(config.engine.args) == 262144
+    assert proxy_mod.max_body_bytes(config) == 262144 * proxy_mod.BYTES_PER_TOKEN == 8 << 20
+    demo = config_mod.load(TOML, "demo")
+    assert proxy_mod.max_body_bytes(demo) == proxy_mod.MIN_BODY  # 4096 tokens: the 1 MiB floor
+    assert proxy_mod.max_model_len(["--max-model-len=32k"]) == 32000  # vLLM: k = 1000, K = 1024
+    assert proxy_mod.max_model_len(["--max-model-len=32K"]) == 32768
+    assert proxy_mod.max_model_len(["--max-model-len", "1M"]) == 1 << 20
+    assert proxy_mod.max_model_len([]) is None
+    no_len = dataclasses.replace(config, engine=dataclasses.replace(config.engine, args=()))
+    assert proxy_mod.max_body_bytes(no_len) == proxy_mod.FALLBACK_CONTEXT * proxy_mod.BYTES_PER_TOKEN
+    text = render_caddyfile(_variant(config, tls="internal", http="close"))
+    assert f"max_size {8 << 20}\n" in text and f"max_buffer_size {(8 << 20) + 1}\n" in text
+
+
+@pytest.mark.parametrize("limit", [1, 9, 10, 999, 1000, 1048576, 8388608, 4194305])
+def test_greater_than_regexp(limit: int) -> None:
+    pattern = re.compile(proxy_mod.greater_than_re(limit))
+    for n in {*range(max(0, limit - 120), limit + 120), 0, limit * 10, limit * 10 - 1, 10 ** len(str(limit))}:
+        assert bool(pattern.match(str(n))) == (n > limit), n
+        assert bool(pattern.match("000" + str(n))) == (n > limit), n
+    assert not pattern.match("") and not pattern.match("-5") and not pattern.match(f"{limit + 1} ")
+
+
+def test_proxy_buffers_request_bodies_and_outlives_no_engine_connection() -> None:
+    """The guards against the empty/cut 200s (tests/test_proxy_soak.py is the live proof): the request
+    body is read whole before it goes upstream, within max_size, and idle upstream connections close
+    before the engine's 5 s keep-alive timeout."""
+    text = render_caddyfile(_variant(config_mod.load(TOML, "demo"), http="close"))
+    engine = text[text.index("handle @engine {"):]
+    engine = engine[:engine.index("\n\t}\n")]
+    assert "\t\t\tbuffer_requests\n" in engine
+    limit = int(re.search(r"max_size (\d+)", engine).group(1))  # type: ignore[union-attr]
+    assert int(re.search(r"max_buffer_size (\d+)", engine).group(1)) > limit  # type: ignore[union-attr]
+    idle = re.search(r"transport http \{[^}]*\n\t+keepalive (\d+)s\n", engine)
+    assert idle and 0 < int(idle.group(1)) < 5
+    assert "flush_interval -1" in engine
+
+
+@needs_caddy
+def test_declared_body_over_the_limit_gets_413_json_and_never_reaches_the_engine(raw_live: RawLive) -> None:
+    config = config_mod.load(TOML, "demo")
+    limit = proxy_mod.max_body_bytes(config)
+    body = b'{"prompt": "' + b"x" * (16 << 20) + b'"}'
+    status, headers, payload, probe = _raw_response(
+        raw_live, b"/v1/completions", method=b"POST", body=body,
+        extra=b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body))
+    _openai_error(status, headers, payload, 413)
+    assert _seen(raw_live, probe) == []
+    # Exactly at the limit passes, whole.
+    body = b"y" * limit
+    status, _, _, probe = _raw_response(raw_live, b"/v1/completions", method=b"POST", body=body,
+                                        extra=b"Content-Length: %d\r\n" % len(body))
+    assert status == 200 and _seen(raw_live, probe) == [b"POST /v1/completions HTTP/1.1"]
+
+
+@needs_caddy
+def test_chunked_body_over_the_limit_is_refused_with_json(raw_live: RawLive) -> None:
+    limit = proxy_mod.max_body_bytes(config_mod.load(TOML, "demo"))
+    data = b"z" * (limit + 1)
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data)
+    status, headers, payload, probe = _raw_response(
+        raw_live, b"/v1/completions", method=b"POST", body=chunked, extra=b"Transfer-Encoding: chunked\r\n")
+    _openai_error(status, headers, payload, 413)
+    assert _seen(raw_live, probe) == []
+
+
+@needs_caddy
+@pytest.mark.parametrize(("target", "source", "code"), [
+    (b"/version", "127.0.0.3", 403), (b"/v1/models", "127.0.0.2", 403), (b"/v1//models", "127.0.0.3", 400),
+    (b"/V1/models", "127.0.0.3", 400),
+])
+def test_refusals_are_openai_shaped_json(raw_live: RawLive, target: bytes, source: str, code: int) -> None:
+    status, headers, payload, probe = _raw_response(raw_live, target, source=source)
+    _openai_error(status, headers, payload, code)
+    assert _seen(raw_live, probe) == []
+
+
+def test_openai_client_gets_the_refusals_message(live: Live) -> None:
+    import openai
+
+    http_client = openai.DefaultHttpxClient(
+        verify=ssl.create_default_context(cafile=str(live.ca)), trust_env=False, timeout=30
+    )
+    client = openai.OpenAI(base_url=_url(live, "/v1beta"), api_key="unused", http_client=http_client, max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        client.models.list()
+    assert e.value.status_code == 403 and "not admitted" in e.value.message
+    assert isinstance(e.value.body, dict) and e.value.body["type"] == "permission_error"
+    assert e.value.body["code"] == 403 and "not admitted" in e.value.body["message"]

@@ -337,3 +337,59 @@ def test_faults_parsing() -> None:
     for bad in ({"STANDIN_LOAD_SECONDS": "soon"}, {"STANDIN_CRASH_AFTER_S": "-1"}, {"STANDIN_NEVER_READY": "maybe"}):
         with pytest.raises(faults.FaultsError):
             faults.load(bad)
+
+
+def _raw_exchange(port: int, request: bytes, timeout: float = 10) -> tuple[socket.socket, bytes]:
+    conn = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    conn.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return conn, data
+
+
+def test_chunked_request_body_is_read_and_the_connection_kept(engine: StandinProcess) -> None:
+    """vLLM (h11) reads a Transfer-Encoding: chunked body; so does the stand-in, and keeps the
+    connection for the next request."""
+    body = json.dumps({"model": "standin/tiny-demo", "prompt": SMOKE, "max_tokens": 32}).encode()
+    half = len(body) // 2
+    chunked = b"%x;ext=1\r\n%s\r\n%x\r\n%s\r\n0\r\nX-Trailer: 1\r\n\r\n" % (half, body[:half], len(body) - half, body[half:])
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    conn, data = _raw_exchange(engine.port, head + chunked)
+    with conn:
+        assert data.startswith(b"HTTP/1.1 200 "), data[:200]
+        assert json.loads(data.split(b"\r\n\r\n", 1)[1])["choices"][0]["text"] == "391"
+        # The same connection answers the next request: the body was consumed exactly.
+        conn.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200 ")
+    malformed = head + b"zz\r\nxx\r\n0\r\n\r\n"
+    conn, data = _raw_exchange(engine.port, malformed)
+    with conn:
+        assert data.startswith(b"HTTP/1.1 400 ") and b"chunked" in data
+
+
+def test_idle_keep_alive_connection_is_closed_after_five_seconds(engine: StandinProcess) -> None:
+    """Like vLLM's uvicorn (timeout_keep_alive 5 s): a kept-alive connection idle that long is closed,
+    one that goes on within it is kept."""
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=10) as conn:
+        for _ in range(2):
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert conn.recv(65536).startswith(b"HTTP/1.1 200 ")
+            answered = time.monotonic()
+            time.sleep(2)
+        assert conn.recv(65536) == b""  # closed by the stand-in
+        assert 4 < time.monotonic() - answered < 7
+
+
+def test_kept_alive_answers_do_not_wait_for_delayed_acks(engine: StandinProcess) -> None:
+    """Headers and body go out in separate writes: without TCP_NODELAY (uvicorn sets it) each answer
+    on a kept-alive connection waits ~40 ms for the client's delayed ACK."""
+    with requests.Session() as session:
+        session.get(engine.url + "/v1/models", timeout=5)
+        started = time.monotonic()
+        for _ in range(20):
+            assert session.get(engine.url + "/v1/models", timeout=5).status_code == 200
+        assert time.monotonic() - started < 0.5
