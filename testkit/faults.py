@@ -32,6 +32,9 @@ FAULTS: dict[str, tuple[str, ...]] = {
     # The kernel panics once multi-user.target is reached (testkit/units/appliance-demo-panic.service);
     # panic=10 on the command line reboots it.
     "panic": ("appliance.demo.fault=panic",),
+    # PID 1 is frozen before boot-complete.target (testkit/units/appliance-demo-freeze.service):
+    # no timer fires, so only the hardware watchdog (systemd.watchdog_sec=) resets the machine.
+    "freeze-pid1": ("appliance.demo.fault=freeze",),
 }
 
 

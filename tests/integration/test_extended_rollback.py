@@ -12,6 +12,10 @@ One appliance, one QEMU run, no host intervention after power-on:
           (appliance-boot-deadline.timer) reboots it; no try left
     base  report (1.2.0 rolled back); install 1.3.0
     1.3.0 the kernel panics once multi-user.target is reached: panic= reboots it; no try left
+    base  report (1.3.0 rolled back); install 1.4.0
+    1.4.0 PID 1 is frozen before boot-complete.target (held stopped by ptrace): no timer fires,
+          not even the boot deadline's; the hardware watchdog (i6300esb, armed by
+          systemd.watchdog_sec= on the kernel command line) resets the machine; no try left
     base  the final report
 
 The bad versions are testkit.faults' synthetic bad versions (the demo built again under a new
@@ -37,9 +41,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
-BASE, NO_PROXY, HANGS, PANICS = "1.0.0", "1.1.0", "1.2.0", "1.3.0"
+BASE, NO_PROXY, HANGS, PANICS, FREEZES = "1.0.0", "1.1.0", "1.2.0", "1.3.0", "1.4.0"
 # in the order they are installed; the base boots again after each one's only try
-BAD_VERSIONS = ((NO_PROXY, "proxy-never-listens"), (HANGS, "hang-before-boot-complete"), (PANICS, "panic"))
+BAD_VERSIONS = ((NO_PROXY, "proxy-never-listens"), (HANGS, "hang-before-boot-complete"), (PANICS, "panic"),
+                (FREEZES, "freeze-pid1"))
 # Short for the bad versions: the proxy-less one fails its assessment after it, the hanging one
 # is rebooted by the boot deadline (this plus 5 minutes after the kernel starts).
 BAD_DEADLINE_S = 60
@@ -124,3 +129,20 @@ def test_a_version_that_panics_is_rolled_back_by_itself(extended_run: tuple[dict
     run, console = extended_run
     _after(run, console, PANICS)
     assert "Kernel panic" in console, console[-3000:]
+
+
+FREEZE_MARK = "appliance: synthetic fault: freezing PID 1"
+
+
+def test_a_version_whose_pid1_freezes_is_reset_by_the_watchdog(extended_run: tuple[dict[str, Any], str]) -> None:
+    run, console = extended_run
+    _after(run, console, FREEZES)
+    assert FREEZE_MARK in console, console[-3000:]
+    # After the freeze nothing in the guest could reboot it in order: no shutdown, no panic, no
+    # boot deadline; the next thing on the console is the firmware starting again.
+    frozen = console.split(FREEZE_MARK, 1)[1]
+    next_boot = frozen.find("Linux version")
+    assert next_boot > 0, frozen[-3000:]
+    between = frozen[:next_boot]
+    for word in ("Kernel panic", "reboot: Restarting system", "boot-complete.target not reached", "Reached target reboot"):
+        assert word not in between, (word, between[-3000:])
