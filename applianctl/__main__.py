@@ -45,16 +45,17 @@ STATUS_UNKNOWN = 3
 def release_version() -> str:
     """The release this image is (its configuration's appliance.version); the package's version
     when not run on an appliance."""
-    import json
-
     from appliance import paths
+    from appliance.errors import UserError
+    from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
 
     for path, keys in ((paths.CONFIG_JSON, ("appliance", "version")), (paths.MANIFEST, ("version",))):
         try:
-            value: object = json.loads(path.read_text())
+            data = read_capped(path, MAX_RECORD_BYTES, what="a release file")
+            value: object = loads_bounded(data) if data is not None else None
             for key in keys:
                 value = value[key]  # type: ignore[index]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, UserError, ValueError, KeyError, TypeError):
             continue
         if isinstance(value, str) and value:
             return value
