@@ -10,6 +10,8 @@ caller use more memory, disk or time than it decided beforehand:
 - One deadline: each socket operation gets the time left, and a watchdog shuts the socket at it,
   so a body trickled a byte at a time ends too.
 - A bundle directory's files: no symbolic links followed, regular files only.
+- Every download keeps RESERVE_BYTES free on its file system (/var), checked before it starts and
+  before each write; one that stops there keeps its partial file, for the next run to resume.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ CONNECT_TIMEOUT_S = 15.0
 READ_TIMEOUT_S = 60.0  # the longest silence between two reads
 MAX_REDIRECTS = 5
 FETCH_ATTEMPTS = 5
+RESERVE_BYTES = 1 << 30  # kept free on /var by every download: see "the reserve on /var" below
 
 RESUME = "run the same command again: the download resumes"
 NET_HINT = "check the URL and the network; run the same command again to resume"
@@ -96,7 +99,7 @@ class Source(Protocol):
 
     def open(self, name: str, offset: int = 0, *, chunk: int = CHUNK) -> Body: ...
 
-    def fetch(self, name: str, part: Path, size: int) -> None: ...
+    def fetch(self, name: str, part: Path, size: int, claim: Claim = ...) -> None: ...
 
 
 def open_source(spec: str, ca: str | None, deadline: Deadline) -> Source:
@@ -112,11 +115,21 @@ def _too_large(name: str, limit: int) -> Refused:
     return Refused(f"{name} is larger than {limit} bytes", hint="this is not a release bundle")
 
 
-def _write_until(body: Body, fout: IO[bytes], have: int, size: int, name: str, bar: progress.Progress) -> int:
-    """Append BODY to FOUT until SIZE bytes; a byte beyond SIZE is refused. Returns the count."""
+Claim = Callable[[int], None]  # called before N bytes are written: raises to stop (Guard.claim)
+
+
+def _no_claim(n: int) -> None:
+    pass
+
+
+def _write_until(body: Body, fout: IO[bytes], have: int, size: int, name: str, bar: progress.Progress,
+                 claim: Claim = _no_claim) -> int:
+    """Append BODY to FOUT until SIZE bytes; a byte beyond SIZE is refused. Returns the count.
+    CLAIM stops it before a write (what was written stays in FOUT, for a resume)."""
     for chunk in body:
         if have + len(chunk) > size:
             raise Refused(f"{name} is larger than bundle.json says ({size} bytes)", hint="the bundle was changed after it was signed")
+        claim(len(chunk))
         fout.write(chunk)
         have += len(chunk)
         bar.reach(have)
@@ -224,10 +237,10 @@ class DirSource(FileSource):
             raise _too_large(name, limit)
         return data
 
-    def fetch(self, name: str, part: Path, size: int) -> None:
+    def fetch(self, name: str, part: Path, size: int, claim: Claim = _no_claim) -> None:
         def once(part: Path, have: int, size: int, bar: progress.Progress) -> None:
             with self.open(name, have) as body, open(part, "ab") as fout:
-                have = _write_until(body, fout, have, size, name, bar)
+                have = _write_until(body, fout, have, size, name, bar, claim)
             if have < size:
                 raise Refused(f"{self.spec}/{name} is smaller than bundle.json says ({size} bytes)", hint="copy the whole bundle again")
 
@@ -383,7 +396,7 @@ class HttpsSource:
         ranged = resp.status == 206 and (resp.getheader("Content-Range") or "").startswith(f"bytes {offset}-")
         return Body(offset if ranged else 0, self._chunks(resp, sock, chunk), stack.close)
 
-    def fetch(self, name: str, part: Path, size: int) -> None:
+    def fetch(self, name: str, part: Path, size: int, claim: Claim = _no_claim) -> None:
         def once(part: Path, have: int, size: int, bar: progress.Progress) -> None:
             try:
                 body = self.open(name, have)
@@ -395,7 +408,7 @@ class HttpsSource:
                     raise Refused(f"{e.url}: HTTP 404", hint="the bundle on the server is incomplete") from None
                 raise
             with body, open(part, "ab" if body.offset == have else "wb") as fout:  # no range support: from the start
-                have = _write_until(body, fout, body.offset, size, name, bar)
+                have = _write_until(body, fout, body.offset, size, name, bar, claim)
             if have < size:
                 raise OSError(f"the connection ended after {have} of {size} bytes")
 
@@ -406,6 +419,93 @@ def _shut(sock: socket.socket) -> None:
     """The deadline passed: wake any read blocked on SOCK (close alone does not)."""
     with suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
+
+
+# ----------------------------------------------------------------------------------- the reserve on /var
+#
+# /var also holds the journal, the engine's caches and the device's records: filled to the last
+# block, journald drops messages, the engine cannot start and no record can be written whole. So a
+# download (the update's staging, the model fetch) stops RESERVE_BYTES short of full: checked
+# before it starts (all of it plus the reserve, check_room) and while it writes (Guard, before each
+# write), keeping its partial file for the next run to resume. 1 GiB: the least free space
+# `applianctl status` accepts on a small disk (applianctl/status/disk.py: 1 GiB or 5 %).
+
+MEASURE_EVERY = 4 << 20  # statvfs at least this often while writing: other writers use the disk too
+GIB, MIB = 1 << 30, 1 << 20
+
+FreeBytes = Callable[[Path], int]
+RESUME_LATER = "then run the same command again (it resumes)"
+
+
+def free_bytes(path: Path) -> int:
+    """What an unprivileged writer may still use on PATH's file system (PATH or its nearest parent
+    that exists)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of PATH's file system (what the operator knows it as: /var)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    dev = path.stat().st_dev
+    while path != path.parent and path.parent.stat().st_dev == dev:
+        path = path.parent
+    return path
+
+
+def size(n: int, up: bool = True) -> str:
+    """N bytes for a person, to a tenth of a GiB from 1 GiB on, else of a MiB; rounded UP (what is
+    still needed: 1 byte short reads as 0.1 MiB more, not 0.0) or down (what is free)."""
+    unit, name = (GIB, "GiB") if n >= GIB else (MIB, "MiB")
+    tenths = -(-n * 10 // unit) if up else n * 10 // unit
+    return f"{tenths / 10:.1f} {name}"
+
+
+class ReserveReached(UserError):
+    """Writing on would leave less than the reserve free; the partial file is kept."""
+
+
+def check_room(path: Path, need: int, what: str, *, free: FreeBytes = free_bytes, reserve: int = RESERVE_BYTES) -> None:
+    """Refuse, before anything is written, a download of NEED bytes into PATH that would leave less
+    than RESERVE free on its file system."""
+    have = free(path)
+    if have - need < reserve:
+        fs = mount_point(path)
+        raise UserError(f"not enough space for {what}: {size(need)} to download and {size(reserve)} kept free on {fs}, "
+                        f"{size(have, up=False)} free", hint=f"free {size(need + reserve - have)} more on {fs} "
+                        f"(journalctl --vacuum-size, old files), {RESUME_LATER}")
+
+
+class Guard:
+    """While downloading REMAINING bytes into PATH: claim(n) before writing n bytes stops the
+    download (ReserveReached) when they would take the file system below RESERVE. Thread-safe (the
+    model fetch writes four files at once); statvfs every MEASURE_EVERY bytes, the bytes claimed
+    since counted off the last figure."""
+
+    def __init__(self, path: Path, remaining: int, *, free: FreeBytes = free_bytes, reserve: int = RESERVE_BYTES) -> None:
+        self.path, self.remaining, self.free, self.reserve = path, remaining, free, reserve
+        self.lock = threading.Lock()
+        self.budget = 0  # bytes that may still be written above the reserve, as last measured
+        self.since = MEASURE_EVERY  # bytes claimed since the last measure: measure at the first claim
+
+    def claim(self, n: int) -> None:
+        with self.lock:
+            if self.since >= MEASURE_EVERY or n > self.budget:
+                self.budget, self.since = self.free(self.path) - self.reserve, 0
+            if n > self.budget:
+                fs = mount_point(self.path)
+                left = max(self.remaining, n)
+                raise ReserveReached(f"stopped: {fs} would have less than {size(self.reserve)} free; "
+                                     f"{size(left)} still to download",
+                                     hint=f"free {size(left - max(self.budget, 0))} more on {fs} "
+                                          f"(journalctl --vacuum-size, old files), {RESUME_LATER}")
+            self.budget -= n
+            self.since += n
+            self.remaining -= n
 
 
 # ----------------------------------------------------------------------------------- proven files
@@ -424,16 +524,16 @@ def _sha256(path: Path, name: str) -> str:
         return sha256_file(path, p.advance)
 
 
-def fetch_proven(source: Source, name: str, size: int, sha256: str, directory: Path) -> Path:
+def fetch_proven(source: Source, name: str, size: int, sha256: str, directory: Path, claim: Claim = _no_claim) -> Path:
     """NAME from SOURCE as DIRECTORY/NAME, proven by the SIZE and SHA256 a signed index gives. A
     file already there is re-hashed, not trusted; a partial one (NAME.part) is resumed; a file
-    that does not match is removed and refused."""
+    that does not match is removed and refused. CLAIM (a Guard's) before each write."""
     final, part = directory / name, directory / (name + ".part")
     if final.exists():
         if final.stat().st_size == size and _sha256(final, name) == sha256:
             return final
         final.unlink()
-    source.fetch(name, part, size)
+    source.fetch(name, part, size, claim)
     digest = _sha256(part, name)
     if digest != sha256:
         part.unlink()

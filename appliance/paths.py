@@ -20,6 +20,7 @@ CONFIG_JSON = LIB_DIR / "appliance.json"  # Config.to_json() of the build
 MANIFEST = LIB_DIR / "manifest.json"  # the signed release manifest
 MANIFEST_SIG = LIB_DIR / "manifest.json.sig"  # detached Ed25519 signature
 TRUSTED_KEYS_DIR = LIB_DIR / "keys"  # *.pub: the public keys this version trusts
+TIMESTAMP_KEYS_DIR = LIB_DIR / "timestamp-keys"  # *.pub: the keys whose update timestamps it trusts (not release keys)
 ENGINE_FILES_DIR = LIB_DIR / "engine"  # overlays/ and tuning/ as bind-mounted into the engine
 # the first-boot definitions of engine slot B (builder/render.py first_boot_repart): the installer
 # reads their sizes, which are the configuration's, to know how large a disk must be
@@ -78,6 +79,16 @@ def last_assessment_path() -> Path:
 
 def last_rollback_path() -> Path:
     return update_dir() / "last-rollback.json"
+
+
+def freshness_path() -> Path:
+    """The highest timestamp sequence accepted, per timestamp key (appliance.freshness)."""
+    return update_dir() / "freshness.json"
+
+
+def timestamp_keys_dir(trusted_keys_dir: Path) -> Path:
+    """The timestamp keys beside TRUSTED_KEYS_DIR (the release keys), as the image carries them."""
+    return trusted_keys_dir.parent / TIMESTAMP_KEYS_DIR.name
 
 
 SHM_DIR = _path("SHM_DIR", "/dev/shm")

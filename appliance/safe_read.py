@@ -30,6 +30,13 @@ def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
+def file_kind(mode: int) -> str:
+    """What a stat mode is, for a message: "a regular file", "a directory", "a symbolic link"..."""
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return "a symbolic link" if stat.S_ISLNK(mode) else _kind(mode)
+
+
 def read_capped(path: Path, max_bytes: int, *, what: str, hint: str = "") -> bytes | None:
     """The bytes of the regular file PATH (WHAT it is, for the hint), None when there is none.
     UserError (one line) when PATH is a symbolic link, not a regular file, larger than MAX_BYTES

@@ -20,11 +20,24 @@ from appliance.patterns import MODEL_ID, REVISION
 
 FILE_NAME = "weights.json"  # in /usr/lib/appliance (paths.LIB_DIR)
 MAX_FILES = 100_000
+NAME_MAX, PATH_MAX = 255, 4095  # Linux's limits, in bytes, on one name and on a whole path
 _HINT = "the weights manifest was not written by this builder"
 
 
 def _check(fn: Any) -> dict[str, Any]:
     return schema.check(fn)
+
+
+def _path_fault(value: str) -> str | None:
+    """What is wrong with a file's path, None when nothing: a file system must be able to hold it
+    (the device adds its store's prefix and suffixes: applianctl/model/store.py check_names)."""
+    if not is_repo_path(value):
+        return "a relative path without '..' (letters, digits, ._+-)"
+    if any(len(part.encode()) > NAME_MAX for part in value.split("/")):
+        return f"a path whose names are at most {NAME_MAX} bytes each"
+    if len(value.encode()) > PATH_MAX:
+        return f"a path of at most {PATH_MAX} bytes"
+    return None
 
 
 def _hex64_or_empty(value: str) -> str | None:
@@ -33,7 +46,7 @@ def _hex64_or_empty(value: str) -> str | None:
 
 @dataclass(frozen=True)
 class WeightFile:
-    path: str = field(metadata=_check(lambda v: None if is_repo_path(v) else "a relative path without '..' (letters, digits, ._+-)"))
+    path: str = field(metadata=_check(_path_fault))
     size: int = field(metadata=_check(lambda v: None if v >= 0 else "a size in bytes (0 or more)"))
     sha256: str = field(metadata=_check(lambda v: None if SHA256.match(v) else "64 lower-case hex digits"))
     fsverity: str = field(default="", metadata=_check(_hex64_or_empty))

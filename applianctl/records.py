@@ -230,6 +230,17 @@ class Staged(Record):
 
 
 @dataclass(frozen=True)
+class Freshness(Record):
+    """update/freshness.json: per timestamp key (its id), the highest sequence an update or a
+    download accepted; a timestamp of that key with a lower one is refused (an index replayed)."""
+
+    FORMAT = 1
+    sequences: Mapping[str, int] = field(default_factory=_empty)
+    version: str | None = optional()  # of the bundle last accepted, and when
+    accepted_at: str | None = optional()
+
+
+@dataclass(frozen=True)
 class EffectiveSettings:
     """The per-host settings in effect (appliance.host_settings HostSettings.effective), as shown."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,39 @@ def elapsed(fn: Callable[[], object]) -> float:
 
 
 def row(name: str, ours: float, base: float, target: str) -> None:
-    print(f"{name:<44} {ours:8.2f} s  baseline {base:8.2f} s  ratio {ours / base:5.2f}x  ({target})")
+    print(f"{name:<44} {ours:8.2f} s  baseline {base:8.2f} s  ratio {ratio(ours, base):5.2f}x  ({target})")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank Q-th percentile of VALUES (p50: the median sample, p100: the largest)."""
+    if not values:
+        raise ValueError("no samples")
+    if not 0 < q <= 100:
+        raise ValueError(f"percentile {q}: not in (0, 100]")
+    ordered = sorted(values)
+    return ordered[math.ceil(q / 100 * len(ordered)) - 1]
+
+
+def ratio(ours: float, base: float) -> float:
+    """OURS / BASE; a baseline of zero or less measured nothing, so there is no ratio."""
+    if not base > 0:
+        raise ValueError(f"baseline {base}: nothing measured, no ratio")
+    return ours / base
+
+
+def verdict(value: float, *, at_most: float | None = None, at_least: float | None = None) -> str:
+    """The goal for a ratio and whether VALUE meets it, e.g. "goal <= 1.05x: met"."""
+    if (at_most is None) == (at_least is None):
+        raise ValueError("one goal: at_most or at_least")
+    if at_most is not None:
+        return f"goal <= {at_most:.2f}x: {'met' if value <= at_most else 'NOT met'}"
+    assert at_least is not None
+    return f"goal >= {at_least:.2f}x: {'met' if value >= at_least else 'NOT met'}"
+
+
+def ratio_row(name: str, ours: float, base: float, unit: str, goal: str) -> str:
+    """One printed figure against its baseline: OURS and BASE in UNIT, their ratio, GOAL (from verdict)."""
+    return f"{name:<52} {ours:8.2f} {unit:<5} baseline {base:8.2f} {unit:<5} ratio {ratio(ours, base):5.2f}x  ({goal})"
 
 
 def sh(*argv: str) -> str:

@@ -1,8 +1,9 @@
-"""`make bench`, upgrades: the bytes a bundle ships (engine digest unchanged; a new engine), and
+"""`make bench`, upgrades: the bytes a bundle ships (two releases sharing an engine; a new engine), and
 writing a /usr slot the appliance's way against dd."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -10,17 +11,73 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from appliance import bundle, config
-from bench.common import ROOT, elapsed, image_root, row, sh, undo
+from appliance import bundle, config, manifest
+from appliance.config import with_version
+from bench.common import ROOT, elapsed, image_root, ratio_row, row, sh, undo
 from builder import build, release
 
 
-def bench_bundle_bytes(demo: config.Config, engine_bytes: int = 2 * 1024**3) -> None:
+def next_version(version: str) -> str:
+    """The release after VERSION: its last number raised by one."""
+    *head, last = version.split(".")
+    return ".".join([*head, str(int(last) + 1)])
+
+
+def as_next_release(demo: config.Config, build_dir: Path, dest: Path, key: Path) -> config.Config:
+    """BUILD_DIR's build as the next release in DEST: each file linked under the next version's
+    name, its manifest saying that version and signed again. What a rebuild with an unchanged
+    engine pin ships, without a second mkosi build."""
+    version, nxt = demo.appliance.version, next_version(demo.appliance.version)
+    dest.mkdir()
+    for f in sorted(build_dir.iterdir()):
+        if f.is_file() and not f.is_symlink() and f.name.startswith(f"appliance_{version}."):
+            os.link(f, dest / f.name.replace(f"appliance_{version}.", f"appliance_{nxt}.", 1))
+    body = manifest.loads((build_dir / "manifest.json").read_bytes())
+    body["version"] = nxt
+    (dest / "manifest.json").write_bytes(manifest.dumps(body))
+    (dest / "manifest.json.sig").write_bytes(manifest.sign(body, key))
+    return with_version(demo, nxt)
+
+
+def as_built(demo: config.Config, build_dir: Path) -> config.Config:
+    """DEMO with the engine BUILD_DIR's signed manifest names: the pin the build was made with,
+    should appliance.toml have moved on since."""
+    engine = manifest.load(manifest.parse_canonical((build_dir / "manifest.json").read_bytes())).engine_image
+    return dataclasses.replace(demo, engine=dataclasses.replace(demo.engine, digest=engine.digest))
+
+
+def two_releases(demo: config.Config, build_dir: Path, work: Path, key: Path) -> tuple[bundle.BundleIndex, bundle.BundleIndex]:
+    """Release N of BUILD_DIR, then N+1 of the same build (the same engine) with `--previous` N's
+    bundle directory, as docs/upgrades.md does it: release.py reads the engine N ships from N's
+    index and decides on its own whether N+1 ships it again. Their indexes."""
+    full = release.make_bundle(demo, build_dir, work / f"bundle-{demo.appliance.version}", key)
+    nxt = as_next_release(demo, build_dir, work / "build-next", key)
+    upgrade = release.make_bundle(nxt, work / "build-next", work / f"bundle-{nxt.appliance.version}", key,
+                                  work / f"bundle-{demo.appliance.version}")
+    return full, upgrade
+
+
+def engine_bytes_of(index: bundle.BundleIndex) -> int:
+    return sum(f.size for f in index.files if f.name.startswith("engine_"))
+
+
+def bundle_figures(full: bundle.BundleIndex, upgrade: bundle.BundleIndex) -> tuple[int, int, int]:
+    """(bytes of the upgrade, of the full bundle, engine bytes the upgrade ships). A full bundle
+    without an engine measured nothing: the comparison would be true by construction."""
+    if engine_bytes_of(full) == 0:
+        raise RuntimeError(f"the full bundle {full.version} ships no engine image: nothing to compare the upgrade with")
+    total = {name: sum(f.size for f in index.files) for name, index in (("full", full), ("upgrade", upgrade))}
+    return total["upgrade"], total["full"], engine_bytes_of(upgrade)
+
+
+def bench_bundle_bytes(demo: config.Config, engine_bytes: int = 2 * 1024**3) -> dict[str, float]:
+    """Two real releases that share an engine (two_releases), with the last build's engine
+    partition image replaced by ENGINE_BYTES of random bytes in both (a real engine's size; the
+    demo's is a few MB)."""
     out = build.output_dir(demo)
     key = build.signing_key_for(demo, None)
     work = Path(tempfile.mkdtemp(prefix="bench-bundle-", dir="/var/tmp"))
     try:
-        # the last build, with its engine partition image replaced by 2 GiB of random bytes
         build_copy = work / "build"
         shutil.copytree(out, build_copy, copy_function=os.link)
         engine = build_copy / f"appliance_{demo.appliance.version}.engine.raw"  # as mkosi splits it out
@@ -28,12 +85,13 @@ def bench_bundle_bytes(demo: config.Config, engine_bytes: int = 2 * 1024**3) -> 
         with open(engine, "wb") as f:
             for _ in range(engine_bytes // (64 * 1024**2)):
                 f.write(os.urandom(64 * 1024**2))
-        full = release.make_bundle(demo, build_copy, work / "full", key)
-        same_engine = release.make_bundle(demo, build_copy, work / "upgrade", key, [demo.engine.digest])
-        total = {name: sum(f.size for f in index.files) for name, index in (("full", full), ("upgrade", same_engine))}
-        shipped_engine = sum(f.size for f in same_engine.files if f.name.startswith("engine_"))
-        print(f"{'bundle, engine digest unchanged':<44} {total['upgrade'] / 1e6:8.1f} MB  full bundle {total['full'] / 1e6:8.1f} MB"
-              f"  ratio {total['upgrade'] / total['full']:5.2f}x  engine bytes shipped: {shipped_engine} (target: 0)")
+        full, upgrade = two_releases(as_built(demo, out), build_copy, work, key)
+        upgrade_bytes, full_bytes, shipped_engine = bundle_figures(full, upgrade)
+        print(ratio_row(f"bundle {upgrade.version} after {full.version}, same engine (vs full)", upgrade_bytes / 1e6,
+                        full_bytes / 1e6, "MB", "smaller is better"))
+        print(f"  engine bytes shipped by {upgrade.version}: {shipped_engine} (target 0: {'met' if shipped_engine == 0 else 'NOT met'});"
+              f" {full.version} ships {engine_bytes_of(full) / 1e6:.1f} MB of engine")
+        return {"upgrade_bytes": upgrade_bytes, "full_bytes": full_bytes, "engine_bytes": shipped_engine}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -41,9 +41,9 @@ manifest = wm.loads(manifest_path.read_bytes())
 digests = {str(snapshot / f.path): f.fsverity for f in manifest.files}
 
 class HostVerity:  # no fs-verity in the host's kernel: seal nothing, measure = open + fstat
-    def enable(self, path):
+    def enable(self, path, dir_fd=None):
         pass
-    def measure(self, path):
+    def measure(self, path, dir_fd=None):  # the full path given too: opened by it here
         fd = os.open(path, os.O_RDONLY)
         os.fstat(fd)
         os.close(fd)

@@ -117,9 +117,12 @@ def cmd_pin(args: argparse.Namespace) -> int:
 def cmd_keys(args: argparse.Namespace) -> int:
     from builder import keys
 
-    private, public = keys.generate(Path(args.directory) if args.directory else None)
-    print(f"private key {private} (mode 0600: keep it off the appliance and out of git)")
-    print(f"public key  {public} (trusted as {keys.trusted_name(public)} by images built with this key)")
+    directory = Path(args.directory) if args.directory else None
+    pairs = [] if args.timestamp else [keys.generate(directory)]
+    pairs.append(keys.generate(directory, keys.TIMESTAMP_NAME))
+    for private, public in pairs:
+        print(f"private key {private} (mode 0600: keep it off the appliance and out of git)")
+        print(f"public key  {public} (trusted as {keys.trusted_name(public)} by images built with this key)")
     return 0
 
 
@@ -205,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     from builder import release
 
     release.add_parser(sub)
+    release.add_timestamp_parser(sub)
 
     from builder import weights
 
@@ -219,9 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     installer_uki.add_parser(sub)
 
-    p = sub.add_parser("keys", help="make a release signing key pair (Ed25519)")
-    p.add_argument("action", choices=["generate"], help="generate: write a new key pair")
-    p.add_argument("--directory", help="where to write release.key and release.pub (default: keys/, never committed)")
+    p = sub.add_parser("keys", help="make the release and timestamp signing key pairs (Ed25519)")
+    p.add_argument("action", choices=["generate"], help="generate: write new key pairs")
+    p.add_argument("--directory", help="where to write release.key, timestamp.key and their .pub (default: keys/, never committed)")
+    p.add_argument("--timestamp", action="store_true", help="only the timestamp key pair (for a keys directory made before timestamps)")
     p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("pin", help="rewrite SHA256SUMS and the demo engine digest on purpose")

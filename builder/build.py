@@ -137,6 +137,11 @@ def prepare(config: Config, engine_source: Path | None, signing_key: Path) -> tu
     trusted = generated / render.LIB / "keys" / keys.trusted_name(public)
     trusted.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(public, trusted)
+    # the timestamp key's public half, in a directory of its own: the release keys never vouch for freshness
+    timestamp = keys.timestamp_key(signing_key.with_name(f"{keys.TIMESTAMP_NAME}.key"), make=config.profile == "demo").with_suffix(".pub")
+    timestamp_trusted = generated / render.LIB / "timestamp-keys" / keys.trusted_name(timestamp)
+    timestamp_trusted.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(timestamp, timestamp_trusted)
     (generated / render.LIB / "release-plan.json").write_text(json.dumps(release_plan(config, artifacts, store)))
     write_sandbox(config, sandbox)
     return generated, sandbox, repart

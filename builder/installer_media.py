@@ -2,7 +2,9 @@
 
 Each form boots the same installer UKI (the release's kernel, the installer in its initrd, run from RAM):
 installer_VERSION.raw (+ .bmap) for USB: an ESP with EFI/BOOT/BOOTX64.EFI and an ext4 payload partition
-(appliance-payload) with the disk image, signed manifest, bundle index and optional signed plan;
+(appliance-payload) with the release bundle's install image (the zstd disk image and its block map,
+both listed with their size and SHA-256 in the signed bundle index), the signed manifest and bundle
+index, and the optional signed plan;
 installer_VERSION.iso for BMC virtual media: the same as ISO 9660 with an El Torito EFI image;
 installer_VERSION.efi for UEFI HTTP boot: the UKI alone, fetching the release over HTTPS.
 """
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from appliance import bundle
 from appliance import plan as plan_model
 from appliance.errors import UserError
 
@@ -54,23 +57,26 @@ def esp_image(uki: Path, path: Path) -> None:
 
 
 def payload_files(build_out: Path, version: str, plan_dir: Path | None, bundle_dir: Path) -> dict[str, Path]:
-    """NAME ON THE MEDIUM -> SOURCE. The bundle index is required: its usrhash is what the installer
-    checks the written /usr against."""
-    files = {
-        f"appliance_{version}.raw": build_out / f"appliance_{version}.raw",
-        "manifest.json": build_out / "manifest.json",
-        "manifest.json.sig": build_out / "manifest.json.sig",
-        "bundle.json": bundle_dir / "bundle.json",
-        "bundle.json.sig": bundle_dir / "bundle.json.sig",
-    }
+    """NAME ON THE MEDIUM -> SOURCE: the release bundle's signed index, manifest and install image
+    (what the installer checks against that index before it writes anything), and the plan. The
+    bundle must be the release of the build in BUILD_OUT: the same signed manifest."""
+    install = bundle.install_names(version)
+    files = {name: bundle_dir / name for name in (*install.values(), "manifest.json", "manifest.json.sig",
+                                                  bundle.BUNDLE_INDEX, bundle.BUNDLE_SIG)}
     if plan_dir is not None:
         files[f"plan/{plan_model.PLAN_JSON}"] = plan_dir / plan_model.PLAN_JSON
         files[f"plan/{plan_model.PLAN_SIG}"] = plan_dir / plan_model.PLAN_SIG
     for name, src in files.items():
         if not src.is_file():
-            raise UserError(f"{src}: no such file (needed on the medium as {name})",
-                            hint="build the release (python3 -m builder build), make its bundle (python3 -m builder release) "
-                                 "and sign the plan (python3 -m builder plan PLAN.toml)")
+            hint = ("release the build with its install image: python3 -m builder release --install-image"
+                    if name in install.values() else
+                    "build the release (python3 -m builder build), make its bundle (python3 -m builder release --install-image) "
+                    "and sign the plan (python3 -m builder plan PLAN.toml)")
+            raise UserError(f"{src}: no such file (needed on the medium as {name})", hint=hint)
+    built = build_out / "manifest.json"
+    if not built.is_file() or built.read_bytes() != files["manifest.json"].read_bytes():
+        raise UserError(f"{bundle_dir}: not the release of the build in {build_out} (another manifest.json)",
+                        hint="release this build: python3 -m builder release --install-image (or give --bundle)")
     return files
 
 
@@ -78,7 +84,7 @@ def _stage(files: dict[str, Path], directory: Path) -> None:
     for name, src in files.items():
         dst = directory / name
         dst.parent.mkdir(parents=True, exist_ok=True)
-        # keep the holes: the /usr slots are mostly zeros
+        # keep any holes (a plan or an index has none; a copy is cheap where the file system reflinks)
         _run(["cp", "--sparse=always", "--reflink=auto", src, dst], f"staging {name}", "check the free space in out/")
 
 
@@ -127,10 +133,6 @@ def make(build_out: Path, version: str, uki: Path, plan_dir: Path | None, output
     written: dict[str, Path] = {}
     with tempfile.TemporaryDirectory(prefix=".installer-", dir=output) as tmp:
         work = Path(tmp)
-        # installer/install.py writes the disk image with bmaptool copy
-        image_bmap = work / f"appliance_{version}.raw.bmap"
-        _run(["bmaptool", "create", "-o", image_bmap, files[f"appliance_{version}.raw"]], "making the image's block map", TOOLS_HINT)
-        files[image_bmap.name] = image_bmap
         esp = work / "esp.img"
         esp_image(uki, esp)
         for form in forms:

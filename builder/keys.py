@@ -1,4 +1,7 @@
-"""Release signing keys (Ed25519): NAME.key (PKCS#8 PEM, 0600) and NAME.pub in keys/ (gitignored).
+"""Signing keys (Ed25519): NAME.key (PKCS#8 PEM, 0600) and NAME.pub in keys/ (gitignored): the
+release key (release.key) and, beside it, the timestamp key (timestamp.key), a key of its own that
+signs only the bundles' timestamps (appliance/freshness.py), with the counter of the sequence
+numbers it signed (timestamp.key.sequence).
 
 The private key is created 0600 with O_EXCL and then hard-linked to its name, so it is never readable
 by others and an existing key is never overwritten.
@@ -6,6 +9,7 @@ by others and an existing key is never overwritten.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 from pathlib import Path
@@ -13,12 +17,16 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from appliance.atomic import atomic_write
 from appliance.errors import UserError
+from appliance.freshness import MAX_SEQUENCE
 from appliance.manifest import ManifestError, key_id, load_public_key
+from appliance.safe_read import read_capped
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = ROOT / "keys"
 DEFAULT_NAME = "release"
+TIMESTAMP_NAME = "timestamp"
 
 
 def generate(directory: Path | None = None, name: str = DEFAULT_NAME) -> tuple[Path, Path]:
@@ -77,3 +85,42 @@ def public_key_id(public_path: Path) -> str:
 def trusted_name(public_path: Path) -> str:
     """The public key's file name in the image's trusted-keys directory: KEYID.pub."""
     return f"{public_key_id(public_path)}.pub"
+
+
+# ----------------------------------------------------------------------------------- the timestamp key
+
+
+def timestamp_key(path: Path, *, make: bool = False) -> Path:
+    """The timestamp's private key at PATH; MAKE: generate the pair there when there is none (the
+    demo, as for its release key). UserError (one line) when there is none."""
+    if make and not path.exists() and not path.is_symlink():
+        generate(path.parent, path.name.removesuffix(".key"))
+    if not path.is_file():
+        where = "" if path.parent == DEFAULT_DIR else f" (with --directory {path.parent})"
+        raise UserError(f"no timestamp key at {path}", hint=f"make one with `python3 -m builder keys generate --timestamp`{where}")
+    return path.resolve()
+
+
+def sequence_path(private_key: Path) -> Path:
+    return private_key.with_name(private_key.name + ".sequence")
+
+
+def next_sequence(private_key: Path) -> int:
+    """The sequence number of PRIVATE_KEY's next timestamp: one more than the last it signed,
+    counted in KEY.sequence beside it. The counter is written (atomically) before the timestamp it
+    numbers is: a failure skips a number, never hands one out twice; the key file's lock keeps two
+    runs apart."""
+    counter = sequence_path(private_key)
+    fd = os.open(private_key, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        hint = f"{counter} holds the last sequence number {private_key.name} signed: put the highest one its timestamps carry there"
+        raw = read_capped(counter, 64, what="a sequence counter", hint=hint)
+        text = raw.decode("ascii", "replace").strip() if raw is not None else "0"
+        if not text.isdigit() or len(text) > 10 or int(text) >= MAX_SEQUENCE:
+            raise UserError(f"{counter}: {text[:20]!r} is not a sequence number below {MAX_SEQUENCE}", hint=hint)
+        sequence = int(text) + 1
+        atomic_write(counter, f"{sequence}\n".encode(), mode=0o600)
+        return sequence
+    finally:
+        os.close(fd)  # and with it the lock

@@ -2,7 +2,9 @@
 
 The bundle holds the /usr and verity images, the UKI, the engine images unless the target has that
 digest, with --install-image the zstd disk image and its block map (for installer/), the signed
-manifest, SHA256SUMS, and bundle.json(.sig), the signed index binding every file by size and SHA-256.
+manifest, SHA256SUMS, bundle.json(.sig), the signed index binding every file by size and SHA-256, and
+timestamp.json(.sig), signed by the timestamp key: the index's expiry and sequence number (appliance/
+freshness.py), signed again by `builder timestamp` before it expires.
 Partition images stop at their last non-zero block (the updater zeroes the slot before writing), so a
 slow-linked appliance does not download and hash gigabytes of zeros.
 """
@@ -15,16 +17,18 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle, manifest, progress, schema
-from appliance.atomic import replace_dir
+from appliance import bundle, freshness, manifest, progress, schema
+from appliance.atomic import atomic_write, replace_dir
 from appliance.config import Config
 from appliance.errors import UserError
 from appliance.hashing import CHUNK, sha256_file
 from appliance.patterns import VERSION
+from builder import keys
 from builder.run import run
 
 
@@ -90,12 +94,19 @@ def make_bundle(
     previous_bundle_or_engine_digests: Path | Iterable[str] | None = None,
     previous_version: str | None = None,
     with_install_image: bool = False,
+    timestamp_key: Path | None = None,
+    timestamp_days: int = freshness.DEFAULT_DAYS,
 ) -> bundle.BundleIndex:
     """Write the bundle for the build in BUILD_OUTPUT_DIR to BUNDLE_DIR; return its index.
 
     PREVIOUS_BUNDLE_OR_ENGINE_DIGESTS: the target's bundle directory or engine digests (no engine image
-    then if its digest is among them). The version must be greater than PREVIOUS_VERSION and the previous bundle's."""
+    then if its digest is among them). The version must be greater than PREVIOUS_VERSION and the previous bundle's.
+    TIMESTAMP_KEY (default: timestamp.key beside SIGNING_KEY; the demo makes one) signs its first
+    timestamp, valid for TIMESTAMP_DAYS."""
     version = config.appliance.version
+    timestamp_key = timestamp_key or keys.timestamp_key(signing_key.with_name(f"{keys.TIMESTAMP_NAME}.key"),
+                                                        make=config.profile == "demo")
+    _check_days(timestamp_days)
     known_digests, prev_bundle_version = _known_engine_digests(previous_bundle_or_engine_digests)
     for prev in (previous_version, prev_bundle_version):
         if prev is not None and manifest.version_tuple(version) <= manifest.version_tuple(prev):
@@ -107,6 +118,9 @@ def make_bundle(
     manifest_data = _read(out / "manifest.json")
     manifest_sig = _read(out / "manifest.json.sig")
     signer = manifest.key_id(manifest.load_private_key(signing_key).public_key())
+    if manifest.key_id(manifest.load_private_key(timestamp_key).public_key()) == signer:
+        raise UserError(f"{timestamp_key} is the release key {signer}: timestamps need a key of their own",
+                        hint="make one with: python3 -m builder keys generate --timestamp")
     try:
         release = manifest.load(manifest.parse_canonical(manifest_data))
         manifest.decode_signature(manifest_sig)
@@ -183,6 +197,7 @@ def make_bundle(
         signature = manifest.encode_signature(manifest.load_private_key(signing_key).sign(data))
         (tmp / bundle.BUNDLE_INDEX).write_bytes(data)
         (tmp / bundle.BUNDLE_SIG).write_bytes(signature)
+        _write_timestamp(tmp, data, version, timestamp_key, timestamp_days)
         for f in tmp.iterdir():
             f.chmod(0o644)
         replace_dir(tmp, bundle_dir)
@@ -190,6 +205,46 @@ def make_bundle(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return model
+
+
+def _check_days(days: int) -> None:
+    if not 1 <= days <= freshness.MAX_DAYS:
+        raise UserError(f"--days {days}: expected a number of days from 1 to {freshness.MAX_DAYS}",
+                        hint=f"the index expires that many days after it is signed (default {freshness.DEFAULT_DAYS}); sign again before")
+
+
+def _write_timestamp(directory: Path, index_data: bytes, version: str, key: Path, days: int) -> freshness.Timestamp:
+    """A timestamp for INDEX_DATA signed by KEY with its next sequence number, into DIRECTORY: each
+    file replaced whole (a reader between the two renames sees a mismatched pair, refused, and
+    reads it again on its next run)."""
+    signer = manifest.key_id(manifest.load_private_key(key).public_key())
+    doc = freshness.make(index_data, version, keys.next_sequence(key), signer, now=time.time(), days=days)
+    data, sig = freshness.sign(doc, key)
+    atomic_write(directory / freshness.TIMESTAMP, data)
+    atomic_write(directory / freshness.TIMESTAMP_SIG, sig)
+    return freshness.load(doc)
+
+
+def sign_timestamp(bundle_dir: Path, key: Path, days: int = freshness.DEFAULT_DAYS) -> freshness.Timestamp:
+    """`builder timestamp`: a fresh timestamp for the bundle in BUNDLE_DIR, its sequence the next
+    KEY signs. The index is read as the updater reads it (canonical form, schema), not re-signed."""
+    _check_days(days)
+    index_path = bundle_dir / bundle.BUNDLE_INDEX
+    hint = "give a bundle directory written by python3 -m builder release"
+    if not bundle_dir.is_dir():
+        raise UserError(f"{bundle_dir}: no such directory", hint=hint)
+    try:
+        data = index_path.read_bytes()
+        if len(data) > bundle.MAX_INDEX_BYTES:
+            raise UserError(f"{index_path}: {len(data)} bytes, more than a bundle index has ({bundle.MAX_INDEX_BYTES})", hint=hint)
+        index = bundle.load_index(manifest.parse_canonical(data))
+    except FileNotFoundError:
+        raise UserError(f"{bundle_dir}: not a bundle directory (no {bundle.BUNDLE_INDEX})", hint=hint) from None
+    except OSError as e:
+        raise UserError(f"{index_path}: cannot read ({e.strerror})", hint=hint) from None
+    except manifest.ManifestError as e:
+        raise UserError(f"{index_path}: {e.message}", hint=e.hint) from None
+    return _write_timestamp(bundle_dir, data, index.version, keys.timestamp_key(key), days)
 
 
 def _install_image(disk_image: Path, directory: Path, version: str) -> list[str]:
@@ -247,6 +302,36 @@ def cmd_release(args: argparse.Namespace) -> int:
     engine = "with" if any(f.name.startswith("engine_") for f in index.files) else "without"
     print(f"bundle {index.version} ({config.profile}) at {bundle}: {len(index.files)} files, {total} bytes, {engine} an engine image")
     return 0
+
+
+def default_timestamp_key(config: Config) -> Path:
+    """keys/timestamp.key; the demo's beside its release key (build.signing_key_for)."""
+    from builder import build
+
+    directory = build.work_dir(config) / "keys" if config.profile == "demo" else keys.DEFAULT_DIR
+    return directory / f"{keys.TIMESTAMP_NAME}.key"
+
+
+def cmd_timestamp(args: argparse.Namespace) -> int:
+    from appliance import config as config_model
+
+    key = Path(args.key) if args.key else default_timestamp_key(config_model.load(Path(args.config), args.profile))
+    ts = sign_timestamp(Path(args.bundle_dir), key, args.days)
+    print(f"timestamp {ts.sequence} for bundle {ts.version} at {args.bundle_dir}: signed {ts.signed_at} by {ts.signer}, "
+          f"expires {ts.expires}")
+    return 0
+
+
+def add_timestamp_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register `timestamp` on the builder's subparsers."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        "timestamp", help="sign a bundle's timestamp again (its index expires without one; run before it expires)")
+    p.add_argument("bundle_dir", metavar="BUNDLE_DIR", help="a bundle directory written by release")
+    p.add_argument("--days", type=int, default=freshness.DEFAULT_DAYS,
+                   help=f"days until the index expires (1 to {freshness.MAX_DAYS}, default {freshness.DEFAULT_DAYS})")
+    p.add_argument("--key", help="the timestamp key (default: keys/timestamp.key; the demo's beside its release key)")
+    p.set_defaults(func=cmd_timestamp)
+    return p
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

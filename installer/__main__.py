@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             medium = remote.download(url, args.ca or remote.credential_ca(), trusted)
         payload = install.load_payload(medium, trusted)
         signer = manifest.claimed_signer((plan_dir / plan_model.PLAN_JSON).read_bytes()) or "?"
-        return install.install(payload, plan, plan_dir, dry_run=args.dry_run, json_out=args.json, signer=signer,
-                               reboot=not args.no_reboot)
+        return install.install(payload, plan, plan_dir, trusted_keys=trusted, dry_run=args.dry_run, json_out=args.json,
+                               signer=signer, reboot=not args.no_reboot)
 
     return run_reporting(go, prefix="installer: ", debug=args.debug)
 

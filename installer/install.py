@@ -1,5 +1,9 @@
-"""The install: write the release's disk image to the chosen disk, verify /usr and the engine store
-against the signed root hashes, store the plan on /var, put a firmware boot entry first, print a summary.
+"""The install: check the release's disk image and block map against the signed bundle index, write
+the image to the chosen disk, verify /usr and the engine store against the signed root hashes, store
+the plan on /var, put a firmware boot entry first, print a summary of what is now on the disk.
+
+A disk that already holds the medium's version (and may not be wiped) is re-installed: its /usr and
+engine store are verified as they are (read-only), only the new plan is written onto its /var.
 
 `bmaptool copy` writes the image's used blocks, then `systemd-repart` with the first-boot definitions
 makes slot B and /var. `systemd-repart --copy-from=IMAGE` would make the same layout but copies zeros
@@ -23,11 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle, manifest, paths
+from appliance import bundle, hashing, manifest, paths, progress
 from appliance import plan as plan_model
+from appliance.atomic import atomic_write
 from appliance.config import checks
 from appliance.errors import UserError
 from appliance.run import run
+from appliance.safe_read import read_capped
 from installer import disks, select
 
 # put there by builder/installer_uki.py; not /usr/lib/repart.d, which the installer's own boot would apply
@@ -59,7 +65,8 @@ def _run(argv: Sequence[str]) -> str:
 
 @dataclass(frozen=True)
 class Payload:
-    """The release's disk image (raw on a medium, zstd when downloaded), its block map and signed facts."""
+    """The release's disk image (zstd) and its block map, as the signed bundle index lists them,
+    and the signed facts the written disk is checked against."""
 
     image: Path
     bmap: Path
@@ -67,22 +74,57 @@ class Payload:
     usrhash: str
     engine_label: str
     engine_roothash: str
+    image_file: bundle.BundleFile  # the image's size and SHA-256 in the signed index
+
+
+INCOMPLETE = "the medium is incomplete; make it again with python3 -m builder installer"
+CHANGED = ("the medium (or the download) is damaged or was changed: make it again with python3 -m builder installer "
+           "and write the stick with python3 -m builder flash (or download again)")
+
+
+def _read_small(directory: Path, name: str, max_bytes: int) -> bytes:
+    data = read_capped(directory / name, max_bytes, what=f"the release's {name}", hint=INCOMPLETE)
+    if data is None:
+        raise UserError(f"{directory / name}: missing", hint=INCOMPLETE)
+    return data
+
+
+def check_against_index(path: Path, listed: bundle.BundleFile) -> None:
+    """PATH is the file the signed index lists as LISTED: its size first (no read), then its
+    SHA-256, read in 1 MiB chunks with progress (a production image is GBs: minutes on a USB stick)."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        raise UserError(f"{path}: missing", hint=INCOMPLETE) from None
+    if size != listed.size:
+        raise UserError(f"{path.name}: {size} bytes, the signed bundle index says {listed.size}; nothing written", hint=CHANGED)
+    with progress.Progress(f"checking {path.name} against the signed bundle index", total=size) as p:
+        digest = hashing.sha256_file(path, p.advance)
+    if digest != listed.sha256:
+        raise UserError(f"{path.name}: SHA-256 {digest[:16]}... is not the {listed.sha256[:16]}... the signed bundle index names; "
+                        "nothing written", hint=CHANGED)
 
 
 def load_payload(directory: Path, trusted_keys: Path) -> Payload:
-    """The release in DIRECTORY (a medium or a downloaded bundle), its signatures checked first."""
-    index = bundle.verify_index((directory / bundle.BUNDLE_INDEX).read_bytes(), (directory / bundle.BUNDLE_SIG).read_bytes(),
-                                trusted_keys)
-    man = manifest.verify((directory / "manifest.json").read_bytes(), (directory / "manifest.json.sig").read_bytes(), trusted_keys)
+    """The release in DIRECTORY (a medium or a downloaded bundle), its signatures checked first, each
+    small file read with its size capped; the block map checked against the signed index here
+    (its <ImageSize> decides which disks are large enough), the image before it is written."""
+    index = bundle.verify_index(_read_small(directory, bundle.BUNDLE_INDEX, bundle.MAX_INDEX_BYTES),
+                                _read_small(directory, bundle.BUNDLE_SIG, bundle.MAX_SIG_BYTES), trusted_keys)
+    man = manifest.verify(_read_small(directory, "manifest.json", manifest.MAX_MANIFEST_BYTES),
+                          _read_small(directory, "manifest.json.sig", bundle.MAX_SIG_BYTES), trusted_keys)
     if man.version != index.version:
         raise UserError(f"{directory}: bundle {index.version} but manifest {man.version}", hint="the medium is inconsistent")
-    raw = directory / f"appliance_{index.version}.raw"
-    image = next((p for p in (raw, directory / bundle.install_names(index.version)["install-image"]) if p.is_file()), raw)
-    bmap = Path(f"{raw}.bmap")
-    if not image.is_file() or not bmap.is_file():
-        raise UserError(f"{raw}: missing", hint="the medium is incomplete; make it again with python3 -m builder installer")
+    names = bundle.install_names(index.version)
+    listed = {f.name: f for f in index.files}
+    if names["install-image"] not in listed:
+        raise UserError(f"{directory}: bundle {index.version} lists no install image ({names['install-image']})",
+                        hint="release it with python3 -m builder release --install-image, then make the medium again")
+    bmap = directory / names["install-bmap"]
+    check_against_index(bmap, listed[names["install-bmap"]])
     eng = man.engine_image
-    return Payload(image, bmap, index.version, index.usrhash, eng.store_label, eng.store_roothash)
+    return Payload(directory / names["install-image"], bmap, index.version, index.usrhash, eng.store_label, eng.store_roothash,
+                   listed[names["install-image"]])
 
 
 _IMAGE_SIZE = re.compile(rb"<ImageSize>\s*([0-9]{1,15})\s*</ImageSize>")
@@ -134,8 +176,16 @@ def verify_written(runner: Runner, disk: str, payload: Payload) -> list[str]:
             f"engine store {engine} verified (root hash {payload.engine_roothash[:16]}...)"]
 
 
-def write_plan(runner: Runner, disk: str, plan_dir: Path) -> None:
-    """The signed plan into /var/lib/appliance/host on the new disk's /var."""
+def write_plan(runner: Runner, disk: str, plan_dir: Path, trusted_keys: Path) -> plan_model.Plan:
+    """The signed plan into /var/lib/appliance/host on DISK's /var, each file whole (a temporary
+    name, fsync, rename: a cut between the two renames leaves a pair the appliance refuses, never a
+    plan it half applies); then read back as the appliance reads it on boot. Returns the plan now on
+    the disk, which is what the summary shows."""
+    hint = "sign the plan again: python3 -m builder plan PLAN.toml"
+    data = read_capped(plan_dir / plan_model.PLAN_JSON, plan_model.MAX_PLAN_BYTES, what="an install plan", hint=hint)
+    sig = read_capped(plan_dir / plan_model.PLAN_SIG, plan_model.MAX_PLAN_SIG_BYTES, what="a plan's signature", hint=hint)
+    if data is None or sig is None:
+        raise UserError(f"{plan_dir}: the signed plan is gone (plan.json and plan.json.sig)", hint=hint)
     var = _by_partuuid(runner, disk, label=VAR_LABEL)
     mnt = Path(tempfile.mkdtemp(prefix="appliance-var-"))
     runner(["mount", var, str(mnt)])
@@ -143,13 +193,22 @@ def write_plan(runner: Runner, disk: str, plan_dir: Path) -> None:
         host = mnt / HOST_SUBDIR
         host.mkdir(parents=True, exist_ok=True)
         os.chmod(host, 0o700)
-        for name in (plan_model.PLAN_JSON, plan_model.PLAN_SIG):
-            shutil.copyfile(plan_dir / name, host / name)
+        atomic_write(host / plan_model.PLAN_SIG, sig)
+        atomic_write(host / plan_model.PLAN_JSON, data)
+        try:
+            written = plan_model.load_signed(host, trusted_keys)
+        except UserError as e:
+            raise UserError(f"{var}: the plan read back from /var is refused: {e.message}",
+                            hint="the disk may be failing; run the installer again, or name another disk") from None
+        if written is None:
+            raise UserError(f"{var}: no plan read back from /var after writing it",
+                            hint="the disk may be failing; run the installer again, or name another disk")
         os.sync()
     finally:
         runner(["umount", str(mnt)])
         if not os.path.ismount(mnt):  # never remove what is still mounted there
             shutil.rmtree(mnt, ignore_errors=True)
+    return written
 
 
 def boot_first(runner: Runner, disk: str) -> str:
@@ -182,14 +241,23 @@ def ssh_fingerprint(key_line: str) -> str:
 
 
 def summary(choice: select.Choice, payload: Payload, plan: plan_model.Plan, steps: list[str], seconds: float, signer: str) -> str:
+    """The page an operator reads after the install. PLAN is the one read back from the disk's /var,
+    so that every value shown is on the disk."""
     disk = choice.disk
     net = plan.network
     addresses = ", ".join(net.addresses) + (" + DHCP" if net.dhcp else "") if net else "DHCP on every Ethernet link (image default)"
+    head = (f" Appliance {payload.version} re-installed: it was on the disk already; only the plan written"
+            if choice.installed else f" Appliance {payload.version} installed")
     lines = [
         "=" * 72,
-        f" Appliance {payload.version} installed" + (" (already there: nothing written)" if choice.installed else ""),
+        head,
         "=" * 72,
         f" disk        {disk.path}  {disk.model or '-'}  serial {disk.serial or '-'}  {disk.size / GIB:.1f} GiB",
+    ]
+    others = [v for v in disk.appliance_versions() if v != payload.version] if choice.installed else []
+    if others:
+        lines.append(f" also on it  /usr of {', '.join(others)}")
+    lines += [
         f" host name   {plan.hostname or '(image default)'}",
         f" addresses   {addresses}",
     ]
@@ -200,7 +268,8 @@ def summary(choice: select.Choice, payload: Payload, plan: plan_model.Plan, step
     lines += [
         f" release key {signer} (signed the release and this plan)",
         f" /usr        {payload.usrhash[:32]}...",
-        " CA          made on first boot: its fingerprint is on the appliance's console (tty1)",
+        " CA          " + ("not touched" if choice.installed else "made on first boot")
+        + ": its fingerprint is on the appliance's console (tty1)",
         *[f" checked     {s}" for s in steps],
         f" took        {seconds:.0f} s",
         "=" * 72,
@@ -209,15 +278,18 @@ def summary(choice: select.Choice, payload: Payload, plan: plan_model.Plan, step
 
 
 def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: Runner = _run,
-            listing: tuple[dict[str, Any], dict[str, dict[str, str]]] | None = None, boot_partuuid: str | None = None,
+            listing: tuple[dict[str, Any], dict[str, dict[str, str]]] | None = None, sys_root: Path | None = None,
+            boot_partuuid: str | None = None, trusted_keys: Path | None = None,
             dry_run: bool = False, json_out: bool = False, signer: str = "", reboot: bool = True,
             out: Callable[[str], None] = print) -> int:
-    """Choose, write, verify, record the plan, make the boot entry, summarise; return the exit status."""
+    """Choose, check the image, write, verify, record the plan, make the boot entry, summarise; return
+    the exit status. LISTING and SYS_ROOT stand in for lsblk/udev and sysfs (tests); a disk holding
+    PAYLOAD's version already gets only the plan (its /usr and engine store verified as they are)."""
     if plan.target is None:
         raise UserError("the install plan has no [target]", hint="name the disk: target.serial, wwn, model or by_path")
     started = time.monotonic()
     doc, udev = listing if listing is not None else disks.read(runner)
-    found = disks.from_lsblk(doc, udev)
+    found = disks.from_lsblk(doc, udev, disks.SYSFS if listing is None else sys_root)
     boot = disks.boot_partuuid() if boot_partuuid is None else boot_partuuid
     try:
         choice = select.choose(found, plan.target, boot_partuuid=boot, required_bytes=required_bytes(payload),
@@ -227,20 +299,23 @@ def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: 
         raise
     out(select.dumps(choice.candidates, choice.disk) if json_out else select.table(choice.candidates, choice.disk))
     if dry_run:
-        out(f"dry run: would {'leave' if choice.installed else 'write'} {choice.disk.path}"
-            + (f" (it already holds {payload.version})" if choice.installed else f" with appliance {payload.version}"))
+        out(f"dry run: would write only the plan onto {choice.disk.path}'s /var (it holds {payload.version} already; "
+            "its /usr and engine store would be verified as they are)" if choice.installed else
+            f"dry run: would write {choice.disk.path} with appliance {payload.version} "
+            "(its image checked against the signed bundle index first)")
         return 0
-    steps: list[str] = []
     if not choice.installed:
+        check_against_index(payload.image, payload.image_file)  # before the first write
         runner(["bmaptool", "copy", "--bmap", str(payload.bmap), str(payload.image), choice.disk.path])
         runner(["systemd-repart", "--dry-run=no", f"--definitions={REPART_DEFINITIONS}", choice.disk.path])
         runner(["udevadm", "settle"])
-        steps = verify_written(runner, choice.disk.path, payload)
-        write_plan(runner, choice.disk.path, plan_dir)
-        entry = boot_first(runner, choice.disk.path)
-        steps.append(f"firmware boot entry Boot{entry} first in BootOrder")
-    out(summary(choice, payload, plan, steps, time.monotonic() - started, signer))
-    if reboot and not choice.installed:
+    steps = verify_written(runner, choice.disk.path, payload)
+    on_disk = write_plan(runner, choice.disk.path, plan_dir, paths.TRUSTED_KEYS_DIR if trusted_keys is None else trusted_keys)
+    steps.append(f"plan on {choice.disk.path}'s /var read back: signed by a trusted key")
+    entry = boot_first(runner, choice.disk.path)
+    steps.append(f"firmware boot entry Boot{entry} first in BootOrder")
+    out(summary(choice, payload, on_disk, steps, time.monotonic() - started, signer))
+    if reboot:
         # stdout is block-buffered off a terminal: the summary must be out before the reboot
         sys.stdout.flush()
         runner(["systemctl", "reboot"])

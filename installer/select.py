@@ -1,9 +1,10 @@
 """Which disk receives the appliance: exactly one disk matches the plan's target, and it is safe.
 
-Refused: the boot medium, anything mounted, removable or hot-plugged disks (USB sticks, BMC virtual
-media), read-only or too small ones, and one holding data unless the plan sets wipe_existing_data. A
-disk already holding this version is chosen but not written. Otherwise nothing is written and every
-candidate is listed.
+Refused: the boot medium, anything mounted or held (at any depth: a partition, md, LVM or LUKS
+above it), removable or hot-plugged disks (USB sticks, BMC virtual media), read-only or too small
+ones, and one holding data unless the plan sets wipe_existing_data. A disk already holding this
+version is re-installed: only the new plan is written (unless the plan sets wipe_existing_data:
+then it is written whole). Otherwise nothing is written and every candidate is listed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class Candidate:
 @dataclass(frozen=True)
 class Choice:
     disk: Disk
-    installed: bool  # it already holds this version: nothing to write
+    installed: bool  # it already holds this version and may not be wiped: only the plan is written
     candidates: tuple[Candidate, ...]
 
 
@@ -64,6 +65,8 @@ def refusal(disk: Disk, target: Target, boot_partuuid: str, required_bytes: int,
         return "the boot medium (the installer was loaded from it)"
     if disk.mountpoints:
         return "in use (mounted at " + ", ".join(disk.mountpoints) + ")"
+    if disk.holders:
+        return "in use (held by " + ", ".join(disk.holders) + ")"
     if disk.removable or disk.tran == "usb":
         return "removable or hot-plugged (" + (disk.tran or "rm") + ")"
     if disk.read_only:
@@ -75,6 +78,13 @@ def refusal(disk: Disk, target: Target, boot_partuuid: str, required_bytes: int,
     if disk.holds_data and not target.wipe_existing_data:
         return f"holds data ({disk.holds_data}); the plan does not set target.wipe_existing_data"
     return ""
+
+
+_HINTS = {
+    "holds data": "name another disk, or set target.wipe_existing_data = true to overwrite its data",
+    "in use": "name another disk, or stop what uses this one first (umount, swapoff, vgchange -an, mdadm --stop, "
+              "cryptsetup close)",
+}
 
 
 def choose(disks: Sequence[Disk], target: Target, *, boot_partuuid: str, required_bytes: int, version: str) -> Choice:
@@ -94,16 +104,17 @@ def choose(disks: Sequence[Disk], target: Target, *, boot_partuuid: str, require
     (only,) = matched
     if only.refused:
         raise NoSafeChoice(f"the disk the plan names, {only.disk.path}, is {only.refused}; nothing written",
-                           "name another disk, or set target.wipe_existing_data = true to overwrite its data"
-                           if "holds data" in only.refused else "name another disk in the install plan", candidates)
-    return Choice(only.disk, version in only.disk.appliance_versions(), tuple(candidates))
+                           _HINTS.get(only.refused.split(" (", 1)[0], "name another disk in the install plan"), candidates)
+    reinstall = version in only.disk.appliance_versions() and not target.wipe_existing_data
+    return Choice(only.disk, reinstall, tuple(candidates))
 
 
 def to_json(candidates: Sequence[Candidate], chosen: Disk | None) -> list[dict[str, object]]:
     return [
         {"path": c.disk.path, "model": c.disk.model, "serial": c.disk.serial, "wwn": c.disk.wwn, "by_path": c.disk.by_path,
          "size_bytes": c.disk.size, "transport": c.disk.tran, "removable": c.disk.removable, "holds_data": c.disk.holds_data,
-         "appliance_versions": c.disk.appliance_versions(), "matches_plan": c.matched, "refused": c.refused,
+         "appliance_versions": c.disk.appliance_versions(), "holders": list(c.disk.holders),
+         "matches_plan": c.matched, "refused": c.refused,
          "chosen": chosen is not None and c.disk.path == chosen.path}
         for c in candidates
     ]

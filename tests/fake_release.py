@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import struct
+import subprocess
 from pathlib import Path
 from typing import Any
 
 from appliance import bundle as bundle_format
-from appliance import manifest
+from appliance import manifest, paths
 from appliance.config import Config, load
 from builder import keys
 from builder import release as rel
@@ -46,6 +47,14 @@ def demo_config(version: str, min_version: str = "0", digest: str | None = None)
     return dataclasses.replace(config, appliance=appliance, engine=engine)
 
 
+def verity_format(data: Path, tree: Path) -> str:
+    """`veritysetup format DATA TREE` (a superblock, the tool's defaults, a fixed salt and UUID so
+    that a build is repeatable); the root hash it printed."""
+    out = subprocess.run(["veritysetup", "format", "--salt=" + "5a" * 32, "--uuid=00000000-0000-4000-8000-000000000001",
+                          str(data), str(tree)], capture_output=True, text=True, check=True).stdout
+    return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Root hash:"))
+
+
 def fake_build(out: Path, config: Config, key: Path, usr_bytes: int = 4096) -> Path:
     """What `python3 -m builder build` leaves in out/PROFILE, in small."""
     out.mkdir(parents=True, exist_ok=True)
@@ -66,9 +75,11 @@ def fake_build(out: Path, config: Config, key: Path, usr_bytes: int = 4096) -> P
         disk.seek(4 << 20)
         disk.write(b"usr" * 1000)
         disk.truncate(8 << 20)
-    # the engine store partition, as mkosi splits it out
-    (out / f"appliance_{v}.engine.raw").write_bytes(b"engine" * 1000)
-    (out / f"appliance_{v}.engine-verity.raw").write_bytes(b"engine-verity" * 10)
+    # the engine store partition, as mkosi splits it out (zero blocks at its end, which the bundle
+    # drops), and its real dm-verity hash tree: the updater checks the root hash the manifest pins
+    engine_raw = out / f"appliance_{v}.engine.raw"
+    engine_raw.write_bytes((b"engine " + config.engine.digest.encode()).ljust(4096, b".") * 2 + bytes(8192))
+    store_roothash = verity_format(engine_raw, out / f"appliance_{v}.engine-verity.raw")
     signer = manifest.key_id(manifest.load_private_key(key).public_key())
     body: dict[str, Any] = {
         "version": v,
@@ -79,7 +90,7 @@ def fake_build(out: Path, config: Config, key: Path, usr_bytes: int = 4096) -> P
             "reference": config.engine.reference,
             "digest": config.engine.digest,
             "store_label": "engine_" + bundle_format.engine_short(config.engine.digest),
-            "store_roothash": hashlib.sha256(config.engine.digest.encode()).hexdigest(),
+            "store_roothash": store_roothash,
         },
         "model": {"id": config.model.id, "revision": config.model.revision},
         "kernel_version": "6.12.38+deb13-amd64",
@@ -92,11 +103,17 @@ def fake_build(out: Path, config: Config, key: Path, usr_bytes: int = 4096) -> P
 
 
 def make_signing(tmp_path: Path) -> tuple[Path, Path]:
-    """(private key, trusted keys directory holding its public key)."""
+    """(private key, trusted keys directory holding its public key); beside them the timestamp key
+    (keys/timestamp.key) and the timestamp keys directory holding its public key, where the updater
+    finds it beside the trusted keys (paths.timestamp_keys_dir)."""
     private, public = keys.generate(tmp_path / "keys")
     trusted = tmp_path / "trusted"
     trusted.mkdir()
     (trusted / keys.trusted_name(public)).write_bytes(public.read_bytes())
+    _, timestamp_public = keys.generate(tmp_path / "keys", keys.TIMESTAMP_NAME)
+    timestamp_trusted = paths.timestamp_keys_dir(trusted)
+    timestamp_trusted.mkdir()
+    (timestamp_trusted / keys.trusted_name(timestamp_public)).write_bytes(timestamp_public.read_bytes())
     return private, trusted
 
 

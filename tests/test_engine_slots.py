@@ -22,7 +22,7 @@ from fakeprog import fake_program
 from test_update import RUNNING
 
 from appliance import paths
-from appliance.bundle import USR_TYPE, USR_VERITY_TYPE
+from appliance.bundle import USR_TYPE, USR_VERITY_TYPE, engine_short
 from appliance.errors import UserError
 from applianctl.slots import command as slots_cmd
 from applianctl.slots import engine as engine_slots
@@ -92,8 +92,8 @@ def test_an_empty_slot_pairs_with_the_next_unpaired_verity_partition() -> None:
 # ----------------------------------------------------------------------------------- choosing
 
 
-def _slots(name: str, running: str | None) -> list[EngineSlot]:
-    return engine_slots.find(table(name), running)
+def _slots(name: str, running: str | None, known: tuple[str, ...] = ()) -> list[EngineSlot]:
+    return engine_slots.find(table(name), running, False, known)
 
 
 def test_a_new_engine_goes_to_the_empty_slot() -> None:
@@ -102,8 +102,12 @@ def test_a_new_engine_goes_to_the_empty_slot() -> None:
 
 
 def test_an_engine_already_on_the_disk_is_not_written_again() -> None:
-    choice = choose_engine_slot(_slots("two-engines", E2), {"2.0.0": E2}, E1)
+    # E1's full digest is recorded (signed data): slot A, labelled for it, holds it
+    choice = choose_engine_slot(_slots("two-engines", E2, (E1,)), {"2.0.0": E2}, E1)
     assert (choice.slot.name, choice.already_present) == ("A", True)
+    # only the label is known: written again, into that very slot (its label must not be on two)
+    choice = choose_engine_slot(_slots("two-engines", E2), {"2.0.0": E2}, E1)
+    assert (choice.slot.name, choice.already_present) == ("A", False)
     choice = choose_engine_slot(_slots("two-engines", E2), {"2.0.0": E2}, E2)
     assert (choice.slot.name, choice.already_present) == ("B", True)
 
@@ -150,34 +154,71 @@ def _verity(label: str) -> str:
     return label if label == "_empty" else label + "-verity"
 
 
+E1_TWIN = E1[:19] + "3" + E1[20:]  # shares E1's first 12 hex digits, so its label
+
+
 def test_the_invariant_over_every_small_case() -> None:
     """Whatever the slots hold and the entries use: the chosen slot is never the running one,
-    never one a bootable entry's engine is in, only an empty one while an engine is unknown, and
-    a refusal happens only when no slot satisfies that."""
+    never one a bootable entry's engine may be in, only an empty one while an engine is unknown;
+    a slot counts as holding the new engine only when its full digest is known to be it; a new
+    engine's label never ends up on two slots; a refusal happens only when no slot satisfies that."""
     base = table("two-engines")
     labels = ["_empty", "engine_e68d18b2ba50", "engine_abababababab", "engine_cdcdcdcdcdcd"]
     digests = [E1, E2, E3, None]
-    checked = 0
-    for la, lb, run, used in itertools.product(labels, labels, [E1, E2, E3, None], itertools.product(digests, repeat=2)):
+    checked = present = 0
+    for la, lb, run, used, new, known in itertools.product(labels, labels, [E1, E2, E3, None], itertools.product(digests, repeat=2),
+                                                           ["sha256:" + "ef" * 32, E1, E1_TWIN], [(), (E1, E2, E3)]):
         names = {4: la, 5: _verity(la), 9: lb, 10: _verity(lb)}
         parts = [dataclasses.replace(p, label=names[p.number]) if p.number in names else p for p in base]
-        found = engine_slots.find(parts, run)
+        found = engine_slots.find(parts, run, False, known)
         entries = {f"1.{i}": d for i, d in enumerate(used)}
-        new = "sha256:" + "ef" * 32
         allowed = [s for s in found if not s.running and not engine_slots.users(s, entries)
                    and (s.empty or None not in entries.values()) and s.verity is not None]
+        same_label = [s for s in found if s.short == engine_short(new)]
+        if same_label:
+            allowed = [s for s in allowed if s in same_label] if len(same_label) == 1 else []
         try:
             choice = choose_engine_slot(found, entries, new)
         except UserError as e:
-            assert allowed == [], (la, lb, run, entries)
+            assert allowed == [] and not any(s.digest == new for s in found), (la, lb, run, entries, new, known)
             assert "\n" not in e.message
             continue
         checked += 1
-        assert not choice.already_present and choice.slot in allowed
+        if choice.already_present:
+            present += 1
+            assert choice.slot.digest == new, "present only by its full digest"
+            continue
+        assert choice.slot in allowed
         assert not choice.slot.running and not engine_slots.users(choice.slot, entries)
-        if choice.slot.empty is False:
+        assert not any(s.short == engine_short(new) for s in found if s is not choice.slot), "one slot per label"
+        if choice.slot.empty is False and not same_label:
             assert not any(s.empty for s in allowed), "an empty slot comes first"
-    assert checked > 50
+    assert checked > 200 and present > 20
+
+
+def test_a_slots_full_digest_comes_from_signed_data_only() -> None:
+    two = table("two-engines")
+    # the running slot: the running manifest's digest; the other: the one recorded digest with its label's 12 hex digits
+    assert [s.digest for s in engine_slots.find(two, E2, False, (E1,))] == [E1, E2]
+    assert [s.digest for s in engine_slots.find(two, E2, False)] == [None, E2], "only the label: not known"
+    # two signed digests for one label: which one the slot holds is not known
+    assert [s.digest for s in engine_slots.find(two, E2, False, (E1, E1_TWIN))] == [None, E2]
+    # one label on two slots: neither is known, not even the one taken as running
+    twins = [dataclasses.replace(p, label={9: "engine_e68d18b2ba50", 10: "engine_e68d18b2ba50-verity"}.get(p.number, p.label))
+             for p in two]
+    assert [(s.running, s.digest) for s in engine_slots.find(twins, E3, False, (E1,))] == [(False, None), (False, None)]
+    assert [(s.running, s.digest) for s in engine_slots.find(twins, E1, False, (E1,))] == [(True, None), (False, None)]
+
+
+def test_a_twin_of_an_engine_in_use_is_refused_and_a_free_twin_is_written_again() -> None:
+    # slot A holds E1 (recorded), the engine of 1.0.0: a twin of E1 cannot go to B, its label would be on two slots
+    with pytest.raises(UserError, match=r"would be labelled engine_e68d18b2ba50 like engine slot A, which holds engine e68d18b2ba50"
+                                        r"\w{52} and may not be written \(slot A \(e68d18b2ba50\) is the engine of 1\.0\.0\)$"):
+        choose_engine_slot(_slots("two-engines", E2, (E1,)), {"2.0.0": E2, "1.0.0": E1}, E1_TWIN)
+    # no entry uses slot A: it is rewritten, though slot B would be free on a first-boot disk
+    choice = choose_engine_slot(_slots("first-boot", E2, (E1,)), {"2.0.0": E2}, E1_TWIN)
+    assert (choice.slot.name, choice.already_present) == ("A", False)
+    assert choose_engine_slot(_slots("first-boot", E2, (E1,)), {"2.0.0": E2}, E3).slot.name == "B", "an empty slot first"
 
 
 # ----------------------------------------------------------------------------------- in the model and status
@@ -222,6 +263,7 @@ def test_the_view_knows_which_version_uses_which_engine_slot(tmp_path: Path, mon
         ("A", "two-engines.img4", "e68d18b2ba50", False, ["1.0.0"], True),
         ("B", "two-engines.img9", "abababababab", True, ["2.0.0"], True),
     ]
+    assert [e["full_digest"] for e in doc["engine_slots"]] == [E1, E2], "from the record and the running manifest"
     # an update to a version with engine E3: 1.0.0 leaves with its /usr slot, so engine A is written
     choice = view.engine_slot_for(E3)
     assert (choice.slot.name, choice.already_present) == ("A", False)

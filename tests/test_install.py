@@ -1,11 +1,13 @@
 """The install's command lines and order (a recording runner in place of the tools, as osbuild's
-mock_command), the dry run and the refusals writing nothing, and installing the same version
-again changing nothing. The listings start from the build host's recorded lsblk output; the
+mock_command), the dry run and the refusals writing nothing, the image and block map checked
+against the signed index before the first write, and installing the same version again writing
+the new plan and nothing else. The listings start from the build host's recorded lsblk output; the
 selection itself is proven against the recorded decoy matrix (tests/test_select.py)."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import shutil
 from collections.abc import Callable, Sequence
@@ -15,15 +17,17 @@ from typing import Any
 import plan_values
 import pytest
 
-from appliance import host_settings
+from appliance import bundle, host_settings
 from appliance import plan as plan_model
 from appliance.errors import UserError
+from builder import keys
 from installer import disks, install, select
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "disks"
 USRHASH = "a" * 32 + "b" * 32
 GIB = 1 << 30
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIK0wmN/Cr3JXqmLW7u+g9pTh+wyqDHpSQEIQczXkVx9q ops@example.net"
+OLD_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE50UnEzKriRoz0D1nsw3cmLy+5ttE9+lpa4CiQoTVX1 old@example.net"
 
 
 def _host_listing() -> dict[str, Any]:
@@ -39,42 +43,73 @@ def _as_spare_disk(doc: dict[str, Any], partitions: list[dict[str, Any]] | None 
 
 
 class Recorder:
-    """Records each command (one list per call) and answers the few that print something."""
+    """Records each command (one list per call) and answers the few that print something. `mount`
+    puts VAR (the files already on the disk's /var) into the mount point; `umount` keeps in VAR
+    what is there then, as the disk would."""
 
-    def __init__(self, layout: dict[str, Any]) -> None:
+    def __init__(self, layout: dict[str, Any], var: dict[str, bytes] | None = None) -> None:
         self.calls: list[list[str]] = []
         self.layout = layout
+        self.var = dict(var or {})
         self.boot_entries = "BootCurrent: 0001\nBootOrder: 0001,0000\nBoot0000* UiApp\nBoot0001* UEFI USB\n"
 
     def __call__(self, argv: Sequence[str]) -> str:
         self.calls.append(list(argv))
         if argv[0] == "lsblk":
             return json.dumps(self.layout)
+        if argv[0] == "mount":
+            for name, data in self.var.items():
+                (Path(argv[2]) / name).parent.mkdir(parents=True, exist_ok=True)
+                (Path(argv[2]) / name).write_bytes(data)
+        if argv[0] == "umount":
+            mnt = Path(argv[1])
+            self.var = {p.relative_to(mnt).as_posix(): p.read_bytes() for p in mnt.rglob("*") if p.is_file()}
         if argv[:1] == ["efibootmgr"] and "--create" in argv:
             self.boot_entries += "Boot0003* Appliance\n"
         if list(argv) == ["efibootmgr"]:
             return self.boot_entries
         return ""
 
+    @property
+    def tools(self) -> list[str]:
+        return [c[0] if c[0] != "efibootmgr" or len(c) == 1 else "efibootmgr " + c[2] for c in self.calls if c[0] != "lsblk"]
+
 
 def _payload(tmp_path: Path) -> install.Payload:
-    image = tmp_path / "appliance_1.0.0.raw"
-    with open(image, "wb") as f:
-        f.truncate(4 * GIB)
+    """A release whose block map says 4 GiB; the (compressed) image itself is small."""
+    image = tmp_path / "appliance_1.0.0.raw.zst"
+    image.write_bytes(b"zstd frames of the disk image" * 100)
     bmap = tmp_path / "appliance_1.0.0.raw.bmap"
     bmap.write_text(f'<?xml version="1.0" ?>\n<bmap version="2.0">\n    <ImageSize> {4 * GIB} </ImageSize>\n</bmap>\n')
-    return install.Payload(image, bmap, "1.0.0", USRHASH, "engine_0123456789ab", "c" * 64)
+    listed = bundle.BundleFile(image.name, hashlib.sha256(image.read_bytes()).hexdigest(), image.stat().st_size)
+    return install.Payload(image, bmap, "1.0.0", USRHASH, "engine_0123456789ab", "c" * 64, listed)
 
 
-def _plan(tmp_path: Path) -> tuple[plan_model.Plan, Path]:
-    plan = plan_model.Plan(hostname="gpu-07", target=plan_model.Target(serial="S64ANS0T512345"),
-                           network=host_settings.Network(interfaces=("ens1f0",), addresses=("192.0.2.10/24",)),
-                           ssh=host_settings.Ssh(authorized_keys=(KEY,)))
-    plan_dir = tmp_path / "plan"
+def _trusted(tmp_path: Path) -> tuple[Path, Path]:
+    """(the release key, the trusted keys directory) of this test, made once."""
+    private, trusted = tmp_path / "plan-key" / "release.key", tmp_path / "plan-trusted"
+    if not private.exists():
+        _, public = keys.generate(private.parent)
+        trusted.mkdir()
+        shutil.copy(public, trusted / "release.pub")
+    return private, trusted
+
+
+def _sign(tmp_path: Path, plan: plan_model.Plan, name: str = "plan") -> Path:
+    private, _ = _trusted(tmp_path)
+    plan_dir = tmp_path / name
     plan_dir.mkdir()
-    for name in (plan_model.PLAN_JSON, plan_model.PLAN_SIG):
-        (plan_dir / name).write_text("signed elsewhere")
-    return plan, plan_dir
+    data, sig = plan_model.sign(plan, private)
+    (plan_dir / plan_model.PLAN_JSON).write_bytes(data)
+    (plan_dir / plan_model.PLAN_SIG).write_bytes(sig)
+    return plan_dir
+
+
+def _plan(tmp_path: Path, hostname: str = "gpu-07", key: str = KEY, name: str = "plan") -> tuple[plan_model.Plan, Path]:
+    plan = plan_model.Plan(hostname=hostname, target=plan_model.Target(serial="S64ANS0T512345"),
+                           network=host_settings.Network(interfaces=("ens1f0",), addresses=("192.0.2.10/24",)),
+                           ssh=host_settings.Ssh(authorized_keys=(key,)))
+    return plan, _sign(tmp_path, plan, name)
 
 
 WRITTEN = [
@@ -89,28 +124,24 @@ WRITTEN = [
 ]
 
 
-def test_install_writes_verifies_records_the_plan_and_boots_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_install_writes_verifies_records_the_plan_and_boots_first(tmp_path: Path) -> None:
     written = _as_spare_disk(_host_listing(), WRITTEN)
     rec = Recorder({"blockdevices": [next(n for n in written["blockdevices"] if n["name"] == "vda")]})
     plan, plan_dir = _plan(tmp_path)
-    copied: list[Path] = []
-    monkeypatch.setattr(install.shutil, "copyfile", lambda src, dst: copied.append(Path(dst)))
     out: list[str] = []
     status = install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(_as_spare_disk(_host_listing()), {}),
-                             boot_partuuid="", signer="0123456789abcdef", out=out.append)
+                             boot_partuuid="", trusted_keys=_trusted(tmp_path)[1], signer="0123456789abcdef", out=out.append)
     assert status == 0
-    tools = [c[0] if c[0] != "efibootmgr" or len(c) == 1 else "efibootmgr " + c[2] for c in rec.calls if c[0] != "lsblk"]
-    assert tools == ["bmaptool", "systemd-repart", "udevadm", "veritysetup", "veritysetup", "mount", "umount",
-                     "efibootmgr", "efibootmgr --create", "efibootmgr", "efibootmgr --bootorder", "systemctl"]
-    image = tmp_path / "appliance_1.0.0.raw"
-    assert rec.calls[0] == ["bmaptool", "copy", "--bmap", f"{image}.bmap", str(image), "/dev/vda"]
+    assert rec.tools == ["bmaptool", "systemd-repart", "udevadm", "veritysetup", "veritysetup", "mount", "umount",
+                         "efibootmgr", "efibootmgr --create", "efibootmgr", "efibootmgr --bootorder", "systemctl"]
+    image = tmp_path / "appliance_1.0.0.raw.zst"
+    assert rec.calls[0] == ["bmaptool", "copy", "--bmap", str(tmp_path / "appliance_1.0.0.raw.bmap"), str(image), "/dev/vda"]
     assert rec.calls[1] == ["systemd-repart", "--dry-run=no", "--definitions=/usr/lib/appliance-installer/repart.d", "/dev/vda"]
     verity = [c for c in rec.calls if c[0] == "veritysetup"]
     assert verity[0] == ["veritysetup", "verify", "/dev/vda2", "/dev/vda3", USRHASH]
     assert verity[1] == ["veritysetup", "verify", "/dev/vda4", "/dev/vda5", "c" * 64]
     assert next(c for c in rec.calls if c[0] == "mount")[1] == "/dev/vda9"
-    assert sorted(p.name for p in copied) == [plan_model.PLAN_JSON, plan_model.PLAN_SIG]
-    assert all(p.parent.as_posix().endswith("lib/appliance/host") for p in copied)
+    assert rec.var == {f"lib/appliance/host/{n}": (plan_dir / n).read_bytes() for n in (plan_model.PLAN_JSON, plan_model.PLAN_SIG)}
     create = next(c for c in rec.calls if "--create" in c)
     assert create[create.index("--disk") + 1] == "/dev/vda" and create[create.index("--part") + 1] == "1"
     assert next(c for c in rec.calls if "--bootorder" in c)[-1] == "0003,0001,0000"
@@ -144,21 +175,11 @@ def test_dry_run_and_refusals_write_nothing(tmp_path: Path) -> None:
     out: list[str] = []
     install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(_as_spare_disk(_host_listing()), {}), boot_partuuid="",
                     dry_run=True, out=out.append)
-    assert rec.calls == [] and "dry run: would write /dev/vda" in out[-1]
+    assert rec.calls == [] and "dry run: would write /dev/vda with appliance 1.0.0" in out[-1]
     with pytest.raises(select.NoSafeChoice, match="no disk matches"):  # the host's real listing: no serial, mounted
         install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(_host_listing(), {}), boot_partuuid="", out=out.append)
     assert rec.calls == []
     assert "in use (mounted at" in out[-1]  # the candidates table was shown
-
-
-def test_the_same_version_again_changes_nothing(tmp_path: Path) -> None:
-    plan, plan_dir = _plan(tmp_path)
-    rec = Recorder({})
-    out: list[str] = []
-    installed = _as_spare_disk(_host_listing(), WRITTEN)
-    install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(installed, {}), boot_partuuid="", out=out.append)
-    assert rec.calls == []
-    assert "already there: nothing written" in out[-1]
 
 
 def test_ssh_fingerprint_matches_ssh_keygen() -> None:
@@ -182,8 +203,7 @@ def test_the_disk_must_hold_engine_slot_b_as_the_configuration_sizes_it(tmp_path
 # ------------------------------------------------------------------------------ after the first write
 
 
-def test_every_plan_field_at_its_most_hostile_goes_through_the_install_and_its_summary(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_plan_field_at_its_most_hostile_goes_through_the_install_and_its_summary(tmp_path: Path) -> None:
     """Nothing after bmaptool's first write may fail on a plan value: a plan with every field set to
     the longest or strangest value the plan accepts installs, and its summary renders."""
     plan = plan_model.from_plain(plan_values.HOSTILE, "plan.json")
@@ -195,14 +215,13 @@ def test_every_plan_field_at_its_most_hostile_goes_through_the_install_and_its_s
     vda.update(serial=target.serial, model=target.model, wwn=target.wwn)  # the disk the plan names by all four
     udev = {"/dev/vda": {"ID_PATH": target.by_path.removeprefix("/dev/disk/by-path/")}}
     rec = Recorder({"blockdevices": [vda]})
-    monkeypatch.setattr(install.shutil, "copyfile", lambda src, dst: None)
-    _, plan_dir = _plan(tmp_path)
+    plan_dir = _sign(tmp_path, plan)
     out: list[str] = []
     listing = _as_spare_disk(_host_listing())
     spare = next(n for n in listing["blockdevices"] if n["name"] == "vda")
     spare.update(serial=target.serial, model=target.model, wwn=target.wwn)
     status = install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(listing, udev), boot_partuuid="",
-                             signer="0123456789abcdef", reboot=False, out=out.append)
+                             trusted_keys=_trusted(tmp_path)[1], signer="0123456789abcdef", reboot=False, out=out.append)
     assert status == 0 and rec.calls[0][0] == "bmaptool"
     page = out[-1]
     page.encode("utf-8")  # printable on the console as it is
@@ -228,7 +247,6 @@ def _main(tmp_path: Path, plan_dir: Path, monkeypatch: pytest.MonkeyPatch, trust
     from installer import __main__ as installer_main
 
     rec = Recorder({"blockdevices": [next(n for n in _as_spare_disk(_host_listing(), WRITTEN)["blockdevices"] if n["name"] == "vda")]})
-    monkeypatch.setattr(install.shutil, "copyfile", lambda src, dst: None)
     monkeypatch.setattr(installer_main.paths, "TRUSTED_KEYS_DIR", trusted)
     monkeypatch.setattr(install, "load_payload", lambda medium, keys: _payload(tmp_path))
     monkeypatch.setattr(install, "install", lambda *a, **kw: REAL_INSTALL(
@@ -268,3 +286,179 @@ def test_the_installer_writes_nothing_for_a_plan_it_does_not_trust(tmp_path: Pat
         status, rec = _main(tmp_path, d, monkeypatch, trusted)
         assert status == 2 and rec.calls == [], d.name  # refused before the disks are even listed
         assert said in capsys.readouterr().err, d.name
+
+
+# ------------------------------------------------------------------------------ the same version again
+
+
+def _installed(tmp_path: Path, old_plan: bool = True) -> tuple[dict[str, Any], Recorder]:
+    """A disk holding 1.0.0 already (its lsblk listing), and a runner whose /var holds the old plan."""
+    installed = _as_spare_disk(_host_listing(), WRITTEN)
+    var = {}
+    if old_plan:
+        _, old_dir = _plan(tmp_path, hostname="gpu-06", key=OLD_KEY, name="old-plan")
+        var = {f"lib/appliance/host/{n}": (old_dir / n).read_bytes() for n in (plan_model.PLAN_JSON, plan_model.PLAN_SIG)}
+    return installed, Recorder({"blockdevices": [next(n for n in installed["blockdevices"] if n["name"] == "vda")]}, var)
+
+
+def test_the_same_version_again_writes_the_new_plan_and_shows_what_is_on_the_disk(tmp_path: Path) -> None:
+    """Rotated SSH keys and a new host name reach the disk: the new plan replaces the old one on
+    /var, /usr and the engine store are verified as they are, and nothing else is written."""
+    installed, rec = _installed(tmp_path)
+    plan, plan_dir = _plan(tmp_path)
+    out: list[str] = []
+    status = install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(installed, {}), boot_partuuid="",
+                             trusted_keys=_trusted(tmp_path)[1], signer="0123456789abcdef", out=out.append)
+    assert status == 0
+    assert rec.tools == ["veritysetup", "veritysetup", "mount", "umount",
+                         "efibootmgr", "efibootmgr --create", "efibootmgr", "efibootmgr --bootorder", "systemctl"]
+    assert rec.var == {f"lib/appliance/host/{n}": (plan_dir / n).read_bytes() for n in (plan_model.PLAN_JSON, plan_model.PLAN_SIG)}
+    page = out[-1]
+    assert "Appliance 1.0.0 re-installed" in page and "only the plan written" in page
+    assert "gpu-07" in page and install.ssh_fingerprint(KEY) in page
+    assert "gpu-06" not in page and install.ssh_fingerprint(OLD_KEY) not in page
+    assert "/usr /dev/vda2 verified" in page and "engine store /dev/vda4 verified" in page
+
+
+def test_the_summary_shows_the_plan_read_back_from_the_disk_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page is made from the plan as the appliance will read it from /var: when that read
+    refuses it, the install stops in one line and no summary claims a plan the disk does not hold."""
+    installed, rec = _installed(tmp_path)
+    plan, plan_dir = _plan(tmp_path)
+    real_write = install.atomic_write
+
+    def torn(path: Path, data: bytes, mode: int = 0o644, group: int | None = None) -> None:
+        real_write(path, data[:-2] if path.name == plan_model.PLAN_JSON else data, mode, group)
+
+    monkeypatch.setattr(install, "atomic_write", torn)
+    out: list[str] = []
+    with pytest.raises(UserError, match=r"/dev/vda9: the plan read back from /var is refused: .*not signed by a key") as e:
+        install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(installed, {}), boot_partuuid="",
+                        trusted_keys=_trusted(tmp_path)[1], out=out.append)
+    assert e.value.hint and e.value.exit_status == 2
+    assert not any("Appliance 1.0.0" in page for page in out)
+    assert "systemctl" not in rec.tools and "efibootmgr --create" not in rec.tools
+
+
+def test_the_same_version_again_in_a_dry_run_writes_nothing(tmp_path: Path) -> None:
+    installed, rec = _installed(tmp_path)
+    plan, plan_dir = _plan(tmp_path)
+    before = dict(rec.var)
+    out: list[str] = []
+    assert install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(installed, {}), boot_partuuid="",
+                           dry_run=True, out=out.append) == 0
+    assert rec.calls == [] and rec.var == before
+    assert out[-1].startswith("dry run: would write only the plan onto /dev/vda's /var (it holds 1.0.0 already")
+
+
+def test_the_same_version_with_wipe_set_is_written_whole(tmp_path: Path) -> None:
+    installed, rec = _installed(tmp_path, old_plan=False)
+    plan, _ = _plan(tmp_path)
+    wiped = plan_model.Plan(hostname=plan.hostname, target=plan_model.Target(serial="S64ANS0T512345", wipe_existing_data=True))
+    out: list[str] = []
+    install.install(_payload(tmp_path), wiped, _sign(tmp_path, wiped, "wiped"), runner=rec, listing=(installed, {}),
+                    boot_partuuid="", trusted_keys=_trusted(tmp_path)[1], reboot=False, out=out.append)
+    assert rec.tools[:2] == ["bmaptool", "systemd-repart"] and "Appliance 1.0.0 installed" in out[-1]
+
+
+# ------------------------------------------------------------------------------ the payload against the signed index
+
+
+def test_an_image_the_signed_index_does_not_name_is_never_written(tmp_path: Path) -> None:
+    plan, plan_dir = _plan(tmp_path)
+    payload = _payload(tmp_path)
+    data = bytearray(payload.image.read_bytes())
+    data[len(data) // 2] ^= 1
+    payload.image.write_bytes(bytes(data))  # same size, one bit changed
+    rec = Recorder({})
+    with pytest.raises(UserError, match=r"appliance_1\.0\.0\.raw\.zst: SHA-256 [0-9a-f]{16}\.\.\. is not the .* nothing written") as e:
+        install.install(payload, plan, plan_dir, runner=rec, listing=(_as_spare_disk(_host_listing()), {}), boot_partuuid="",
+                        out=lambda _: None)
+    assert e.value.exit_status == 2 and "builder installer" in e.value.hint
+    assert rec.calls == []  # bmaptool never ran
+    payload.image.write_bytes(bytes(data) + b"x")
+    with pytest.raises(UserError, match=r"raw\.zst: 2901 bytes, the signed bundle index says 2900; nothing written"):
+        install.install(payload, plan, plan_dir, runner=rec, listing=(_as_spare_disk(_host_listing()), {}), boot_partuuid="",
+                        out=lambda _: None)
+    assert rec.calls == []
+
+
+def _medium(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A medium's payload as `builder installer` lays it out (a bundle released with the install
+    image), its plan, and the keys it is signed with: (medium, plan directory, trusted keys)."""
+    from fake_release import bundle as fake_bundle
+    from fake_release import make_signing
+
+    key, trusted = make_signing(tmp_path / "signing")
+    medium = fake_bundle(tmp_path, key, with_install_image=True)
+    plan = plan_model.Plan(hostname="gpu-07", target=plan_model.Target(serial="S64ANS0T512345"))
+    data, sig = plan_model.sign(plan, key)
+    (medium / "plan").mkdir()
+    (medium / "plan" / plan_model.PLAN_JSON).write_bytes(data)
+    (medium / "plan" / plan_model.PLAN_SIG).write_bytes(sig)
+    return medium, medium / "plan", trusted
+
+
+def _run_medium(medium: Path, plan_dir: Path, trusted: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[int, Recorder]:
+    """python3 -m installer --medium MEDIUM, the real load_payload, this test's runner and listing."""
+    from fake_release import demo_config, usrhash_for
+
+    from installer import __main__ as installer_main
+
+    # the disk as bmaptool and systemd-repart leave it: the partitions this release's index and manifest name
+    usr, usr_verity = bundle.partuuids_from_usrhash(usrhash_for("2.0.0"))
+    engine = "engine_" + bundle.engine_short(demo_config("2.0.0").engine.digest)
+    layout = copy.deepcopy(WRITTEN)
+    layout[1].update(partuuid=usr, partlabel="appliance_2.0.0")
+    layout[2].update(partuuid=usr_verity, partlabel="appliance_2.0.0_verity")
+    layout[3].update(partlabel=engine)
+    layout[4].update(partlabel=engine + "-verity")
+    rec = Recorder({"blockdevices": [next(n for n in _as_spare_disk(_host_listing(), layout)["blockdevices"] if n["name"] == "vda")]})
+    monkeypatch.setattr(installer_main.paths, "TRUSTED_KEYS_DIR", trusted)
+    monkeypatch.setattr(install, "install", lambda *a, **kw: REAL_INSTALL(
+        *a, **kw, runner=rec, listing=(_as_spare_disk(_host_listing()), {}), boot_partuuid="", out=lambda _: None))
+    return installer_main.main(["--medium", str(medium), "--plan", str(plan_dir), "--no-reboot"]), rec
+
+
+def test_the_mediums_image_and_block_map_are_checked_before_the_first_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    medium, plan_dir, trusted = _medium(tmp_path)
+    status, rec = _run_medium(medium, plan_dir, trusted, monkeypatch)
+    assert status == 0 and rec.tools[0] == "bmaptool"  # this harness does reach the writes
+    image, bmap = (medium / n for n in bundle.install_names("2.0.0").values())
+    assert rec.calls[0] == ["bmaptool", "copy", "--bmap", str(bmap), str(image), "/dev/vda"]
+    capsys.readouterr()
+    for changed, said in ((bmap, "raw.bmap: SHA-256"), (image, "raw.zst: SHA-256")):
+        original = changed.read_bytes()
+        changed.write_bytes(original.replace(b"0", b"1", 1) if changed == bmap else original[:-1] + bytes([original[-1] ^ 1]))
+        status, rec = _run_medium(medium, plan_dir, trusted, monkeypatch)
+        err = capsys.readouterr().err
+        assert status == 2 and "bmaptool" not in rec.tools, said
+        lines = [line for line in err.splitlines() if line.startswith(("installer:", "hint:"))]
+        assert len(lines) == 2 and said in lines[0] and "nothing written" in lines[0] and "Traceback" not in err, err
+        changed.write_bytes(original)
+
+
+def test_the_mediums_small_files_are_read_with_their_size_capped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    medium, plan_dir, trusted = _medium(tmp_path)
+    (medium / "manifest.json").write_bytes(b" " * ((1 << 20) + 1))
+    status, rec = _run_medium(medium, plan_dir, trusted, monkeypatch)
+    assert status == 2 and rec.calls == []
+    assert "manifest.json: 1048577 bytes, more than 1048576" in capsys.readouterr().err
+    (medium / "bundle.json").unlink()
+    (medium / "bundle.json").symlink_to("/dev/zero")
+    status, rec = _run_medium(medium, plan_dir, trusted, monkeypatch)
+    assert status == 2 and rec.calls == []
+    assert "bundle.json: is a symbolic link (not followed)" in capsys.readouterr().err
+
+
+def test_a_medium_without_an_install_image_in_its_index_is_refused(tmp_path: Path) -> None:
+    from fake_release import bundle as fake_bundle
+    from fake_release import make_signing
+
+    key, trusted = make_signing(tmp_path / "signing")
+    medium = fake_bundle(tmp_path, key)  # released without --install-image
+    with pytest.raises(UserError, match=r"bundle 2\.0\.0 lists no install image \(appliance_2\.0\.0\.raw\.zst\)") as e:
+        install.load_payload(medium, trusted)
+    assert "--install-image" in e.value.hint

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from fake_release import bundle, make_signing
 
 from appliance import plan as plan_model
 from appliance.errors import UserError
@@ -25,6 +26,8 @@ needs = pytest.mark.skipif(
 
 
 def _build_output(tmp_path: Path) -> Path:
+    """A build output that is its own bundle directory too (the tests pass OUT as both): the disk
+    image, and what `release --install-image` makes of it (zstd image and block map, by the real tools)."""
     out = tmp_path / "out"
     out.mkdir()
     raw = out / "appliance_1.0.0.raw"
@@ -33,9 +36,12 @@ def _build_output(tmp_path: Path) -> Path:
         f.write(b"GPT-ish head")
         f.seek((256 << 20) - 4096)
         f.write(b"tail" * 1024)
+    if shutil.which("bmaptool") and shutil.which("zstd"):
+        subprocess.run(["bmaptool", "create", "-o", str(out / "appliance_1.0.0.raw.bmap"), str(raw)], check=True, capture_output=True)
+        subprocess.run(["zstd", "-q", "-o", str(out / "appliance_1.0.0.raw.zst"), str(raw)], check=True)
     (out / "manifest.json").write_text("{}")
     (out / "manifest.json.sig").write_text("sig\n")
-    (out / "bundle.json").write_text("{}")  # the tests pass OUT as the bundle directory too
+    (out / "bundle.json").write_text("{}")
     (out / "bundle.json.sig").write_text("sig\n")
     return out
 
@@ -71,8 +77,9 @@ def test_usb_iso_and_efi_forms(tmp_path: Path) -> None:
     boot = subprocess.run(["mtype", "-i", str(esp_img), "::EFI/BOOT/BOOTX64.EFI"], capture_output=True, check=True).stdout
     assert boot == uki.read_bytes()
     listing = subprocess.run(["debugfs", "-R", "ls -l /", str(payload_img)], capture_output=True, text=True, check=True).stdout
-    assert "appliance_1.0.0.raw" in listing and "manifest.json.sig" in listing and "plan" in listing
+    assert "appliance_1.0.0.raw.zst" in listing and "manifest.json.sig" in listing and "plan" in listing
     assert "appliance_1.0.0.raw.bmap" in listing and "bundle.json.sig" in listing
+    assert "appliance_1.0.0.raw " not in listing + " "  # the uncompressed image, which no signed index lists, stays off
     plan_json = subprocess.run(["debugfs", "-R", "cat /plan/plan.json", str(payload_img)], capture_output=True, check=True).stdout
     plan_sig = subprocess.run(["debugfs", "-R", "cat /plan/plan.json.sig", str(payload_img)], capture_output=True, check=True).stdout
     assert plan_model.verify(plan_json, plan_sig, _trusted(tmp_path)).hostname == "gpu-07"
@@ -87,7 +94,7 @@ def test_usb_iso_and_efi_forms(tmp_path: Path) -> None:
     assert "El Torito boot img :   1  UEFI" in report, report
     files = subprocess.run(["xorriso", "-indev", str(written["iso"]), "-find", "/", "-type", "f"],
                            capture_output=True, text=True, check=True).stdout
-    for name in ("/appliance_1.0.0.raw", "/bundle.json", "/plan/plan.json.sig", "/efiboot.img"):
+    for name in ("/appliance_1.0.0.raw.zst", "/appliance_1.0.0.raw.bmap", "/bundle.json", "/plan/plan.json.sig", "/efiboot.img"):
         assert f"'{name}'" in files, files
     assert written["efi"].read_bytes() == uki.read_bytes()
 
@@ -102,8 +109,59 @@ def _trusted(tmp_path: Path) -> Path:
 def test_missing_release_files_are_one_line(tmp_path: Path) -> None:
     uki = tmp_path / "installer.efi"
     uki.write_bytes(b"MZ")
-    with pytest.raises(UserError, match=r"appliance_9\.9\.raw: no such file"):
+    with pytest.raises(UserError, match=r"appliance_9\.9\.raw\.zst: no such file") as e:
         installer_media.make(out := _build_output(tmp_path), "9.9", uki, None, tmp_path / "media", ["usb"], out)
+    assert "release --install-image" in e.value.hint
+
+
+def test_a_bundle_released_without_the_install_image_is_refused_before_writing(tmp_path: Path) -> None:
+    """The medium carries only what its signed index lists: without --install-image the index names
+    no disk image, and the installer could not check one."""
+    key, _ = make_signing(tmp_path / "signing")
+    released = bundle(tmp_path, key)
+    uki = tmp_path / "installer.efi"
+    uki.write_bytes(b"MZ")
+    with pytest.raises(UserError, match=r"appliance_2\.0\.0\.raw\.zst: no such file \(needed on the medium") as e:
+        installer_media.make(tmp_path / "out-2.0.0", "2.0.0", uki, None, tmp_path / "media", ["usb"], released)
+    assert "python3 -m builder release --install-image" in e.value.hint
+    assert not (tmp_path / "media").exists()
+
+
+def test_a_bundle_of_another_build_is_refused(tmp_path: Path) -> None:
+    key, _ = make_signing(tmp_path / "signing")
+    released = bundle(tmp_path, key, with_install_image=True)
+    other = tmp_path / "other-build"
+    shutil.copytree(tmp_path / "out-2.0.0", other)
+    (other / "manifest.json").write_bytes((other / "manifest.json").read_bytes().replace(b"2026-01-01", b"2026-01-02"))
+    uki = tmp_path / "installer.efi"
+    uki.write_bytes(b"MZ")
+    with pytest.raises(UserError, match=r"not the release of the build in .*other-build \(another manifest\.json\)"):
+        installer_media.make(other, "2.0.0", uki, None, tmp_path / "media", ["usb"], released)
+    assert not (tmp_path / "media").exists()
+
+
+@needs
+def test_the_installer_checks_the_medium_the_builder_made(tmp_path: Path) -> None:
+    """A medium made from a real (small) release: every payload file the installer writes is one
+    the medium's signed index lists, and the installer's own check passes on it."""
+    from installer import install
+
+    key, trusted = make_signing(tmp_path / "signing")
+    released = bundle(tmp_path, key, with_install_image=True)
+    uki = tmp_path / "installer.efi"
+    uki.write_bytes(b"MZ" + bytes(64))
+    usb = installer_media.make(tmp_path / "out-2.0.0", "2.0.0", uki, None, tmp_path / "media", ["usb"], released)["usb"]
+    payload = json.loads(subprocess.run(["sfdisk", "-J", str(usb)], capture_output=True, text=True, check=True).stdout)
+    part = payload["partitiontable"]["partitions"][1]
+    image = tmp_path / "payload.ext4"
+    subprocess.run(["dd", f"if={usb}", f"of={image}", "bs=512", f"skip={part['start']}", f"count={part['size']}", "status=none"],
+                   check=True)
+    medium = tmp_path / "medium"
+    medium.mkdir()
+    subprocess.run(["debugfs", "-R", f"rdump / {medium}", str(image)], capture_output=True, check=True)
+    loaded = install.load_payload(medium, trusted)  # the block map checked against the signed index
+    install.check_against_index(loaded.image, loaded.image_file)  # and the image, as before the first write
+    assert loaded.image.name == "appliance_2.0.0.raw.zst" and loaded.bmap.name == "appliance_2.0.0.raw.bmap"
 
 
 def test_a_medium_without_the_signed_bundle_index_is_refused_before_writing(tmp_path: Path) -> None:

@@ -38,10 +38,11 @@ from appliance.caddyfile import render_caddyfile
 from appliance.config import Config
 from appliance.errors import ConfigError
 from applianctl import tls
+from testkit import caddy
 
 ROOT = Path(__file__).resolve().parents[1]
 TOML = ROOT / "appliance.toml"
-CADDY = shutil.which("caddy") or "/usr/bin/caddy"
+CADDY = caddy.CADDY
 MODEL = "standin/tiny-demo"
 SMOKE = "Calculate 17 * 23. Answer with the number only."
 
@@ -49,12 +50,7 @@ needs_caddy = pytest.mark.skipif(not os.access(CADDY, os.X_OK), reason="needs De
 
 
 def _env(home: Path) -> dict[str, str]:
-    return {
-        **os.environ,
-        "HOME": str(home),
-        "XDG_DATA_HOME": str(home / "data"),
-        "XDG_CONFIG_HOME": str(home / "config"),
-    }
+    return caddy.caddy_env(home)
 
 
 def _variant(config: Config, **proxy: Any) -> Config:
@@ -325,30 +321,11 @@ class Live:
     caddy_log: Path
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @contextlib.contextmanager
 def _caddy(caddyfile: Path, home: Path, https_port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     """The real Caddy on CADDYFILE, running until the block ends; ready once HTTPS_PORT connects."""
-    with log.open("wb") as out:
-        caddy = subprocess.Popen(
-            [CADDY, "run", "--config", str(caddyfile), "--adapter", "caddyfile"],
-            env=_env(home),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        _wait("caddy", lambda: _connects(https_port), caddy, log)
-        yield caddy
-    finally:
-        _stop(caddy)
+    with caddy.running(caddyfile, home, https_port, log) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
@@ -419,7 +396,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         finally:
             shutil.rmtree(sock_dir, ignore_errors=True)
     finally:
-        _stop(engine)
+        caddy.stop(engine)
 
 
 class _Via(HTTPAdapter):

@@ -17,7 +17,6 @@ import dataclasses
 import importlib.util
 import os
 import random
-import shutil
 import socket
 import ssl
 import subprocess
@@ -30,12 +29,10 @@ from pathlib import Path
 
 import pytest
 
-from appliance import config as config_mod
-from appliance.caddyfile import render_caddyfile
-from applianctl import tls
+from testkit import caddy
 
 ROOT = Path(__file__).resolve().parents[1]
-CADDY = shutil.which("caddy") or "/usr/bin/caddy"
+CADDY = caddy.CADDY
 MODEL = "standin/tiny-demo"
 HELLO = "Hello! I am the stand-in engine."
 
@@ -76,15 +73,6 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path, what: str) -
     pytest.fail(f"{what} not listening after 20 s:\n{log.read_text()[-3000:]}")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @dataclasses.dataclass(frozen=True)
 class Proxy:
     url: str
@@ -94,7 +82,7 @@ class Proxy:
 
 @pytest.fixture(params=BACKENDS)
 def proxy(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Proxy]:
-    engine_port, https_port = _free_port(), _free_port()
+    engine_port = _free_port()
     engine_log = tmp_path / "engine.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "STANDIN_LOAD_SECONDS": "0", "STANDIN_SHM_DIR": str(tmp_path),
            "STANDIN_TOKEN_SECONDS": "0.001"}
@@ -107,31 +95,10 @@ def proxy(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Proxy]:
         engine = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait_port(engine_port, engine, engine_log, request.param)
-        config = config_mod.load(ROOT / "appliance.toml", "demo")
-        config = dataclasses.replace(
-            config,
-            proxy=dataclasses.replace(config.proxy, https_port=https_port, http="close",
-                                      allowed_cidrs=("127.0.0.1/32",), metrics_cidrs=()),
-            engine=dataclasses.replace(config.engine, port=engine_port),
-        )
-        tls_dir = tmp_path / "tls"
-        tls.generate(tls_dir, config.proxy.hostname, tls.host_addresses(), group="appliance-no-such-group")
-        caddyfile = tmp_path / "Caddyfile"
-        caddyfile.write_text(render_caddyfile(config, tls_dir=tls_dir, http_port=_free_port(), admin="off"))
-        caddy_log = tmp_path / "caddy.log"
-        home = tmp_path / "home"
-        caddy_env = {**os.environ, "HOME": str(home), "XDG_DATA_HOME": str(home / "data"),
-                     "XDG_CONFIG_HOME": str(home / "config")}
-        with caddy_log.open("wb") as out:
-            caddy = subprocess.Popen([CADDY, "run", "--config", str(caddyfile), "--adapter", "caddyfile"],
-                                     env=caddy_env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            _wait_port(https_port, caddy, caddy_log, "caddy")
-            yield Proxy(f"https://127.0.0.1:{https_port}/v1", tls_dir / "ca.crt", caddy_log)
-        finally:
-            _stop(caddy)
+        with caddy.demo_front(engine_port, tmp_path) as front:
+            yield Proxy(f"{front.url}/v1", front.ca, front.log)
     finally:
-        _stop(engine)
+        caddy.stop(engine)
 
 
 def _pause(rnd: random.Random) -> float:

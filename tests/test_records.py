@@ -35,6 +35,7 @@ RECORDS: dict[str, type[Record]] = {
     "last-assessment.json": records.LastAssessment,
     "last-rollback.json": records.LastRollback,
     "staged.json": records.Staged,
+    "freshness.json": records.Freshness,
 }
 
 # What the previous release's readers took from each record: key -> type (they read it with
@@ -56,6 +57,7 @@ OLD_READERS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "last-assessment.json": {"ok": bool, "version": str, "reason": str},
     "last-rollback.json": {"from_version": str, "to_version": str, "at": str},
     "staged.json": {"version": str, "directory": str},  # update/staged.read()
+    "freshness.json": {"sequences": dict},  # new in this release: update/plan.py accepted_sequences()
 }
 
 

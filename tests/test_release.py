@@ -39,7 +39,7 @@ def test_bundle_round_trip(tmp_path: Path, signing: tuple[Path, Path]) -> None:
     assert index.version == "2.0.0" and index.profile == "demo"
     assert index.usrhash == usrhash_for("2.0.0")
     names = sorted(p.name for p in b.iterdir())
-    assert names == sorted([f.name for f in index.files] + ["bundle.json", "bundle.json.sig"])
+    assert names == sorted([f.name for f in index.files] + ["bundle.json", "bundle.json.sig", "timestamp.json", "timestamp.json.sig"])
     for f in index.files:
         data = (b / f.name).read_bytes()
         assert hashlib.sha256(data).hexdigest() == f.sha256 and len(data) == f.size

@@ -1,11 +1,15 @@
 """Target selection against real disk listings: the chosen disk is always the one the plan names,
 or nothing (with every candidate listed). Inputs are recorded `lsblk --json -O -b` and udev
 outputs (tests/fixtures/disks/): the build host's own, and the QEMU decoy matrix recorded by
-tests/integration/record_disks.py (sets not recorded yet are skipped, and say so)."""
+tests/integration/record_disks.py (sets not recorded yet are skipped, and say so). The md, LVM
+and LUKS stacks (nvme-md-*.json, nvme-luks-lvm.json) are written by hand in the recorded sets'
+shape, with their sysfs holders trees (tests/fixtures/sysfs/): the host has no device mapper."""
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +19,7 @@ from appliance.plan import Target
 from installer import disks, select
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "disks"
+SYSFS = Path(__file__).resolve().parent / "fixtures" / "sysfs"
 GIB = 1 << 30
 REQUIRED = 10 * GIB  # about what the demo's layout needs (slots A and B, root, /var's minimum)
 VERSION = "1.0.0"
@@ -60,6 +65,16 @@ MATRIX: list[tuple[str, dict[str, Any], str]] = [
     ("installer-usb", {"serial": "MEDIUM-0005", "wipe_existing_data": True}, "removable"),
     ("installer-usb", {"serial": "SMALL-0004"}, "too small"),
     ("installer-usb", {"serial": "DATA-0003"}, "holds data"),
+    # a mount three levels below the disk: partition -> md RAID1 -> LVM volume at /srv
+    ("nvme-md-lvm", {"serial": "NV-R1", "wipe_existing_data": True}, "in use (mounted at /srv)"),
+    ("nvme-md-lvm", {"serial": "NV-R2", "wipe_existing_data": True}, "in use (mounted at /srv)"),
+    ("nvme-md-lvm", {"serial": "NV-A1"}, "=NV-A1"),
+    # partition -> LUKS -> LVM, swap active on a volume
+    ("nvme-luks-lvm", {"serial": "NV-L1", "wipe_existing_data": True}, "in use (mounted at [SWAP])"),
+    ("nvme-luks-lvm", {"model": "QEMU NVMe Ctrl", "max_size_gib": 16}, "2 disks match"),
+    # an assembled array nothing mounts: held all the same
+    ("nvme-md-idle", {"serial": "NV-M1", "wipe_existing_data": True}, "in use (held by md0 (raid1))"),
+    ("nvme-md-idle", {"serial": "NV-A1", "wipe_existing_data": True}, "=NV-A1"),
 ]
 
 
@@ -112,3 +127,94 @@ def test_build_host_listing_is_read_and_its_mounted_disk_refused() -> None:
     listing = json.loads(select.dumps(e.value.candidates, None))
     assert listing["chosen"] is None and listing["candidates"][0]["refused"].startswith("in use")
     assert "/dev/vda" in select.table(e.value.candidates, None)
+
+
+# ------------------------------------------------------------------ holders at any depth
+
+
+def _listing(name: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / f"{name}.json").read_text())  # type: ignore[no-any-return]
+
+
+def _without_stacks(doc: dict[str, Any]) -> dict[str, Any]:
+    """DOC as an lsblk that lists each disk's partitions but nothing built on them."""
+    doc = copy.deepcopy(doc)
+    for disk in doc["lsblk"]["blockdevices"]:
+        for part in disk.get("children") or []:
+            part.pop("children", None)
+    return doc
+
+
+def test_an_in_use_disk_says_what_to_stop() -> None:
+    with pytest.raises(select.NoSafeChoice) as e:
+        _choose("nvme-md-idle", serial="NV-M2", wipe_existing_data=True)
+    assert "mdadm --stop" in e.value.hint and "vgchange -an" in e.value.hint
+    assert "wipe_existing_data" not in e.value.hint  # wiping does not help a disk that is in use
+
+
+def test_the_kernels_holders_count_when_lsblk_lists_nothing_above_a_member() -> None:
+    """sysfs' holders/ directories, followed to any depth: an assembled array or an active volume on
+    a member holds the disk even when lsblk lists nothing above the partition."""
+    doc = _without_stacks(_listing("nvme-md-lvm"))
+    target = Target(serial="NV-R1", wipe_existing_data=True)
+    bare = {d.serial: d for d in disks.from_lsblk(doc["lsblk"], doc["udev"])}
+    assert select.refusal(bare["NV-R1"], target, "", REQUIRED, VERSION) == ""  # lsblk alone no longer sees it
+    found = {d.serial: d for d in disks.from_lsblk(doc["lsblk"], doc["udev"], SYSFS / "nvme-md-lvm")}
+    assert found["NV-R1"].holders == ("md127", "dm-0")  # the array, and the LVM volume on the array
+    assert select.refusal(found["NV-R1"], target, "", REQUIRED, VERSION) == "in use (held by md127, dm-0)"
+    assert found["NV-A1"].holders == ()
+    idle = _without_stacks(_listing("nvme-md-idle"))
+    found = {d.serial: d for d in disks.from_lsblk(idle["lsblk"], idle["udev"], SYSFS / "nvme-md-idle")}
+    assert found["NV-M1"].holders == found["NV-M2"].holders == ("md0",)
+    with pytest.raises(select.NoSafeChoice, match=r"is in use \(held by md0\)"):
+        select.choose(list(found.values()), Target(serial="NV-M1", wipe_existing_data=True), boot_partuuid="",
+                      required_bytes=REQUIRED, version=VERSION)
+
+
+def test_lsblk_and_sysfs_name_a_holder_once() -> None:
+    doc = _listing("nvme-md-lvm")
+    found = {d.serial: d for d in disks.from_lsblk(doc["lsblk"], doc["udev"], SYSFS / "nvme-md-lvm")}
+    assert found["NV-R1"].holders == ("md127 (raid1)", "vg0-data (lvm)")  # dm-0 is vg0-data's kernel name
+    assert found["NV-R1"].mountpoints == ("/srv",)
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    node: dict[str, Any] = {"name": f"dm-{depth}", "type": "lvm"}
+    for level in range(depth - 1, 0, -1):
+        node = {"name": f"dm-{level}", "type": "lvm", "children": [node]}
+    disk = {"name": "nvme9n1", "path": "/dev/nvme9n1", "type": "disk", "serial": "NV-X", "size": 100 * GIB,
+            "children": [{"name": "nvme9n1p1", "path": "/dev/nvme9n1p1", "type": "part", "children": [node]}]}
+    return {"blockdevices": [disk]}
+
+
+def test_a_listing_deeper_or_wider_than_any_real_stack_counts_as_in_use() -> None:
+    """A hostile or broken listing (a stack of 100, a node that holds itself) ends the walk, and
+    the disk is refused rather than believed free."""
+    (ok,) = disks.from_lsblk(_nested(disks.MAX_STACK_DEPTH - 1), {})
+    assert disks.TOO_DEEP not in ok.holders and len(ok.holders) == disks.MAX_STACK_DEPTH - 1
+    (deep,) = disks.from_lsblk(_nested(100), {})
+    assert deep.holders[-1] == disks.TOO_DEEP and len(deep.holders) <= disks.MAX_STACK_DEPTH
+    assert select.refusal(deep, Target(serial="NV-X", wipe_existing_data=True), "", REQUIRED, VERSION).startswith("in use (held by")
+    cyclic = _nested(1)
+    node = cyclic["blockdevices"][0]["children"][0]["children"][0]
+    node["children"] = [node]
+    (loop,) = disks.from_lsblk(cyclic, {})
+    assert loop.holders[-1] == disks.TOO_DEEP
+    wide = _nested(1)
+    wide["blockdevices"][0]["children"][0]["children"] = [{"name": f"dm-{i}", "type": "crypt"} for i in range(10_000)]
+    (many,) = disks.from_lsblk(wide, {})
+    assert many.holders[-1] == disks.TOO_DEEP and len(many.holders) <= disks.MAX_STACK_NODES
+
+
+def test_a_cyclic_or_endless_sysfs_tree_ends(tmp_path: Path) -> None:
+    block = tmp_path / "class" / "block"
+    for name, holder in (("nvme9n1p1", "dm-0"), ("dm-0", "dm-1"), ("dm-1", "dm-0")):  # dm-0 and dm-1 hold each other
+        (block / name / "holders").mkdir(parents=True, exist_ok=True)
+        os.symlink(f"../../{holder}", block / name / "holders" / holder)
+    assert disks.sysfs_holders(["nvme9n1", "nvme9n1p1"], tmp_path) == ["dm-0", "dm-1"]
+    chain = tmp_path / "chain"
+    for i in range(100):
+        (chain / "class" / "block" / f"dm-{i}" / "holders").mkdir(parents=True)
+        (chain / "class" / "block" / f"dm-{i}" / "holders" / f"dm-{i + 1}").touch()
+    found = disks.sysfs_holders(["dm-0"], chain)
+    assert found[-1] == disks.TOO_DEEP and len(found) == disks.MAX_STACK_DEPTH + 1

@@ -16,6 +16,7 @@ import ssl
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -29,9 +30,10 @@ from test_fetch import make_ca, make_server_cert
 from appliance import atomic as state
 from appliance import bundle as bundle_format
 from appliance import fetch as update_fetch
-from appliance import manifest, paths
+from appliance import freshness, manifest, paths
 from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE, USR_TYPE, USR_VERITY_TYPE, engine_short, partuuids_from_usrhash, source_names
 from appliance.errors import Refused, UserError
+from applianctl.records import LastRollback
 from applianctl.slots import engine as engine_slots
 from applianctl.slots import release, rollback
 from applianctl.slots.machine import EFI_LOADER_GUID, Host, boot_counting
@@ -39,6 +41,7 @@ from applianctl.status import os_slots
 from applianctl.update import command as up
 from applianctl.update import download as update_stage
 from applianctl.update import staged as update_staged
+from builder import keys as builder_keys
 from builder import release as rel
 
 GIB = 1024**3
@@ -228,6 +231,8 @@ def test_an_engine_the_appliance_has_in_its_other_slot_is_not_downloaded_again(t
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0", engine=True, digest="sha256:" + "ab" * 32)
     device.set_gpt("appliance_1.0.0", "_empty", engine_b="engine_abababababab")
+    # slot B's full digest is known from signed data (an earlier install recorded it), not only its label
+    engine_slots.record({"1.5.0": "sha256:" + "ab" * 32}, keep={"1.5.0"})
     assert run_update(device, str(b), trusted) == 0
     assert not any(a.startswith("--component") for c in device.sysupdate_calls() for a in c)
     assert not list(paths.update_staging_dir().glob("*/engine_*"))
@@ -409,8 +414,8 @@ def test_one_plan_decides_for_every_verb(tmp_path: Path, device: Device, signing
     b = bundle(tmp_path, key, "2.0.0")
     plan = up.check(str(b), host=device.host, keys_dir=trusted, running=RUNNING)
     assert sorted(plan.to_json()) == ["already_installed", "blocked", "downgrade", "download_bytes", "engine", "engine_slot",
-                                      "engine_written", "files", "running_version", "signer", "slot", "slot_holds", "source",
-                                      "version"]
+                                      "engine_written", "expires", "files", "rolled_back", "running_version", "sequence", "signer",
+                                      "slot", "slot_holds", "source", "version"]
     assert plan.already_installed is False and plan.download_bytes == sum(f.size for f in plan.files)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.downgrade = True  # type: ignore[misc]
@@ -756,7 +761,7 @@ def test_check_says_what_would_be_installed_and_writes_nothing(
     plan = json.loads(out)
     summary = (plan["version"], plan["running_version"], plan["slot"], plan["downgrade"], plan["blocked"])
     assert summary == ("2.0.0", "1.0.0", "B", False, None)
-    assert plan["download_bytes"] == sum(f.stat().st_size for f in b.iterdir() if not f.name.startswith("bundle.json"))
+    assert plan["download_bytes"] == sum(f.stat().st_size for f in b.iterdir() if not f.name.startswith(("bundle.json", "timestamp.json")))
     assert not (device.root / "state").exists() and device.writes() == []
     code, out, err = _cli(["update", "--check", str(b)], device, trusted, monkeypatch, capsys)
     assert code == 0 and out.startswith("would install 2.0.0 over 1.0.0 (upgrade) into slot B")
@@ -773,7 +778,7 @@ def test_not_enough_free_space_is_refused_before_downloading(
 
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0", usr_bytes=300_000)
-    need = sum(f.stat().st_size for f in b.iterdir() if not f.name.startswith("bundle.json"))
+    need = sum(f.stat().st_size for f in b.iterdir() if not f.name.startswith(("bundle.json", "timestamp.json")))
     real = update_stage.free_bytes
     asked: list[Path] = []
 
@@ -785,7 +790,7 @@ def test_not_enough_free_space_is_refused_before_downloading(
     monkeypatch.setattr(update_stage, "free_bytes", free)
     with pytest.raises(UserError, match="MiB free, the bundle needs") as e:
         run_update(device, str(b), trusted)
-    assert "plus a margin of 512 MiB" in e.value.message and e.value.exit_status == 2
+    assert "plus a margin of 1024 MiB" in e.value.message and e.value.exit_status == 2  # the reserve the model fetch keeps too
     assert asked and asked[0] == paths.update_staging_dir() / "2.0.0", "the file system of the staging directory (/var)"
     assert not list(paths.update_staging_dir().rglob("*.part")) and not list(paths.update_staging_dir().rglob("*.raw"))
     assert device.sysupdate_calls() == []
@@ -804,6 +809,163 @@ def test_a_version_with_leading_zeros_is_refused(tmp_path: Path, device: Device,
     (b / "bundle.json").write_bytes(data)
     (b / "bundle.json.sig").write_bytes(manifest.encode_signature(manifest.load_private_key(key).sign(data)))
     _refused(device, str(b), trusted, "no leading zeros")
+
+
+# ----------------------------------------------------------------------------------- freshness (timestamp.json)
+
+DAY = 86400
+
+
+def _timestamp(b: Path, release_key: Path, *, signed_at: float | None = None, days: int = 7, by: Path | None = None,
+               index: Path | None = None) -> freshness.Timestamp:
+    """B's timestamp replaced by one for INDEX (default: B's bundle.json), signed at SIGNED_AT by
+    BY (default: the timestamp key beside RELEASE_KEY) with that key's next sequence number."""
+    key = by or release_key.with_name("timestamp.key")
+    data = (index or b / "bundle.json").read_bytes()
+    signer = manifest.key_id(manifest.load_private_key(key).public_key())
+    doc = freshness.make(data, json.loads(data)["version"], builder_keys.next_sequence(key), signer,
+                         now=time.time() if signed_at is None else signed_at, days=days)
+    ts, sig = freshness.sign(doc, key)
+    (b / "timestamp.json").write_bytes(ts)
+    (b / "timestamp.json.sig").write_bytes(sig)
+    return freshness.load(doc)
+
+
+def _accepted() -> dict[str, int]:
+    record = json.loads(paths.freshness_path().read_text())
+    return dict(record["sequences"])
+
+
+def test_an_expired_index_is_refused_by_every_verb_that_reads_it(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    ts = _timestamp(b, key, signed_at=time.time() - 8 * DAY)  # 7 days' validity, signed 8 days ago
+    _refused(device, str(b), trusted, rf"^the index expired at {ts.expires}; the clock says 20")
+    for verb in (up.check, up.download_only):
+        with pytest.raises(Refused, match="the index expired at") as e:
+            verb(str(b), host=device.host, keys_dir=trusted, running=RUNNING)
+        assert "builder timestamp" in e.value.hint and "clock" in e.value.hint
+    assert not paths.update_staging_dir().exists() and update_staged.read() is None, "refused before any download"
+    _timestamp(b, key)  # signed again: fresh
+    assert run_update(device, str(b), trusted) == 0
+
+
+def test_an_index_older_than_the_last_accepted_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    older = bundle(tmp_path, key, "2.0.0")  # timestamp sequence 1
+    newer = bundle(tmp_path, key, "3.0.0")  # sequence 2
+    up.check(str(newer), host=device.host, keys_dir=trusted, running=RUNNING)
+    assert not paths.freshness_path().exists(), "--check accepts nothing"
+    assert run_update(device, str(newer), trusted) == 0
+    signer = manifest.key_id(manifest.load_private_key(key.with_name("timestamp.key")).public_key())
+    assert _accepted() == {signer: 2}
+    with pytest.raises(Refused, match=r"^timestamp\.json has sequence 1, lower than the 2 this appliance accepted before") as e:
+        run_update(device, str(older), trusted)
+    assert e.value.exit_status == 1 and "builder timestamp" in e.value.hint
+    assert len(device.sysupdate_calls()) == 1, "only the accepted update wrote the slot"
+    with pytest.raises(Refused, match="lower than the 2"):
+        up.download_only(str(older), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None)
+    assert _timestamp(older, key).sequence == 3  # offered again on purpose: `builder timestamp`
+    assert run_update(device, str(older), trusted) == 0
+    assert _accepted() == {signer: 3}
+
+
+def test_a_download_only_records_the_sequence_it_accepted(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    older = bundle(tmp_path, key, "2.0.0")
+    newer = bundle(tmp_path, key, "3.0.0")
+    assert up.download_only(str(newer), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
+    assert list(_accepted().values()) == [2]
+    with pytest.raises(Refused, match="lower than the 2"):
+        up.check(str(older), host=device.host, keys_dir=trusted, running=RUNNING)
+
+
+def test_a_timestamp_for_another_bundle_json_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    other = bundle(tmp_path, key, "3.0.0")
+    _timestamp(b, key, index=other / "bundle.json")  # fresh, validly signed, names 3.0.0's index
+    _refused(device, str(b), trusted, r"^timestamp\.json is for another bundle\.json \(version 3\.0\.0")
+
+
+def test_a_timestamp_signed_by_the_release_key_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    _timestamp(b, key, by=key)  # the release key: trusted for bundle.json, never for freshness
+    release_id = manifest.key_id(manifest.load_private_key(key).public_key())
+    _refused(device, str(b), trusted, rf"^timestamp\.json is signed by key {release_id}, which this version does not trust for timestamps")
+
+
+def test_a_bundle_without_a_timestamp_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    (b / "timestamp.json").unlink()
+    _refused(device, str(b), trusted, r"timestamp\.json: missing from the bundle")
+
+
+def test_a_clock_before_the_running_releases_build_time_is_refused_on_its_own(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    built_later = dataclasses.replace(RUNNING, build_time="2099-01-01T00:00:00Z")
+    with pytest.raises(UserError, match=r"^the clock says 20[0-9-]+T[0-9:]+Z, earlier than this release's build time 2099-01-01") as e:
+        run_update(device, str(b), trusted, running=built_later)
+    assert e.value.exit_status == 2 and "timedatectl" in e.value.hint
+    assert device.sysupdate_calls() == []
+
+
+def test_apply_of_a_staged_bundle_does_not_depend_on_its_expiry(tmp_path: Path, device: Device, signing: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    assert up.download_only(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
+    staged = update_staged.directory(update_staged.read().usable)  # type: ignore[union-attr]
+    assert (staged / "timestamp.json").read_bytes() == (b / "timestamp.json").read_bytes(), "kept as what was accepted"
+    monkeypatch.setattr(freshness, "system_clock", lambda: time.time() + 30 * DAY)  # long expired now
+    with pytest.raises(Refused, match="expired"):
+        up.check(str(b), host=device.host, keys_dir=trusted, running=RUNNING)
+    assert up.apply(host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
+    assert len(device.sysupdate_calls()) == 1
+
+
+# ----------------------------------------------------------------------------------- a version rolled back
+
+
+def _rolled_back_in_slot_b(device: Device) -> None:
+    """Slot B holds 2.0.0, whose entry ran out of tries: systemd-boot fell back to 1.0.0."""
+    device.set_gpt("appliance_1.0.0", "appliance_2.0.0")
+    (device.esp / "EFI/Linux/appliance_2.0.0+0-3.efi").write_bytes(b"uki 2")
+
+
+def test_a_version_rolled_back_from_is_refused_unless_forced(
+    tmp_path: Path, device: Device, signing: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    _rolled_back_in_slot_b(device)
+    _refused(device, str(b), trusted, r"^version 2\.0\.0 was rolled back: its boot entry appliance_2\.0\.0\+0-3\.efi is out of tries")
+    with pytest.raises(Refused, match="was rolled back") as e:
+        up.download_only(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None)
+    assert "--force" in e.value.hint and update_staged.read() is None
+    code, out, err = _cli(["update", "--check", str(b), "--json"], device, trusted, monkeypatch, capsys)
+    plan = json.loads(out)
+    assert code == 2 and plan["blocked"].startswith("version 2.0.0 was rolled back") and plan["already_installed"] is False
+    code, out, err = _cli(["update", str(b), "--yes"], device, trusted, monkeypatch, capsys)
+    assert code == 1 and out == "" and err.splitlines()[0].startswith("applianctl: version 2.0.0 was rolled back")
+    assert device.sysupdate_calls() == []
+    code, out, err = _cli(["update", str(b), "--yes", "--force"], device, trusted, monkeypatch, capsys)
+    assert code == 0, err
+    assert device.sysupdate_calls() == [["systemd-sysupdate", "--no-pager", "update", "2.0.0"]], "the slot written again"
+    assert not (device.esp / "EFI/Linux/appliance_2.0.0+0-3.efi").exists(), "its spent entry went before the slot was blanked"
+
+
+def test_the_last_rollback_record_names_a_version_rolled_back_from(tmp_path: Path, device: Device, signing: Any) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    state.write_record(paths.last_rollback_path(), LastRollback("2.0.0", "1.0.0", "operator rollback", "2026-11-30T10:00:00Z"))
+    _refused(device, str(b), trusted, r"^version 2\.0\.0 was rolled back at 2026-11-30T10:00:00Z")
+    # a rollback that led elsewhere (to another running version) says nothing about this one
+    state.write_record(paths.last_rollback_path(), LastRollback("2.0.0", "0.9.0", "operator rollback", "2026-11-30T10:00:00Z"))
+    assert run_update(device, str(b), trusted) == 0
 
 
 # ----------------------------------------------------------------------------------- units

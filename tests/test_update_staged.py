@@ -73,7 +73,7 @@ def test_download_only_stages_a_verified_bundle_and_touches_no_slot(tmp_path: Pa
     assert device.gpt.read_text() == gpt and _esp(device) == esp
     assert not paths.last_update_path().exists() and not paths.update_source_dir().exists()
     record = staged_record()  # there, and no error
-    payload = [f for f in b.iterdir() if not f.name.startswith("bundle.json")]
+    payload = [f for f in b.iterdir() if not f.name.startswith(("bundle.json", "timestamp.json"))]
     assert (record.version, record.files, record.bytes) == ("2.0.0", len(payload), sum(f.stat().st_size for f in payload))
     assert record.source == str(b) and record.staged_at.endswith("Z")
     staged = update_staged.directory(record)

@@ -13,6 +13,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -186,13 +187,17 @@ class FakeVerity:
     def __init__(self) -> None:
         self.sealed: set[tuple[int, int]] = set()
 
-    def enable(self, path: Path) -> None:
-        st = os.stat(path)
+    def enable(self, path: Path, dir_fd: int | None = None) -> None:
+        st = os.stat(path.name if dir_fd is not None else path, dir_fd=dir_fd, follow_symlinks=False)
         self.sealed.add((st.st_dev, st.st_ino))
 
-    def measure(self, path: Path) -> str | None:
-        st = os.stat(path)
-        return fsverity.digest_file(path) if (st.st_dev, st.st_ino) in self.sealed else None
+    def measure(self, path: Path, dir_fd: int | None = None) -> str | None:
+        fd = os.open(path.name if dir_fd is not None else path, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        try:
+            st = os.fstat(fd)
+            return fsverity.digest_file(Path(f"/proc/self/fd/{fd}")) if (st.st_dev, st.st_ino) in self.sealed else None
+        finally:
+            os.close(fd)
 
 
 def _snapshot(tmp_path: Path, sizes: dict[str, int], with_fsverity: bool = True) -> tuple[Path, wm.WeightsManifest]:
@@ -268,7 +273,8 @@ def test_resume_after_a_cut_fetches_at_most_one_chunk_again(tmp_path: Path, cut:
         model_fetch.fetch(store, source, verity, workers=1)
     part = store.partial / "a.safetensors.part"
     # what the cut left: bytes after the journal's length may be lost (a power cut): drop them
-    journal = model_fetch.read_journal(part, manifest.file("a.safetensors"))  # type: ignore[arg-type]
+    with store.open_dir() as fs:
+        journal = model_fetch.read_journal(fs, store.rel(part), manifest.file("a.safetensors"))  # type: ignore[arg-type]
     with open(part, "r+b") as f:
         f.truncate(max(journal.length, min(cut, part.stat().st_size)))
         f.seek(journal.length)
@@ -311,9 +317,69 @@ def test_not_enough_space_is_refused_before_anything_is_written(tmp_path: Path, 
     src, manifest = _snapshot(tmp_path, SIZES)
     store = _store(tmp_path, manifest)
     monkeypatch.setattr(model_fetch, "free_bytes", lambda path: manifest.total_bytes // 2)
-    with pytest.raises(UserError, match=r"not enough space for the weights: [0-9]+ bytes needed"):
+    with pytest.raises(UserError, match=r"^not enough space for the weights: 32.3 MiB to download and 1.0 GiB kept free on /, "
+                                        r"16.0 MiB free$") as e:
+        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity())
+    assert e.value.hint.startswith("free 1.1 GiB more on / ") and e.value.hint.endswith("then run the same command again (it resumes)")
+    assert not store.partial.exists()
+
+
+def test_room_for_the_files_but_not_for_the_reserve_is_refused_before_anything_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, manifest = _snapshot(tmp_path, SIZES)
+    store = _store(tmp_path, manifest)
+    monkeypatch.setattr(model_fetch, "free_bytes", lambda path: 2 * manifest.total_bytes)  # the files fit; the journal's room does not
+    with pytest.raises(UserError, match=r"^not enough space for the weights: .* and 1.0 GiB kept free"):
         model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity())
     assert not store.partial.exists()
+
+
+class FillingDisk:
+    """A file system of FREE bytes above the reserve once the fetch has started (the first figure,
+    its check before downloading, is plenty: something else fills the disk meanwhile), less what
+    the store now holds."""
+
+    def __init__(self, store: model_store.Store, free: int) -> None:
+        self.store, self.free, self.calls = store, free, 0
+
+    def used(self) -> int:
+        return sum(p.stat().st_size for p in self.store.root.rglob("*") if p.is_file() and not p.is_symlink())
+
+    def __call__(self, path: Path) -> int:
+        self.calls += 1
+        return 1 << 40 if self.calls == 1 else bounded.RESERVE_BYTES + self.free - self.used()
+
+
+def test_a_fetch_stops_at_the_reserve_keeps_its_partial_file_and_the_next_run_resumes(tmp_path: Path) -> None:
+    src, manifest = _snapshot(tmp_path, SIZES)
+    store, verity = _store(tmp_path, manifest), FakeVerity()
+    source = CutSource(model_fetch.DirSource(str(src)), "a.safetensors", 1 << 62)
+    with pytest.raises(bounded.ReserveReached) as e:
+        model_fetch.fetch(store, source, verity, workers=1, free=FillingDisk(store, 10 * model_fetch.CHUNK_BYTES // 8 + (1 << 19)))
+    assert re.fullmatch(r"stopped: / would have less than 1.0 GiB free; 2[0-9].[0-9] MiB still to download", e.value.message)
+    assert re.fullmatch(r"free 2[0-9].[0-9] MiB more on / \(journalctl --vacuum-size, old files\), "
+                        r"then run the same command again \(it resumes\)", e.value.hint)
+    part = store.partial / "a.safetensors.part"
+    with store.open_dir() as fs:  # the first chunk is durable: the next run resumes after it
+        assert model_fetch.read_journal(fs, store.rel(part), manifest.file("a.safetensors")).length == model_fetch.CHUNK_BYTES  # type: ignore[arg-type]
+    assert not (store.snapshot / "a.safetensors").exists()
+    summary = model_fetch.fetch(store, source, verity, workers=1, free=lambda path: 1 << 40)
+    assert source.starts == [0, model_fetch.CHUNK_BYTES]  # a Range request from the journal's length
+    assert summary["fetched_bytes"] == manifest.total_bytes - model_fetch.CHUNK_BYTES
+    assert model_verify.check(store, verity).ok
+
+
+def test_a_fetch_stops_before_sealing_when_the_merkle_tree_would_take_the_reserve(tmp_path: Path) -> None:
+    src, manifest = _snapshot(tmp_path, {"w.safetensors": model_fetch.CHUNK_BYTES})
+    store, verity = _store(tmp_path, manifest), FakeVerity()
+    source = CutSource(model_fetch.DirSource(str(src)), "w.safetensors", 1 << 62)
+    with pytest.raises(bounded.ReserveReached, match=r"^stopped: / would have less than 1.0 GiB free; 0.1 MiB still to download$"):
+        model_fetch.fetch(store, source, verity, workers=1, free=FillingDisk(store, model_fetch.CHUNK_BYTES + 4096))
+    assert (store.partial / "w.safetensors.part").stat().st_size == model_fetch.CHUNK_BYTES  # whole, not sealed
+    assert verity.sealed == set()
+    summary = model_fetch.fetch(store, source, verity, workers=1, free=lambda path: 1 << 40)
+    assert (source.starts, summary["fetched_bytes"]) == ([0], 0)  # only the sealing and the rename were left
+    assert model_verify.check(store, verity).ok
 
 
 @pytest.fixture
@@ -609,3 +675,32 @@ def test_sealing_where_fs_verity_is_missing_says_which_part_lacks_it(
     assert e.value.message == f"{target}: {message}" and hint in e.value.hint
     if not kernel_has_it:  # a kernel without fs-verity is not helped by the ext4 feature or a reboot
         assert "reboot" not in e.value.hint and "appliance-var-verity" not in e.value.hint
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("x" * 300 + ".safetensors", "expected a path whose names are at most 255 bytes each"),  # refused by the manifest's loader
+    ("x" * 250, "its partial file's journal would be a name of 263 bytes, more than 255"),  # by the store's own limits
+    ("/".join(["d" * 99] * 42), "expected a path of at most 4095 bytes"),  # 4,199 bytes
+])
+def test_model_fetch_of_a_name_the_disk_cannot_hold_is_two_lines_before_anything_is_written(
+        device: tuple[Path, wm.WeightsManifest, Path], capsys: pytest.CaptureFixture[str], name: str, expected: str) -> None:
+    from appliance import paths
+    from applianctl.__main__ import main
+
+    src, _, snapshot = device
+    data = canonical_with(wm.make(MODEL, REV, [wm.WeightFile(name, 1, "0" * 64)]))
+    (paths.LIB_DIR / "weights.json").write_bytes(data)
+    (paths.LIB_DIR / "manifest.json").write_text(json.dumps({"model": {"weights_sha256": wm.sha256(data)}}))
+    assert main(["model", "fetch", str(src)]) == 2
+    error, hint = capsys.readouterr().err.splitlines()
+    assert error.startswith(f"applianctl: {paths.LIB_DIR / 'weights.json'}: ") and error.endswith(expected)
+    assert hint.startswith("hint: ")
+    assert not snapshot.parent.parent.parent.exists()  # not even the store's directories
+
+
+def canonical_with(model: wm.WeightsManifest) -> bytes:
+    """MODEL's canonical bytes without the loader's checks (a manifest this builder would not write)."""
+    from appliance.manifest import canonical
+    from appliance.schema import plain
+
+    return canonical(plain(model))

@@ -18,8 +18,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import hmac
+import json
 import os
-import shutil
 import stat
 import threading
 import time
@@ -33,11 +33,11 @@ from typing import Any, BinaryIO, Protocol
 from appliance import fetch as bounded
 from appliance import progress
 from appliance import weights as wm
-from appliance.atomic import fsync_dir, write_record
 from appliance.errors import Refused, UserError
-from appliance.schema import load_record
+from appliance.safe_read import loads_bounded
+from appliance.schema import dump_record, from_json
 from applianctl.model.seal import Verity
-from applianctl.model.store import Store
+from applianctl.model.store import JOURNAL_SUFFIX, PART_SUFFIX, Store, StoreDir
 from applianctl.records import FetchJournal
 
 CHUNK_BYTES = 8 << 20  # fsync + journal granularity: the most a resume fetches twice per file
@@ -133,44 +133,55 @@ class Journal:
     chunks: list[int]
 
 
-def _journal_path(part: Path) -> Path:
-    return part.with_name(part.name + ".journal")
+MAX_JOURNAL_BYTES = 1 << 20  # 4 bytes a chunk at most (a 156 GiB file has 20,000 chunks)
 
 
-def read_journal(part: Path, entry: wm.WeightFile) -> Journal:
-    try:
-        data = load_record(FetchJournal, _journal_path(part), lenient=True)
-    except UserError:  # damaged: the file starts over
+def read_journal(fs: StoreDir, part: str, entry: wm.WeightFile) -> Journal:
+    """The journal of the partial file PART (relative to the store's directory)."""
+    rel = part + JOURNAL_SUFFIX
+    raw = fs.read(rel, MAX_JOURNAL_BYTES)
+    if raw is None or len(raw) > MAX_JOURNAL_BYTES:
         return Journal(0, [])
-    if data is None or (data.sha256, data.size) != (entry.sha256, entry.size) or not 0 <= data.length <= entry.size:
-        return Journal(0, [])  # none, or another file's
+    try:
+        data = from_json(FetchJournal, loads_bounded(raw.decode("utf-8")), str(fs.show(rel)), lenient=True)
+    except (ValueError, UserError):  # damaged: the file starts over
+        return Journal(0, [])
+    if (data.sha256, data.size) != (entry.sha256, entry.size) or not 0 <= data.length <= entry.size:
+        return Journal(0, [])  # another file's
     if len(data.chunks) != -(-data.length // CHUNK_BYTES):
         return Journal(0, [])
     return Journal(data.length, list(data.chunks))
 
 
-def write_journal(part: Path, entry: wm.WeightFile, journal: Journal) -> None:
-    write_record(_journal_path(part), FetchJournal(entry.sha256, entry.size, journal.length, tuple(journal.chunks)))
+def write_journal(fs: StoreDir, part: str, entry: wm.WeightFile, journal: Journal) -> None:
+    record = FetchJournal(entry.sha256, entry.size, journal.length, tuple(journal.chunks))
+    fs.write_atomic(part + JOURNAL_SUFFIX, (json.dumps(dump_record(record), indent=2, sort_keys=True) + "\n").encode())
+
+
+def tree_bytes(size: int) -> int:
+    """What sealing a file of SIZE bytes adds on the disk: the fs-verity Merkle tree, stored past
+    its end (about 1/127 of it), and a block or two of descriptor."""
+    return size // 127 + 2 * 4096
 
 
 class FileFetch:
-    """One file from SOURCE into PART, then sealed and renamed to TARGET."""
+    """One file from SOURCE into PART, then sealed and renamed to TARGET, both through the store's
+    directory (FS); every write first claimed from GUARD (the reserve on /var)."""
 
-    def __init__(self, entry: wm.WeightFile, store: Store, source: Source, verity: Verity,
-                 bar: progress.Progress, stop: threading.Event) -> None:
-        self.entry, self.store, self.source, self.verity = entry, store, source, verity
-        self.bar, self.stop = bar, stop
+    def __init__(self, entry: wm.WeightFile, store: Store, fs: StoreDir, source: Source, verity: Verity,
+                 bar: progress.Progress, stop: threading.Event, guard: bounded.Guard) -> None:
+        self.entry, self.store, self.fs, self.source, self.verity = entry, store, fs, source, verity
+        self.bar, self.stop, self.guard = bar, stop, guard
         self.counted = 0  # bytes of this file shown as done (a retry does not count them twice)
-        self.part = store.partial / (entry.path + ".part")
-        self.target = store.target(entry.path)
+        self.part = part_of(store, entry)
+        self.target = f"{store.rel(store.snapshot)}/{entry.path}"
 
     def resume_point(self) -> tuple[Journal, Any]:
         """Cut PART back to what the journal vouches for, re-hash it (checking each chunk); the
         journal and the hash of the prefix."""
-        journal = read_journal(self.part, self.entry)
-        self.part.parent.mkdir(parents=True, exist_ok=True)
+        journal = read_journal(self.fs, self.part, self.entry)
         digest = hashlib.sha256()
-        with open(self.part, "a+b") as f:
+        with os.fdopen(self.fs.open_file(self.part, os.O_RDWR | os.O_CREAT), "r+b") as f:
             if os.fstat(f.fileno()).st_size < journal.length:
                 journal = Journal(0, [])
             f.truncate(journal.length)
@@ -189,7 +200,7 @@ class FileFetch:
     def run(self) -> int:
         """Fetch (retrying dropped connections), check, seal, rename. Returns the bytes fetched."""
         fetched = 0
-        if self.part.exists() and self.verity.measure(self.part) is not None:
+        if self.fs.regular(self.part) is not None and _measure(self.fs, self.verity, self.part) is not None:
             attempts = 0  # sealed, then cut before the rename: only the rename is left
             self.bar.advance(self.entry.size, resumed=True)
         else:
@@ -205,7 +216,7 @@ class FileFetch:
             except OSError as e:
                 if e.errno == errno.ENOSPC:
                     hint = "free space on /var (applianctl status shows the disk part), then run the same command again"
-                    raise UserError(f"{self.entry.path}: the disk is full ({self.part.parent})", hint=hint) from None
+                    raise UserError(f"{self.entry.path}: the disk is full ({self.fs.show(self.part).parent})", hint=hint) from None
                 if attempt == ATTEMPTS - 1 or self.stop.is_set():
                     raise UserError(f"{self.entry.path}: download failed ({e})".splitlines()[0][:300], hint=RETRY_HINT) from None
                 time.sleep(min(2**attempt, 10) * 0.2)
@@ -224,8 +235,8 @@ class FileFetch:
         return fetched
 
     def discard(self) -> None:
-        self.part.unlink(missing_ok=True)
-        _journal_path(self.part).unlink(missing_ok=True)
+        self.fs.unlink(self.part)
+        self.fs.unlink(self.part + JOURNAL_SUFFIX)
 
     def _stream(self, journal: Journal, digest: Any) -> tuple[int, Any]:
         """Append the source's bytes from the journal's length on; the bytes fetched and the digest
@@ -238,7 +249,7 @@ class FileFetch:
                 raise OSError(f"the source resumed at byte {body.offset}, not {journal.length}")
             journal, digest = Journal(0, []), hashlib.sha256()  # the source starts from the beginning: so do we
         fetched = 0
-        with body, open(self.part, "r+b") as f:
+        with body, os.fdopen(self.fs.open_file(self.part, os.O_RDWR), "r+b") as f:
             f.truncate(journal.length)
             f.seek(journal.length)
             have = journal.length
@@ -254,6 +265,7 @@ class FileFetch:
                 while view:
                     room = CHUNK_BYTES - have % CHUNK_BYTES
                     piece, view = view[:room], view[room:]
+                    self.guard.claim(len(piece))  # stops at the reserve; the journal's chunks stay for a resume
                     f.write(piece)
                     digest.update(piece)
                     crc = zlib.crc32(piece, crc)
@@ -266,7 +278,7 @@ class FileFetch:
                         f.flush()
                         os.fsync(f.fileno())
                         journal = Journal(have, [*journal.chunks, crc])
-                        write_journal(self.part, entry, journal)
+                        write_journal(self.fs, self.part, entry, journal)
                         crc = 0
         if have < entry.size:
             raise OSError(f"the source ended after {have} of {entry.size} bytes")
@@ -275,63 +287,76 @@ class FileFetch:
     def _finish(self) -> None:
         """Seal, check the fs-verity digest, rename into the snapshot. Idempotent after a cut."""
         entry = self.entry
-        if self.part.exists():
-            if self.part.stat().st_size != entry.size or read_journal(self.part, entry).length != entry.size:
+        st = self.fs.regular(self.part)
+        if st is not None:
+            if st.st_size != entry.size or read_journal(self.fs, self.part, entry).length != entry.size:
                 raise UserError(f"{entry.path}: the partial file is incomplete", hint=RETRY_HINT)
-            self.verity.enable(self.part)
-            self.target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(self.part, self.target)
-            fsync_dir(self.target.parent)
-            _journal_path(self.part).unlink(missing_ok=True)
+            if _measure(self.fs, self.verity, self.part) is None:
+                self.guard.claim(tree_bytes(entry.size))  # the Merkle tree the kernel writes
+                parent, _, _ = self.part.rpartition("/")
+                with self.fs.directory(parent) as d:
+                    self.verity.enable(self.fs.show(self.part), dir_fd=d)
+            self.fs.replace(self.part, self.target)
+            self.fs.unlink(self.part + JOURNAL_SUFFIX)
 
 
 # ----------------------------------------------------------------------------------- all files
 
 
-def _sealed(store: Store, entry: wm.WeightFile, verity: Verity, recorded: dict[str, str]) -> bool:
+def part_of(store: Store, entry: wm.WeightFile) -> str:
+    """ENTRY's partial file, relative to the store's directory."""
+    return f"{store.rel(store.partial)}/{entry.path}{PART_SUFFIX}"
+
+
+def _measure(fs: StoreDir, verity: Verity, rel: str) -> str | None:
+    parent, _, _ = rel.rpartition("/")
+    with fs.directory(parent) as d:
+        return None if d is None else verity.measure(fs.show(rel), dir_fd=d)
+
+
+def _sealed(store: Store, fs: StoreDir, entry: wm.WeightFile, verity: Verity, recorded: dict[str, str]) -> bool:
     """ENTRY is in place: the right size, sealed, with the expected fs-verity digest."""
-    target = store.target(entry.path)
-    try:
-        st = os.lstat(target)
-    except FileNotFoundError:
+    target = f"{store.rel(store.snapshot)}/{entry.path}"
+    st = fs.lstat(target)
+    if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
         return False
-    if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
-        return False
-    measured = verity.measure(target)
+    measured = _measure(fs, verity, target)
     expected = entry.fsverity or recorded.get(entry.path, "")
     return measured is not None and bool(expected) and hmac.compare_digest(measured, expected)
 
 
 def free_bytes(path: Path) -> int:
-    while not path.exists():
-        path = path.parent
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
+    return bounded.free_bytes(path)
 
 
-def needed_bytes(store: Store, todo: list[wm.WeightFile]) -> int:
-    """What the files still need on disk: the bytes not yet durable, plus the fs-verity Merkle tree
-    (stored past the end of each file: about 1/127 of it)."""
-    need = 0
-    for entry in todo:
-        have = read_journal(store.partial / (entry.path + ".part"), entry).length
-        need += entry.size - have + entry.size // 127 + 2 * 4096
-    return need
+def needed_bytes(store: Store, fs: StoreDir, todo: list[wm.WeightFile]) -> int:
+    """What the files still need on disk: the bytes not yet durable, plus the fs-verity Merkle tree."""
+    return sum(entry.size - read_journal(fs, part_of(store, entry), entry).length + tree_bytes(entry.size) for entry in todo)
 
 
-def fetch(store: Store, source: Source, verity: Verity, workers: int = WORKERS, out: Any = None) -> dict[str, Any]:
-    """Fetch every file of STORE's manifest that is not in place; returns a summary."""
+def fetch(store: Store, source: Source, verity: Verity, workers: int = WORKERS, out: Any = None,
+          free: bounded.FreeBytes | None = None) -> dict[str, Any]:
+    """Fetch every file of STORE's manifest that is not in place; returns a summary. Refused before
+    it starts, and stopped while it writes, when /var would keep less than the reserve free
+    (bounded.RESERVE_BYTES; FREE measures a file system's free bytes)."""
+    free = free_bytes if free is None else free
+    with store.open_dir() as fs:
+        return _fetch(store, fs, source, verity, workers, out, free)
+
+
+def _fetch(store: Store, fs: StoreDir, source: Source, verity: Verity, workers: int, out: Any,
+           free: bounded.FreeBytes) -> dict[str, Any]:
     recorded, corrupt = store.recorded(), store.corrupt()
-    todo = [e for e in store.manifest.files if e.path in corrupt or not _sealed(store, e, verity, recorded)]
+    todo = [e for e in store.manifest.files if e.path in corrupt or not _sealed(store, fs, e, verity, recorded)]
+    snapshot = store.rel(store.snapshot)
     for entry in todo:  # a file in the snapshot that is not exactly right is fetched again
-        target = store.target(entry.path)
-        if target.exists() or target.is_symlink():
-            target.unlink()
-    need, free = needed_bytes(store, todo), free_bytes(store.partial)
-    if need > free:
-        raise UserError(f"not enough space for the weights: {need} bytes needed, {free} free on {store.partial.parent}",
-                        hint="free space on /var or give the appliance a larger disk")
-    store.partial.mkdir(parents=True, exist_ok=True)
+        fs.unlink(f"{snapshot}/{entry.path}")  # a link or a directory there is refused, not removed
+    need = needed_bytes(store, fs, todo)
+    bounded.check_room(store.partial, need, "the weights", free=free)
+    guard = bounded.Guard(store.partial, need, free=free)
+    partial = store.rel(store.partial)
+    with fs.directory(partial, create=True):
+        pass
     total = sum(e.size for e in todo)
     lock, stop = threading.Lock(), threading.Event()
     started = time.monotonic()
@@ -339,8 +364,9 @@ def fetch(store: Store, source: Source, verity: Verity, workers: int = WORKERS, 
 
         def one(entry: wm.WeightFile) -> int:
             try:
-                n = FileFetch(entry, store, source, verity, bar, stop).run()
-                _check_or_record(store, entry, verity.measure(store.target(entry.path)), recorded, lock)
+                n = FileFetch(entry, store, fs, source, verity, bar, stop, guard).run()
+                digest = _measure(fs, verity, f"{snapshot}/{entry.path}")
+                _check_or_record(store, fs, entry, digest, recorded, lock)
                 with lock:
                     store.clear_corrupt(entry.path)
             except BaseException:
@@ -353,17 +379,18 @@ def fetch(store: Store, source: Source, verity: Verity, workers: int = WORKERS, 
             errors = [e for e in (f.exception() for f in futures) if e is not None]
         if errors:  # the file that failed first, not one stopped because of it
             raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
-    shutil.rmtree(store.partial, ignore_errors=True)
+    fs.rmtree(partial)
     return {"files": len(store.manifest.files), "fetched_files": len(todo), "fetched_bytes": int(bar.fresh),
             "bytes": store.manifest.total_bytes, "elapsed_s": round(time.monotonic() - started, 3)}
 
 
-def _check_or_record(store: Store, entry: wm.WeightFile, digest: str | None, recorded: dict[str, str], lock: threading.Lock) -> None:
+def _check_or_record(store: Store, fs: StoreDir, entry: wm.WeightFile, digest: str | None, recorded: dict[str, str],
+                     lock: threading.Lock) -> None:
     if digest is None:
         raise UserError(f"{entry.path}: not sealed with fs-verity after sealing", hint="check that /var supports fs-verity")
     if entry.fsverity:
         if not hmac.compare_digest(digest, entry.fsverity):
-            store.target(entry.path).unlink()
+            fs.unlink(f"{store.rel(store.snapshot)}/{entry.path}")
             raise Refused(f"{entry.path}: fs-verity digest {digest} is not the signed manifest's {entry.fsverity} (removed)",
                           hint="the file's SHA-256 matched: report this; run the same command again")
         return

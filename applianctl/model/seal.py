@@ -32,11 +32,18 @@ EXT4_VERITY_FEATURE = Path("/sys/fs/ext4/features/verity")
 
 
 class Verity(Protocol):
-    def enable(self, path: Path) -> None:
+    """With DIR_FD, PATH's last name is opened in that directory (the model store's descriptors:
+    no link followed on the way); PATH itself is for messages."""
+
+    def enable(self, path: Path, dir_fd: int | None = None) -> None:
         """Seal PATH (no writer may hold it open); an already sealed file is left as it is."""
 
-    def measure(self, path: Path) -> str | None:
+    def measure(self, path: Path, dir_fd: int | None = None) -> str | None:
         """PATH's fs-verity digest (hex), or None when it is not sealed."""
+
+
+def _open(path: Path, flags: int, dir_fd: int | None) -> int:
+    return os.open(path.name if dir_fd is not None else path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
 
 
 def _enable_arg() -> bytes:
@@ -62,8 +69,8 @@ def unsupported(path: Path, err: int) -> UserError:
 class Kernel:
     """fs-verity through the ioctls (no program needed)."""
 
-    def enable(self, path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    def enable(self, path: Path, dir_fd: int | None = None) -> None:
+        fd = _open(path, os.O_RDONLY, dir_fd)
         try:
             fcntl.ioctl(fd, FS_IOC_ENABLE_VERITY, _enable_arg())
         except OSError as e:
@@ -75,8 +82,8 @@ class Kernel:
         finally:
             os.close(fd)
 
-    def measure(self, path: Path) -> str | None:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    def measure(self, path: Path, dir_fd: int | None = None) -> str | None:
+        fd = _open(path, os.O_RDONLY | os.O_NONBLOCK, dir_fd)
         try:
             buf = bytearray(struct.pack("=HH", 0, MAX_DIGEST) + b"\0" * MAX_DIGEST)
             fcntl.ioctl(fd, FS_IOC_MEASURE_VERITY, buf, True)

@@ -8,13 +8,26 @@
   is renamed into place, never copied.
 - The fs-verity digests the device measured for files whose manifest line has none:
   /var/lib/appliance/host/weights-verity.json (per-host state that survives upgrades).
+
+The snapshot and the partial files are written through StoreDir only: CACHE_DIR opened once, each
+name below it opened relative to its parent's descriptor, no symbolic link followed. The fetch runs
+as root over a tree on /var that a restored backup, a copied snapshot or anyone with a foothold on
+/var may have changed: a link there must not turn its writes, truncations or reads elsewhere.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import secrets
+import shutil
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from appliance import paths
 from appliance import weights as wm
@@ -22,13 +35,18 @@ from appliance.atomic import write_record
 from appliance.config import Config
 from appliance.errors import UserError
 from appliance.manifest import ManifestError
+from appliance.safe_read import file_kind, read_capped
 from appliance.schema import load_record
+from appliance.schema import shown as schema_shown
 from applianctl.records import CorruptFile, WeightsCorrupt, WeightsVerity
 
 RECORDED = "weights-verity.json"
 CORRUPT = "weights-corrupt.json"  # files whose bytes the kernel refused on a read (model verify --deep)
 HOST_SOURCE = "model-source"  # one line: the per-host default SOURCE for `applianctl model fetch`
 FETCH_STATE = "weights-fetch.json"  # the last fetch: source, time (per-host state)
+MAX_HOST_SOURCE_BYTES = 4096  # a URL or a directory, one line
+PART_SUFFIX, JOURNAL_SUFFIX = ".part", ".journal"  # a partial file and its chunk journal, in .partial/REVISION/
+NAME_MAX, PATH_MAX = wm.NAME_MAX, wm.PATH_MAX
 
 
 # Read at each call, so that tests (and APPLIANCE_* overrides) that move appliance.paths move these.
@@ -53,6 +71,18 @@ class Store:
 
     def target(self, path: str) -> Path:
         return self.snapshot / path
+
+    @property
+    def root(self) -> Path:
+        """The store's own directory (CACHE_DIR): the snapshot and the partial files are below it."""
+        return Path(os.path.commonpath([self.snapshot, self.partial]))
+
+    def rel(self, path: Path) -> str:
+        """PATH (the snapshot, the partial directory or a file in them) relative to the root."""
+        return path.relative_to(self.root).as_posix()
+
+    def open_dir(self) -> StoreDir:
+        return StoreDir(self.root)
 
     def recorded(self) -> dict[str, str]:
         """The digests this device measured for this revision ({} when none or another revision)."""
@@ -87,10 +117,13 @@ class Store:
 
     def default_source(self, config: Config) -> str:
         """The per-host setting if there is one, else the configuration's model.source."""
+        path = self.host_dir / HOST_SOURCE
+        data = read_capped(path, MAX_HOST_SOURCE_BYTES, what="the per-host model source",
+                           hint=f"{path} holds one line, an https:// mirror or a directory: fix or remove it")
         try:
-            line = (self.host_dir / HOST_SOURCE).read_text().strip()
-        except FileNotFoundError:
-            line = ""
+            line = (data or b"").decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise UserError(f"{path}: not UTF-8 text", hint=f"{path} holds one line, an https:// mirror or a directory") from None
         return line or config.model.source
 
 
@@ -118,4 +151,204 @@ def open_store(config: Config, manifest: wm.WeightsManifest) -> Store:
         raise UserError(f"{weights_manifest()}: pins {manifest.model}@{manifest.revision}, the configuration serves "
                         f"{config.model.id}@{config.model.revision}", hint="the image is damaged")
     cache = Path(config.model.cache_dir)
+    check_names(manifest, Path(config.model.weights_dir), cache / ".partial" / manifest.revision)
     return Store(manifest, Path(config.model.weights_dir), cache / ".partial" / manifest.revision, host_dir())
+
+
+def check_names(manifest: wm.WeightsManifest, snapshot: Path, partial: Path) -> None:
+    """Every file the store will hold for MANIFEST fits the file system's limits: each name (a
+    partial file's journal, NAME.part.journal, is the longest) at most NAME_MAX bytes, each whole
+    path at most PATH_MAX (the engine opens the files by path)."""
+    hint = "the weights manifest names a file this device cannot store: pin the weights again with shorter names"
+    for entry in manifest.files:
+        journal = f"{partial}/{entry.path}{PART_SUFFIX}{JOURNAL_SUFFIX}"
+        name = journal.rsplit("/", 1)[1]
+        if len(name.encode()) > NAME_MAX:
+            raise ManifestError(f"{weights_manifest()}: {schema_shown(entry.path)}: its partial file's journal would be "
+                                f"a name of {len(name.encode())} bytes, more than {NAME_MAX}", hint=hint)
+        for full in (f"{snapshot}/{entry.path}", journal):
+            if len(full.encode()) > PATH_MAX:
+                raise ManifestError(f"{weights_manifest()}: {schema_shown(entry.path)}: on the disk it would be "
+                                    f"a path of {len(full.encode())} bytes, more than {PATH_MAX}", hint=hint)
+
+
+# ----------------------------------------------------------------------------------- no link followed
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _split(rel: str) -> tuple[str, str]:
+    parent, _, name = rel.rpartition("/")
+    return parent, name
+
+
+class StoreDir:
+    """The store's directory, opened once; each file and directory below it reached one name at a
+    time relative to its parent's descriptor (O_NOFOLLOW): a symbolic link, or anything else than a
+    directory where one belongs or a regular file where a file does, is refused in one line naming
+    it, with `rm` as the hint. Paths are relative to the root, "/"-separated (from the checked
+    manifest). Safe to share between threads."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.fd = os.open(root, _DIR)
+        except OSError:
+            raise self.refusal("", os.lstat(root).st_mode, "a directory") from None
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> StoreDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def show(self, rel: str) -> Path:
+        return self.root / rel if rel else self.root
+
+    def refusal(self, rel: str, mode: int, want: str) -> UserError:
+        path = self.show(rel)
+        rm = "rm -r" if stat.S_ISDIR(mode) else "rm"
+        return UserError(f"{path}: is {file_kind(mode)}, not {want} (nothing in the model store is followed or replaced)",
+                         hint=f"remove it: {rm} {path}; then run applianctl model fetch again")
+
+    def _refuse_at(self, dir_fd: int, rel: str, want: str, error: OSError) -> Exception:
+        try:
+            mode = os.stat(_split(rel)[1], dir_fd=dir_fd, follow_symlinks=False).st_mode
+        except OSError:
+            return error
+        return error if (stat.S_ISDIR(mode) and want == "a directory") else self.refusal(rel, mode, want)
+
+    @contextmanager
+    def directory(self, rel: str, create: bool = False) -> Iterator[int | None]:
+        """The descriptor of directory REL ("" is the root); None when it is missing and not CREATE."""
+        fd = os.dup(self.fd)
+        try:
+            done: list[str] = []
+            for name in rel.split("/") if rel else []:
+                done.append(name)
+                try:
+                    child = os.open(name, _DIR, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        yield None
+                        return
+                    with suppress(FileExistsError):
+                        os.mkdir(name, 0o755, dir_fd=fd)
+                    try:
+                        child = os.open(name, _DIR, dir_fd=fd)
+                    except OSError as e:
+                        raise self._refuse_at(fd, "/".join(done), "a directory", e) from None
+                except OSError as e:
+                    raise self._refuse_at(fd, "/".join(done), "a directory", e) from None
+                os.close(fd)
+                fd = child
+            yield fd
+        finally:
+            os.close(fd)
+
+    def lstat(self, rel: str) -> os.stat_result | None:
+        """REL's own status (a link is not followed), None when it is missing."""
+        parent, name = _split(rel)
+        with self.directory(parent) as d:
+            if d is None:
+                return None
+            try:
+                return os.stat(name, dir_fd=d, follow_symlinks=False)
+            except FileNotFoundError:
+                return None
+
+    def regular(self, rel: str) -> os.stat_result | None:
+        """REL's status when it is a regular file, None when it is missing; refused otherwise."""
+        st = self.lstat(rel)
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise self.refusal(rel, st.st_mode, "a regular file")
+        return st
+
+    def open_file(self, rel: str, flags: int) -> int:
+        """A descriptor of the regular file REL (os.O_CREAT in FLAGS creates it and its directories).
+        FileNotFoundError when it is missing."""
+        parent, name = _split(rel)
+        with self.directory(parent, create=bool(flags & os.O_CREAT)) as d:
+            if d is None:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(self.show(rel)))
+            try:  # O_NONBLOCK: a FIFO does not block the open (and is refused below)
+                fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644, dir_fd=d)
+            except FileNotFoundError:
+                raise
+            except OSError as e:
+                raise self._refuse_at(d, rel, "a regular file", e) from None
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise self.refusal(rel, mode, "a regular file")
+        return fd
+
+    def read(self, rel: str, limit: int) -> bytes | None:
+        """The bytes of the regular file REL (at most LIMIT + 1 read), None when it is missing."""
+        try:
+            fd = self.open_file(rel, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            return f.read(limit + 1)
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        """REL holds DATA, whole or not at all: a temporary file beside it, synced, renamed over it."""
+        parent, name = _split(rel)
+        with self.directory(parent, create=True) as d:
+            assert d is not None
+            tmp = f".tmp-{secrets.token_hex(8)}"  # a short name: REL may be near NAME_MAX already
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=d)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                self.regular(rel)  # a directory or a link at REL is refused, not replaced
+                os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+            except BaseException:
+                with suppress(OSError):
+                    os.unlink(tmp, dir_fd=d)
+                raise
+            os.fsync(d)
+
+    def unlink(self, rel: str) -> None:
+        """Remove the regular file REL (nothing when it is missing)."""
+        if self.regular(rel) is None:
+            return
+        parent, name = _split(rel)
+        with self.directory(parent) as d:
+            if d is not None:
+                with suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=d)
+
+    def replace(self, src: str, dst: str) -> None:
+        """Rename the regular file SRC to DST (its directories made), then sync DST's directory."""
+        if self.regular(dst) is None:
+            self.lstat(dst)  # its directories: refused when one is not a directory
+        src_parent, src_name = _split(src)
+        dst_parent, dst_name = _split(dst)
+        with self.directory(src_parent) as s, self.directory(dst_parent, create=True) as d:
+            assert s is not None and d is not None
+            os.replace(src_name, dst_name, src_dir_fd=s, dst_dir_fd=d)
+            os.fsync(d)
+
+    def rmtree(self, rel: str) -> None:
+        """Remove the directory REL and all in it (a link there is removed, not followed)."""
+        parent, name = _split(rel)
+        with self.directory(parent) as d:
+            if d is None:
+                return
+            st: Any = None
+            with suppress(FileNotFoundError):
+                st = os.stat(name, dir_fd=d, follow_symlinks=False)
+            if st is None:
+                return
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(name, dir_fd=d, ignore_errors=True)
+            else:
+                raise self.refusal(rel, st.st_mode, "a directory")

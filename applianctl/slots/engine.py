@@ -8,13 +8,19 @@ comes from signed data only: the running manifest, else the bundle index digest 
 recorded in update/engines.json; an unknown one could be in any slot that holds an engine.
 The invariant, decided in choose_engine_slot(): every bootable entry's engine stays present, and
 the running engine's partition is never written.
+
+A label names 12 hex digits, not an engine: a slot counts as holding digest D only when its full
+digest is known (EngineSlot.digest: the running slot's from the running manifest, another's from
+the one signed digest recorded for its label), and no two slots may end up with one label (the
+engine-store unit refuses to open either).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -49,6 +55,7 @@ class EngineSlot:
     data: Partition
     verity: Partition | None
     running: bool  # holds the engine the running version opened
+    digest: str | None = None  # the full digest, when signed data says which engine has this label; else None
 
     @property
     def short(self) -> str | None:
@@ -66,15 +73,24 @@ class EngineSlot:
         return self.data.type == ENGINE_TYPE
 
     def holds(self, digest: str | None) -> bool:
+        """Known to hold DIGEST: its full digest, not only the 12 hex digits of its label."""
+        return digest is not None and self.digest == digest
+
+    def may_hold(self, digest: str | None) -> bool:
+        """Labelled for DIGEST: it may hold that engine (or another sharing its first 12 hex digits)."""
         return digest is not None and self.short is not None and self.short == engine_short(digest)
 
 
 def find(parts: list[Partition], running_digest: str | None,
-         record: EngineSlotOpened | Literal[False] | None = None) -> list[EngineSlot]:
+         record: EngineSlotOpened | Literal[False] | None = None, known: Iterable[str] = ()) -> list[EngineSlot]:
     """The engine slots on the disk, A first. Each data partition is paired with the verity
     partition labelled after it, else (an empty slot) the next unpaired one after it on the disk.
     The running slot is the one the engine-store unit recorded opening (RECORD; None: its file in
-    /run; False: none), else the first that holds RUNNING_DIGEST."""
+    /run; False: none), else the first labelled for RUNNING_DIGEST. Full digests: the running
+    slot's is RUNNING_DIGEST (its unit opened that label, unique on the disk, with the root hash
+    the running /usr pins); another slot's is the one digest among KNOWN (signed digests: the
+    updater's record) with its label's 12 hex digits; none when two share them, or two slots
+    share the label."""
     data = sorted((p for p in parts if is_engine(p)), key=lambda p: p.number)
     verity = sorted((p for p in parts if is_engine_verity(p)), key=lambda p: p.number)
     paired: dict[int, Partition] = {}
@@ -92,19 +108,32 @@ def find(parts: list[Partition], running_digest: str | None,
     # running digest (an image whose unit did not record it).
     record = opened() if record is None else record
     by_record = record.partition if record and any(d.node == record.partition for d in data) else None
+    by_short: dict[str, set[str]] = {}
+    for signed in {*known, *([running_digest] if running_digest else [])}:
+        by_short.setdefault(engine_short(signed), set()).add(signed)
+    labels = Counter(d.label for d in data)
     out: list[EngineSlot] = []
     running_seen = False
     for i, d in enumerate(data):
         name = "AB"[i] if i < 2 else str(i + 1)
-        running = d.node == by_record if by_record else not running_seen and EngineSlot(name, d, None, False).holds(running_digest)
+        unnamed = EngineSlot(name, d, None, False)
+        running = d.node == by_record if by_record else not running_seen and unnamed.may_hold(running_digest)
         running_seen = running_seen or running
-        out.append(EngineSlot(name, d, paired.get(d.number), running))
+        digest: str | None = None
+        if labels[d.label] != 1:
+            pass  # one label on two slots: which holds what is not known (the engine-store unit opens neither)
+        elif running and unnamed.may_hold(running_digest):
+            digest = running_digest
+        elif unnamed.short is not None and len(by_short.get(unnamed.short, ())) == 1:
+            (digest,) = by_short[unnamed.short]
+        out.append(EngineSlot(name, d, paired.get(d.number), running, digest))
     return out
 
 
 def users(slot: EngineSlot, engines: Mapping[str, str | None]) -> list[str]:
-    """The versions among ENGINES (version -> engine digest) whose engine SLOT holds."""
-    return [v for v, digest in engines.items() if slot.holds(digest)]
+    """The versions among ENGINES (version -> engine digest) whose engine SLOT may hold: by its
+    label, so that a slot is kept whenever it could be a bootable entry's engine."""
+    return [v for v, digest in engines.items() if slot.may_hold(digest)]
 
 
 @dataclass(frozen=True)
@@ -118,9 +147,12 @@ def choose_engine_slot(slots: list[EngineSlot], entries: Mapping[str, str | None
     bootable through the update, version -> its engine digest (None: not known); the version in
     the /usr slot about to be written is not among them, its entry goes first.
 
-    Never the running engine's slot, never one a bootable entry's engine is in, and while any
-    bootable entry's engine is unknown only an empty slot. An empty slot is preferred to one
-    that holds an engine no entry uses. Raises UserError when no slot may be written."""
+    A slot known to hold NEW_DIGEST (by its full digest) is used as it is. Else never the running
+    engine's slot, never one a bootable entry's engine may be in (by label), and while any
+    bootable entry's engine is unknown only an empty slot. An empty slot is preferred to one that
+    holds an engine no entry uses; a slot already labelled for NEW_DIGEST but not known to hold it
+    is the only one that may be written (its label would be on two slots). Raises UserError when
+    no slot may be written."""
     present = [s for s in slots if s.holds(new_digest)]
     if present:
         return EngineChoice(present[0], True)
@@ -131,28 +163,41 @@ def choose_engine_slot(slots: list[EngineSlot], entries: Mapping[str, str | None
             hint="re-install the appliance with this image (docs/disk-layout.md); or release the new version with the engine it runs",
         )
     unknown = sorted(v for v, digest in entries.items() if digest is None)
-    why: list[str] = []
-    free: list[EngineSlot] = []
+    why: dict[str, str] = {}  # slot name -> why it may not be written
     for s in slots:
         held = s.short or s.data.label or "nothing"
         used = users(s, entries)
         if s.running:
-            why.append(f"slot {s.name} ({held}) runs the engine")
+            why[s.name] = f"slot {s.name} ({held}) runs the engine"
         elif used:
-            why.append(f"slot {s.name} ({held}) is the engine of {', '.join(used)}")
+            why[s.name] = f"slot {s.name} ({held}) is the engine of {', '.join(used)}"
         elif s.verity is None:
-            why.append(f"slot {s.name} has no verity partition")
+            why[s.name] = f"slot {s.name} has no verity partition"
         elif unknown and not s.empty:
-            why.append(f"slot {s.name} ({held}) may be the engine of {', '.join(unknown)} (not known)")
-        else:
-            free.append(s)
+            why[s.name] = f"slot {s.name} ({held}) may be the engine of {', '.join(unknown)} (not known)"
+    free = [s for s in slots if s.name not in why]
+    same_label = [s for s in slots if s.short == short]
+    if same_label:
+        # An engine sharing the new digest's 12 hex digits: writing another slot would leave two
+        # partitions with one label; only rewriting this one (when it may be written) does not.
+        s = same_label[0]
+        if len(same_label) == 1 and s in free:
+            return EngineChoice(s, False)
+        held = f"engine {s.digest.removeprefix('sha256:')}" if s.digest else "an engine not known by its full digest"
+        reason = why.get(s.name) or f"{len(same_label)} slots are labelled engine_{short}"
+        raise UserError(
+            f"refused: engine {new_digest.removeprefix('sha256:')} would be labelled engine_{short} like engine slot "
+            f"{s.name}, which holds {held} and may not be written ({reason})",
+            hint="two engine digests with the same first 12 hex digits cannot be told apart on the disk; "
+                 "release the new version with an engine whose digest differs in them (`applianctl slots` lists the slots)",
+        )
     if not free:
         if len(slots) < 2:
             hint = "this disk has one engine slot: systemd-repart makes the second at first boot, a disk set up before needs a re-install"
         else:
             hint = ("`applianctl slots` shows which version uses each engine slot; release the new version with an engine "
                     "the appliance has, or install it from a version whose other slot is free")
-        raise UserError(f"refused: no engine slot may be written for engine {short}: {'; '.join(why)}", hint=hint)
+        raise UserError(f"refused: no engine slot may be written for engine {short}: {'; '.join(why.values())}", hint=hint)
     free.sort(key=lambda s: (not s.empty, s.data.number))
     return EngineChoice(free[0], False)
 

@@ -129,6 +129,7 @@ class View:
                     "typed": e.typed,
                     "verity_partition": e.verity.node if e.verity else None,
                     "digest": e.short,
+                    "full_digest": e.digest,  # None: the label's 12 hex digits are all that is known
                     "running": e.running,
                     "used_by": engine.users(e, {x.version: self.engines.get(x.version) for x in self.entries}),
                 }
@@ -163,7 +164,8 @@ def read(
         engines[running_version] = running_engine
     listed, source = read_entries(host)
     view = View(running_version, found, listed, source, booted_entry(host), boot_counting(host), errors,
-                engine_slots=engine.find(parts, running_engine), engines=engines, running_engine=running_engine)
+                engine_slots=engine.find(parts, running_engine, known=engines.values()), engines=engines,
+                running_engine=running_engine)
     if with_sysupdate:
         try:
             view.sysupdate = sysupdate_list()

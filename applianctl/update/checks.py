@@ -3,18 +3,24 @@
 Before any download: the running version is judged good, the version is newer (older only with
 --allow-downgrade, the same never), min_version is met, the profile and the engine image fit this
 appliance, the partition images fit the inactive slot. After every file's SHA-256 matched: the
-inner release manifest agrees with bundle.json, and the kernel image boots its usrhash.
+inner release manifest agrees with bundle.json, the kernel image boots its usrhash, and the engine
+images about to be written hash to the root hash and label the manifest pins.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import re
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from appliance import manifest
 from appliance.bundle import MAX_SIG_BYTES, NOT_OURS, BundleIndex, engine_short, payload_names, uki_facts
 from appliance.errors import Refused, UserError
+from appliance.run import call
 from appliance.safe_read import read_capped
 from applianctl.slots import view as slots
 from applianctl.slots.engine import EngineChoice
@@ -128,8 +134,9 @@ def check_fits(index: BundleIndex, inactive: Slot) -> None:
             )
 
 
-def check_staged(index: BundleIndex, staging: Path, keys_dir: Path) -> None:
-    """What is inside the verified files agrees with the signed index."""
+def check_staged(index: BundleIndex, staging: Path, keys_dir: Path, engine_written: bool = False) -> None:
+    """What is inside the verified files agrees with the signed index; with ENGINE_WRITTEN (the
+    plan writes the engine slot), the staged engine images hash to what the manifest pins."""
     names = payload_names(index.version, index.engine_digest, False)
     # On /var: regular files, capped before reading (the hashes below are checked after).
     again = "fetch the bundle again: applianctl update SOURCE (or --download-only SOURCE)"
@@ -155,11 +162,83 @@ def check_staged(index: BundleIndex, staging: Path, keys_dir: Path) -> None:
             raise Refused(f"the release manifest says {key} {got}, bundle.json {want}", hint="the bundle is inconsistent")
     if release.engine_image.digest != index.engine_digest:
         raise Refused("the release manifest names another engine image than bundle.json", hint="the bundle is inconsistent")
+    # The new version's engine-store unit opens the slot by this label: the one the updater writes or finds.
+    label = "engine_" + engine_short(release.engine_image.digest)
+    if release.engine_image.store_label != label:
+        raise Refused(f"the release manifest labels its engine store {release.engine_image.store_label}, not {label} "
+                      "(engine_ and its digest's first 12 hex digits)", hint="the bundle is inconsistent")
+    if engine_written:
+        check_engine_images(index, release.engine_image, staging)
     facts = uki_facts(staging / names["uki"])
     if facts["usrhash"] != index.usrhash:
         raise Refused(f"{names['uki']} boots usrhash {facts['usrhash']}, not bundle.json's", hint="the bundle is inconsistent")
     if facts["image_version"] not in (None, index.version):
         raise Refused(f"{names['uki']} is version {facts['image_version']}, not {index.version}", hint="the bundle is inconsistent")
+
+
+VERITYSETUP = "veritysetup"
+HASH_BYTES_PER_S = 20 << 20  # a slow disk's read and SHA-256 rate: veritysetup's time limit scales with the image
+HASH_BASE_S = 60.0
+_SUPERBLOCK_FIELD = re.compile(r"^(Data blocks|Data block size):\s*([0-9]{1,20})\s*$", re.M)
+
+
+def check_engine_images(index: BundleIndex, engine: manifest.EngineImage, staging: Path) -> None:
+    """The staged engine image and its hash tree must hash (veritysetup verify, in user space on
+    the files) to ENGINE's store_roothash from the signed manifest: the check the new version's
+    engine-store unit makes at boot, made before any slot is touched. The verity superblock names
+    how much data the tree covers; an image shipped without its trailing zeros that ends before
+    that is checked padded with zeros to it, as the zeroed slot will hold it."""
+    names = payload_names(index.version, index.engine_digest, True)
+    data, tree = staging / names["engine"], staging / names["engine-verity"]
+    full = index.partition_sizes.get(names["engine"], 0)
+    again = "the bundle is inconsistent: nothing was written; release it again (python3 -m builder release)"
+    limit = HASH_BASE_S + full / HASH_BYTES_PER_S
+    dump = _veritysetup(["dump", tree], limit)
+    fields = dict(_SUPERBLOCK_FIELD.findall(dump.stdout))
+    if dump.returncode != 0 or len(fields) != 2:
+        raise Refused(f"{names['engine-verity']} is not a dm-verity hash tree with a superblock", hint=again)
+    covered = int(fields["Data blocks"]) * int(fields["Data block size"])
+    if covered > full:
+        raise Refused(f"{names['engine-verity']} covers {covered} bytes of data, more than the engine partition's {full}",
+                      hint=again)
+    with _padded(data, covered) as checked:
+        verify = _veritysetup(["verify", checked, tree, engine.store_roothash], limit)
+    if verify.returncode != 0:
+        raise Refused("the bundle's engine image does not hash to the root hash its release manifest pins", hint=again)
+
+
+def _veritysetup(args: list[str | Path], limit: float) -> subprocess.CompletedProcess[str]:
+    try:
+        return call([VERITYSETUP, *args], timeout=limit)
+    except FileNotFoundError:
+        raise UserError(f"{VERITYSETUP} is not installed: the engine image cannot be checked", hint="the image is damaged") from None
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{VERITYSETUP} {args[0]} did not finish within {limit:g} s", hint="run the same command again") from None
+
+
+@contextlib.contextmanager
+def _padded(path: Path, size: int) -> Iterator[Path]:
+    """PATH, or when it is shorter than SIZE a sparse copy beside it padded with zeros to SIZE
+    (only the blocks that are not zero take space), removed afterwards."""
+    if path.stat().st_size >= size:
+        yield path
+        return
+    copy = path.with_name(f".{path.name}.padded")
+    try:
+        try:
+            with open(path, "rb") as src, open(copy, "wb") as dst:
+                while block := src.read(1 << 20):
+                    if block.count(0) == len(block):
+                        dst.seek(len(block), os.SEEK_CUR)
+                    else:
+                        dst.write(block)
+                dst.truncate(size)
+        except OSError as e:
+            raise UserError(f"{copy}: the zero-padded copy of {path.name} for its check cannot be written ({e.strerror})",
+                            hint=f"free {path.stat().st_size >> 20} MiB on {path.parent}, then run the same command again") from None
+        yield copy
+    finally:
+        copy.unlink(missing_ok=True)
 
 
 _STRICT_VERSION = re.compile(r"^(0|[1-9][0-9]{0,8})(\.(0|[1-9][0-9]{0,8})){0,3}\Z")

@@ -3,7 +3,9 @@ bundle into the inactive slot. Nothing is trusted before its signature, nothing 
 every byte is proven:
 
 0. the running version must be judged good (checks.check_judged), before any network;
-1. bundle.json verified against the RUNNING version's keys, then policy and fit: plan.make_plan;
+1. bundle.json verified against the RUNNING version's keys, its timestamp against the running
+   version's timestamp keys and the clock (fresh, not older than the last accepted, which is then
+   recorded), then policy and fit: plan.make_plan; a version rolled back here is refused unless --force;
 2. free space, every file downloaded and hashed (download), the content checked (checks.check_staged);
 3. only then the new engine's slot, if any, and the inactive slot are written (install).
 
@@ -30,7 +32,7 @@ from appliance.fetch import Deadline
 from appliance.manifest import Manifest
 from appliance.run import run
 from appliance.safe_read import read_capped
-from applianctl.records import LastUpdate, Staged
+from applianctl.records import Freshness, LastUpdate, Staged
 from applianctl.slots import engine as engine_slots
 from applianctl.slots import release
 from applianctl.slots import view as slots
@@ -49,7 +51,7 @@ from applianctl.update.install import (
     prepare_slot,
     sysupdate_commands,
 )
-from applianctl.update.plan import UpdatePlan, make_plan
+from applianctl.update.plan import UpdatePlan, accepted_sequences, make_plan
 
 DEFAULT_DEADLINE_S = 4 * 3600.0  # the whole run; the unit's TimeoutStartSec= is a little longer
 
@@ -59,15 +61,37 @@ def _print(line: str) -> None:
 
 
 def _already_installed(p: UpdatePlan, say: Callable[[str], None]) -> int:
+    _accepted(p)
     say(f"version {p.version} is already installed in slot {p.inactive.name}; reboot to start it")
     return 0
+
+
+def _accepted(p: UpdatePlan) -> None:
+    """Record P's timestamp as accepted, once an update or a --download-only has done what it
+    plans (never --check): from now on a timestamp of its key with a lower sequence is refused.
+    The record only ever goes up."""
+    ts = p.timestamp
+    if ts is None:
+        return
+    sequences = accepted_sequences()
+    if sequences.get(ts.signer, 0) >= ts.sequence:
+        return
+    sequences[ts.signer] = ts.sequence
+    atomic.write_record(paths.freshness_path(), Freshness(sequences=sequences, version=p.version,
+                                                          accepted_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
+
+
+def _refuse_rolled_back(p: UpdatePlan) -> None:
+    refused = p.refused_rolled_back
+    if refused is not None:
+        raise refused
 
 
 def _download(p: UpdatePlan, staging: Path, space_margin: int, keys_dir: Path) -> None:
     """Room first, then every file the plan names into STAGING, each proven, then their content."""
     check_space(p.index, staging, space_margin, p.engine_written)
     stage(p.index, p.source, staging, p.engine_written)
-    check_staged(p.index, staging, keys_dir)
+    check_staged(p.index, staging, keys_dir, p.engine_written)
 
 
 def check(
@@ -79,10 +103,12 @@ def check(
     host: Host | None = None,
     keys_dir: Path | None = None,
     running: Manifest | None = None,
+    force: bool = False,
 ) -> UpdatePlan:
-    """`update --check`: the plan; its .blocked says whether the update would be refused now."""
+    """`update --check`: the plan; its .blocked says whether the update would be refused now. Its
+    timestamp is checked, not recorded as accepted."""
     return make_plan(spec, ca=ca, deadline=Deadline(deadline_s), host=host or Host(), keys_dir=keys_dir or paths.TRUSTED_KEYS_DIR,
-                     running=running or release.running_manifest(), allow_downgrade=allow_downgrade)
+                     running=running or release.running_manifest(), allow_downgrade=allow_downgrade, force=force)
 
 
 def update(
@@ -98,6 +124,7 @@ def update(
     running: Manifest | None = None,
     confirm: Callable[[str], bool] | None = None,
     say: Callable[[str], None] = _print,
+    force: bool = False,
 ) -> int:
     host = host or Host()
     keys_dir = keys_dir or paths.TRUSTED_KEYS_DIR
@@ -105,8 +132,10 @@ def update(
     deadline = Deadline(deadline_s)
     check_judged(slots.read(host, running.version))  # no network, no lock file: never write while on trial
     with locked():
-        p = make_plan(spec, ca=ca, deadline=deadline, host=host, keys_dir=keys_dir, running=running, allow_downgrade=allow_downgrade)
+        p = make_plan(spec, ca=ca, deadline=deadline, host=host, keys_dir=keys_dir, running=running, allow_downgrade=allow_downgrade,
+                      force=force)
         check_judged(p.view)  # read again under the lock
+        _refuse_rolled_back(p)
         if p.already_installed:
             return _already_installed(p, say)
         if confirm is not None and not confirm(f"install {p.version} over {running.version} into slot {p.inactive.name}?"):
@@ -115,6 +144,7 @@ def update(
         _download(p, staging, space_margin, keys_dir)
         say(f"bundle {p.version} verified ({len(p.index.files)} files, signed by {p.index.signer})")
         install(p, staging, host=host, deadline=deadline, source=spec, say=say)
+        _accepted(p)
         shutil.rmtree(staging, ignore_errors=True)
     installed(p, reboot, say)
     return 0
@@ -201,6 +231,7 @@ def download_only(
     keys_dir: Path | None = None,
     running: Manifest | None = None,
     say: Callable[[str], None] = _print,
+    force: bool = False,
 ) -> int:
     """`update --download-only`: the plan's files into the staged update; no slot or boot entry is
     touched, so it is not refused while the running version is on trial (--apply is)."""
@@ -209,19 +240,23 @@ def download_only(
     running = running or release.running_manifest()
     deadline = Deadline(deadline_s)
     with locked():
-        p = make_plan(spec, ca=ca, deadline=deadline, host=host, keys_dir=keys_dir, running=running, allow_downgrade=allow_downgrade)
+        p = make_plan(spec, ca=ca, deadline=deadline, host=host, keys_dir=keys_dir, running=running, allow_downgrade=allow_downgrade,
+                      force=force)
+        _refuse_rolled_back(p)
         if p.already_installed:
             return _already_installed(p, say)
         state = update_staged.read()
         previous = state.usable if state is not None else None
         staged_at = _already_staged(p, previous)
         if staged_at is not None:  # the daily timer against an unchanged server
+            _accepted(p)
             say(f"version {p.version} is already staged ({staged_at}); apply it with applianctl update --apply")
             return 0
         staging = staging_for(p.version)
         update_staged.seed(previous, p.index, staging, p.engine_written)
         _download(p, staging, space_margin, keys_dir)
-        record = update_staged.publish(staging, p.index, p.signed, spec, p.engine_written)
+        record = update_staged.publish(staging, p.index, p.signed, spec, p.engine_written, timestamp=p.signed_timestamp)
+        _accepted(p)
     mib = record.bytes / (1 << 20)
     say(f"staged {p.version} ({record.files} files, {mib:.1f} MiB, signed by {p.index.signer}); "
         "install it with applianctl update --apply")
@@ -238,10 +273,12 @@ def apply(
     running: Manifest | None = None,
     confirm: Callable[[str], bool] | None = None,
     say: Callable[[str], None] = _print,
+    force: bool = False,
 ) -> int:
     """`update --apply`: install the staged update. The plan is made again from the staged
     directory and every file's SHA-256 and the content checked again before the slot is touched:
-    the files waited on /var, where they could have changed."""
+    the files waited on /var, where they could have changed. Not its timestamp: it was accepted
+    fresh when it was staged, and applying it later does not depend on the expiry."""
     host = host or Host()
     keys_dir = keys_dir or paths.TRUSTED_KEYS_DIR
     running = running or release.running_manifest()
@@ -258,8 +295,9 @@ def apply(
             raise UserError(f"the staged update cannot be used: {state.problem}", hint=update_staged.DOWNLOAD_AGAIN)
         staged = update_staged.directory(record)
         p = make_plan(str(staged), ca=None, deadline=deadline, host=host, keys_dir=keys_dir, running=running,
-                      allow_downgrade=allow_downgrade, staged=record.version)
+                      allow_downgrade=allow_downgrade, staged=record.version, force=force)
         check_judged(p.view)
+        _refuse_rolled_back(p)
         if p.already_installed:
             update_staged.discard()
             return _already_installed(p, say)
@@ -267,7 +305,7 @@ def apply(
             raise UserError("not confirmed", hint="add --yes to install without asking")
         with update_staged.discarded_if_refused():
             update_staged.verify_in_place(p.index, staged, p.engine_written)
-            check_staged(p.index, staged, keys_dir)
+            check_staged(p.index, staged, keys_dir, p.engine_written)
         say(f"staged bundle {p.version} verified again ({len(p.index.files)} files, signed by {p.index.signer})")
         install(p, staged, host=host, deadline=deadline, source=record.source, staged_at=record.staged_at, say=say)
     installed(p, reboot, say)
@@ -277,6 +315,8 @@ def apply(
 def _print_plan(p: UpdatePlan) -> None:
     mib = p.download_bytes / (1 << 20)
     what = "downgrade" if p.downgrade else "upgrade"
+    if p.rolled_back is not None and p.force:
+        print(f"{p.rolled_back}; --force writes slot {p.inactive.name} again")
     if p.already_installed:
         print(f"{p.version} is already installed in slot {p.inactive.name}; reboot to start it")
     else:
@@ -318,7 +358,7 @@ def cmd_update(args: argparse.Namespace) -> int:
 
     if args.apply:
         return apply(allow_downgrade=args.allow_downgrade, reboot=args.reboot, confirm=confirm,
-                     deadline_s=args.deadline or DEFAULT_DEADLINE_S)
+                     deadline_s=args.deadline or DEFAULT_DEADLINE_S, force=args.force)
     spec = args.source
     download = args.download_only
     if args.from_config:
@@ -333,7 +373,7 @@ def cmd_update(args: argparse.Namespace) -> int:
     if not spec:
         raise UserError("no SOURCE given", hint="applianctl update DIRECTORY-or-URL (or --from-config)")
     if args.check:
-        p = check(spec, ca=args.ca, allow_downgrade=args.allow_downgrade, deadline_s=args.deadline or 300.0)
+        p = check(spec, ca=args.ca, allow_downgrade=args.allow_downgrade, deadline_s=args.deadline or 300.0, force=args.force)
         if args.json:
             print(json.dumps(p.to_json(), indent=2, sort_keys=True))
         else:
@@ -342,8 +382,9 @@ def cmd_update(args: argparse.Namespace) -> int:
     deadline_s = args.deadline or DEFAULT_DEADLINE_S
     try:
         if download:
-            return download_only(spec, allow_downgrade=args.allow_downgrade, ca=args.ca, deadline_s=deadline_s)
-        return update(spec, allow_downgrade=args.allow_downgrade, reboot=args.reboot, ca=args.ca, confirm=confirm, deadline_s=deadline_s)
+            return download_only(spec, allow_downgrade=args.allow_downgrade, ca=args.ca, deadline_s=deadline_s, force=args.force)
+        return update(spec, allow_downgrade=args.allow_downgrade, reboot=args.reboot, ca=args.ca, confirm=confirm, deadline_s=deadline_s,
+                      force=args.force)
     except Refused as e:
         # the timer's service: an unchanged bundle on the server is not a failure
         if args.from_config and "is the running version" in e.message:
@@ -368,6 +409,8 @@ def add_parser(subparsers: Any) -> None:
                    help="install what --download-only staged, after checking its signature and every file again")
     p.add_argument("--reboot", action="store_true", help="reboot into the new version when it is installed")
     p.add_argument("--allow-downgrade", action="store_true", help="accept a signed bundle older than the running version")
+    p.add_argument("--force", action="store_true",
+                   help="install a version that was rolled back on this appliance again (its slot is written again, with fresh boot tries)")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.add_argument("--ca", help="CA certificate to trust for an https:// SOURCE, and only it (default: the system's)")
     p.add_argument("--deadline", type=float, help=f"seconds the whole update may take (default {DEFAULT_DEADLINE_S:g}; --check: 300)")

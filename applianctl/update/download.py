@@ -1,19 +1,20 @@
 """Downloading a bundle into the staging directory, every file proven against the signed index,
-after checking /var (shared with the journal and the model) has room for the rest plus a margin.
+after checking /var (shared with the journal and the model) has room for the rest plus the reserve
+every download keeps free there (appliance.fetch.RESERVE_BYTES); while writing, the download stops
+at that reserve, its partial file kept for the next run to resume.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
-from appliance import paths
+from appliance import fetch, paths
 from appliance.bundle import BundleFile, BundleIndex, install_names
 from appliance.errors import UserError
 from appliance.fetch import Source, fetch_proven, missing_bytes
 
-SPACE_MARGIN_BYTES = 512 << 20
+SPACE_MARGIN_BYTES = fetch.RESERVE_BYTES  # the one reserve, shared with the model fetch
 
 
 def to_fetch(index: BundleIndex, engine: bool = False) -> list[BundleFile]:
@@ -24,8 +25,7 @@ def to_fetch(index: BundleIndex, engine: bool = False) -> list[BundleFile]:
 
 
 def free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
+    return fetch.free_bytes(path)
 
 
 def check_space(index: BundleIndex, staging: Path, margin: int = SPACE_MARGIN_BYTES, engine: bool = False) -> int:
@@ -36,8 +36,9 @@ def check_space(index: BundleIndex, staging: Path, margin: int = SPACE_MARGIN_BY
     if free < need + margin:
         mib = 1 << 20
         raise UserError(
-            f"{staging}: {free // mib} MiB free, the bundle needs {need // mib} MiB more plus a margin of {margin // mib} MiB",
-            hint=f"free space on {staging.parent} (journalctl --vacuum-size, old files), then run the same command again",
+            f"{staging}: {free // mib} MiB free, the bundle needs {-(-need // mib)} MiB more plus a margin of {margin // mib} MiB",
+            hint=f"free {fetch.size(need + margin - free)} more on {fetch.mount_point(staging)} "
+                 "(journalctl --vacuum-size, old files), then run the same command again",
         )
     return need
 
@@ -54,8 +55,13 @@ def staging_for(version: str) -> Path:
     return staging
 
 
-def stage(index: BundleIndex, source: Source, staging: Path, engine: bool = False) -> None:
+def stage(index: BundleIndex, source: Source, staging: Path, engine: bool = False, *,
+          reserve: int = SPACE_MARGIN_BYTES, free: fetch.FreeBytes | None = None) -> None:
     """Fetch every file of the bundle into STAGING, each checked against bundle.json. A file
-    already staged is re-hashed, not trusted; a partial one (NAME.part) is resumed."""
-    for f in to_fetch(index, engine):
-        fetch_proven(source, f.name, f.size, f.sha256, staging)
+    already staged is re-hashed, not trusted; a partial one (NAME.part) is resumed. Stops
+    (fetch.ReserveReached) before a write would leave less than RESERVE free, the partial kept."""
+    files = to_fetch(index, engine)
+    guard = fetch.Guard(staging, sum(missing_bytes(f.name, f.size, staging) for f in files),
+                        free=free_bytes if free is None else free, reserve=reserve)
+    for f in files:
+        fetch_proven(source, f.name, f.size, f.sha256, staging, guard.claim)

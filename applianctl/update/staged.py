@@ -22,6 +22,7 @@ from typing import Any
 from appliance import atomic, manifest, paths, progress
 from appliance.bundle import BundleIndex
 from appliance.errors import Refused, UserError
+from appliance.freshness import TIMESTAMP, TIMESTAMP_SIG
 from appliance.hashing import sha256_file
 from appliance.schema import dump_record, load_record
 from applianctl.records import Staged
@@ -72,11 +73,17 @@ def directory(record: Staged) -> Path:
     return paths.staged_update_dir() / record.directory
 
 
-def publish(work: Path, index: BundleIndex, signed: tuple[bytes, bytes], source: str, engine: bool = False) -> Staged:
-    """Make WORK (every file proven this run) the staged update, replacing the previous one."""
+def publish(work: Path, index: BundleIndex, signed: tuple[bytes, bytes], source: str, engine: bool = False,
+            timestamp: tuple[bytes, bytes] | None = None) -> Staged:
+    """Make WORK (every file proven this run) the staged update, replacing the previous one; with
+    it the TIMESTAMP accepted as fresh for it (kept as what was accepted: --apply does not depend
+    on its expiry)."""
     data, sig = signed
     atomic.atomic_write(work / "bundle.json", data, mode=0o600)
     atomic.atomic_write(work / "bundle.json.sig", sig, mode=0o600)
+    if timestamp is not None:
+        atomic.atomic_write(work / TIMESTAMP, timestamp[0], mode=0o600)
+        atomic.atomic_write(work / TIMESTAMP_SIG, timestamp[1], mode=0o600)
     root = paths.staged_update_dir()
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     name = f"{index.version}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"

@@ -149,8 +149,9 @@ def bundles(demo_config: config.Config, demo_image: Path, https_root: tuple[Path
     # the same release, signed by a key the appliance does not trust
     stranger, _ = keys.generate(tmp_path_factory.mktemp("stranger-key"))
     release.make_bundle(v3, outputs["v3"], root / "untrusted", stranger, [v3.engine.digest], previous_version=V2)
-    # a downgrade: v1's own build, released
-    release.make_bundle(demo_config, v1_out, root / "v1", key, [demo_config.engine.digest])
+    # a downgrade: v1's own build, released; with its install image, since the installer medium
+    # (conftest.installed) carries only what the signed index lists
+    release.make_bundle(demo_config, v1_out, root / "v1", key, [demo_config.engine.digest], with_install_image=True)
     return {name: f"{url}/{name}/" for name in ("v2", "v3", "flipped", "untrusted", "v1")}
 
 

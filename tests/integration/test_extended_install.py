@@ -91,7 +91,7 @@ def install_run(release_parts: dict[str, Any], tmp_path_factory: pytest.TempPath
     work = tmp_path_factory.mktemp("install")
     demo, uki, key = release_parts["demo"], release_parts["uki"], release_parts["key"]
     bundle = work / "bundle"
-    release.make_bundle(demo, release_parts["build"], bundle, key, None, None)
+    release.make_bundle(demo, release_parts["build"], bundle, key, None, None, with_install_image=True)  # what the medium carries
     _, ssh_pub = keys.generate(work / "ssh")  # an Ed25519 key; its OpenSSH form below
     from cryptography.hazmat.primitives import serialization
 
@@ -238,7 +238,7 @@ def iso_install_run(release_parts: dict[str, Any], tmp_path_factory: pytest.Temp
     demo, key = release_parts["demo"], release_parts["key"]
     plan = _sign(work, "plan", 'hostname = "gpu-09"\n[target]\nserial = "TARGET-0001"\n', key)
     bundle = work / "bundle"
-    release.make_bundle(demo, release_parts["build"], bundle, key, None, None)
+    release.make_bundle(demo, release_parts["build"], bundle, key, None, None, with_install_image=True)  # what the medium carries
     iso = installer_media.make(release_parts["build"], demo.appliance.version, release_parts["uki"], plan, work / "media", ["iso"],
                                bundle)["iso"]
     # a BMC's virtual media is a USB CD-ROM: a SCSI CD behind USB mass storage (bulk-only)

@@ -1,0 +1,84 @@
+"""A latency-bound backend shaped like vLLM's OpenAI server, for the proxy rows of `make bench`:
+`python -m bench.paced_engine PORT`.
+
+uvicorn + starlette (as vLLM serves, keep-alive 5 s). POST /v1/chat/completions: at most
+CONCURRENCY requests at once (a semaphore, as an engine's batch caps them); streamed, the role
+chunk and the first token after one token time, then one SSE `data:` chunk every TOKEN_S, then
+the finish chunk and `data: [DONE]`; not streamed, one JSON answer after SERVICE_S. The work is
+sleeping, so the host's 2 cores are left to the proxy and the clients, and both paths meet the
+same fixed latencies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+MODEL = "bench/paced"
+TOKEN_S = 0.02
+SERVICE_S = 0.25
+CONCURRENCY = 64
+TOKENS = 32
+
+
+def chunk(head: dict[str, Any], delta: dict[str, str], finish: str | None = None) -> bytes:
+    """One SSE event as vLLM writes it for a chat completion chunk."""
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return b"data: " + json.dumps({**head, "choices": [choice]}, separators=(",", ":")).encode() + b"\n\n"
+
+
+def make_app(token_s: float = TOKEN_S, service_s: float = SERVICE_S, concurrency: int = CONCURRENCY, tokens: int = TOKENS) -> Any:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    batch = asyncio.Semaphore(concurrency)
+    counter = iter(range(1 << 62))
+
+    async def health(request: Request) -> Response:
+        return Response(b"")
+
+    async def chat(request: Request) -> Response:
+        body: dict[str, Any] = await request.json()
+        n = int(body.get("max_tokens") or tokens)
+        head = {"id": f"chatcmpl-{next(counter)}", "object": "chat.completion.chunk", "created": int(time.time()), "model": MODEL}
+        if not body.get("stream"):
+            async with batch:
+                await asyncio.sleep(service_s)
+            message = {"role": "assistant", "content": " tok" * n}
+            usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}
+            return JSONResponse({**head, "object": "chat.completion",
+                                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}],
+                                 "usage": usage})
+
+        async def events() -> AsyncIterator[bytes]:
+            async with batch:
+                start = time.monotonic()
+                await asyncio.sleep(token_s)  # the prefill: one token time
+                yield chunk(head, {"role": "assistant", "content": ""})
+                for i in range(n):
+                    # paced against the start, so a late wake-up does not push every later token
+                    await asyncio.sleep(max(0.0, start + (i + 1) * token_s - time.monotonic()))
+                    yield chunk(head, {"content": " tok"})
+                yield chunk(head, {"content": ""}, "stop")
+                yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/health", health, methods=["GET"]),
+                             Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def main(argv: list[str]) -> None:
+    import uvicorn
+
+    # vLLM's defaults: uvicorn, keep-alive 5 s, no access log
+    uvicorn.run(make_app(), host="127.0.0.1", port=int(argv[0]), log_level="warning", access_log=False, timeout_keep_alive=5)
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

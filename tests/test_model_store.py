@@ -1,0 +1,242 @@
+"""The model store is written only through its own directory: a symbolic link, a FIFO or a
+directory where the store holds something else is refused in one line naming it (nothing outside
+the store is written, read or truncated); names are checked against the file system's limits when
+the weights manifest is loaded; the per-host source is read capped, no link followed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from test_weights import MODEL, REV, SIZES, FakeVerity, _snapshot, _store
+
+from appliance import weights as wm
+from appliance.errors import UserError
+from appliance.manifest import ManifestError
+from applianctl.model import fetch as model_fetch
+from applianctl.model import store as model_store
+from applianctl.model import verify as model_verify
+
+PRECIOUS = b"not the store's\n"
+
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim"
+    victim.write_bytes(PRECIOUS)
+    return victim
+
+
+def _outside(tmp_path: Path) -> Path:
+    outside = tmp_path / "outside"
+    outside.mkdir(exist_ok=True)
+    return outside
+
+
+def _link(at: Path, to: Path) -> Path:
+    at.parent.mkdir(parents=True, exist_ok=True)
+    at.symlink_to(to)
+    return at
+
+
+# Each sets up one thing in the store and returns (the path refused, what it is, what it should be).
+Plant = Callable[[model_store.Store, Path], tuple[Path, str, str]]
+PLANTS: dict[str, Plant] = {
+    "a symlinked snapshot subdirectory": lambda s, t: (_link(s.snapshot / "sub", _outside(t)), "a symbolic link", "a directory"),
+    "a symlinked snapshot": lambda s, t: (_link(s.snapshot, _outside(t)), "a symbolic link", "a directory"),
+    "a symlinked weight file": lambda s, t: (_link(s.snapshot / "config.json", _victim(t)), "a symbolic link", "a regular file"),
+    "a symlinked .part": lambda s, t: (_link(s.partial / "a.safetensors.part", _victim(t)), "a symbolic link", "a regular file"),
+    "a symlinked journal": lambda s, t: (_link(s.partial / "a.safetensors.part.journal", _victim(t)), "a symbolic link",
+                                         "a regular file"),
+    "a symlinked partial directory": lambda s, t: (_link(s.partial, _outside(t)), "a symbolic link", "a directory"),
+    "a symlinked .partial": lambda s, t: (_link(s.partial.parent, _outside(t)), "a symbolic link", "a directory"),
+    "a file where a directory belongs": lambda s, t: (_file(s.snapshot / "sub"), "a regular file", "a directory"),
+    "a directory where a weight file belongs": lambda s, t: (_dir(s.snapshot / "config.json"), "a directory", "a regular file"),
+    "a FIFO as a .part": lambda s, t: (_fifo(s.partial / "a.safetensors.part"), "a FIFO", "a regular file"),
+}
+
+
+def _file(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(PRECIOUS)
+    return path
+
+
+def _dir(path: Path) -> Path:
+    (path / "inside").mkdir(parents=True)
+    return path
+
+
+def _fifo(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("plant", sorted(PLANTS))
+def test_anything_but_directories_and_regular_files_in_the_store_is_refused_naming_it(tmp_path: Path, plant: str) -> None:
+    src, manifest = _snapshot(tmp_path, SIZES)
+    store, verity = _store(tmp_path, manifest), FakeVerity()
+    path, kind, want = PLANTS[plant](store, tmp_path)
+    with pytest.raises(UserError) as e:
+        model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity, workers=1)
+    assert e.value.message == f"{path}: is {kind}, not {want} (nothing in the model store is followed or replaced)"
+    rm = "rm -r" if kind == "a directory" else "rm"
+    assert e.value.hint == f"remove it: {rm} {path}; then run applianctl model fetch again"
+    assert not (tmp_path / "outside").exists() or list((tmp_path / "outside").iterdir()) == []  # nothing written through a link
+    assert not (tmp_path / "victim").exists() or (tmp_path / "victim").read_bytes() == PRECIOUS  # nor truncated
+    # as the hint says: removed, the fetch completes
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+    model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity, workers=1)
+    assert model_verify.check(store, verity).ok
+
+
+def test_a_link_put_in_place_of_the_partial_directory_after_a_cut_is_not_followed(tmp_path: Path) -> None:
+    from test_weights import CutSource, PowerCut
+
+    src, manifest = _snapshot(tmp_path, SIZES)
+    store, verity = _store(tmp_path, manifest), FakeVerity()
+    source = CutSource(model_fetch.DirSource(str(src)), "a.safetensors", 2 * model_fetch.CHUNK_BYTES + 5)
+    with pytest.raises(PowerCut):
+        model_fetch.fetch(store, source, verity, workers=1)
+    outside = _outside(tmp_path)
+    store.partial.rename(outside / "moved")  # swapped for a link between two runs
+    _link(store.partial, outside / "moved")
+    before = {p: p.read_bytes() for p in (outside / "moved").rglob("*") if p.is_file()}
+    source.cut = 1 << 62
+    with pytest.raises(UserError, match=r"\.partial/a{40}: is a symbolic link, not a directory"):
+        model_fetch.fetch(store, source, verity, workers=1)
+    assert {p: p.read_bytes() for p in (outside / "moved").rglob("*") if p.is_file()} == before
+
+
+def test_the_store_directory_itself_a_link_is_refused(tmp_path: Path) -> None:
+    src, manifest = _snapshot(tmp_path, SIZES)
+    store = _store(tmp_path, manifest)
+    _link(store.root, _outside(tmp_path))
+    with pytest.raises(UserError, match=r"huggingface: is a symbolic link, not a directory") as e:
+        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity())
+    assert e.value.hint == f"remove it: rm {store.root}; then run applianctl model fetch again"
+    assert list((tmp_path / "outside").iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------- names
+
+
+def _plain(path: str) -> dict[str, object]:
+    return {"model": MODEL, "revision": REV, "total_bytes": 1, "files": [{"path": path, "size": 1, "sha256": "0" * 64}]}
+
+
+@pytest.mark.parametrize(("path", "expected"), [
+    ("x" * 300, "a path whose names are at most 255 bytes each"),
+    ("d/" + "x" * 256, "a path whose names are at most 255 bytes each"),
+    ("/".join(["d" * 99] * 42), "a path of at most 4095 bytes"),  # 4,199 bytes, each name within NAME_MAX
+    ("a//b", "a relative path without '..'"),
+    ("/etc/passwd", "a relative path without '..'"),
+    ("a/../b", "a relative path without '..'"),
+    ("a\x00b", "a relative path without '..'"),
+    ("a\nb", "a relative path without '..'"),
+])
+def test_a_name_the_file_system_cannot_hold_is_refused_when_the_manifest_is_loaded(path: str, expected: str) -> None:
+    with pytest.raises(ManifestError, match=r"^weights manifest: files\[0\]\.path = '.*: expected ") as e:
+        wm.from_plain(_plain(path))
+    assert expected in e.value.message and "\n" not in e.value.message and len(e.value.message) < 200
+
+
+def test_names_at_the_limits_load() -> None:
+    assert wm.from_plain(_plain("x" * 255)).files[0].path == "x" * 255
+    assert len(wm.from_plain(_plain("/".join(["d" * 99] * 40) + "/" + "x" * 95)).files[0].path) == 4095
+
+
+def test_the_store_checks_its_own_prefix_and_suffixes_against_the_limits() -> None:
+    cache = Path("/var/lib/appliance/huggingface")
+    snapshot, partial = cache / "hub/models--org--model/snapshots" / REV, cache / ".partial" / REV
+    fits = wm.make(MODEL, REV, [wm.WeightFile("x" * (255 - len(".part.journal")), 1, "0" * 64)])
+    model_store.check_names(fits, snapshot, partial)
+    long_name = wm.make(MODEL, REV, [wm.WeightFile("x" * 250, 1, "0" * 64)])  # its journal: 263 bytes
+    journal_too_long = (r"^/usr/lib/appliance/weights.json: 'x{30,}\.\.\.: "
+                        r"its partial file's journal would be a name of 263 bytes, more than 255$")
+    with pytest.raises(ManifestError, match=journal_too_long) as e:
+        model_store.check_names(long_name, snapshot, partial)
+    assert e.value.hint.startswith("the weights manifest names a file this device cannot store")
+    deep = "/".join(["d" * 99] * 40) + "/" + "x" * 90  # 4,090 bytes: the manifest's limit, not the store's
+    with pytest.raises(ManifestError, match=r": on the disk it would be a path of 41[0-9]{2} bytes, more than 4095$"):
+        model_store.check_names(wm.make(MODEL, REV, [wm.WeightFile(deep, 1, "0" * 64)]), snapshot, partial)
+
+
+# ----------------------------------------------------------------------------------- the per-host source
+
+
+def _config_for_source(source: str) -> Any:
+    """As much of a Config as default_source reads."""
+    return SimpleNamespace(model=SimpleNamespace(source=source))
+
+
+def _host_store(tmp_path: Path) -> model_store.Store:
+    _, manifest = _snapshot(tmp_path, {"config.json": 10})
+    store = _store(tmp_path, manifest)
+    store.host_dir.mkdir(parents=True)
+    return store
+
+
+def test_the_per_host_source_is_one_line(tmp_path: Path) -> None:
+    store = _host_store(tmp_path)
+    (store.host_dir / model_store.HOST_SOURCE).write_text("https://mirror.example/org/model\n")
+    assert store.default_source(_config_for_source("")) == "https://mirror.example/org/model"
+    (store.host_dir / model_store.HOST_SOURCE).unlink()
+    assert store.default_source(_config_for_source("/media/usb")) == "/media/usb"
+
+
+@pytest.mark.parametrize("fault", ["a symbolic link", "a FIFO", "too large", "a directory"])
+def test_a_per_host_source_someone_else_could_have_put_there_is_refused_in_one_line(tmp_path: Path, fault: str) -> None:
+    store = _host_store(tmp_path)
+    path = store.host_dir / model_store.HOST_SOURCE
+    if fault == "a symbolic link":
+        (tmp_path / "elsewhere").write_text("https://evil.example/org/model\n")
+        path.symlink_to(tmp_path / "elsewhere")
+        expected = "is a symbolic link (not followed)"
+    elif fault == "a FIFO":
+        os.mkfifo(path)  # would block a plain read for ever
+        expected = "is a FIFO, not a regular file"
+    elif fault == "too large":
+        path.write_bytes(b"x" * (model_store.MAX_HOST_SOURCE_BYTES + 1))
+        expected = f"{model_store.MAX_HOST_SOURCE_BYTES + 1} bytes, more than {model_store.MAX_HOST_SOURCE_BYTES}"
+    else:
+        path.mkdir()
+        expected = "is a directory, not a regular file"
+    with pytest.raises(UserError) as e:
+        store.default_source(_config_for_source(""))
+    assert e.value.message == f"{path}: {expected}" and e.value.hint
+
+
+def test_a_journal_or_a_weight_file_that_became_a_directory_meanwhile_is_refused_not_replaced(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    with model_store.StoreDir(root) as fs:
+        (root / "j").mkdir()
+        with pytest.raises(UserError, match=r"/j: is a directory, not a regular file"):
+            fs.write_atomic("j", b"{}")
+        fs.write_atomic("p", b"x")
+        (root / "snap/w").mkdir(parents=True)
+        with pytest.raises(UserError, match=r"/snap/w: is a directory, not a regular file"):
+            fs.replace("p", "snap/w")
+        assert (root / "p").read_bytes() == b"x" and [p.name for p in root.iterdir() if p.name.startswith(".tmp")] == []
+
+
+def test_a_store_file_is_opened_without_following_a_link_and_only_when_regular(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    with model_store.StoreDir(root) as fs:  # what every open in the store goes through, whatever was checked before it
+        _link(root / "part", _victim(tmp_path))
+        with pytest.raises(UserError, match=r"/cache/part: is a symbolic link, not a regular file"):
+            fs.open_file("part", os.O_RDWR | os.O_CREAT)
+        with pytest.raises(UserError, match=r"/cache/part: is a symbolic link, not a regular file"):
+            fs.read("part", 100)
+        _fifo(root / "fifo")
+        with pytest.raises(UserError, match=r"/cache/fifo: is a FIFO, not a regular file"):
+            fs.open_file("fifo", os.O_RDWR)
+    assert (tmp_path / "victim").read_bytes() == PRECIOUS
