@@ -73,9 +73,10 @@ def cmd_boot(args: argparse.Namespace) -> int:
     disk = build.output_dir(config) / f"appliance_{config.appliance.version}.raw"
     if not disk.is_file():
         raise UserError(f"no image at {disk}", hint=f"build it first: python3 -m builder build --profile {config.profile}")
+    cert = build.secure_boot_certificate(config)  # the firmware enrolls it: Secure Boot enforcing
     if args.interactive:
-        return qemu.interactive(disk)
-    report = qemu.boot_and_report(disk, timeout=args.timeout)
+        return qemu.interactive(disk, cert)
+    report = qemu.boot_and_report(disk, cert, timeout=args.timeout)
     status = report.get("status", {})
     if args.status_json:
         out = Path(args.status_json)
@@ -117,12 +118,21 @@ def cmd_pin(args: argparse.Namespace) -> int:
 def cmd_keys(args: argparse.Namespace) -> int:
     from builder import keys
 
-    directory = Path(args.directory) if args.directory else None
-    pairs = [] if args.timestamp else [keys.generate(directory)]
-    pairs.append(keys.generate(directory, keys.TIMESTAMP_NAME))
+    directory = Path(args.directory) if args.directory else keys.DEFAULT_DIR
+    only = args.timestamp or args.boot
+    pairs = [] if only else [keys.generate(directory)]
+    if args.timestamp or not only:
+        pairs.append(keys.generate(directory, keys.TIMESTAMP_NAME))
     for private, public in pairs:
         print(f"private key {private} (mode 0600: keep it off the appliance and out of git)")
         print(f"public key  {public} (trusted as {keys.trusted_name(public)} by images built with this key)")
+    if args.boot or not only:
+        uses = {keys.SECURE_BOOT_NAME: "signs systemd-boot and the kernel images; the firmware's db trusts its certificate",
+                keys.PCR_POLICY_NAME: "signs the kernel images' PCR 11 policy, which unlocks /var"}
+        for name, common_name in keys.BOOT_KEYS:
+            private, cert = keys.generate_x509(directory, name, common_name)
+            print(f"private key {private} (mode 0600; {uses[name]})")
+            print(f"certificate {cert}")
     return 0
 
 
@@ -223,10 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     installer_uki.add_parser(sub)
 
-    p = sub.add_parser("keys", help="make the release and timestamp signing key pairs (Ed25519)")
+    p = sub.add_parser("keys", help="make the release and timestamp key pairs (Ed25519), the Secure Boot and PCR policy keys (RSA)")
     p.add_argument("action", choices=["generate"], help="generate: write new key pairs")
-    p.add_argument("--directory", help="where to write release.key, timestamp.key and their .pub (default: keys/, never committed)")
+    p.add_argument("--directory", help="where to write the keys (default: keys/, never committed)")
     p.add_argument("--timestamp", action="store_true", help="only the timestamp key pair (for a keys directory made before timestamps)")
+    p.add_argument("--boot", action="store_true", help="only the Secure Boot and PCR policy keys (for an older keys directory)")
     p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("pin", help="rewrite SHA256SUMS and the demo engine digest on purpose")

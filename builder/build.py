@@ -16,7 +16,7 @@ from pathlib import Path
 from appliance.atomic import replace_dir
 from appliance.config import Config
 from appliance.errors import UserError
-from builder import engine_image, engine_store, keys, mirror, pins, render, tuning, weights
+from builder import engine_image, engine_store, keys, mirror, pins, render, secureboot, tuning, weights
 from builder.run import HOST_CACHE, mkosi_command, run
 
 log = logging.getLogger("builder")
@@ -84,7 +84,9 @@ def mkosi_arguments(config: Config, generated: Path, sandbox: Path, repart: Path
         f"--output-directory={out}",
         f"--image-version={config.appliance.version}",
         f"--kernel-command-line={emergency_reboot_credential()}",
+        f"--kernel-command-line=systemd.default_device_timeout_sec={config.os.device_timeout_sec}",
         f"--hostname={config.os.hostname}",
+        *secureboot.mkosi_arguments(secureboot.boot_keys(config, signing_key)),
     ]
 
 
@@ -101,6 +103,12 @@ def signing_key_for(config: Config, given: Path | None) -> Path:
     if not key.is_file():
         raise UserError(f"no signing key at {key}", hint="make one with: python3 -m builder keys generate")
     return key.resolve()
+
+
+def secure_boot_certificate(config: Config, signing_key: Path | None = None) -> Path:
+    """The certificate CONFIG's images are signed with for Secure Boot (a firmware that enrolls it
+    boots them, enforcing)."""
+    return secureboot.boot_keys(config, signing_key_for(config, signing_key)).secure_boot_cert
 
 
 def release_plan(config: Config, artifacts: list[pins.PinnedArtifact], store: engine_store.EngineStore) -> dict[str, object]:
@@ -142,6 +150,12 @@ def prepare(config: Config, engine_source: Path | None, signing_key: Path) -> tu
     timestamp_trusted = generated / render.LIB / "timestamp-keys" / keys.trusted_name(timestamp)
     timestamp_trusted.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(timestamp, timestamp_trusted)
+    # the key set a firmware in setup mode enrolls: on the ESP for systemd-boot's menu and the
+    # installer, what it holds under /usr for status
+    enroll = secureboot.enrollment_set(secureboot.boot_keys(config, signing_key), config.os.secure_boot_microsoft_ca,
+                                       generated / secureboot.ESP_KEYS_DIR)
+    (generated / render.LIB / "secureboot").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(enroll / "enroll.json", generated / render.LIB / "secureboot/enroll.json")
     (generated / render.LIB / "release-plan.json").write_text(json.dumps(release_plan(config, artifacts, store)))
     write_sandbox(config, sandbox)
     return generated, sandbox, repart

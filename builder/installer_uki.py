@@ -17,13 +17,14 @@ from typing import Any
 from appliance import paths
 from appliance.config import Config
 from appliance.errors import UserError
-from builder import build, keys, render
+from builder import build, keys, render, secureboot
 from builder.run import mkosi_command, run
 
 PROJECT = build.ROOT / "installer" / "mkosi"
 PACKAGES = ("appliance", "installer")
 REPART_SOURCE = build.IMAGE_DIR / "mkosi.extra/usr/lib/repart.d"
 REPART_IN_INSTALLER = "usr/lib/appliance-installer/repart.d"  # installer/install.py REPART_DEFINITIONS
+SECUREBOOT_IN_INSTALLER = "usr/lib/appliance-installer/secureboot"  # installer/secureboot.py KEYS_DIR
 UKI_NAME = "appliance-installer.efi"
 # mkosi names cached trees by distribution, release and architecture, not project: a shared cache
 # directory would make each build discard the other's cached image
@@ -45,6 +46,9 @@ def extra_tree(config: Config, signing_key: Path, tree: Path) -> None:
     shutil.copyfile(public, trusted)
     shutil.copytree(REPART_SOURCE, tree / REPART_IN_INSTALLER)
     render.first_boot_repart(config, tree / REPART_IN_INSTALLER)  # + the engine slots
+    # the Secure Boot keys it enrolls into a firmware in setup mode
+    secureboot.enrollment_set(secureboot.boot_keys(config, signing_key), config.os.secure_boot_microsoft_ca,
+                              tree / SECUREBOOT_IN_INSTALLER)
 
 
 def build_uki(config: Config, signing_key: Path | None = None, output: Path | None = None) -> Path:
@@ -63,7 +67,8 @@ def build_uki(config: Config, signing_key: Path | None = None, output: Path | No
     try:
         run([*mkosi_command(), "-C", str(PROJECT), f"--extra-tree={tree}", f"--sandbox-tree={sandbox}",
              f"--tools-tree-sandbox-tree={sandbox}", f"--cache-directory={CACHE}",
-             f"--output-directory={staging}", "build"],
+             f"--output-directory={staging}",
+             *secureboot.mkosi_arguments(secureboot.boot_keys(config, key), pcr_policy=False), "build"],
             what="mkosi build (installer)", hint="see mkosi's output above; run again with --debug for the full command")
         uki = staging / UKI_NAME
         if not uki.is_file():

@@ -1,5 +1,9 @@
 """Boot an image in QEMU (TCG with OVMF: KVM does not work on these build hosts).
 
+Every boot is sealed as a server's is: OVMF's Secure Boot firmware (SMM) and a software TPM 2.0
+(swtpm, its state kept beside the disk, as a TPM keeps it across boots). The firmware's variables
+either enroll the appliance's certificate (PK, KEK, db; Secure Boot enforcing) or are blank (setup
+mode: the installer enrolls).
 Each boot runs on a sparse copy of the image, grown so that systemd-repart has room for slot B and /var.
 The guest's boot check writes JSON reports to the second serial port and may ask the host questions
 there (`APPLIANCE-ASK NAME JSON`); ProbeNet gives the guest a second NIC reachable from a host namespace.
@@ -16,6 +20,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,10 +29,10 @@ from typing import Any
 
 from appliance.errors import UserError
 
-OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
-OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
+OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.secboot.fd")
+OVMF_CODE_UNSEALED = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")  # no Secure Boot, no SMM: bench/image.py's baseline
+OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")  # blank: setup mode
 DISK_SIZE = 12 * 1024**3
-DEVICE_TIMEOUT_S = 600
 REPORT_BEGIN = "APPLIANCE-REPORT-BEGIN"
 REPORT_END = "APPLIANCE-REPORT-END"
 ASK = "APPLIANCE-ASK"
@@ -123,21 +128,90 @@ class ProbeNet:
         return fd
 
 
-def _qemu_command(disk: Path, vars_fd: Path, credentials: dict[str, str]) -> list[str]:
+# the appliance's entries in the firmware's lists (builder/secureboot.py APPLIANCE_OWNER)
+ENROLL_OWNER = "6c8a31a4-7c5e-4bd6-9c1a-5d0c3b1f0a77"
+
+
+def firmware_vars(path: Path, enroll_cert: Path | None) -> Path:
+    """Write a firmware variable store to PATH: ENROLL_CERT as PK, KEK and db with Secure Boot on
+    (python3-virt-firmware's virt-fw-vars), or, with None, the blank store (setup mode)."""
+    if enroll_cert is None:
+        shutil.copyfile(OVMF_VARS, path)
+        return path
+    tool = Path(sys.executable).with_name("virt-fw-vars")
+    proc = subprocess.run([str(tool), "--input", str(OVMF_VARS), "--output", str(path),
+                           "--set-pk", ENROLL_OWNER, str(enroll_cert), "--add-kek", ENROLL_OWNER, str(enroll_cert),
+                           "--add-db", ENROLL_OWNER, str(enroll_cert), "--secure-boot"],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise UserError(f"virt-fw-vars could not enroll {enroll_cert}: {proc.stderr.strip()[-300:]}",
+                        hint="run `make setup` (installs virt-firmware into .venv)")
+    return path
+
+
+class Tpm:
+    """swtpm for one boot, its state in STATE_DIR (kept between boots); a context manager."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state = state_dir
+        self.socket = state_dir / "swtpm.sock"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Tpm:
+        if shutil.which("swtpm") is None:
+            raise UserError("swtpm is not installed", hint="run `make setup` (installs swtpm)")
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.socket.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(
+            ["swtpm", "socket", "--tpm2", "--tpmstate", f"dir={self.state}", "--ctrl", f"type=unixio,path={self.socket}",
+             "--log", f"file={self.state / 'swtpm.log'}", "--terminate"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not self.socket.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise UserError(f"swtpm did not start (log: {self.state / 'swtpm.log'})", hint="run `make setup`")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    def qemu_args(self) -> list[str]:
+        return ["-chardev", f"socket,id=chrtpm,path={self.socket}", "-tpmdev", "emulator,id=tpm0,chardev=chrtpm",
+                "-device", "tpm-crb,tpmdev=tpm0"]
+
+
+def firmware_args(vars_fd: Path, sealed: bool = True) -> list[str]:
+    """The machine and its firmware: Secure Boot needs SMM, and its variable store secure from the OS."""
+    if not sealed:
+        return ["-machine", "q35", "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE_UNSEALED}",
+                "-drive", f"if=pflash,format=raw,unit=1,file={vars_fd}"]
+    return ["-machine", "q35,smm=on", "-global", "driver=cfi.pflash01,property=secure,value=on",
+            "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
+            "-drive", f"if=pflash,format=raw,unit=1,file={vars_fd}"]
+
+
+def qemu_command(disk: Path, vars_fd: Path, credentials: dict[str, str], tpm: Tpm | None = None,
+                 sealed: bool = True) -> list[str]:
+    """QEMU for one sealed boot of DISK: Secure Boot firmware (SMM, its variables secure), TPM.
+    SEALED false: the plain firmware without SMM (the benchmark's baseline; give no TPM then)."""
     cmd = [
-        "qemu-system-x86_64",
-        "-machine", "q35", "-accel", "tcg", "-smp", str(min(4, os.cpu_count() or 2)), "-m", "4096",
-        "-drive", f"if=pflash,format=raw,readonly=on,file={OVMF_CODE}",
-        "-drive", f"if=pflash,format=raw,file={vars_fd}",
+        "qemu-system-x86_64", "-accel", "tcg", "-smp", str(min(4, os.cpu_count() or 2)), "-m", "4096",
+        *firmware_args(vars_fd, sealed),
         "-drive", f"if=virtio,format=raw,file={disk},cache=unsafe,discard=unmap",
         "-nic", "user,model=virtio-net-pci",
         "-device", "virtio-rng-pci",
         "-device", "i6300esb",  # a hardware watchdog, as servers have (systemd.watchdog_sec= arms it)
         "-display", "none", "-monitor", "none",
-        # Emulated on a busy host, the disk can appear after systemd's 90 s device wait (seen: 148 s);
-        # emergency mode would reboot and use up a try of a version on trial. systemd-stub appends
-        # this only without Secure Boot, as here; the image keeps the default.
-        "-smbios", f"type=11,value=io.systemd.stub.kernel-cmdline-extra=systemd.default_device_timeout_sec={DEVICE_TIMEOUT_S}",
+        *(tpm.qemu_args() if tpm else []),
     ]
     return cmd + credential_args(credentials)
 
@@ -153,9 +227,10 @@ def credential_args(credentials: dict[str, str]) -> list[str]:
 
 
 class Guest:
-    """One boot of a copy of DISK; the copy and its firmware variables live in a temporary directory."""
+    """One boot of a copy of DISK; the copy, its firmware variables and its TPM's state live in a
+    temporary directory. ENROLL_CERT: the variables trust it (Secure Boot enforcing); None: setup mode."""
 
-    def __init__(self, disk: Path, workdir: Path | None = None) -> None:
+    def __init__(self, disk: Path, workdir: Path | None = None, enroll_cert: Path | None = None) -> None:
         if not OVMF_CODE.exists():
             raise UserError(f"{OVMF_CODE} is missing", hint="run `make setup` (installs ovmf and qemu-system-x86)")
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="appliance-qemu-"))
@@ -167,7 +242,8 @@ class Guest:
             os.truncate(self.disk, DISK_SIZE)
         self.vars = self.dir / "OVMF_VARS.fd"
         if not self.vars.exists():
-            shutil.copyfile(OVMF_VARS, self.vars)
+            firmware_vars(self.vars, enroll_cert)
+        self.tpm_state = self.dir / "tpm"
         self.console_log = self.dir / "console.log"
         self.report_log = self.dir / "report.log"
 
@@ -186,11 +262,16 @@ class Guest:
         for path in (self.console_log, self.report_log):
             path.unlink(missing_ok=True)
         creds = {"appliance.bootcheck": "poweroff", **(credentials or {}), **(probe_net.credentials() if probe_net else {})}
-        cmd = [
-            *_qemu_command(self.disk, self.vars, creds),
-            *(probe_net.qemu_args() if probe_net else []),
-            "-serial", f"file:{self.console_log}", "-serial", f"file:{self.report_log}",
-        ]
+        with Tpm(self.tpm_state) as tpm:
+            cmd = [
+                *qemu_command(self.disk, self.vars, creds, tpm),
+                *(probe_net.qemu_args() if probe_net else []),
+                "-serial", f"file:{self.console_log}", "-serial", f"file:{self.report_log}",
+            ]
+            return self._run(cmd, timeout, cut_power, answer, probe_net)
+
+    def _run(self, cmd: list[str], timeout: float, cut_power: tuple[str, float] | None,
+             answer: dict[str, Answerer] | None, probe_net: ProbeNet | None) -> dict[str, Any]:
         started = time.monotonic()
         cut_at: float | None = None
         timed_out = False
@@ -276,12 +357,13 @@ def parse_questions(text: str) -> list[dict[str, Any]]:
     return questions
 
 
-def boot_and_report(disk: Path, timeout: float = 900) -> dict[str, Any]:
-    return Guest(disk).boot(timeout)
+def boot_and_report(disk: Path, enroll_cert: Path | None, timeout: float = 900) -> dict[str, Any]:
+    return Guest(disk, enroll_cert=enroll_cert).boot(timeout)
 
 
-def interactive(disk: Path) -> int:
-    guest = Guest(disk)
-    cmd = [*_qemu_command(guest.disk, guest.vars, {}), "-serial", "mon:stdio", "-serial", f"file:{guest.report_log}"]
-    print(f"booting a copy of {disk} in {guest.dir}; leave with Ctrl-a x")
-    return subprocess.call(cmd)
+def interactive(disk: Path, enroll_cert: Path | None) -> int:
+    guest = Guest(disk, enroll_cert=enroll_cert)
+    with Tpm(guest.tpm_state) as tpm:
+        cmd = [*qemu_command(guest.disk, guest.vars, {}, tpm), "-serial", "mon:stdio", "-serial", f"file:{guest.report_log}"]
+        print(f"booting a copy of {disk} in {guest.dir}; leave with Ctrl-a x")
+        return subprocess.call(cmd)

@@ -31,10 +31,11 @@ from appliance import bundle, hashing, manifest, paths, progress
 from appliance import plan as plan_model
 from appliance.atomic import atomic_write
 from appliance.config import checks
+from appliance.efivars import EFIVARS
 from appliance.errors import UserError
 from appliance.run import run
 from appliance.safe_read import read_capped
-from installer import disks, select
+from installer import disks, secureboot, select
 
 # put there by builder/installer_uki.py; not /usr/lib/repart.d, which the installer's own boot would apply
 REPART_DEFINITIONS = Path("/usr/lib/appliance-installer/repart.d")
@@ -240,9 +241,10 @@ def ssh_fingerprint(key_line: str) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
-def summary(choice: select.Choice, payload: Payload, plan: plan_model.Plan, steps: list[str], seconds: float, signer: str) -> str:
+def summary(choice: select.Choice, payload: Payload, plan: plan_model.Plan, steps: list[str], seconds: float, signer: str,
+            secure_boot: str = "") -> str:
     """The page an operator reads after the install. PLAN is the one read back from the disk's /var,
-    so that every value shown is on the disk."""
+    so that every value shown is on the disk; SECURE_BOOT is secureboot.summary_line()."""
     disk = choice.disk
     net = plan.network
     addresses = ", ".join(net.addresses) + (" + DHCP" if net.dhcp else "") if net else "DHCP on every Ethernet link (image default)"
@@ -268,6 +270,7 @@ def summary(choice: select.Choice, payload: Payload, plan: plan_model.Plan, step
     lines += [
         f" release key {signer} (signed the release and this plan)",
         f" /usr        {payload.usrhash[:32]}...",
+        *([f" secure boot {secure_boot.removeprefix('secure boot ')}"] if secure_boot else []),
         " CA          " + ("not touched" if choice.installed else "made on first boot")
         + ": its fingerprint is on the appliance's console (tty1)",
         *[f" checked     {s}" for s in steps],
@@ -281,10 +284,11 @@ def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: 
             listing: tuple[dict[str, Any], dict[str, dict[str, str]]] | None = None, sys_root: Path | None = None,
             boot_partuuid: str | None = None, trusted_keys: Path | None = None,
             dry_run: bool = False, json_out: bool = False, signer: str = "", reboot: bool = True,
-            out: Callable[[str], None] = print) -> int:
-    """Choose, check the image, write, verify, record the plan, make the boot entry, summarise; return
-    the exit status. LISTING and SYS_ROOT stand in for lsblk/udev and sysfs (tests); a disk holding
-    PAYLOAD's version already gets only the plan (its /usr and engine store verified as they are)."""
+            out: Callable[[str], None] = print, efivars: Path | None = None, secureboot_keys: Path | None = None) -> int:
+    """Choose, check the image, write, verify, record the plan, make the boot entry, enroll the Secure
+    Boot keys in setup mode, summarise; return the exit status. LISTING and SYS_ROOT stand in for
+    lsblk/udev and sysfs, EFIVARS for efivarfs (tests); a disk holding PAYLOAD's version already gets
+    only the plan (its /usr and engine store verified as they are)."""
     if plan.target is None:
         raise UserError("the install plan has no [target]", hint="name the disk: target.serial, wwn, model or by_path")
     started = time.monotonic()
@@ -298,11 +302,14 @@ def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: 
         out(select.dumps(e.candidates, None) if json_out else select.table(e.candidates, None))
         raise
     out(select.dumps(choice.candidates, choice.disk) if json_out else select.table(choice.candidates, choice.disk))
+    # before the first write: a firmware that enforces Secure Boot without trusting the appliance refuses here
+    efivars = EFIVARS if efivars is None else efivars
+    decision, keys = secureboot.prepare(efivars, secureboot.KEYS_DIR if secureboot_keys is None else secureboot_keys)
     if dry_run:
-        out(f"dry run: would write only the plan onto {choice.disk.path}'s /var (it holds {payload.version} already; "
-            "its /usr and engine store would be verified as they are)" if choice.installed else
-            f"dry run: would write {choice.disk.path} with appliance {payload.version} "
-            "(its image checked against the signed bundle index first)")
+        out((f"dry run: would write only the plan onto {choice.disk.path}'s /var (it holds {payload.version} already; "
+             "its /usr and engine store would be verified as they are)" if choice.installed else
+             f"dry run: would write {choice.disk.path} with appliance {payload.version} "
+             "(its image checked against the signed bundle index first)") + "\n" + secureboot.dry_run_line(decision, keys))
         return 0
     if not choice.installed:
         check_against_index(payload.image, payload.image_file)  # before the first write
@@ -314,7 +321,10 @@ def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: 
     steps.append(f"plan on {choice.disk.path}'s /var read back: signed by a trusted key")
     entry = boot_first(runner, choice.disk.path)
     steps.append(f"firmware boot entry Boot{entry} first in BootOrder")
-    out(summary(choice, payload, on_disk, steps, time.monotonic() - started, signer))
+    if decision.action == "enroll" and keys is not None:
+        secureboot.enroll(keys, efivars)
+        steps.append("secure boot keys read back: the firmware left setup mode and its db trusts the appliance")
+    out(summary(choice, payload, on_disk, steps, time.monotonic() - started, signer, secureboot.summary_line(decision, keys)))
     if reboot:
         # stdout is block-buffered off a terminal: the summary must be out before the reboot
         sys.stdout.flush()

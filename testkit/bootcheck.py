@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from appliance import efivars
 from appliance.atomic import write_json_atomic
 from appliance.host_settings import load_device
 from applianctl import __version__
@@ -140,6 +141,18 @@ def engine_environment() -> dict[str, Any]:
     }
 
 
+def sealed() -> dict[str, Any]:
+    """How sealed this boot is: Secure Boot as the firmware reports it, a TPM, and the signed PCR
+    policy systemd-stub found in the kernel image (it leaves it under /run/systemd)."""
+    state = efivars.secure_boot_state()
+    return {
+        "secure_boot": state.secure_boot,
+        "setup_mode": state.setup_mode,
+        "tpm": Path("/sys/class/tpm/tpm0").exists(),
+        "pcr_signature": Path("/run/systemd/tpm2-pcr-signature.json").exists(),
+    }
+
+
 def collect() -> dict[str, Any]:
     usr_source = _run(["findmnt", "-no", "SOURCE,FSTYPE,OPTIONS", "/usr"]).split()
     root_disk = _run(["lsblk", "-no", "PKNAME", _run(["findmnt", "-no", "SOURCE", "/"]).strip()]).strip()
@@ -150,6 +163,7 @@ def collect() -> dict[str, Any]:
     units = _json(["systemctl", "list-units", "--failed", "--output=json"]) or []
     engine_env = engine_environment()  # before the fault scenarios restart the engine
     return {
+        "sealed": sealed(),
         "engine_env": engine_env,
         "applianctl_version": _run(["/usr/bin/applianctl", "--version"]).strip(),
         "bootcheck_version": __version__,

@@ -47,3 +47,15 @@ def shm_dir() -> Iterator[Path]:
 
 
 # ---- END standin / shm / startup fixtures --------------------------------------------------------------
+
+
+# ---- the installer's firmware ------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def no_host_efivars(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """install() reads the build host's EFI variables by default: a test that gives none sees a
+    machine without UEFI, never the host's firmware."""
+    from installer import install
+
+    monkeypatch.setattr(install, "EFIVARS", tmp_path / "no-efivars")

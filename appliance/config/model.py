@@ -43,6 +43,14 @@ class Os:
     security_mirror: str = field(default="", metadata=_check(checks.is_url))
     hostname: str = field(default="appliance", metadata=_check(checks.is_dns_name))
     ssh_authorized_keys: tuple[str, ...] = field(default=(), metadata=_each(checks.is_ssh_key))
+    # Secure Boot's allowed-signatures list (db) holds the appliance's certificate and, unless this
+    # is false, Microsoft's third-party UEFI CAs, which sign the option ROMs of NICs, RAID
+    # controllers and GPUs: without them a server may not bring up its devices under Secure Boot.
+    secure_boot_microsoft_ca: bool = True
+    # How long systemd waits for a device (the disk holding /usr, say) before emergency mode, which
+    # reboots and uses up a boot try: the kernel command line's systemd.default_device_timeout_sec=,
+    # signed into the kernel image (under Secure Boot nothing else reaches the command line).
+    device_timeout_sec: int = field(default=90, metadata=_check(checks.between(10, 3600)))
 
 
 @dataclass(frozen=True)

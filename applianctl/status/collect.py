@@ -13,6 +13,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, TextIO
 
 from appliance import paths
@@ -20,7 +21,7 @@ from appliance.config import Config
 from appliance.errors import UserError
 from appliance.host_settings import load_device
 from applianctl import records
-from applianctl.status import disk, engine, files, gpu, host, os_slots, probes, proxy, shm, systemd, tls, weights
+from applianctl.status import disk, engine, files, gpu, host, os_slots, probes, proxy, sealed, shm, systemd, tls, weights
 from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
 SCHEMA = 1
@@ -28,7 +29,7 @@ EXIT_STATUS = {OK: 0, NOT_CONFIGURED: 0, DEGRADED: 1, DOWN: 2}
 
 # The parts, in the order they are shown.
 PARTS = (
-    "os", "slots", "units", "engine", "proxy", "startup", "verify", "preflight", "shm-check", "gpu", "shm", "disk", "tls",
+    "os", "slots", "sealed", "units", "engine", "proxy", "startup", "verify", "preflight", "shm-check", "gpu", "shm", "disk", "tls",
     "weights", "host",
 )
 
@@ -38,6 +39,7 @@ def probe_table(config: Config, src: Sources) -> dict[str, Callable[[], Part]]:
     table: dict[str, Callable[[], Part]] = {
         "os": lambda: os_slots.probe_os(config, src, read_slots),
         "slots": lambda: os_slots.probe_slots(config, read_slots),
+        "sealed": lambda: sealed.probe_sealed(_efivars(src)),
         "units": lambda: systemd.probe(paths.UNITS, src.bus),
         "engine": lambda: engine.probe_engine(config, src),
         "proxy": lambda: proxy.probe_proxy(config, src),
@@ -54,6 +56,12 @@ def probe_table(config: Config, src: Sources) -> dict[str, Callable[[], Part]]:
     }
     assert tuple(table) == PARTS
     return table
+
+
+def _efivars(src: Sources) -> Path:
+    from applianctl.slots.machine import Host
+
+    return Path((src.slots_host or Host()).efivars)
 
 
 def _cross_check(parts: dict[str, Part]) -> None:

@@ -203,16 +203,17 @@ def installed(demo_config: config.Config, demo_image: Path, bundles: dict[str, s
     disk, vars_fd = work / "disk.raw", work / "OVMF_VARS.fd"
     with open(disk, "wb") as blank:
         blank.truncate(qemu.DISK_SIZE)
-    shutil.copyfile(qemu.OVMF_VARS, vars_fd)
+    qemu.firmware_vars(vars_fd, None)  # setup mode, as a new server's firmware: the installer enrolls
     # the installer's output (its summary) straight to the second serial port as well as tty1
     dropin = "[Service]\nStandardOutput=file:/dev/ttyS1\nStandardError=file:/dev/ttyS1\n"
-    cmd = [*qemu._qemu_command(disk, vars_fd, {"systemd.unit-dropin.appliance-installer.service": dropin}),
-           "-no-reboot", "-device", f"qemu-xhci,id=xhci,addr={INSTALLER_XHCI_ADDR}",
-           "-drive", f"if=none,id=medium,format=raw,readonly=on,file={media['usb']}",
-           "-device", "usb-storage,drive=medium,serial=MEDIUM-0001,bus=xhci.0",
-           "-serial", f"file:{work}/install-console.log", "-serial", f"file:{work}/install-output.log"]
     started = time.monotonic()
-    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1800, check=False)
+    with qemu.Tpm(work / "tpm") as tpm:  # the journey guest's TPM (qemu.Guest keeps its state in DIR/tpm)
+        cmd = [*qemu.qemu_command(disk, vars_fd, {"systemd.unit-dropin.appliance-installer.service": dropin}, tpm),
+               "-no-reboot", "-device", f"qemu-xhci,id=xhci,addr={INSTALLER_XHCI_ADDR}",
+               "-drive", f"if=none,id=medium,format=raw,readonly=on,file={media['usb']}",
+               "-device", "usb-storage,drive=medium,serial=MEDIUM-0001,bus=xhci.0",
+               "-serial", f"file:{work}/install-console.log", "-serial", f"file:{work}/install-output.log"]
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1800, check=False)
     assert proc.returncode == 0, f"QEMU: {proc.stderr[-2000:]}"
     output = (work / "install-output.log").read_text(errors="replace") if (work / "install-output.log").exists() else ""
     return {"dir": work, "output": output, "console": (work / "install-console.log").read_text(errors="replace"),
@@ -304,4 +305,4 @@ def tampered_boot(demo_image: Path, demo_config: config.Config, tmp_path_factory
     disk = work / "disk.raw"
     subprocess.run(["cp", "--sparse=always", str(demo_image), str(disk)], check=True)
     flip_byte_in_partition(disk, f"appliance_{demo_config.appliance.version}", b'VARIANT = "overlay-demo"')
-    return qemu.Guest(disk, work).boot(timeout=1500)
+    return qemu.Guest(disk, work, enroll_cert=build.secure_boot_certificate(demo_config)).boot(timeout=1500)

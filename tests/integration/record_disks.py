@@ -19,7 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from builder import qemu
+from appliance import config
+from builder import build, qemu
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "disks"
 BEGIN, END = "H8-DISKS-BEGIN", "H8-DISKS-END"
@@ -88,11 +91,11 @@ def _disk(path: Path, gib: int, content: str) -> None:
 def record(image: Path, name: str, timeout: float = 900) -> Path:
     description, extra = SETS[name]
     work = Path(tempfile.mkdtemp(prefix=f"record-{name}-"))
-    guest = qemu.Guest(image, work)
+    guest = qemu.Guest(image, work, enroll_cert=build.secure_boot_certificate(config.load(ROOT / "appliance.toml", "demo")))
     creds = {"systemd.extra-unit.appliance-record-disks.service": RECORD_UNIT,
              "systemd.unit-dropin.multi-user.target": WANTS, "appliance.bootcheck": "report",
              "appliance.record-disks.py": RECORD_SCRIPT}
-    cmd = qemu._qemu_command(guest.disk, guest.vars, creds)
+    cmd = qemu.qemu_command(guest.disk, guest.vars, creds)  # no TPM: the disks are what it records
     cmd += ["-device", "qemu-xhci,id=xhci", "-device", "ahci,id=ahci0", "-device", "virtio-scsi-pci,id=scsi0"]
     for i, (gib, device, content) in enumerate(extra):
         path = work / f"extra{i}.raw"

@@ -120,10 +120,8 @@ serial = "TARGET-0001"
         disks[name] = path
     before = {name: _sha256(p) for name, p in disks.items() if name != "target"}
 
-    vars_fd = work / "OVMF_VARS.fd"
-    shutil.copyfile(qemu.OVMF_VARS, vars_fd)
-    base = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-smp", "2", "-m", "4096", "-no-reboot",
-            "-drive", f"if=pflash,format=raw,readonly=on,file={qemu.OVMF_CODE}", "-drive", f"if=pflash,format=raw,file={vars_fd}",
+    vars_fd = qemu.firmware_vars(work / "OVMF_VARS.fd", None)  # setup mode: the installer enrolls
+    base = ["qemu-system-x86_64", "-accel", "tcg", "-smp", "2", "-m", "4096", "-no-reboot", *qemu.firmware_args(vars_fd),
             "-nic", "user,model=virtio-net-pci", "-display", "none", "-monitor", "none", "-device", "qemu-xhci,id=xhci"]
     for i, (name, _, device, _) in enumerate(DISKS):
         kind, _, opts = device.partition(",")
@@ -204,12 +202,10 @@ def _install_then_boot(work: Path, medium_args: list[str], creds: dict[str, str]
     the installer made. The installer's output, its console and the boot check's report."""
     target = work / "target.raw"
     subprocess.run(["truncate", "-s", "16G", str(target)], check=True)
-    vars_fd = work / "OVMF_VARS.fd"
-    shutil.copyfile(qemu.OVMF_VARS, vars_fd)
+    vars_fd = qemu.firmware_vars(work / "OVMF_VARS.fd", None)  # setup mode: the installer enrolls
     creds = {**creds, "systemd.unit-dropin.appliance-installer.service":
              "[Service]\nStandardOutput=file:/dev/ttyS1\nStandardError=file:/dev/ttyS1\n"}
-    cmd = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-smp", "2", "-m", "4096", "-no-reboot",
-           "-drive", f"if=pflash,format=raw,readonly=on,file={qemu.OVMF_CODE}", "-drive", f"if=pflash,format=raw,file={vars_fd}",
+    cmd = ["qemu-system-x86_64", "-accel", "tcg", "-smp", "2", "-m", "4096", "-no-reboot", *qemu.firmware_args(vars_fd),
            "-nic", "user,model=virtio-net-pci", "-display", "none", "-monitor", "none", "-device", "qemu-xhci,id=xhci",
            "-drive", f"if=none,id=t,format=raw,file={target}", "-device", "nvme,drive=t,serial=TARGET-0001",
            *medium_args, *qemu.credential_args(creds),

@@ -69,7 +69,7 @@ def extended_run(demo_config: config.Config, https_root: tuple[Path, str, str],
         release.make_bundle(bad.config, out, root / f"extended-{version}", key, [bad.config.engine.digest], previous_version=BASE)
         bundles[version] = f"{url}/extended-{version}/"
     plan = {BASE: [{"do": "update", "url": bundles[version]} for version, _ in BAD_VERSIONS]}
-    guest = qemu.Guest(disk, tmp_path_factory.mktemp("extended-guest"))
+    guest = qemu.Guest(disk, tmp_path_factory.mktemp("extended-guest"), enroll_cert=build.secure_boot_certificate(demo_config))
     # base first boot + update, then for each bad version its try and the base again
     run = guest.boot(timeout=6000, credentials={"appliance.plan": json.dumps(plan), "appliance.update_ca": ca})
     return run, guest.console_log.read_text(errors="replace")

@@ -114,7 +114,7 @@ def weights_runs(demo_config: config.Config, mirror: tuple[str, str, type[Mirror
     cfg = dataclasses.replace(demo_config, model=dataclasses.replace(demo_config.model, weights_manifest="weights/demo.json"))
     tree = _extra_tree(tmp_path_factory.mktemp("weights-tree") / "tree")
     disk = build.build(cfg, extra_mkosi_args=(f"--extra-tree={tree}",), output=tmp_path_factory.mktemp("weights") / "out").disk_image
-    guest = qemu.Guest(disk, tmp_path_factory.mktemp("weights-guest"))
+    guest = qemu.Guest(disk, tmp_path_factory.mktemp("weights-guest"), enroll_cert=build.secure_boot_certificate(demo_config))
     creds = {"appliance.weights_url": url, "appliance.weights_ca": ca, "appliance.wait": "120"}
     runs: dict[str, Any] = {}
     runs["cut"] = guest.boot(timeout=1800, credentials=creds, cut_power=("WEIGHTS-FETCH-START", CUT_AFTER_S))

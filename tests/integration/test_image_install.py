@@ -21,6 +21,22 @@ def test_the_installer_wrote_the_blank_disk_and_summarised(installed: dict[str, 
     assert "/usr " in output and "verified" in output  # the written /usr checked against the signed root hash
 
 
+def test_the_installer_enrolled_the_keys_and_every_later_boot_is_sealed(
+    installed: dict[str, Any], journey_run1: dict[str, Any], journey_run2: dict[str, Any]
+) -> None:
+    """The journey's firmware starts in setup mode (no keys): the installer enrolls the appliance's
+    keys, so the installed disk's first boot and every one after it enforce Secure Boot, with a TPM
+    and the kernel image's signed PCR policy."""
+    output = installed["output"]
+    assert "secure boot keys enrolled" in output, (output or installed["console"])[-3000:]
+    boots = [*reports_of(journey_run1), *reports_of(journey_run2)]
+    assert len(boots) >= 8, len(boots)
+    for report in boots:
+        version = report["status"]["parts"]["os"].get("version")
+        assert report["sealed"] == {"secure_boot": True, "setup_mode": False, "tpm": True, "pcr_signature": True}, (
+            version, report["sealed"])
+
+
 def _host(report: dict[str, Any]) -> dict[str, Any]:
     return dict(report["status"]["parts"]["host"])
 
