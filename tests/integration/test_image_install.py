@@ -30,7 +30,7 @@ def test_the_installer_enrolled_the_keys_and_every_later_boot_is_sealed(
     output = installed["output"]
     assert "secure boot keys enrolled" in output, (output or installed["console"])[-3000:]
     boots = [*reports_of(journey_run1), *reports_of(journey_run2)]
-    assert len(boots) >= 8, len(boots)
+    assert {V1, V2} <= {r["status"]["parts"]["os"].get("version") for r in boots}
     for report in boots:
         version = report["status"]["parts"]["os"].get("version")
         assert report["sealed"] == {"secure_boot": True, "setup_mode": False, "tpm": True, "pcr_signature": True}, (

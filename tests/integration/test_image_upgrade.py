@@ -178,7 +178,7 @@ def test_v3_that_never_serves_is_rolled_back_by_itself(journey_run2: dict[str, A
     slots = _slots(final)
     versions = _by_version(final)
     assert versions[V2]["booted"] and versions[V2]["state"] == "good", slots
-    assert versions[V3]["state"] == "bad" and versions[V3]["tries_left"] == 0, slots  # three tries used
+    assert versions[V3]["state"] == "bad" and versions[V3]["tries_left"] == 0, slots  # its one try used
     assert slots["rolled_back"], slots
     # the assessment (the smoke completion through the proxy, over TLS) ran out of its 60 s
     assert "smoke completion" in slots["rollback_reason"] and "within 60 s" in slots["rollback_reason"], slots
