@@ -22,9 +22,14 @@ MANIFEST_SIG = LIB_DIR / "manifest.json.sig"  # detached Ed25519 signature
 TRUSTED_KEYS_DIR = LIB_DIR / "keys"  # *.pub: the public keys this version trusts
 TIMESTAMP_KEYS_DIR = LIB_DIR / "timestamp-keys"  # *.pub: the keys whose update timestamps it trusts (not release keys)
 ENGINE_FILES_DIR = LIB_DIR / "engine"  # overlays/ and tuning/ as bind-mounted into the engine
+FACTORY_ETC_RECORD = LIB_DIR / "factory-etc.json"  # the image's /etc at build (appliance.factory_etc)
 # the first-boot definitions of engine slot B (builder/render.py first_boot_repart): the installer
 # reads their sizes, which are the configuration's, to know how large a disk must be
 ENGINE_B_REPART = ("25-engine-b.conf", "26-engine-b-verity.conf")
+
+# Outside the signed image: compared with the factory /etc by `applianctl verify`
+ETC_DIR = _path("ETC_DIR", "/etc")
+RUN_ROOT = _path("RUN_ROOT", "/run")  # where runtime units take effect (systemd/system, containers/systemd)
 
 # Runtime state (tmpfs): one JSON file per check, each {"ok": bool, "reason": str, ...}
 RUN_DIR = _path("RUN_DIR", "/run/appliance")

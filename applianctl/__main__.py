@@ -21,6 +21,7 @@ COMMAND_MODULES = {
     "status": "applianctl.status.collect",
     "smoke": "applianctl.engine.smoke",
     "verify": "applianctl.engine.verify",
+    "etc-reset": "applianctl.engine.verify",  # hidden: the initrd's, before systemd reads /etc
     "tls": "applianctl.tls",
     "shm-clean": "applianctl.engine.shm",
     "startup-report": "applianctl.engine.startup",

@@ -37,10 +37,13 @@ class CheckResult(Record):
 
 @dataclass(frozen=True)
 class VerifyResult(CheckResult):
-    """paths.VERIFY_RESULT (applianctl verify): the manifest's version and signer, null when unknown."""
+    """paths.VERIFY_RESULT (applianctl verify): the manifest's version and signer, null when unknown;
+    `overrides`, what in /etc or /run changes behaviour outside the signed image ("added /etc/...",
+    the first 50, then a count), absent when /etc was not compared."""
 
     version: str | None = None
     signer: str | None = None
+    overrides: tuple[str, ...] | None = optional()
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,37 @@ def emergency_reboot_credential() -> str:
     return f"systemd.set_credential_binary=systemd.unit-dropin.emergency.service:{base64.b64encode(text.encode()).decode()}"
 
 
+# Runs in the initrd, before systemd reads the real /etc: the behaviour-changing places of
+# /sysroot/etc become the factory /etc of the signed /usr again (appliance/factory_etc.py), so a
+# drop-in or unit left in /etc lasts until the next boot at most, and an upgrade's /etc is its own.
+# The initrd has no Python: it runs /usr's, in /sysroot (RootDirectory=). Not required: a reset that fails leaves
+# whatever differs for `applianctl verify`, which refuses to start the engine over it.
+ETC_RESET_UNIT = """[Unit]
+Description=Reset /etc to the factory /etc of the signed /usr
+DefaultDependencies=no
+ConditionPathExists=/etc/initrd-release
+ConditionPathExists=/sysroot/usr/share/factory/etc
+Requires=sysroot.mount
+After=sysroot.mount sysroot-usr.mount initrd-usr-fs.target
+Before=initrd-parse-etc.service initrd-fs.target
+[Service]
+Type=oneshot
+RootDirectory=/sysroot
+ExecStart=/usr/bin/python3 -I -m applianctl etc-reset --root /
+StandardOutput=journal+console
+"""
+
+
+def initrd_credentials() -> list[str]:
+    """Kernel command line words that reach mkosi's initrd (and, inert there, the system after it):
+    the emergency drop-in and the /etc reset unit, as credentials (systemd 256+), and the wish for it."""
+    def credential(name: str, text: str) -> str:
+        return f"systemd.set_credential_binary={name}:{base64.b64encode(text.encode()).decode()}"
+
+    return [emergency_reboot_credential(), credential("systemd.extra-unit.appliance-etc-reset.service", ETC_RESET_UNIT),
+            "rd.systemd.wants=appliance-etc-reset.service"]
+
+
 def mkosi_arguments(config: Config, generated: Path, sandbox: Path, repart: Path, out: Path, signing_key: Path) -> list[str]:
     """The options the builder adds to image/mkosi.conf (bench/image.py runs mkosi with the same)."""
     MKOSI_CACHE.mkdir(parents=True, exist_ok=True)
@@ -83,7 +114,7 @@ def mkosi_arguments(config: Config, generated: Path, sandbox: Path, repart: Path
         f"--cache-directory={MKOSI_CACHE}",
         f"--output-directory={out}",
         f"--image-version={config.appliance.version}",
-        f"--kernel-command-line={emergency_reboot_credential()}",
+        *(f"--kernel-command-line={word}" for word in initrd_credentials()),
         f"--kernel-command-line=systemd.default_device_timeout_sec={config.os.device_timeout_sec}",
         f"--hostname={config.os.hostname}",
         *secureboot.mkosi_arguments(secureboot.boot_keys(config, signing_key)),

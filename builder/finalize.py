@@ -1,8 +1,10 @@
 """Runs inside mkosi (image/mkosi.finalize) on the finished tree, before /usr is sealed.
 
-With gpu.required, checks that the MI300X firmware amdgpu.ko declares is in the tree; then writes the
-signed release manifest into /usr/lib/appliance and the output directory. The private key is mounted
-only for this step (a mkosi build source) and never enters the image.
+With gpu.required, checks that the MI300X firmware amdgpu.ko declares is in the tree; records the
+factory /etc (a copy in /usr/share/factory/etc, its description in /usr/lib/appliance: what
+`applianctl verify` compares /etc with); then writes the signed release manifest into
+/usr/lib/appliance and the output directory. The private key is mounted only for this step (a mkosi
+build source) and never enters the image.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from appliance import manifest
+from appliance import factory_etc, manifest
 from appliance.errors import UserError
 from builder import firmware
 
@@ -47,6 +49,9 @@ def main() -> int:
     plan = json.loads((root / LIB / "release-plan.json").read_text())
     if plan["gpu_required"]:
         firmware.check_image(root)
+    # mkosi has made /etc whole by now (presets, sysusers, tmpfiles, firstboot, RemoveFiles)
+    recorded = factory_etc.write_factory(root)
+    print(f"factory /etc: {recorded} paths in /{factory_etc.FACTORY_DIR}, described in /{factory_etc.RECORD}")
     key = Path(os.environ["APPLIANCE_SIGNING_KEY"])
     public = manifest.key_id(manifest.load_private_key(key).public_key())
     body = release_manifest(root, plan, public)

@@ -164,6 +164,7 @@ def collect() -> dict[str, Any]:
     engine_env = engine_environment()  # before the fault scenarios restart the engine
     return {
         "sealed": sealed(),
+        "etc": etc_state(),
         "engine_env": engine_env,
         "applianctl_version": _run(["/usr/bin/applianctl", "--version"]).strip(),
         "bootcheck_version": __version__,
@@ -281,6 +282,10 @@ def run_fault_scenarios() -> dict[str, Any]:
 #   {"do": "netprobe"}                        the host probes the guest from a network
 #                                             namespace on its second NIC (builder.qemu.ProbeNet)
 #                                             while the engine serves; the guest waits for it
+#   {"do": "etc-dropin"}                      a drop-in for the engine placed in /etc (as someone
+#                                             with root would, to change what it runs), then
+#                                             `applianctl verify --json`; the file is left for
+#                                             the next boot's initrd to remove
 #   {"do": "update-on-trial", "url": URL}     while this version is still on trial (run by
 #                                             appliance-bootcheck-trial.service, ordered before
 #                                             the assessment): `applianctl update URL` must be
@@ -290,7 +295,9 @@ def run_fault_scenarios() -> dict[str, Any]:
 # power cut in the middle leaves no marker, so the next boot runs it again.
 
 MARKER_DIR = Path("/var/lib/appliance/bootcheck")
-STEPS = ("faults", "refusals", "update", "netprobe", "download-only", "apply", "rollback")
+STEPS = ("faults", "refusals", "update", "netprobe", "download-only", "apply", "rollback", "etc-dropin")
+# not from the signed image: `applianctl verify` must name it, the next boot must not run with it
+ETC_DROPIN = Path("/etc/systemd/system/appliance-engine.service.d/50-not-signed.conf")
 UPDATES = ("update", "apply", "rollback")  # each run after the report, then a reboot
 TRIAL_STEPS = ("update-on-trial",)
 ASK = "APPLIANCE-ASK"
@@ -458,6 +465,31 @@ def _engine_partitions() -> dict[str, Any]:
                                        "written": _sectors_written(p["node"])} for p in parts}}
 
 
+def run_etc_dropin() -> dict[str, Any]:
+    """Place ETC_DROPIN, make systemd read it, and ask `applianctl verify` what it sees."""
+    ETC_DROPIN.parent.mkdir(parents=True, exist_ok=True)
+    ETC_DROPIN.write_text("[Service]\nEnvironment=APPLIANCE_UNSIGNED_DROPIN=1\n")
+    _run(["systemctl", "daemon-reload"], timeout=120)
+    proc = subprocess.run(["/usr/bin/applianctl", "verify", "--json"], capture_output=True, text=True, timeout=300, check=False)
+    try:
+        result = json.loads(proc.stdout)
+    except ValueError:
+        result = {"unreadable": proc.stdout[-2000:]}
+    return {"path": str(ETC_DROPIN), "drop_in_paths": _engine_prop("DropInPaths"), "verify_exit": proc.returncode,
+            "verify": result, "stderr": proc.stderr[-2000:]}
+
+
+def etc_state() -> dict[str, Any]:
+    """What the initrd's /etc reset did on this boot, and whether the engine runs with a drop-in
+    from /etc."""
+    return {
+        "etc_dropin_present": ETC_DROPIN.exists(),
+        "engine_drop_in_paths": _engine_prop("DropInPaths"),
+        "engine_environment": _engine_prop("Environment"),
+        "reset_log": _run(["journalctl", "-b", "-o", "cat", "--no-pager", "-u", "appliance-etc-reset.service"])[-3000:],
+    }
+
+
 def run_download_only(url: str) -> dict[str, Any]:
     """`applianctl update --download-only URL`: staged on /var, no slot written."""
     proc = subprocess.run(_update_command(url, "--download-only"), capture_output=True, text=True, timeout=3600, check=False)
@@ -492,6 +524,8 @@ def run_step(version: str, step: dict[str, Any], engine_healthy: bool) -> dict[s
         outcome = run_netprobe() if engine_healthy else {"skipped": "the engine never became healthy"}
     elif step["do"] == "update-on-trial":
         outcome = run_update_on_trial(str(step["url"]))
+    elif step["do"] == "etc-dropin":
+        outcome = run_etc_dropin()
     elif step["do"] == "download-only":
         outcome = run_download_only(str(step["url"]))
     elif step["do"] == "apply":

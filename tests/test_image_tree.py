@@ -232,3 +232,22 @@ def test_emergency_mode_reboots() -> None:
     assert "SuccessAction=reboot-force" in dropin and "FailureAction=reboot-force" in dropin
     assert "ExecStart=\n" in dropin  # the shell is replaced, not added to
     assert " " not in word and len(word) < 512  # one word, and the kernel command line is short
+
+
+def test_the_initrd_resets_etc_before_systemd_reads_it() -> None:
+    """The initrd gets a unit (a credential) that puts the factory /etc of the signed /usr back,
+    run in /sysroot after it and its /usr are mounted and before the initrd reads /sysroot/etc;
+    the whole kernel command line stays well under the kernel's 2048 bytes."""
+    import base64
+
+    from builder import build
+
+    words = build.initrd_credentials()
+    assert "rd.systemd.wants=appliance-etc-reset.service" in words
+    (unit_word,) = [w for w in words if "systemd.extra-unit.appliance-etc-reset.service:" in w]
+    unit = base64.b64decode(unit_word.partition(":")[2]).decode()
+    assert "ConditionPathExists=/etc/initrd-release" in unit  # inert after the switch to the real root
+    assert "RootDirectory=/sysroot" in unit and "etc-reset --root /" in unit
+    assert "After=sysroot.mount sysroot-usr.mount" in unit and "Before=initrd-parse-etc.service" in unit
+    assert all(" " not in w for w in words)
+    assert sum(len(w) + 1 for w in words) < 1400

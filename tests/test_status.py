@@ -185,7 +185,7 @@ def write_healthy(tree: Path, config: Config) -> None:
     (paths.STARTUP_REPORT).write_text(
         json.dumps({"state": "ok", "reason": "", "figures": {**expected, "cuda_graphs": "FULL", "ready": True}})
     )
-    paths.VERIFY_RESULT.write_text(json.dumps({"ok": True, "reason": "", "version": "1.0.0", "signer": "release-2026"}))
+    paths.VERIFY_RESULT.write_text(json.dumps({"ok": True, "reason": "", "version": "1.0.0", "signer": "release-2026", "overrides": []}))
     paths.PREFLIGHT_RESULT.write_text(json.dumps({"ok": True, "reason": ""}))
     paths.SHM_CHECK.write_text(json.dumps({"ok": True, "reason": ""}))
     if not (paths.TLS_DIR / "ca.crt").exists():

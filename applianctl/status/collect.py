@@ -175,7 +175,9 @@ def summary(name: str, part: Mapping[str, Any]) -> str:
     if name == "tls" and "ca_sha256" in d:
         return f"CA {d['ca_sha256'][:23]}..., expires {d['ca_not_after'][:10]}"
     if name == "verify":
-        return " ".join(f"{k} {d[k]}" for k in ("version", "signer") if k in d)
+        text = " ".join(f"{k} {d[k]}" for k in ("version", "signer") if k in d)
+        # overrides absent: this image has no factory /etc record (the reason names the overrides)
+        return text + ("; /etc not compared" if not isinstance(d.get("overrides"), list) else "")
     if name == "weights" and d.get("files") is not None:
         verified = ", verified" if d.get("verified") else ""
         return f"revision {d['revision'][:12]}, {d['files']} files, {d['bytes'] / 1024**3:.1f} GiB{verified}"

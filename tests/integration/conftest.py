@@ -43,7 +43,8 @@ def demo_image(demo_config: config.Config) -> Path:
 #
 #   run 1  boot A  v1 (1.0.0), first boot: the first look (with the engine's environment), the
 #                  host probes the appliance from its network (only the proxy answers), the
-#                  engine fault scenarios, then `applianctl update --download-only` of v2 over
+#                  engine fault scenarios, a drop-in for the engine placed in /etc (verify names
+#                  it; the next boot's initrd removes it), then `applianctl update --download-only` of v2 over
 #                  HTTPS (v2 runs a new stand-in engine image: its bundle carries the engine
 #                  partition image), then `applianctl update --apply`, and the power is cut as
 #                  the new engine is being written to engine slot B
@@ -238,7 +239,8 @@ def journey_guest(demo_image: Path, installed: dict[str, Any]) -> qemu.Guest:
 
 def _plan_credentials(bundles: dict[str, str], ca: str) -> dict[str, str]:
     plan = {
-        V1: [{"do": "netprobe"}, {"do": "faults"}, {"do": "download-only", "url": bundles["v2"]}, {"do": "apply"},
+        V1: [{"do": "netprobe"}, {"do": "faults"}, {"do": "etc-dropin"}, {"do": "download-only", "url": bundles["v2"]},
+             {"do": "apply"},
              # boot R: back on v1 by the operator's rollback, forward again to v2 (judged good, so --force)
              {"do": "rollback", "force": True}],
         V2: [
