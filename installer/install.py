@@ -321,10 +321,15 @@ def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: 
     steps.append(f"plan on {choice.disk.path}'s /var read back: signed by a trusted key")
     entry = boot_first(runner, choice.disk.path)
     steps.append(f"firmware boot entry Boot{entry} first in BootOrder")
+    secure_boot = secureboot.summary_line(decision, keys)
     if decision.action == "enroll" and keys is not None:
-        secureboot.enroll(keys, efivars)
-        steps.append("secure boot keys read back: the firmware left setup mode and its db trusts the appliance")
-    out(summary(choice, payload, on_disk, steps, time.monotonic() - started, signer, secureboot.summary_line(decision, keys)))
+        try:
+            secureboot.enroll(keys, efivars)
+            steps.append("secure boot keys read back: the firmware left setup mode and its db trusts the appliance")
+        except UserError as e:
+            # the disk is written and boots: say loudly that it boots unsealed, rather than stop half-way
+            secure_boot = f"secure boot keys NOT enrolled: {e.message}; it boots unsealed until they are ({e.hint})"
+    out(summary(choice, payload, on_disk, steps, time.monotonic() - started, signer, secure_boot))
     if reboot:
         # stdout is block-buffered off a terminal: the summary must be out before the reboot
         sys.stdout.flush()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 import subprocess
 import sys
@@ -54,8 +56,9 @@ def test_demo_profile_overrides_only_what_it_names() -> None:
     assert not demo.gpu.required
     assert demo.engine.image != prod.engine.image
     assert demo.proxy.tls == "internal"
-    # untouched settings are inherited
-    assert demo.os == prod.os
+    # untouched settings are inherited; the demo waits longer for an emulated disk
+    assert (demo.os.device_timeout_sec, prod.os.device_timeout_sec) == (600, 90)
+    assert dataclasses.replace(demo.os, device_timeout_sec=90) == prod.os
     assert demo.engine.stop_timeout_s == prod.engine.stop_timeout_s
     assert demo.engine.health.timeout_s == prod.engine.health.timeout_s
 

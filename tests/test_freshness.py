@@ -80,14 +80,17 @@ def test_keys_generate_makes_both_pairs_and_timestamp_only_the_missing_one(tmp_p
                                                                            capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _builder(["keys", "generate", "--directory", str(tmp_path / "new")], capsys)
     assert code == 0 and sorted(p.name for p in (tmp_path / "new").iterdir()) == [
-        "release.key", "release.pub", "timestamp.key", "timestamp.pub"]
+        "pcr-policy.crt", "pcr-policy.key", "release.key", "release.pub", "secureboot.crt", "secureboot.key",
+        "timestamp.key", "timestamp.pub"]
     old = tmp_path / "old"
     keys.generate(old)
     release_before = (old / "release.key").read_bytes()
     code, out, _ = _builder(["keys", "generate", "--timestamp", "--directory", str(old)], capsys)
     assert code == 0 and (old / "timestamp.key").is_file() and (old / "release.key").read_bytes() == release_before
-    assert "timestamp.pub" in out and "release.pub" not in out
-
+    assert "timestamp.pub" in out and "release.pub" not in out and "secureboot" not in out
+    code, out, _ = _builder(["keys", "generate", "--boot", "--directory", str(old)], capsys)
+    assert code == 0 and (old / "secureboot.crt").is_file() and (old / "pcr-policy.key").is_file()
+    assert (old / "release.key").read_bytes() == release_before and "release.pub" not in out
 
 # ----------------------------------------------------------------------------------- builder timestamp
 

@@ -295,6 +295,19 @@ def test_an_install_in_setup_mode_enrolls_after_the_boot_entry_and_before_the_su
     assert "Appliance 1.0.0 installed" in page and "firmware boot entry Boot0003 first in BootOrder" in page
 
 
+def test_a_firmware_that_ignores_the_keys_leaves_a_bootable_disk_and_a_loud_summary(
+        tmp_path: Path, firmware: Callable[..., Written]) -> None:
+    """The disk is written by then: the install ends with its summary, which says the appliance
+    boots unsealed and why, instead of stopping half-way without one."""
+    efivars = _firmware(tmp_path, secure_boot=False, setup_mode=True)
+    firmware(takes_pk=False)
+    status, rec, out = _install(tmp_path, efivars, _keys(tmp_path / "keys"))
+    page = out[-1]
+    assert status == 0 and "Appliance 1.0.0 installed" in page
+    assert " secure boot keys NOT enrolled: " in page and "boots unsealed until they are" in page
+    assert "secure boot keys read back" not in page and "the next boot enforces" not in page
+
+
 def test_a_dry_run_in_setup_mode_says_it_would_enroll_and_writes_nothing(tmp_path: Path, firmware: Callable[..., Written]) -> None:
     efivars = _firmware(tmp_path, secure_boot=False, setup_mode=True)
     writes = firmware()
