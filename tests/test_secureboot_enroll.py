@@ -301,7 +301,7 @@ def test_a_firmware_that_ignores_the_keys_leaves_a_bootable_disk_and_a_loud_summ
     boots unsealed and why, instead of stopping half-way without one."""
     efivars = _firmware(tmp_path, secure_boot=False, setup_mode=True)
     firmware(takes_pk=False)
-    status, rec, out = _install(tmp_path, efivars, _keys(tmp_path / "keys"))
+    status, _, out = _install(tmp_path, efivars, _keys(tmp_path / "keys"))
     page = out[-1]
     assert status == 0 and "Appliance 1.0.0 installed" in page
     assert " secure boot keys NOT enrolled: " in page and "boots unsealed until they are" in page
