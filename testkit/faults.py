@@ -29,7 +29,7 @@ FAULTS: dict[str, tuple[str, ...]] = {
     # A unit boot-complete.target waits for never finishes (testkit/units/appliance-demo-fault.service):
     # only the boot deadline (appliance-boot-deadline.timer) ends the boot.
     "hang-before-boot-complete": ("appliance.demo.fault=hang",),
-    # The kernel panics once multi-user.target is reached (testkit/units/appliance-demo-panic.service);
+    # The kernel panics before boot-complete.target (testkit/units/appliance-demo-panic.service);
     # panic=10 on the command line reboots it.
     "panic": ("appliance.demo.fault=panic",),
     # PID 1 is frozen before boot-complete.target (testkit/units/appliance-demo-freeze.service):

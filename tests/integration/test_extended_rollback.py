@@ -11,7 +11,7 @@ One appliance, one QEMU run, no host intervention after power-on:
     1.2.0 a unit boot-complete.target waits for never finishes: the boot deadline
           (appliance-boot-deadline.timer) reboots it; no try left
     base  report (1.2.0 rolled back); install 1.3.0
-    1.3.0 the kernel panics once multi-user.target is reached: panic= reboots it; no try left
+    1.3.0 the kernel panics before boot-complete.target: panic= reboots it; no try left
     base  report (1.3.0 rolled back); install 1.4.0
     1.4.0 PID 1 is frozen before boot-complete.target (held stopped by ptrace): no timer fires,
           not even the boot deadline's; the hardware watchdog (i6300esb, armed by
