@@ -10,7 +10,8 @@ help:
 	@echo "make demo   build the demo image, boot it in QEMU, print the guest's applianctl status"
 	@echo "make test   lint, type-check, unit tests, then build-and-boot integration tests"
 	@echo "make qemu   boot the demo image interactively (serial console; Ctrl-a x leaves)"
-	@echo "make test-extended  the longer QEMU scenarios (bad versions roll back by themselves)"
+	@echo "make test-extended  the longer QEMU scenarios (bad versions roll back by themselves);"
+	@echo "                    GROUPS='install rollback weights' picks named groups (default: all)"
 	@echo "make bench  build-time and status-latency figures against baselines run alongside"
 	@echo "make setup  install what the host needs (run by demo and test)"
 
@@ -39,10 +40,13 @@ integration: setup
 	$(PY) -m pytest -q -m "integration and not extended" --durations=0 tests/integration
 
 # Longer QEMU scenarios (tests marked extended: synthetic bad versions, hangs before
-# boot-complete, panics); not part of make test.
+# boot-complete, panics); not part of make test. Named groups, one per subject
+# (tools/extended-groups lists them): make test-extended GROUPS='rollback weights'.
+GROUPS ?=
 test-extended: setup
 	@tools/check-space 22 "the extended tests"
-	$(PY) -m pytest -q -m extended --durations=0 tests/integration
+	@tools/extended-groups $(GROUPS) >/dev/null
+	$(PY) -m pytest -q -m extended --durations=0 $$(tools/extended-groups $(GROUPS))
 
 test: lint unit integration
 
