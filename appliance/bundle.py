@@ -238,7 +238,9 @@ def pe_sections(path: Path) -> dict[str, bytes]:
             name = raw[:8].rstrip(b"\0").decode("ascii", "replace")
             vsize, _, rsize, rptr = struct.unpack_from("<IIII", raw, 8)
             length = min(vsize, rsize) if vsize else rsize
-            if name in (".cmdline", ".osrel", ".uname") and length < 65536:
+            # the first of each: a kernel image with boot menu profiles (UKI profiles, e.g. the
+            # factory reset entries) repeats .cmdline and .osrel per profile; the first is the base's
+            if name in (".cmdline", ".osrel", ".uname") and length < 65536 and name not in out:
                 f.seek(rptr)
                 out[name] = f.read(length)
         return out

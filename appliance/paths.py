@@ -39,8 +39,20 @@ VERIFY_RESULT = RUN_DIR / "verify.json"
 PREFLIGHT_RESULT = RUN_DIR / "preflight.json"
 
 # Persistent state on /var
+VAR_DIR = _path("VAR_DIR", "/var")  # what a factory reset wipes (applianctl/factory_reset.py)
 STATE_DIR = _path("STATE_DIR", "/var/lib/appliance")
 TLS_DIR = STATE_DIR / "tls"  # ca.crt, ca.key, server.crt, server.key
+PROC_CMDLINE = _path("PROC_CMDLINE", "/proc/cmdline")
+BOOT_ID = _path("BOOT_ID", "/proc/sys/kernel/random/boot_id")
+
+
+def factory_reset_request_path() -> Path:
+    """`applianctl factory-reset`: the reset the next boot runs (appliance-factory-reset.service)."""
+    return STATE_DIR / "factory-reset.json"
+
+
+def last_factory_reset_path() -> Path:
+    return STATE_DIR / "last-factory-reset.json"
 
 
 # The updater's state, joined at each call: tests that move STATE_DIR move these with it.
@@ -84,6 +96,11 @@ def last_assessment_path() -> Path:
 
 def last_rollback_path() -> Path:
     return update_dir() / "last-rollback.json"
+
+
+def boots_record_path() -> Path:
+    """This boot of the running version and the unclean boots before it (applianctl/slots/crashloop.py)."""
+    return update_dir() / "boots.json"
 
 
 def freshness_path() -> Path:

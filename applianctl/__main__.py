@@ -33,8 +33,10 @@ COMMAND_MODULES = {
     "update": "applianctl.update.command",
     "assess": "applianctl.slots.assess",
     "rollback": "applianctl.slots.rollback",
+    "crashloop": "applianctl.slots.crashloop",  # hidden: appliance-crashloop.service and its timer
     "slots": "applianctl.slots.command",
     "model": "applianctl.model.command",
+    "factory-reset": "applianctl.factory_reset",
 }
 
 

@@ -264,3 +264,40 @@ class HostResult(CheckResult):
     source: str | None = None  # "plan" or "image defaults"
     settings: EffectiveSettings | None = field(default=None, metadata={"omit": True})  # as optional()
     network_files: tuple[str, ...] | None = optional()
+
+
+@dataclass(frozen=True)
+class FactoryResetRequest(Record):
+    """factory-reset.json (applianctl factory-reset): what the next boot's reset keeps, and who asked."""
+
+    FORMAT = 1
+    keep_weights: bool
+    keep_settings: bool
+    requested_at: str
+    by: str
+
+
+@dataclass(frozen=True)
+class LastFactoryReset(Record):
+    """last-factory-reset.json (appliance-factory-reset.service): the reset that ran, what it kept and what it could not delete."""
+
+    FORMAT = 1
+    at: str
+    by: str
+    kept: tuple[str, ...]
+    deleted: int
+    left: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class BootRecord(Record):
+    """update/boots.json (appliance-crashloop.service): this boot of a version, and how many boots
+    of it in a row before this one ended uncleanly after it was judged good."""
+
+    FORMAT = 1
+    version: str
+    boot_id: str
+    unclean_in_a_row: int
+    started_at: str
+    clean: bool = False  # an orderly shutdown or reboot ended it
+    stable: bool = False  # it served for crashloop.STABLE_AFTER_S

@@ -214,3 +214,25 @@ def test_applianctl_slots_exits_1_when_a_part_cannot_be_read(
     fake_program(machine.bin, "sfdisk", script_body="echo 'sfdisk: cannot open /dev/vda' >&2", exit=1)
     code, out = _cli(["slots", "--no-sysupdate"], machine, monkeypatch, capsys)
     assert code == 1 and "error: sfdisk -J /dev/vda failed: sfdisk: cannot open /dev/vda" in out
+
+
+def test_a_kernel_image_listed_once_per_boot_menu_profile_is_one_entry(machine: Machine) -> None:
+    """bootctl lists a UKI with profiles (the factory reset entries) once per profile, each with the
+    image's path: still one entry per version, booted when any of its profiles was."""
+    items = json.loads(machine.recorded.read_text())
+    extra = []
+    for item in items:
+        for n in (1, 2):
+            copy = dict(item, id=f"{item.get('id', '')}@{n}", isDefault=False, isSelected=False)
+            if n == 2 and "1.0.0" in str(item.get("path")):
+                copy["isSelected"] = True  # this boot came through 1.0.0's factory reset entry
+            extra.append(copy)
+    found = parse_bootctl_list(json.dumps(items + extra))
+    assert [(e.version, e.is_default, e.is_selected) for e in found] == [("2.0.0", True, True), ("1.0.0", False, True)]
+
+
+def test_a_boot_through_a_boot_menu_profile_is_a_boot_of_its_version(machine: Machine) -> None:
+    """systemd-boot names a UKI profile's entry FILE@PROFILE in LoaderEntrySelected."""
+    efi_var(machine.host.efivars, "LoaderEntrySelected", "appliance_2.0.0.efi@factory-reset")
+    view = slots.read(machine.host, "2.0.0")
+    assert view.booted_entry == "appliance_2.0.0.efi" and view.booted is not None and view.booted.name == "B"

@@ -11,6 +11,7 @@ systemd-bless-boot after boot-complete.target); `+LEFT[-DONE]` with LEFT > 0 = o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -81,7 +82,8 @@ def parse_bootctl_list(text: str) -> list[Entry]:
     data = json.loads(text)
     if not isinstance(data, list):
         raise ValueError("not a JSON array")
-    out = []
+    out: list[Entry] = []
+    by_path: dict[str, int] = {}
     for item in data:
         if not isinstance(item, dict) or item.get("type") != "type2" or not isinstance(item.get("path"), str):
             continue
@@ -91,17 +93,28 @@ def parse_bootctl_list(text: str) -> list[Entry]:
         left, done = item.get("triesLeft"), item.get("triesDone")
         if (left is None) != (entry.tries_left is None) or (isinstance(left, int) and left != entry.tries_left):
             raise ValueError(f"{entry.path.name}: triesLeft {left!r} disagrees with the file name")
-        out.append(
-            Entry(
-                entry.path,
-                entry.version,
-                entry.tries_left,
-                done if isinstance(done, int) else entry.tries_done,
-                is_default=item.get("isDefault") if isinstance(item.get("isDefault"), bool) else None,
-                is_selected=item.get("isSelected") if isinstance(item.get("isSelected"), bool) else None,
-            )
+        found = Entry(
+            entry.path,
+            entry.version,
+            entry.tries_left,
+            done if isinstance(done, int) else entry.tries_done,
+            is_default=item.get("isDefault") if isinstance(item.get("isDefault"), bool) else None,
+            is_selected=item.get("isSelected") if isinstance(item.get("isSelected"), bool) else None,
         )
+        # One version, one entry: bootctl lists a kernel image once per boot menu profile (the
+        # factory reset entries), all with its path; default or booted if any of them is.
+        if (at := by_path.get(item["path"])) is None:
+            by_path[item["path"]] = len(out)
+            out.append(found)
+        else:
+            first = out[at]
+            out[at] = dataclasses.replace(first, is_default=_either(first.is_default, found.is_default),
+                                          is_selected=_either(first.is_selected, found.is_selected))
     return out
+
+
+def _either(a: bool | None, b: bool | None) -> bool | None:
+    return None if a is None and b is None else bool(a or b)
 
 
 def read_entries(host: Host) -> tuple[list[Entry], str]:

@@ -74,7 +74,10 @@ def booted_usrhash(host: Host) -> str | None:
 
 
 def booted_entry(host: Host) -> str | None:
-    return efi_var(host, "LoaderEntrySelected")
+    """The booted entry's id, without the boot menu profile systemd-boot may add to it
+    (`appliance_V.efi@factory-reset`): the version's entry is the kernel image file."""
+    selected = efi_var(host, "LoaderEntrySelected")
+    return selected.split("@", 1)[0] if selected else selected
 
 
 def boot_counting(host: Host) -> dict[str, Any] | None:

@@ -24,8 +24,11 @@ from applianctl.slots import view as slots
 from applianctl.slots.entries import BAD
 from applianctl.slots.machine import Host
 
+OPERATOR_REASON = "operator rollback"  # last-rollback.json's reason when `applianctl rollback` made it
 
-def rollback(host: Host | None = None, *, force: bool = False, running_version: str | None = None) -> str:
+
+def rollback(host: Host | None = None, *, force: bool = False, running_version: str | None = None,
+             reason: str = OPERATOR_REASON) -> str:
     host = host or Host()
     running_version = running_version or release.running_manifest().version
     view = slots.read(host, running_version)
@@ -54,7 +57,7 @@ def rollback(host: Host | None = None, *, force: bool = False, running_version: 
         current.path.rename(current.renamed(0))
     state.fsync_dir(current.path.parent)
     at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    state.write_record(paths.last_rollback_path(), LastRollback(running_version, other.version, "operator rollback", at))
+    state.write_record(paths.last_rollback_path(), LastRollback(running_version, other.version, reason, at))
     return f"slot {other.name} ({other.version}) boots next; {running_version} is marked as out of tries"
 
 

@@ -1,5 +1,6 @@
 """Status part `host`: the per-host settings (the signed install plan, else the image's defaults),
-as appliance-host.service applied them on this boot, and the addresses the host has now."""
+as appliance-host.service applied them on this boot, the addresses the host has now, and the
+factory reset: one asked for and not yet run (degraded: the next boot wipes /var), the last that ran."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from appliance import paths
 from appliance import plan as plan_model
 from appliance.config import Config
 from appliance.errors import UserError
 from appliance.schema import load_record, plain
-from applianctl.records import HostResult
+from applianctl.records import FactoryResetRequest, HostResult, LastFactoryReset
 from applianctl.status import probes
 from applianctl.status.probes import DEGRADED, NOT_CONFIGURED, OK, Part, Sources
 
@@ -30,9 +32,32 @@ def addresses(src: Sources) -> list[str] | None:
     return [f"{a['local']}/{a['prefixlen']}" for link in links for a in link.get("addr_info", []) if "local" in a]
 
 
+def factory_reset() -> tuple[dict[str, Any], str | None]:
+    """The pending and the last factory reset (records on /var), and the reason to show when one
+    is pending."""
+    out: dict[str, Any] = {"pending": None, "last": None}
+    why = None
+    try:
+        pending = load_record(FactoryResetRequest, paths.factory_reset_request_path(), lenient=True)
+    except UserError as e:
+        pending, why = None, f"a factory reset is pending, its request unreadable ({e.message}): the next boot wipes /var"
+    if pending is not None:
+        from applianctl.factory_reset import describe
+
+        out["pending"] = plain(pending)
+        why = f"a factory reset is pending (asked {pending.requested_at}): the next boot wipes /var and {describe(pending)}"
+    try:
+        last = load_record(LastFactoryReset, paths.last_factory_reset_path(), lenient=True)
+        out["last"] = plain(last) if last is not None else None
+    except UserError:
+        pass
+    return out, why
+
+
 def probe_host(config: Config, src: Sources, result: Path) -> Part:
+    reset, reset_pending = factory_reset()
     details: dict[str, Any] = {"source": None, "hostname": socket.gethostname(), "addresses": addresses(src),
-                               "network_files": [], "settings": plan_model.Plan().effective(config)}
+                               "network_files": [], "settings": plan_model.Plan().effective(config), "factory_reset": reset}
     try:
         applied = load_record(HostResult, result, lenient=True)
     except UserError as e:
@@ -46,4 +71,6 @@ def probe_host(config: Config, src: Sources, result: Path) -> Part:
     if not applied.ok:
         # The image's defaults apply: the host runs, but not as its plan says.
         return Part(DEGRADED, applied.reason or "the install plan was not applied", details)
+    if reset_pending:
+        return Part(DEGRADED, reset_pending, details)
     return Part(OK, "", details)

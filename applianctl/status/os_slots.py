@@ -40,8 +40,14 @@ def slots_summary(host: Host | None = None, running_version: str | None = None) 
     update, assessment, rollback = last.update, last.assessment, last.rollback
     rolled_back, by = False, None
     reason = None
+    from applianctl.slots.rollback import OPERATOR_REASON
+
     if assessment is not None and not assessment.ok and assessment.version != running_version:
         rolled_back, by, reason = True, "appliance", assessment.reason or "assessment failed"
+    elif (rollback is not None and rollback.reason != OPERATOR_REASON and rollback.to_version == running_version
+          and rollback.from_version != running_version):
+        # the crash-loop guard went back (applianctl/slots/crashloop.py): a fault
+        rolled_back, by, reason = True, "appliance", f"rolled back: {rollback.reason}"
     elif (rollback is not None and update is not None and rollback.to_version == running_version
           and rollback.from_version == update.version != running_version):
         # the operator went back from the last update: a choice, not a fault
@@ -62,9 +68,19 @@ def slots_summary(host: Host | None = None, running_version: str | None = None) 
             "rolled_back_by": by,
             "last_rollback": records["last_rollback"],
             "staged": staged.to_json() if staged is not None else None,
+            "crash_loop": _crash_loop(),
         }
     )
     return out
+
+
+def _crash_loop() -> dict[str, Any] | None:
+    """This boot's count of the crash-loop guard (update/boots.json), None before it ran."""
+    from appliance.schema import plain
+    from applianctl.slots import crashloop
+
+    record = crashloop.read()
+    return plain(record) if record is not None else None
 
 
 def slots_reader(config: Config, src: Sources) -> Callable[[], dict[str, Any]]:

@@ -11,17 +11,20 @@ connection is throttled so that the power cut lands in the middle of the fetch u
     boot 2  fetch resumes: each file in flight is asked for again at its journal's length, at
             most one 8 MiB chunk (model_fetch.CHUNK_BYTES) before what the server had sent;
             a mirror that flips a byte is refused naming the file; engine starts, status ok;
-            the guest reports one file's first extent
+            the guest reports one file's first extent; at its end, a factory reset is asked for
+            with --keep-weights (files planted where it must delete them)
     host    flips one byte of that file in the disk image (offline)
-    boot 3  the start check's digest still matches (it is of the signed contents), a plain read
-            gets EIO, `model verify --deep` names the file; restarted, the engine stays stopped
-            and status names the file
+    boot 3  the reset ran first: planted files, the old journal, the scenario's own state gone; the
+            weights, the TLS CA and the weights' verification kept; then the start check's digest
+            still matches (it is of the signed contents), a plain read gets EIO, `model verify
+            --deep` names the file; restarted, the engine stays stopped and status names the file
 """
 
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -198,3 +201,38 @@ def test_read_throughput_sealed_against_unsealed(weights_runs: dict[str, Any]) -
           f"MiB/s: {ratio:.2f}x (TCG)")
     assert read["sealed_s"] > 0 and read["unsealed_s"] > 0
 
+
+
+def test_a_factory_reset_keeps_the_weights_and_settings_and_nothing_else(weights_runs: dict[str, Any]) -> None:
+    asked = _scenario(weights_runs["resume"], "resume")["reset_asked"]
+    refused = asked["refused"]
+    assert refused["exit"] == 2 and "hint: run it again with --yes" in refused["stderr"], refused
+    assert asked["asked"]["exit"] == 0 and "keeps the per-host settings" in asked["asked"]["stdout"], asked["asked"]
+    # the boot menu's factory reset entries are profiles of each kernel image, listed by bootctl;
+    # applianctl still sees one entry per version
+    assert "Factory reset" in asked["bootctl"], asked["bootctl"][-2000:]
+    slots_doc = json.loads(asked["slots"])
+    versions = [e["version"] for e in slots_doc.get("entries", [])]
+    assert len(versions) == len(set(versions)), slots_doc
+    after = _scenario(weights_runs["at_rest"], "after-reset")
+    record = after["record"]
+    assert record is not None and record["by"] == "applianctl factory-reset", after
+    assert any(k.endswith("/huggingface") for k in record["kept"]) and "/var/lib/appliance/tls" in record["kept"], record
+    assert record["left"] == [] and record["deleted"] > 0, record
+    assert after["request_left"] is False and after["planted_left"] == [], after
+    assert "ActiveState=active" in after["unit"] and "Result=success" in after["unit"], after["unit"]
+    # the journal of the boots before the reset went with it
+    assert len(after["boots"].strip().splitlines()) == 1, after["boots"]
+    assert len(asked["boots"].strip().splitlines()) >= 2, asked["boots"]
+    assert after["ca"] is not None and after["ca"] == asked["ca"], "the TLS CA was not kept"
+    # as a freshly installed appliance: the kept weights verify, the engine serves
+    assert after["verify"]["result"]["ok"], after["verify"]
+    assert after["engine"] == "active" and after["status"]["parts"]["weights"] == "ok", after["status"]
+    assert after["status"]["state"] != "down", after["status"]
+
+
+def test_the_power_cut_counts_as_an_unclean_boot_for_the_crash_loop_guard(weights_runs: dict[str, Any]) -> None:
+    """Boot 1 never served (no weights) and its power was cut: boot 2 counts one unclean boot of
+    the version (judged good: the image's first boot is not counted by systemd-boot)."""
+    count = _scenario(weights_runs["resume"], "resume")["crash_loop"]
+    assert count is not None and count["unclean_in_a_row"] == 1 and count["clean"] is False, count

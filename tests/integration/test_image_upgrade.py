@@ -186,3 +186,14 @@ def test_v3_that_never_serves_is_rolled_back_by_itself(journey_run2: dict[str, A
     # with v2's engine, from engine slot B
     assert _engine_slot(final, running=True)["slot"] == "B", slots["engine_slots"]
     assert slots["running_engine"].removeprefix("sha256:").startswith(_engine_slot(final, running=True)["digest"])
+
+
+def test_the_crash_loop_guard_counts_every_boot_and_a_clean_reboot_resets_it(journey_run2: dict[str, Any]) -> None:
+    """appliance-crashloop.service ran in every boot of run 2; boots after an orderly reboot into
+    another version start from zero (applianctl/slots/crashloop.py)."""
+    reports = reports_of(journey_run2)
+    for report in reports:
+        count = _slots(report).get("crash_loop")
+        assert count is not None and count["version"] == _version(report), (count, _version(report))
+    for report in reports[1:]:
+        assert _slots(report)["crash_loop"]["unclean_in_a_row"] == 0, _slots(report)["crash_loop"]

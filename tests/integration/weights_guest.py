@@ -9,7 +9,11 @@ check's report, which follows it).
             again (it resumes), verify; a mirror that flips a byte is refused naming the file,
             and the good one puts it back; the engine is started; the extents of one file are
             reported so the host can flip a byte of it on the disk image offline
-    boot 3  the constant-time check still passes (the digest is of the signed contents), a plain
+            and a factory reset is asked for, keeping the weights (`--keep-weights --yes`), with files
+            planted where it must delete them
+    boot 3  the reset ran before anything used /var: the planted files, the old journal and this
+            scenario's own state are gone, the weights, the TLS CA and the verification kept; then
+            the constant-time check still passes (the digest is of the signed contents), a plain
             read gets EIO, `model verify --deep` names the file and records it; the engine
             restarted is refused by the start check and stays stopped
 
@@ -130,9 +134,55 @@ def report(stage: str, data: dict[str, Any]) -> None:
         port.write(f"{BEGIN}\n{block}\n{END}\n")
 
 
+PLANTED = (Path("/var/lib/appliance/update/planted"), Path("/var/log/planted"), Path("/var/tmp/planted"))
+LAST_RESET = Path("/var/lib/appliance/last-factory-reset.json")
+TLS_CA = Path("/var/lib/appliance/tls/ca.crt")
+
+
+def ask_factory_reset() -> dict[str, Any]:
+    """Boot 2's end: files planted where a reset must delete them, the boot menu's entries, the
+    command without --yes (refused) and with it; the next boot runs the reset."""
+    for path in PLANTED:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("planted\n")
+    out = {"refused": run("/usr/bin/applianctl", "factory-reset", "--keep-weights"),
+           "bootctl": run("bootctl", "--no-pager", "list", "--json=short", whole=True)["stdout"][-16000:],
+           "slots": run("/usr/bin/applianctl", "slots", "--json", whole=True)["stdout"][-8000:],
+           "ca": TLS_CA.read_text() if TLS_CA.exists() else None,
+           "boots": run("journalctl", "--list-boots", "-q", "--no-pager")["stdout"]}
+    out["asked"] = run("/usr/bin/applianctl", "factory-reset", "--keep-weights", "--yes")
+    os.sync()
+    return out
+
+
+def after_factory_reset() -> dict[str, Any]:
+    quick = verify()
+    return {"record": json.loads(LAST_RESET.read_text()) if LAST_RESET.exists() else None,
+            "request_left": Path("/var/lib/appliance/factory-reset.json").exists(),
+            "planted_left": [str(p) for p in PLANTED if p.exists()],
+            "unit": run("systemctl", "show", "-p", "ActiveState", "-p", "Result", "appliance-factory-reset.service")["stdout"],
+            "journal": run("journalctl", "-b", "-u", "appliance-factory-reset.service", "--no-pager", "-o", "cat")["stdout"],
+            "boots": run("journalctl", "--list-boots", "-q", "--no-pager")["stdout"],
+            "ca": TLS_CA.read_text() if TLS_CA.exists() else None,
+            "verify": quick, "engine": run("systemctl", "is-active", "appliance-engine.service")["stdout"].strip(),
+            "status": status_summary()}
+
+
+def status_summary() -> Any:
+    """The whole status' state and each part's (the document itself is too long for one report)."""
+    out = run("/usr/bin/applianctl", "status", "--json", "--timeout-scale", "20", timeout=120, whole=True)
+    try:
+        doc = json.loads(out["stdout"])
+        return {"state": doc.get("state"), "parts": {k: v.get("state") for k, v in doc["parts"].items()}}
+    except (ValueError, KeyError, AttributeError):
+        return {**out, "stdout": out["stdout"][-4000:]}
+
+
 def main() -> int:
     STATE.parent.mkdir(parents=True, exist_ok=True)
     stage = STATE.read_text().strip() if STATE.exists() else "fresh"
+    if stage == "fresh" and LAST_RESET.exists():
+        stage = "flipped"  # the reset after boot 2 deleted this scenario's own state too; boot 3
     url, ca = credential("appliance.weights_url"), Path("/run/appliance-test-ca.pem")
     ca.write_text(credential("appliance.weights_ca") + "\n")
     fetch = ("/usr/bin/applianctl", "model", "fetch", url, "--ca", str(ca), "--layout", "plain")
@@ -156,13 +206,19 @@ def main() -> int:
         target = snapshot() / FLIP_FILE
         STATE.write_text("flipped\n")
         os.sync()
-        report("resume", {"partials_after_cut": left, "fetch": resumed, "verify": after, "flipped_mirror": flipped,
-                          "restored": restored, "engine_start": started, "status": weights_status(),
-                          "extent": fiemap_first_extent(target), "var": var_partition_start(),
-                          "filefrag": run("filefrag", "-v", str(target))["stdout"], "read": sealed_vs_unsealed(target)})
+        resume = {"partials_after_cut": left, "fetch": resumed, "verify": after, "flipped_mirror": flipped,
+                  "restored": restored, "engine_start": started, "status": weights_status(),
+                  "extent": fiemap_first_extent(target), "var": var_partition_start(),
+                  "filefrag": run("filefrag", "-v", str(target))["stdout"], "read": sealed_vs_unsealed(target)}
+        boots = Path("/var/lib/appliance/update/boots.json")  # the crash-loop guard's count: boot 1 was cut
+        resume["crash_loop"] = json.loads(boots.read_text()) if boots.exists() else None
+        report("resume", {**resume, "reset_asked": ask_factory_reset()})
         return 0
     if stage == "flipped":
         target = snapshot() / FLIP_FILE
+        # first, what a factory reset kept (the weights, unchanged on the disk but for the host's
+        # flipped byte) and what it did not, as a freshly installed appliance is checked
+        report("after-reset", after_factory_reset())
         quick = verify()
         plain_read = run("sh", "-c", f"cat {target} > /dev/null")
         deep = verify("--deep")

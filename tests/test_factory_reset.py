@@ -1,0 +1,203 @@
+"""`applianctl factory-reset` and the boot-time wipe (applianctl/factory_reset.py) on a real tree:
+what is kept, what goes, that nothing is followed out of /var or into another file system, and
+that a reset is asked for only with --yes and runs only once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from appliance import paths
+from applianctl import factory_reset
+from applianctl.__main__ import main
+from applianctl.records import FactoryResetRequest
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = "lib/appliance/huggingface"
+
+
+@pytest.fixture
+def var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A /var as a served appliance has it, and a directory outside it that symlinks point to."""
+    var = tmp_path / "var"
+    files = {
+        "lib/appliance/host/plan.json": "{}", "lib/appliance/host/plan.json.sig": "sig",
+        "lib/appliance/tls/server.key": "key", "lib/appliance/tls/ca.crt": "ca",
+        f"{CACHE}/models--x/snapshots/abc/model.safetensors": "weights",
+        "lib/appliance/update/freshness.json": "{}", "lib/appliance/update/staged/staged.json": "{}",
+        "lib/appliance/aiter/tuned.csv": "t", "lib/containers/storage/overlay/l/a/b/c": "layer",
+        "log/journal/0123/system.journal": "j", "lib/systemd/random-seed": "seed", "tmp/.hidden": "x",
+    }
+    for rel, text in files.items():
+        (var / rel).parent.mkdir(parents=True, exist_ok=True)
+        (var / rel).write_text(text)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("not on /var")
+    (var / "lib/escape").symlink_to(outside)
+    (var / "lib/appliance/update/link").symlink_to(outside / "precious")
+    monkeypatch.setattr(paths, "STATE_DIR", var / "lib/appliance")
+    monkeypatch.setattr(paths, "VAR_DIR", var)
+    return var
+
+
+def _tree(var: Path) -> set[str]:
+    return {str(p.relative_to(var)) for p in var.rglob("*") if not p.is_dir() or p.is_symlink()}
+
+
+def _request(keep_weights: bool, keep_settings: bool) -> FactoryResetRequest:
+    return FactoryResetRequest(keep_weights=keep_weights, keep_settings=keep_settings, requested_at="t", by="test")
+
+
+def test_the_wipe_keeps_settings_and_weights_when_asked_and_nothing_else(var: Path) -> None:
+    keep = factory_reset.kept_paths(_request(True, True), str(var / CACHE))
+    out = factory_reset.wipe(var, keep)
+    assert _tree(var) == {"lib/appliance/host/plan.json", "lib/appliance/host/plan.json.sig",
+                          "lib/appliance/tls/server.key", "lib/appliance/tls/ca.crt",
+                          f"{CACHE}/models--x/snapshots/abc/model.safetensors"}
+    assert (var / f"{CACHE}/models--x/snapshots/abc/model.safetensors").read_text() == "weights"
+    assert sorted(out.kept) == sorted(str(p) for p in keep) and out.left == []
+    # the directories above the kept ones stay, their other entries went
+    assert sorted(p.name for p in (var / "lib").iterdir()) == ["appliance"]
+    assert sorted(p.name for p in var.iterdir()) == ["lib"]
+
+
+def test_without_keep_weights_the_weights_go_and_with_all_the_settings_too(var: Path) -> None:
+    factory_reset.wipe(var, factory_reset.kept_paths(_request(False, True), str(var / CACHE)))
+    assert not (var / CACHE).exists() and (var / "lib/appliance/host/plan.json").exists()
+    factory_reset.wipe(var, factory_reset.kept_paths(_request(False, False), str(var / CACHE)))
+    assert _tree(var) == set() and list(var.iterdir()) == []
+
+
+def test_nothing_is_followed_out_of_var(var: Path, tmp_path: Path) -> None:
+    # a kept name that is a symlink to a directory elsewhere is deleted, never entered
+    (var / "lib/appliance/host").rename(var / "lib/appliance/host.real")
+    (var / "lib/appliance/host").symlink_to(tmp_path / "outside")
+    factory_reset.wipe(var, factory_reset.kept_paths(_request(True, True), str(var / CACHE)))
+    assert (tmp_path / "outside/precious").read_text() == "not on /var"
+    assert not (var / "lib/escape").is_symlink() and not (var / "lib/appliance/host").is_symlink()
+    assert not (var / "lib/appliance/host.real").exists()
+
+
+@pytest.mark.parametrize("where", ["lib/containers/storage", "lib/appliance/aiter"])  # in a deleted tree; beside a kept one
+def test_another_file_system_below_var_is_not_entered(var: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    real_stat = os.stat
+    mounted = var / where
+
+    def stat(path: str | Path, *, dir_fd: int | None = None, follow_symlinks: bool = True) -> os.stat_result:
+        st = real_stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+        if dir_fd is not None and path == mounted.name and os.path.samestat(st, real_stat(mounted)):
+            fields = list(st)
+            fields[2] = st.st_dev + 1  # st_dev: as a mount point shows it
+            return os.stat_result(fields)
+        return st
+
+    monkeypatch.setattr(factory_reset.os, "stat", stat)
+    out = factory_reset.wipe(var, factory_reset.kept_paths(_request(False, True), str(var / CACHE)))
+    assert [p.name for p in mounted.iterdir()] and all(p.exists() for p in mounted.rglob("*"))
+    assert out.left == [f"{mounted}: another file system is mounted there"]
+    assert not (var / "log").exists()
+
+
+def test_a_tree_deeper_than_the_bound_is_left_and_named(var: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(factory_reset, "MAX_DEPTH", 4)
+    deep = var / "lib/deep"
+    (deep / "1/2/3/4/5/6").mkdir(parents=True)
+    (deep / "1/2/3/4/5/6/f").write_text("x")
+    out = factory_reset.wipe(var, [])
+    assert any("deeper than 4 directories" in line for line in out.left), out.left
+    assert not (var / "log").exists()
+
+
+def test_the_request_runs_once_at_boot_and_is_removed_last(var: Path) -> None:
+    factory_reset.request(keep_weights=True, keep_settings=True)
+    request_path = paths.factory_reset_request_path()
+    assert request_path.stat().st_mode & 0o777 == 0o600
+    done = factory_reset.run_at_boot(var, str(var / CACHE), cmdline="quiet")
+    assert done is not None and done.by == "applianctl factory-reset" and done.deleted > 0
+    assert not request_path.exists() and (var / f"{CACHE}/models--x/snapshots/abc/model.safetensors").exists()
+    record = json.loads(paths.last_factory_reset_path().read_text())
+    assert record["format"] == 1 and str(var / "lib/appliance/host") in record["kept"]
+    assert not (var / "log").exists()
+    # nothing pending: the next boot deletes nothing
+    (var / "log").mkdir()
+    assert factory_reset.run_at_boot(var, str(var / CACHE), cmdline="quiet") is None
+    assert (var / "log").is_dir()
+
+
+@pytest.mark.parametrize(("cmdline", "weights_kept"), [
+    ("quiet systemd.factory_reset=1", False),
+    ("systemd.factory_reset", False),
+    ("systemd.factory_reset=yes appliance.factory_reset_keep_weights=1", True),
+])
+def test_the_boot_menus_switch_resets_with_the_settings_kept(var: Path, cmdline: str, weights_kept: bool) -> None:
+    done = factory_reset.run_at_boot(var, str(var / CACHE), cmdline=cmdline)
+    assert done is not None and done.by == "the boot menu"
+    assert (var / "lib/appliance/host/plan.json").exists() and (var / "lib/appliance/tls/server.key").exists()
+    assert (var / CACHE).exists() == weights_kept and not (var / "lib/containers").exists()
+
+
+def test_a_switch_that_says_no_resets_nothing(var: Path) -> None:
+    before = _tree(var)
+    assert factory_reset.run_at_boot(var, str(var / CACHE), cmdline="systemd.factory_reset=0 foo.systemd.factory_reset=1") is None
+    assert _tree(var) == before
+
+
+def test_a_damaged_request_resets_keeping_everything_that_cannot_be_fetched_again(var: Path) -> None:
+    paths.factory_reset_request_path().write_text("{not json")
+    done = factory_reset.run_at_boot(var, str(var / CACHE), cmdline="")
+    assert done is not None and done.by == "a damaged request"
+    assert (var / CACHE).exists() and (var / "lib/appliance/host").exists() and not (var / "log").exists()
+
+
+def test_the_command_asks_for_yes_then_records_and_cancels(var: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["factory-reset", "--keep-weights"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "deletes everything on /var" in err[0] and "the model weights" in err[0]
+    assert err[1].startswith("hint: run it again with --yes")
+    assert not paths.factory_reset_request_path().exists()
+
+    assert main(["factory-reset", "--all", "--yes"]) == 0
+    assert "keeps nothing" in capsys.readouterr().out
+    doc = json.loads(paths.factory_reset_request_path().read_text())
+    assert doc["keep_settings"] is False and doc["keep_weights"] is False
+    assert main(["factory-reset", "--cancel"]) == 0
+    assert "withdrawn" in capsys.readouterr().out and not paths.factory_reset_request_path().exists()
+
+
+def test_the_unit_runs_after_var_is_mounted_and_before_anything_uses_it() -> None:
+    unit = (ROOT / "units/appliance-factory-reset.service").read_text()
+    directives = [line for line in unit.splitlines() if line and not line.startswith("#")]
+    after = {w for d in directives if d.startswith("After=") for w in d[6:].split()}
+    before = {w for d in directives if d.startswith("Before=") for w in d[7:].split()}
+    assert {"var.mount", "appliance-var-verity.service"} <= after
+    assert {"local-fs.target", "systemd-tmpfiles-setup.service", "systemd-journal-flush.service",
+            "systemd-random-seed.service", "appliance-host.service", "appliance-tls.service"} <= before
+    # either trigger starts it (the '|' prefix), and only on the switch's word
+    assert "ConditionPathExists=|/var/lib/appliance/factory-reset.json" in directives
+    assert "ConditionKernelCommandLine=|systemd.factory_reset" in directives
+    assert "ExecStart=/usr/bin/python3 -m applianctl factory-reset --at-boot" in directives
+    assert re.search(r"^enable appliance-factory-reset\.service$", (ROOT / "units/appliance.preset.j2").read_text(), re.M)
+
+
+def test_status_shows_a_pending_reset_as_degraded_and_the_last_one(var: Path, tmp_path: Path) -> None:
+    from appliance.config import load
+    from applianctl.status import host
+    from applianctl.status.probes import DEGRADED, Sources
+
+    config = load(ROOT / "appliance.toml", profile="demo")
+    applied = tmp_path / "host.json"
+    applied.write_text(json.dumps({"ok": True, "reason": "", "source": "image defaults"}))
+    part = host.probe_host(config, Sources(), applied)
+    assert part.state != DEGRADED and part.details["factory_reset"] == {"pending": None, "last": None}
+    factory_reset.request(keep_weights=True, keep_settings=True)
+    part = host.probe_host(config, Sources(), applied)
+    assert part.state == DEGRADED and "factory reset is pending" in part.reason and "the model weights" in part.reason
+    assert part.details["factory_reset"]["pending"]["keep_weights"] is True
+    factory_reset.run_at_boot(var, str(var / CACHE), cmdline="")
+    part = host.probe_host(config, Sources(), applied)
+    assert part.state != DEGRADED and part.details["factory_reset"]["last"]["by"] == "applianctl factory-reset"
