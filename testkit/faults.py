@@ -35,6 +35,9 @@ FAULTS: dict[str, tuple[str, ...]] = {
     # PID 1 is frozen before boot-complete.target (testkit/units/appliance-demo-freeze.service):
     # no timer fires, so only the hardware watchdog (systemd.watchdog_sec=) resets the machine.
     "freeze-pid1": ("appliance.demo.fault=freeze",),
+    # Passes its assessment, is blessed, then crashes the kernel 20 s in, on every boot
+    # (testkit/units/appliance-demo-crash.service): only the crash-loop guard rolls it back.
+    "crash-after-blessing": ("appliance.demo.fault=crash-after-blessing",),
 }
 
 

@@ -100,7 +100,7 @@ def test_demo_tree_has_the_boot_check(demo_tree: Path) -> None:
     assert {n.split("/")[-1] for n in found} <= {"appliance-bootcheck.service", "appliance-bootcheck-trial.service",
                                                 "20-appliance-demo.preset", "bootcheck.py", "__init__.py",
                                                 "appliance-demo-fault.service", "appliance-demo-panic.service",
-                                                "appliance-demo-freeze.service"}
+                                                "appliance-demo-freeze.service", "appliance-demo-crash.service"}
 
 
 def test_bootcheck_is_not_an_applianctl_verb() -> None:

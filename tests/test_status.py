@@ -685,6 +685,15 @@ def test_the_schema_doc_matches_what_status_prints_both_ways(
     (tree / "cmdline").write_text("usrhash=" + "a" * 64 + "\n")
     _efivar(tree, "appliance_1.0.0+2-1.efi")
     (paths.SHM_DIR / "vllm_offload_dead.mmap").write_bytes(b"\0" * 4096)
+    # a factory reset that ran, another asked for, and the crash-loop guard's count of this boot
+    from appliance.atomic import write_record
+    from applianctl import factory_reset
+    from applianctl.records import BootRecord, LastFactoryReset
+
+    write_record(paths.last_factory_reset_path(), LastFactoryReset(at="2026-12-01T00:00:00Z", by="the boot menu",
+                                                                   kept=("/var/lib/appliance/host",), deleted=3, left=()))
+    factory_reset.request(keep_weights=True, keep_settings=True)
+    write_record(paths.boots_record_path(), BootRecord(version="1.0.0", boot_id="b", unclean_in_a_row=0, started_at="t"))
     healthy = status.collect(config, sources(tree, engine, systemd_mock))
     # The same appliance with the engine refusing and no model cache: the keys only those show.
     Path(config.model.cache_dir).rmdir()

@@ -134,8 +134,10 @@ def _serving() -> tuple[bool, str]:
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("crashloop", help=argparse.SUPPRESS)  # appliance-crashloop.service and its timer
-    p.add_argument("step", choices=("begin", "end", "stable"))
+    # hidden (not listed): run by appliance-crashloop.service (begin, end) and its timer (stable)
+    p = subparsers.add_parser("crashloop", description="The crash-loop guard's steps (appliance-crashloop.service and its timer).")
+    p.add_argument("step", choices=("begin", "end", "stable"),
+                   help="begin: count this boot (and roll back after three unclean ones); end: it ended cleanly; stable: it served")
     p.set_defaults(func=cmd_crashloop)
 
 
