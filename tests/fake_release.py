@@ -5,9 +5,11 @@ kernel image, and a manifest signed with a throwaway key."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import struct
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,21 @@ def verity_format(data: Path, tree: Path) -> str:
     return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Root hash:"))
 
 
+def fake_engine_store(data: Path, tree: Path, digest: str) -> str:
+    """The engine store partition of DIGEST as mkosi splits it out (zero blocks at its end, which
+    the bundle drops) and its real dm-verity tree; the root hash. The same for every build of one
+    digest, as the builder's engine store cache makes it (builder/engine_store.py)."""
+    data.write_bytes((b"engine " + digest.encode()).ljust(4096, b".") * 2 + bytes(8192))
+    return verity_format(data, tree)
+
+
+@functools.cache
+def store_roothash_for(digest: str) -> str:
+    """The root hash fake_build pins for an engine store of DIGEST (a running manifest's)."""
+    with tempfile.TemporaryDirectory() as work:
+        return fake_engine_store(Path(work) / "engine.raw", Path(work) / "engine.verity", digest)
+
+
 def fake_build(out: Path, config: Config, key: Path, usr_bytes: int = 4096) -> Path:
     """What `python3 -m builder build` leaves in out/PROFILE, in small."""
     out.mkdir(parents=True, exist_ok=True)
@@ -78,8 +95,7 @@ def fake_build(out: Path, config: Config, key: Path, usr_bytes: int = 4096) -> P
     # the engine store partition, as mkosi splits it out (zero blocks at its end, which the bundle
     # drops), and its real dm-verity hash tree: the updater checks the root hash the manifest pins
     engine_raw = out / f"appliance_{v}.engine.raw"
-    engine_raw.write_bytes((b"engine " + config.engine.digest.encode()).ljust(4096, b".") * 2 + bytes(8192))
-    store_roothash = verity_format(engine_raw, out / f"appliance_{v}.engine-verity.raw")
+    store_roothash = fake_engine_store(engine_raw, out / f"appliance_{v}.engine-verity.raw", config.engine.digest)
     signer = manifest.key_id(manifest.load_private_key(key).public_key())
     body: dict[str, Any] = {
         "version": v,

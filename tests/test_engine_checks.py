@@ -256,3 +256,13 @@ def test_a_recorded_twin_of_the_slot_leaves_its_digest_unknown(tmp_path: Path, d
     engine_slots.record({"1.4.0": NEW, "1.5.0": NEW[:19] + "c" + NEW[20:]}, keep={"1.4.0", "1.5.0"})
     assert run_update(device, str(engine_bundle(tmp_path, key)), trusted) == 0
     assert ["systemd-sysupdate", "--no-pager", "--component=engine", "update", "abababababab"] in device.writes()
+
+
+def test_the_same_engine_pinned_at_another_root_hash_is_refused_before_any_write(tmp_path: Path, device: Device,
+                                                                                 signing: Any) -> None:
+    """No engine is written (the running one is reused): the new version would open the running
+    engine store with its own pinned root hash, so that hash must be the running store's."""
+    key, trusted = signing
+    b = engine_bundle(tmp_path, key, digest=RUNNING_DIGEST, store_roothash="f" * 64)
+    refused_before_any_write(device, b, trusted, r"the running one \(which it would open, unwritten\) has .*: "
+                                                 r"the new version could not open its engine$")

@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import fakeprog
 import pytest
-from fake_release import bundle, demo_config, fake_build, make_signing, usrhash_for
+from fake_release import bundle, demo_config, fake_build, make_signing, store_roothash_for, usrhash_for
 from fakeprog import fake_program, sh_record
 from test_fetch import make_ca, make_server_cert
 
@@ -153,7 +153,7 @@ def running_manifest(version: str = "1.0.0") -> manifest.Manifest:
     config = demo_config(version)
     digest = config.engine.digest
     engine = {"reference": config.engine.reference, "digest": digest, "store_label": f"engine_{engine_short(digest)}",
-              "store_roothash": "e" * 64}
+              "store_roothash": store_roothash_for(digest)}
     return manifest.load({
         "version": version, "min_version": "0", "build_time": "2026-01-01T00:00:00Z", "profile": "demo", "engine_image": engine,
         "model": {"id": config.model.id, "revision": config.model.revision}, "kernel_version": "6.12.38+deb13-amd64",

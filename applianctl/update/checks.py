@@ -134,9 +134,12 @@ def check_fits(index: BundleIndex, inactive: Slot) -> None:
             )
 
 
-def check_staged(index: BundleIndex, staging: Path, keys_dir: Path, engine_written: bool = False) -> None:
+def check_staged(index: BundleIndex, staging: Path, keys_dir: Path, engine_written: bool = False,
+                 running_engine: manifest.EngineImage | None = None) -> None:
     """What is inside the verified files agrees with the signed index; with ENGINE_WRITTEN (the
-    plan writes the engine slot), the staged engine images hash to what the manifest pins."""
+    plan writes the engine slot), the staged engine images hash to what the manifest pins; when the
+    new version runs the RUNNING_ENGINE's image, its manifest pins the running engine store's root
+    hash (the slot it will open, unwritten)."""
     names = payload_names(index.version, index.engine_digest, False)
     # On /var: regular files, capped before reading (the hashes below are checked after).
     again = "fetch the bundle again: applianctl update SOURCE (or --download-only SOURCE)"
@@ -169,6 +172,12 @@ def check_staged(index: BundleIndex, staging: Path, keys_dir: Path, engine_writt
                       "(engine_ and its digest's first 12 hex digits)", hint="the bundle is inconsistent")
     if engine_written:
         check_engine_images(index, release.engine_image, staging)
+    elif running_engine is not None and release.engine_image.digest == running_engine.digest \
+            and release.engine_image.store_roothash != running_engine.store_roothash:
+        raise Refused(f"the release manifest pins engine store {label} at root hash {release.engine_image.store_roothash[:16]}…, "
+                      f"the running one (which it would open, unwritten) has {running_engine.store_roothash[:16]}…: "
+                      "the new version could not open its engine",
+                      hint="release it again from the build that made the running engine store")
     facts = uki_facts(staging / names["uki"])
     if facts["usrhash"] != index.usrhash:
         raise Refused(f"{names['uki']} boots usrhash {facts['usrhash']}, not bundle.json's", hint="the bundle is inconsistent")

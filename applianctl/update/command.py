@@ -91,7 +91,7 @@ def _download(p: UpdatePlan, staging: Path, space_margin: int, keys_dir: Path) -
     """Room first, then every file the plan names into STAGING, each proven, then their content."""
     check_space(p.index, staging, space_margin, p.engine_written)
     stage(p.index, p.source, staging, p.engine_written)
-    check_staged(p.index, staging, keys_dir, p.engine_written)
+    check_staged(p.index, staging, keys_dir, p.engine_written, p.running.engine_image)
 
 
 def check(
@@ -305,7 +305,7 @@ def apply(
             raise UserError("not confirmed", hint="add --yes to install without asking")
         with update_staged.discarded_if_refused():
             update_staged.verify_in_place(p.index, staged, p.engine_written)
-            check_staged(p.index, staged, keys_dir, p.engine_written)
+            check_staged(p.index, staged, keys_dir, p.engine_written, p.running.engine_image)
         say(f"staged bundle {p.version} verified again ({len(p.index.files)} files, signed by {p.index.signer})")
         install(p, staged, host=host, deadline=deadline, source=record.source, staged_at=record.staged_at, say=say)
     installed(p, reboot, say)
