@@ -632,7 +632,7 @@ SCHEMA_DOC = ROOT / "docs" / "status-schema.md"
 # Maps whose own keys are names (units, figures), and state files shown as written: their keys
 # are not the schema's.
 NAMED_MAPS = {"units", "figures", "reached_s"}
-AS_WRITTEN = {"last_update", "last_assessment", "last_rollback", "sysupdate", "staged"}
+AS_WRITTEN = {"last_update", "last_assessment", "last_rollback", "sysupdate", "staged", "freshness"}
 
 
 def documented() -> tuple[list[str], dict[str, set[str]]]:
@@ -694,6 +694,9 @@ def test_the_schema_doc_matches_what_status_prints_both_ways(
                                                                    kept=("/var/lib/appliance/host",), deleted=3, left=()))
     factory_reset.request(keep_weights=True, keep_settings=True)
     write_record(paths.boots_record_path(), BootRecord(version="1.0.0", boot_id="b", unclean_in_a_row=0, started_at="t"))
+    from applianctl.records import Freshness
+
+    write_record(paths.freshness_path(), Freshness(sequences={"0123456789abcdef": 7}, version="1.0.0", accepted_at="t"))
     healthy = status.collect(config, sources(tree, engine, systemd_mock))
     # The same appliance with the engine refusing and no model cache: the keys only those show.
     Path(config.model.cache_dir).rmdir()

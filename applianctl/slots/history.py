@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 from appliance import paths
 from appliance.errors import UserError
 from appliance.schema import dump_record, load_record
-from applianctl.records import LastAssessment, LastRollback, LastUpdate
+from applianctl.records import Freshness, LastAssessment, LastRollback, LastUpdate
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,11 @@ def _read(cls: type[R], path: Path) -> R | None:
 
 def last_update() -> LastUpdate | None:
     return _read(LastUpdate, paths.last_update_path())
+
+
+def freshness() -> Freshness | None:
+    """The highest timestamp sequences the updater accepted (update/freshness.json)."""
+    return _read(Freshness, paths.freshness_path())
 
 
 def read() -> History:

@@ -69,9 +69,20 @@ def slots_summary(host: Host | None = None, running_version: str | None = None) 
             "last_rollback": records["last_rollback"],
             "staged": staged.to_json() if staged is not None else None,
             "crash_loop": _crash_loop(),
+            "freshness": _freshness(),
         }
     )
     return out
+
+
+def _freshness() -> dict[str, Any] | None:
+    """The updater's replay protection (update/freshness.json) as written: the highest timestamp
+    sequence accepted per timestamp key, and the bundle and time it came with; None before any."""
+    from appliance.schema import plain
+    from applianctl.slots import history
+
+    record = history.freshness()
+    return plain(record) if record is not None else None
 
 
 def _crash_loop() -> dict[str, Any] | None:
