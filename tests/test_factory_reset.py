@@ -201,3 +201,28 @@ def test_status_shows_a_pending_reset_as_degraded_and_the_last_one(var: Path, tm
     factory_reset.run_at_boot(var, str(var / CACHE), cmdline="")
     part = host.probe_host(config, Sources(), applied)
     assert part.state != DEGRADED and part.details["factory_reset"]["last"]["by"] == "applianctl factory-reset"
+
+
+def test_the_units_command_reads_the_switch_and_the_images_weights_directory(var: Path, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """`applianctl factory-reset --at-boot` as appliance-factory-reset.service runs it: the kernel
+    command line from /proc/cmdline, model.cache_dir from the image's configuration."""
+    import dataclasses
+
+    from appliance.config import load
+
+    config = load(ROOT / "appliance.toml", "demo")
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, cache_dir=str(var / CACHE)))
+    (tmp_path / "appliance.json").write_text(json.dumps(config.to_json()))
+    monkeypatch.setenv("APPLIANCE_CONFIG", str(tmp_path / "appliance.json"))
+    cmdline = tmp_path / "cmdline"
+    monkeypatch.setattr(paths, "PROC_CMDLINE", cmdline)
+    cmdline.write_text("usrhash=abc quiet\n")
+    assert main(["factory-reset", "--at-boot"]) == 0 and "none asked for" in capsys.readouterr().out
+    assert (var / "log").exists()
+    cmdline.write_text("usrhash=abc systemd.factory_reset=1 appliance.factory_reset_keep_weights=1\n")
+    assert main(["factory-reset", "--at-boot"]) == 0
+    out = capsys.readouterr().out
+    assert "factory-reset: deleted" in out and str(var / CACHE) in out
+    assert (var / f"{CACHE}/models--x/snapshots/abc/model.safetensors").exists() and not (var / "log").exists()
