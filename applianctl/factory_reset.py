@@ -61,6 +61,19 @@ def kept_paths(request: FactoryResetRequest, cache_dir: str) -> list[Path]:
     return keep
 
 
+def kept_files(request: FactoryResetRequest) -> tuple[Path, ...]:
+    """Files kept outside the kept directories: with the weights, what this device proved of them
+    (the fs-verity digests it recorded, the files a deep check refused), which live among the
+    per-host settings; without them kept weights that the manifest gives no digest for would not
+    verify."""
+    if not request.keep_weights:
+        return ()
+    from applianctl.model.store import CORRUPT, RECORDED
+
+    host = paths.STATE_DIR / "host"
+    return (host / RECORDED, host / CORRUPT)
+
+
 def _relative(var: Path, keep: list[Path]) -> set[PurePosixPath]:
     """KEEP below VAR, relative to it; a path outside /var is never deleted by the reset anyway."""
     out = set()
@@ -152,7 +165,7 @@ def wipe(var: Path, keep: list[Path], spare: tuple[Path, ...] = ()) -> Outcome:
                             continue
                         if is_dir and st.st_dev != dev:
                             out.left.append(_shown(out, rel, "another file system is mounted there"))
-                        elif is_dir and any(k.is_relative_to(rel) for k in keep_rel):
+                        elif is_dir and any(k.is_relative_to(rel) for k in keep_rel | spare_rel):
                             walk.append((_open_dir(fd, name), rel))
                         elif is_dir:
                             _delete_tree(fd, name, rel, dev, out)
@@ -223,7 +236,7 @@ def run_at_boot(var: Path, cache_dir: str, cmdline: str) -> LastFactoryReset | N
     if req is None:
         return None
     request_path = paths.factory_reset_request_path()
-    out = wipe(var, kept_paths(req, cache_dir), spare=(request_path,))
+    out = wipe(var, kept_paths(req, cache_dir), spare=(request_path, *kept_files(req)))
     done = LastFactoryReset(at=_now(), by=req.by, kept=tuple(out.kept), deleted=out.deleted, left=tuple(out.left[:LISTED]))
     write_record(paths.last_factory_reset_path(), done)
     # Removed last: a power cut before this line runs the (idempotent) reset again next boot.

@@ -226,3 +226,14 @@ def test_the_units_command_reads_the_switch_and_the_images_weights_directory(var
     out = capsys.readouterr().out
     assert "factory-reset: deleted" in out and str(var / CACHE) in out
     assert (var / f"{CACHE}/models--x/snapshots/abc/model.safetensors").exists() and not (var / "log").exists()
+
+
+def test_with_all_and_keep_weights_what_the_device_proved_of_the_weights_stays(var: Path) -> None:
+    """--all --keep-weights: the settings go, but not the fs-verity digests this device recorded
+    (host/weights-verity.json), without which kept weights would not verify."""
+    (var / "lib/appliance/host/weights-verity.json").write_text("{}")
+    (var / "lib/appliance/host/weights-corrupt.json").write_text("{}")
+    factory_reset.request(keep_weights=True, keep_settings=False)
+    factory_reset.run_at_boot(var, str(var / CACHE), cmdline="")
+    assert sorted(p.name for p in (var / "lib/appliance/host").iterdir()) == ["weights-corrupt.json", "weights-verity.json"]
+    assert not (var / "lib/appliance/tls").exists() and (var / CACHE).is_dir()
