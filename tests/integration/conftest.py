@@ -207,24 +207,44 @@ def installed(demo_config: config.Config, demo_image: Path, bundles: dict[str, s
     media = installer_media.make(demo_image.parent, demo_config.appliance.version, uki, work / "plan", work / "media", ["usb"],
                                  https_root[0] / "v1")
     disk, vars_fd = work / "disk.raw", work / "OVMF_VARS.fd"
-    with open(disk, "wb") as blank:
-        blank.truncate(qemu.DISK_SIZE)
-    qemu.firmware_vars(vars_fd, None)  # setup mode, as a new server's firmware: the installer enrolls
     # the installer's output (its summary) straight to the second serial port as well as tty1
     dropin = "[Service]\nStandardOutput=file:/dev/ttyS1\nStandardError=file:/dev/ttyS1\n"
     started = time.monotonic()
-    with qemu.Tpm(work / "tpm") as tpm:  # the journey guest's TPM (qemu.Guest keeps its state in DIR/tpm)
-        cmd = [*qemu.qemu_command(disk, vars_fd, {"systemd.unit-dropin.appliance-installer.service": dropin}, tpm),
-               "-no-reboot", "-device", f"qemu-xhci,id=xhci,addr={INSTALLER_XHCI_ADDR}",
-               "-drive", f"if=none,id=medium,format=raw,readonly=on,file={media['usb']}",
-               "-device", "usb-storage,drive=medium,serial=MEDIUM-0001,bus=xhci.0",
-               "-serial", f"file:{work}/install-console.log", "-serial", f"file:{work}/install-output.log"]
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1800, check=False)
-    assert proc.returncode == 0, f"QEMU: {proc.stderr[-2000:]}"
-    output = (work / "install-output.log").read_text(errors="replace") if (work / "install-output.log").exists() else ""
-    return {"dir": work, "output": output, "console": (work / "install-console.log").read_text(errors="replace"),
-            "seconds": round(time.monotonic() - started), "ssh_line": ssh_line,
-            "table": json.loads(subprocess.run(["sfdisk", "-J", str(disk)], capture_output=True, text=True).stdout or "{}")}
+    for attempt in range(1, INSTALL_ATTEMPTS + 1):
+        with open(disk, "wb") as blank:
+            blank.truncate(qemu.DISK_SIZE)
+        qemu.firmware_vars(vars_fd, None)  # setup mode, as a new server's firmware: the installer enrolls
+        shutil.rmtree(work / "tpm", ignore_errors=True)
+        with qemu.Tpm(work / "tpm") as tpm:  # the journey guest's TPM (qemu.Guest keeps its state in DIR/tpm)
+            cmd = [*qemu.qemu_command(disk, vars_fd, {"systemd.unit-dropin.appliance-installer.service": dropin}, tpm),
+                   "-no-reboot", "-device", f"qemu-xhci,id=xhci,addr={INSTALLER_XHCI_ADDR}",
+                   "-drive", f"if=none,id=medium,format=raw,readonly=on,file={media['usb']}",
+                   "-device", "usb-storage,drive=medium,serial=MEDIUM-0001,bus=xhci.0",
+                   "-serial", f"file:{work}/install-console.log", "-serial", f"file:{work}/install-output.log"]
+            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1800, check=False)
+        assert proc.returncode == 0, f"QEMU: {proc.stderr[-2000:]}"
+        output = (work / "install-output.log").read_text(errors="replace") if (work / "install-output.log").exists() else ""
+        console = (work / "install-console.log").read_text(errors="replace")
+        table = json.loads(subprocess.run(["sfdisk", "-J", str(disk)], capture_output=True, text=True).stdout or "{}")
+        if not _emulator_oops_before_install(console, output, table) or attempt == INSTALL_ATTEMPTS:
+            break
+        (work / "install-console.log").rename(work / f"install-console-{attempt}.log")
+        (work / "install-output.log").unlink(missing_ok=True)
+    return {"dir": work, "output": output, "console": console, "attempts": attempt,
+            "seconds": round(time.monotonic() - started), "ssh_line": ssh_line, "table": table}
+
+
+# The installer's kernel oopsed in early boot under TCG on a loaded host twice in ten sessions
+# (int3 in sched_clock_cpu while the kernel patches its own code, before any userspace): an
+# emulator fault, not the installer's. Such a run wrote nothing (the disk has no partition table),
+# so it is run once more from scratch; any other failure is the installer's and is not retried.
+INSTALL_ATTEMPTS = 2
+
+
+def _emulator_oops_before_install(console: str, output: str, table: dict[str, Any]) -> bool:
+    return (not re.search(r"Appliance \S+ (re-)?installed", output) and "partitiontable" not in table
+            and re.search(r"Oops: |Kernel panic - not syncing", console) is not None
+            and "systemd[1]" not in console.split("Oops: ", 1)[0].split("Kernel panic", 1)[0])
 
 
 @pytest.fixture(scope="session")
