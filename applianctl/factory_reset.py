@@ -4,9 +4,9 @@ The running system only records the request (update/../factory-reset.json, on /v
 --reboot, reboots; the wipe itself runs early in the next boot (appliance-factory-reset.service:
 after /var is mounted, before anything reads or writes it: tmpfiles, the journal's flush, the
 random seed, the per-host settings), so no service has a file open in what is deleted. The same
-unit runs when the kernel command line carries systemd.factory_reset (systemd's own switch), which
-the boot menu's signed "Factory reset" entries set for an appliance that no longer boots far enough
-to be asked.
+unit runs when the kernel command line carries systemd.factory_reset (systemd's own switch). A boot
+menu entry that sets it (UKI profiles) is not shipped: systemd-boot 257 chose such a profile as the
+default entry on a trial boot (README, "Factory reset").
 
 What is kept: the per-host settings (the signed install plan and SSH keys in host/, the proxy's
 TLS key and CA in tls/, so clients that pin the CA still connect) unless --all; the model weights
@@ -39,7 +39,7 @@ MAX_DEPTH = 512  # directories deeper than this are left (and named in the recor
 LISTED = 20  # paths named in the record per list
 
 BOOT_SWITCH = "systemd.factory_reset"  # systemd's own factory-reset word (systemd-repart reads it too)
-KEEP_WEIGHTS_SWITCH = "appliance.factory_reset_keep_weights"  # the boot menu's second entry adds it
+KEEP_WEIGHTS_SWITCH = "appliance.factory_reset_keep_weights"  # beside it: keep the weights too
 TRUE_WORDS = ("", "1", "yes", "y", "true", "t", "on")  # as systemd's proc_cmdline_get_bool reads a value
 
 
@@ -196,7 +196,7 @@ def read_request() -> FactoryResetRequest | None:
 
 
 def boot_request(cmdline: str) -> FactoryResetRequest | None:
-    """The request the kernel command line makes (the boot menu's entries), None when it makes
+    """The request the kernel command line makes, None when it makes
     none: systemd.factory_reset with a true value (or none), settings kept; the entry that also
     keeps the weights adds appliance.factory_reset_keep_weights."""
     words = {}
@@ -206,7 +206,7 @@ def boot_request(cmdline: str) -> FactoryResetRequest | None:
     if words.get(BOOT_SWITCH, "0") not in TRUE_WORDS:
         return None
     keep_weights = words.get(KEEP_WEIGHTS_SWITCH, "0") in TRUE_WORDS
-    return FactoryResetRequest(keep_weights=keep_weights, keep_settings=True, requested_at=_now(), by="the boot menu")
+    return FactoryResetRequest(keep_weights=keep_weights, keep_settings=True, requested_at=_now(), by="the kernel command line")
 
 
 def request(keep_weights: bool, keep_settings: bool) -> FactoryResetRequest:

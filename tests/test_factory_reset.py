@@ -136,7 +136,7 @@ def test_the_request_runs_once_at_boot_and_is_removed_last(var: Path) -> None:
 ])
 def test_the_boot_menus_switch_resets_with_the_settings_kept(var: Path, cmdline: str, weights_kept: bool) -> None:
     done = factory_reset.run_at_boot(var, str(var / CACHE), cmdline=cmdline)
-    assert done is not None and done.by == "the boot menu"
+    assert done is not None and done.by == "the kernel command line"
     assert (var / "lib/appliance/host/plan.json").exists() and (var / "lib/appliance/tls/server.key").exists()
     assert (var / CACHE).exists() == weights_kept and not (var / "lib/containers").exists()
 

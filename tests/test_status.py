@@ -690,7 +690,7 @@ def test_the_schema_doc_matches_what_status_prints_both_ways(
     from applianctl import factory_reset
     from applianctl.records import BootRecord, LastFactoryReset
 
-    write_record(paths.last_factory_reset_path(), LastFactoryReset(at="2026-12-01T00:00:00Z", by="the boot menu",
+    write_record(paths.last_factory_reset_path(), LastFactoryReset(at="2026-12-01T00:00:00Z", by="the kernel command line",
                                                                    kept=("/var/lib/appliance/host",), deleted=3, left=()))
     factory_reset.request(keep_weights=True, keep_settings=True)
     write_record(paths.boots_record_path(), BootRecord(version="1.0.0", boot_id="b", unclean_in_a_row=0, started_at="t"))
