@@ -86,13 +86,24 @@ StandardOutput=journal+console
 """
 
 
+# The first boot's /var (image/mkosi.extra/usr/lib/repart.d/30-var.conf: Encrypt=tpm2) sealed as
+# applianctl/var/seal.py keeps it: PCR 7 and the kernel image's signed PCR 11 policy, whose public
+# key systemd-stub puts in the initrd's /.extra (and tmpfiles copies to /run/systemd after it).
+REPART_TPM2_DROPIN = """[Service]
+ExecStart=
+ExecStart=/usr/bin/bash -c 'k=/.extra/tpm2-pcr-public-key.pem; [ -e $$k ] || k=/run/systemd/tpm2-pcr-public-key.pem; \
+exec systemd-repart --dry-run=no --tpm2-device=auto --tpm2-pcrs=7 --tpm2-public-key=$$k --tpm2-public-key-pcrs=11'
+"""
+
+
 def initrd_credentials() -> list[str]:
     """Kernel command line words that reach mkosi's initrd (and, inert there, the system after it):
-    the emergency drop-in and the /etc reset unit, as credentials (systemd 256+), and the wish for it."""
+    the emergency drop-in, the /etc reset unit and /var's TPM2 binding, as credentials (systemd 256+), and the wish for it."""
     def credential(name: str, text: str) -> str:
         return f"systemd.set_credential_binary={name}:{base64.b64encode(text.encode()).decode()}"
 
     return [emergency_reboot_credential(), credential("systemd.extra-unit.appliance-etc-reset.service", ETC_RESET_UNIT),
+            credential("systemd.unit-dropin.systemd-repart.service", REPART_TPM2_DROPIN),
             "rd.systemd.wants=appliance-etc-reset.service"]
 
 

@@ -25,6 +25,7 @@ PACKAGES = ("appliance", "installer")
 REPART_SOURCE = build.IMAGE_DIR / "mkosi.extra/usr/lib/repart.d"
 REPART_IN_INSTALLER = "usr/lib/appliance-installer/repart.d"  # installer/install.py REPART_DEFINITIONS
 SECUREBOOT_IN_INSTALLER = "usr/lib/appliance-installer/secureboot"  # installer/secureboot.py KEYS_DIR
+PCR_KEY_IN_INSTALLER = "usr/lib/appliance-installer/tpm2-pcr-public-key.pem"  # installer/install.py PCR_PUBLIC_KEY
 UKI_NAME = "appliance-installer.efi"
 # mkosi names cached trees by distribution, release and architecture, not project: a shared cache
 # directory would make each build discard the other's cached image
@@ -46,8 +47,17 @@ def extra_tree(config: Config, signing_key: Path, tree: Path) -> None:
     shutil.copyfile(public, trusted)
     shutil.copytree(REPART_SOURCE, tree / REPART_IN_INSTALLER)
     render.first_boot_repart(config, tree / REPART_IN_INSTALLER)  # + the engine slots
+    # the installer opens the /var it makes with a key file of its own (to write the plan), which it
+    # then replaces with the recovery key; its TPM2 slot is bound to the signed PCR 11 policy only
+    var = tree / REPART_IN_INSTALLER / "30-var.conf"
+    text = var.read_text()
+    if "\nEncrypt=tpm2\n" not in text:
+        raise UserError(f"{REPART_SOURCE / var.name}: no Encrypt=tpm2 line", hint="/var must be encrypted (docs/disk-layout.md)")
+    var.write_text(text.replace("\nEncrypt=tpm2\n", "\nEncrypt=key-file+tpm2\n"))
+    boot = secureboot.boot_keys(config, signing_key)
+    (tree / PCR_KEY_IN_INSTALLER).write_bytes(secureboot.public_key_pem(boot.pcr_cert))
     # the Secure Boot keys it enrolls into a firmware in setup mode
-    secureboot.enrollment_set(secureboot.boot_keys(config, signing_key), config.os.secure_boot_microsoft_ca,
+    secureboot.enrollment_set(boot, config.os.secure_boot_microsoft_ca,
                               tree / SECUREBOOT_IN_INSTALLER)
 
 

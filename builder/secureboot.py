@@ -77,6 +77,12 @@ def der(cert_pem: Path) -> bytes:
     return x509.load_pem_x509_certificate(cert_pem.read_bytes()).public_bytes(serialization.Encoding.DER)
 
 
+def public_key_pem(cert_pem: Path) -> bytes:
+    """The public key of CERT_PEM as systemd-repart's and systemd-cryptenroll's --tpm2-public-key= take it."""
+    cert = x509.load_pem_x509_certificate(cert_pem.read_bytes())
+    return cert.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
 def signature_list(entries: list[tuple[uuid.UUID, bytes]]) -> bytes:
     """An EFI_SIGNATURE_LIST chain, one list per X.509 certificate (they differ in size)."""
     out = b""

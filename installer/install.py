@@ -6,8 +6,13 @@ A disk that already holds the medium's version (and may not be wiped) is re-inst
 engine store are verified as they are (read-only), only the new plan is written onto its /var.
 
 `bmaptool copy` writes the image's used blocks, then `systemd-repart` with the first-boot definitions
-makes slot B and /var. `systemd-repart --copy-from=IMAGE` would make the same layout but copies zeros
-too: measured 2.8x bmaptool's time against 0.4-1x for this (bench/install.py).
+makes slot B and /var, inside LUKS2: a TPM2 slot bound to the release's signed PCR 11 policy only
+(the keys are not enrolled yet, so the sealed boot's PCR 7 is unknown here; the first sealed boot
+replaces it, applianctl/var/seal.py) and a key file of this run's own, in RAM, with which the plan is
+written and which is then replaced by the recovery key the summary shows once.
+`systemd-repart --copy-from=IMAGE` would make the same layout but copies zeros too: measured 2.8x
+bmaptool's time against 0.4-1x for this (bench/install.py). A re-install cannot open a /var sealed
+to the appliance, and says so.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle, hashing, manifest, paths, progress
+from appliance import bundle, hashing, luks, manifest, paths, progress
 from appliance import plan as plan_model
 from appliance.atomic import atomic_write
 from appliance.config import checks
@@ -39,7 +44,11 @@ from installer import disks, secureboot, select
 
 # put there by builder/installer_uki.py; not /usr/lib/repart.d, which the installer's own boot would apply
 REPART_DEFINITIONS = Path("/usr/lib/appliance-installer/repart.d")
-VAR_LABEL = "appliance-var"
+VAR_LABEL = luks.VAR_LABEL
+PCR_PUBLIC_KEY = Path("/usr/lib/appliance-installer/tpm2-pcr-public-key.pem")  # builder/installer_uki.py
+TPM = Path("/sys/class/tpm/tpm0")
+KEY_DIR = Path("/run/appliance-installer")  # RAM: the installer runs from its initrd
+INSTALL_MAPPER = "appliance-var-install"
 HOST_SUBDIR = "lib/appliance/host"  # on /var: /var/lib/appliance/host
 BOOT_LABEL = "Appliance"
 SYSTEMD_BOOT = r"\EFI\systemd\systemd-bootx64.efi"
@@ -177,7 +186,35 @@ def verify_written(runner: Runner, disk: str, payload: Payload) -> list[str]:
             f"engine store {engine} verified (root hash {payload.engine_roothash[:16]}...)"]
 
 
-def write_plan(runner: Runner, disk: str, plan_dir: Path, trusted_keys: Path) -> plan_model.Plan:
+def check_tpm(tpm: Path) -> None:
+    """/var is sealed to the TPM: a machine without a TPM 2.0 is refused before the first write."""
+    try:
+        major = (tpm / "tpm_version_major").read_text().strip()
+    except OSError:
+        major = ""
+    if major != "2":
+        raise UserError("this machine has no TPM 2.0 (/sys/class/tpm/tpm0): /var could not be sealed to it; nothing written",
+                        hint="turn the TPM on in the firmware setup (often Security > TPM or fTPM/PTT), then run the installer again")
+
+
+def var_key_file(directory: Path | None = None) -> Path:
+    """A random key for the new /var, in RAM (KEY_DIR), readable by root only; replaced by the recovery key."""
+    directory = KEY_DIR if directory is None else directory
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = directory / "var.key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(os.urandom(64))
+    return path
+
+
+def _var_fstype(runner: Runner, disk: str) -> str:
+    doc = json.loads(runner(["lsblk", "--json", "-O", "-b", disk]))
+    node: dict[str, Any] = next((n for n in doc["blockdevices"][0].get("children") or [] if n.get("partlabel") == VAR_LABEL), {})
+    return str(node.get("fstype") or "")
+
+
+def write_plan(runner: Runner, disk: str, plan_dir: Path, trusted_keys: Path, key_file: Path | None = None) -> plan_model.Plan:
     """The signed plan into /var/lib/appliance/host on DISK's /var, each file whole (a temporary
     name, fsync, rename: a cut between the two renames leaves a pair the appliance refuses, never a
     plan it half applies); then read back as the appliance reads it on boot. Returns the plan now on
@@ -188,8 +225,16 @@ def write_plan(runner: Runner, disk: str, plan_dir: Path, trusted_keys: Path) ->
     if data is None or sig is None:
         raise UserError(f"{plan_dir}: the signed plan is gone (plan.json and plan.json.sig)", hint=hint)
     var = _by_partuuid(runner, disk, label=VAR_LABEL)
+    if key_file is not None:  # the LUKS2 /var this install made
+        runner(["cryptsetup", "open", "--type", "luks2", f"--key-file={key_file}", var, INSTALL_MAPPER])
+        var = f"/dev/mapper/{INSTALL_MAPPER}"
     mnt = Path(tempfile.mkdtemp(prefix="appliance-var-"))
-    runner(["mount", var, str(mnt)])
+    try:
+        runner(["mount", var, str(mnt)])
+    except UserError:
+        if key_file is not None:
+            runner(["cryptsetup", "close", INSTALL_MAPPER])
+        raise
     try:
         host = mnt / HOST_SUBDIR
         host.mkdir(parents=True, exist_ok=True)
@@ -207,9 +252,20 @@ def write_plan(runner: Runner, disk: str, plan_dir: Path, trusted_keys: Path) ->
         os.sync()
     finally:
         runner(["umount", str(mnt)])
+        if key_file is not None:
+            runner(["cryptsetup", "close", INSTALL_MAPPER])
         if not os.path.ismount(mnt):  # never remove what is still mounted there
             shutil.rmtree(mnt, ignore_errors=True)
     return written
+
+
+def recovery_key(runner: Runner, disk: str, key_file: Path) -> str:
+    """The recovery key, enrolled with the install's key file, which goes: after this only the
+    recovery key and the TPM open /var (systemd-cryptenroll wipes after it enrolls)."""
+    var = _by_partuuid(runner, disk, label=VAR_LABEL)
+    out = runner(["systemd-cryptenroll", f"--unlock-key-file={key_file}", "--recovery-key", "--wipe-slot=password", var])
+    key_file.unlink(missing_ok=True)
+    return luks.recovery_key(out)
 
 
 def boot_first(runner: Runner, disk: str) -> str:
@@ -242,7 +298,7 @@ def ssh_fingerprint(key_line: str) -> str:
 
 
 def summary(choice: select.Choice, payload: Payload, plan: plan_model.Plan, steps: list[str], seconds: float, signer: str,
-            secure_boot: str = "") -> str:
+            secure_boot: str = "", recovery: str = "") -> str:
     """The page an operator reads after the install. PLAN is the one read back from the disk's /var,
     so that every value shown is on the disk; SECURE_BOOT is secureboot.summary_line()."""
     disk = choice.disk
@@ -271,6 +327,11 @@ def summary(choice: select.Choice, payload: Payload, plan: plan_model.Plan, step
         f" release key {signer} (signed the release and this plan)",
         f" /usr        {payload.usrhash[:32]}...",
         *([f" secure boot {secure_boot.removeprefix('secure boot ')}"] if secure_boot else []),
+        *([" /var        LUKS2, opened by the TPM (PCR 7 + signed PCR 11 from the first sealed boot on)",
+           f" RECOVERY    {recovery}",
+           "             shown here once and stored nowhere: write it down. It opens /var at the",
+           "             console when the TPM cannot (firmware or Secure Boot keys changed, TPM cleared)."]
+          if recovery else []),
         " CA          " + ("not touched" if choice.installed else "made on first boot")
         + ": its fingerprint is on the appliance's console (tty1)",
         *[f" checked     {s}" for s in steps],
@@ -284,7 +345,8 @@ def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: 
             listing: tuple[dict[str, Any], dict[str, dict[str, str]]] | None = None, sys_root: Path | None = None,
             boot_partuuid: str | None = None, trusted_keys: Path | None = None,
             dry_run: bool = False, json_out: bool = False, signer: str = "", reboot: bool = True,
-            out: Callable[[str], None] = print, efivars: Path | None = None, secureboot_keys: Path | None = None) -> int:
+            out: Callable[[str], None] = print, efivars: Path | None = None, secureboot_keys: Path | None = None,
+            tpm: Path | None = None) -> int:
     """Choose, check the image, write, verify, record the plan, make the boot entry, enroll the Secure
     Boot keys in setup mode, summarise; return the exit status. LISTING and SYS_ROOT stand in for
     lsblk/udev and sysfs, EFIVARS for efivarfs (tests); a disk holding PAYLOAD's version already gets
@@ -305,20 +367,32 @@ def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: 
     # before the first write: a firmware that enforces Secure Boot without trusting the appliance refuses here
     efivars = EFIVARS if efivars is None else efivars
     decision, keys = secureboot.prepare(efivars, secureboot.KEYS_DIR if secureboot_keys is None else secureboot_keys)
+    if not choice.installed:
+        check_tpm(TPM if tpm is None else tpm)
     if dry_run:
         out((f"dry run: would write only the plan onto {choice.disk.path}'s /var (it holds {payload.version} already; "
              "its /usr and engine store would be verified as they are)" if choice.installed else
              f"dry run: would write {choice.disk.path} with appliance {payload.version} "
              "(its image checked against the signed bundle index first)") + "\n" + secureboot.dry_run_line(decision, keys))
         return 0
+    key_file: Path | None = None
     if not choice.installed:
         check_against_index(payload.image, payload.image_file)  # before the first write
         runner(["bmaptool", "copy", "--bmap", str(payload.bmap), str(payload.image), choice.disk.path])
-        runner(["systemd-repart", "--dry-run=no", f"--definitions={REPART_DEFINITIONS}", choice.disk.path])
+        key_file = var_key_file()
+        runner(["systemd-repart", "--dry-run=no", f"--definitions={REPART_DEFINITIONS}", f"--key-file={key_file}",
+                *luks.tpm2_options(literal_pcrs=[], public_key=str(PCR_PUBLIC_KEY)), choice.disk.path])
         runner(["udevadm", "settle"])
+    elif _var_fstype(runner, choice.disk.path) == "crypto_LUKS":
+        raise UserError(f"{choice.disk.path}: its /var is encrypted and sealed to the appliance, so the installer cannot "
+                        "write a new plan into it; nothing written",
+                        hint="set target.wipe_existing_data = true in the plan to install afresh (the weights are fetched again), "
+                             "or change the settings on the appliance")
     steps = verify_written(runner, choice.disk.path, payload)
-    on_disk = write_plan(runner, choice.disk.path, plan_dir, paths.TRUSTED_KEYS_DIR if trusted_keys is None else trusted_keys)
+    on_disk = write_plan(runner, choice.disk.path, plan_dir, paths.TRUSTED_KEYS_DIR if trusted_keys is None else trusted_keys,
+                         key_file)
     steps.append(f"plan on {choice.disk.path}'s /var read back: signed by a trusted key")
+    recovery = recovery_key(runner, choice.disk.path, key_file) if key_file is not None else ""
     entry = boot_first(runner, choice.disk.path)
     steps.append(f"firmware boot entry Boot{entry} first in BootOrder")
     secure_boot = secureboot.summary_line(decision, keys)
@@ -329,7 +403,7 @@ def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: 
         except UserError as e:
             # the disk is written and boots: say loudly that it boots unsealed, rather than stop half-way
             secure_boot = f"secure boot keys NOT enrolled: {e.message}; it boots unsealed until they are ({e.hint})"
-    out(summary(choice, payload, on_disk, steps, time.monotonic() - started, signer, secure_boot))
+    out(summary(choice, payload, on_disk, steps, time.monotonic() - started, signer, secure_boot, recovery))
     if reboot:
         # stdout is block-buffered off a terminal: the summary must be out before the reboot
         sys.stdout.flush()

@@ -59,3 +59,17 @@ def no_host_efivars(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from installer import install
 
     monkeypatch.setattr(install, "EFIVARS", tmp_path / "no-efivars")
+
+
+@pytest.fixture(autouse=True)
+def installer_sees_a_tpm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """install() seals /var to the TPM and refuses a machine without one: a test's machine has a
+    TPM 2.0 (a sysfs directory of its own) and the install's key file goes to its own directory."""
+    from installer import install
+
+    tpm = tmp_path / "sys-class-tpm-tpm0"
+    tpm.mkdir()
+    (tpm / "tpm_version_major").write_text("2\n")
+    monkeypatch.setattr(install, "TPM", tpm)
+    monkeypatch.setattr(install, "KEY_DIR", tmp_path / "installer-run")
+    return tpm

@@ -68,6 +68,8 @@ class Recorder:
             self.boot_entries += "Boot0003* Appliance\n"
         if list(argv) == ["efibootmgr"]:
             return self.boot_entries
+        if argv[0] == "systemd-cryptenroll" and "--recovery-key" in argv:
+            return RECOVERY + "\n"
         return ""
 
     @property
@@ -112,6 +114,7 @@ def _plan(tmp_path: Path, hostname: str = "gpu-07", key: str = KEY, name: str = 
     return plan, _sign(tmp_path, plan, name)
 
 
+RECOVERY = "-".join(["cbdefghi", "jklnrtuv"] * 4)
 WRITTEN = [
     {"path": "/dev/vda1", "partuuid": "", "parttype": install.bundle_esp(), "partlabel": "esp", "partn": 1, "type": "part"},
     {"path": "/dev/vda2", "partuuid": "aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa", "parttype": install.disks.USR_TYPE,
@@ -132,15 +135,27 @@ def test_install_writes_verifies_records_the_plan_and_boots_first(tmp_path: Path
     status = install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(_as_spare_disk(_host_listing()), {}),
                              boot_partuuid="", trusted_keys=_trusted(tmp_path)[1], signer="0123456789abcdef", out=out.append)
     assert status == 0
-    assert rec.tools == ["bmaptool", "systemd-repart", "udevadm", "veritysetup", "veritysetup", "mount", "umount",
-                         "efibootmgr", "efibootmgr --create", "efibootmgr", "efibootmgr --bootorder", "systemctl"]
+    assert rec.tools == ["bmaptool", "systemd-repart", "udevadm", "veritysetup", "veritysetup", "cryptsetup", "mount", "umount",
+                         "cryptsetup", "systemd-cryptenroll", "efibootmgr", "efibootmgr --create", "efibootmgr",
+                         "efibootmgr --bootorder", "systemctl"]
     image = tmp_path / "appliance_1.0.0.raw.zst"
     assert rec.calls[0] == ["bmaptool", "copy", "--bmap", str(tmp_path / "appliance_1.0.0.raw.bmap"), str(image), "/dev/vda"]
-    assert rec.calls[1] == ["systemd-repart", "--dry-run=no", "--definitions=/usr/lib/appliance-installer/repart.d", "/dev/vda"]
+    key_file = str(tmp_path / "installer-run" / "var.key")
+    # /var in LUKS2: this run's key file, and a TPM2 slot bound to the release's signed PCR 11 policy alone
+    assert rec.calls[1] == ["systemd-repart", "--dry-run=no", "--definitions=/usr/lib/appliance-installer/repart.d",
+                            f"--key-file={key_file}", "--tpm2-device=auto", "--tpm2-pcrs=",
+                            "--tpm2-public-key=/usr/lib/appliance-installer/tpm2-pcr-public-key.pem", "--tpm2-public-key-pcrs=11",
+                            "/dev/vda"]
+    crypt = [c for c in rec.calls if c[0] in ("cryptsetup", "systemd-cryptenroll", "mount", "umount")]
+    assert crypt[0] == ["cryptsetup", "open", "--type", "luks2", f"--key-file={key_file}", "/dev/vda9", "appliance-var-install"]
+    assert crypt[1][:2] == ["mount", "/dev/mapper/appliance-var-install"] and crypt[3] == ["cryptsetup", "close", "appliance-var-install"]
+    # the key file's slot goes once the recovery key is in; the file itself too
+    assert crypt[4] == ["systemd-cryptenroll", f"--unlock-key-file={key_file}", "--recovery-key", "--wipe-slot=password", "/dev/vda9"]
+    assert not Path(key_file).exists()
     verity = [c for c in rec.calls if c[0] == "veritysetup"]
     assert verity[0] == ["veritysetup", "verify", "/dev/vda2", "/dev/vda3", USRHASH]
     assert verity[1] == ["veritysetup", "verify", "/dev/vda4", "/dev/vda5", "c" * 64]
-    assert next(c for c in rec.calls if c[0] == "mount")[1] == "/dev/vda9"
+    assert next(c for c in rec.calls if c[0] == "mount")[1] == "/dev/mapper/appliance-var-install"
     assert rec.var == {f"lib/appliance/host/{n}": (plan_dir / n).read_bytes() for n in (plan_model.PLAN_JSON, plan_model.PLAN_SIG)}
     create = next(c for c in rec.calls if "--create" in c)
     assert create[create.index("--disk") + 1] == "/dev/vda" and create[create.index("--part") + 1] == "1"
@@ -148,6 +163,7 @@ def test_install_writes_verifies_records_the_plan_and_boots_first(tmp_path: Path
     page = out[-1]
     assert "Appliance 1.0.0 installed" in page and "192.0.2.10/24" in page and "S64ANS0T512345" in page
     assert "SHA256:" in page and "ops@example.net" in page
+    assert f" RECOVERY    {RECOVERY}" in page and "stored nowhere" in page
 
 
 def test_a_partition_udev_has_not_listed_yet_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -462,3 +478,41 @@ def test_a_medium_without_an_install_image_in_its_index_is_refused(tmp_path: Pat
     with pytest.raises(UserError, match=r"bundle 2\.0\.0 lists no install image \(appliance_2\.0\.0\.raw\.zst\)") as e:
         install.load_payload(medium, trusted)
     assert "--install-image" in e.value.hint
+
+
+# ------------------------------------------------------------------------------ /var sealed to the TPM
+
+
+def test_a_machine_without_a_tpm2_is_refused_before_any_write(tmp_path: Path, installer_sees_a_tpm: Path) -> None:
+    """/var is sealed to the TPM: with none (or a TPM 1.2) nothing is written, dry run or not."""
+    for major in (None, "1"):
+        shutil.rmtree(installer_sees_a_tpm)
+        installer_sees_a_tpm.mkdir()
+        if major:
+            (installer_sees_a_tpm / "tpm_version_major").write_text(major + "\n")
+        for dry_run in (True, False):
+            written = _as_spare_disk(_host_listing(), WRITTEN)
+            rec = Recorder({"blockdevices": [next(n for n in written["blockdevices"] if n["name"] == "vda")]})
+            plan, plan_dir = _plan(tmp_path, name=f"plan-{major}-{dry_run}")
+            with pytest.raises(UserError, match=r"no TPM 2\.0") as e:
+                install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(_as_spare_disk(_host_listing()), {}),
+                                boot_partuuid="", trusted_keys=_trusted(tmp_path)[1], dry_run=dry_run, out=lambda _: None)
+            assert "firmware setup" in e.value.hint
+            assert [c[0] for c in rec.calls if c[0] != "lsblk"] == []
+
+
+def test_the_same_version_over_an_encrypted_var_is_refused_in_one_line(tmp_path: Path) -> None:
+    """The installer cannot open a /var sealed to the appliance: it says so and writes nothing,
+    rather than format or half-write it."""
+    installed, rec = _installed(tmp_path)
+    doc = next(n for n in installed["blockdevices"] if n["name"] == "vda")
+    for node in doc["children"]:
+        if node["partlabel"] == "appliance-var":
+            node["fstype"] = "crypto_LUKS"
+    rec = Recorder({"blockdevices": [doc]}, rec.var)
+    plan, plan_dir = _plan(tmp_path)
+    with pytest.raises(UserError, match="encrypted and sealed") as e:
+        install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(installed, {}), boot_partuuid="",
+                        trusted_keys=_trusted(tmp_path)[1], out=lambda _: None)
+    assert "wipe_existing_data" in e.value.hint
+    assert [c[0] for c in rec.calls if c[0] != "lsblk"] == []

@@ -1,14 +1,16 @@
 """Status part `sealed`: is this boot sealed? Secure Boot enforcing with the appliance's certificate
 in the firmware's db (the chain firmware, systemd-boot, kernel image, /usr), a TPM, and the signed
-PCR 11 policy systemd-stub found in the kernel image (what /var's key will be sealed to)."""
+PCR 11 policy systemd-stub found in the kernel image; and /var: LUKS2, how it opens (the unlock
+methods of its header, as appliance-var-seal.service found them this boot)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from appliance import efivars, paths
+from appliance import efivars, luks, paths
 from appliance.errors import UserError
+from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
 from applianctl.status.probes import DEGRADED, NOT_CONFIGURED, OK, Part
 
 TPM = Path("/sys/class/tpm/tpm0")
@@ -21,8 +23,34 @@ def enroll_record() -> Path:
     return paths.LIB_DIR / "secureboot/enroll.json"
 
 
+def var_seal_record() -> Path:
+    return paths.RUN_DIR / "var-seal.json"  # applianctl/var/seal.py record_path()
+
+
+def _var(record: Path, details: dict[str, object]) -> list[str]:
+    """/var's facts into DETAILS; the problems with them."""
+    try:
+        data = read_capped(record, MAX_RECORD_BYTES, what="/var's seal record")
+        doc = loads_bounded(data) if data is not None else None
+        if doc is None:
+            details.update(var_encrypted=None, var_sealed=None, var_recovery_key=None, var_unlock=[])
+            return ["/var's encryption was not checked this boot (appliance-var-seal.service did not run)"]
+        methods = [luks.Method(str(m["kind"]), int(m["keyslot"]), tuple(m["pcrs"]), tuple(m["signed_pcrs"])) for m in doc["methods"]]
+        details.update(var_encrypted=bool(doc["encrypted"]), var_sealed=any(m.sealed for m in methods),
+                       var_recovery_key=any(m.kind == "recovery" for m in methods), var_unlock=[m.describe() for m in methods])
+        problems = [str(p)[:300] for p in doc.get("problems") or []]
+    except (OSError, UserError, ValueError, KeyError, TypeError) as e:
+        details.update(var_encrypted=None, var_sealed=None, var_recovery_key=None, var_unlock=[])
+        return [f"/var's seal record is unreadable: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"]
+    if details["var_encrypted"] and not details["var_sealed"] and not problems:
+        problems.append("/var's key is not sealed to this machine's Secure Boot state (PCR 7)")
+    if details["var_encrypted"] and not details["var_recovery_key"]:
+        problems.append("/var has no recovery key: a lost TPM would lose /var")
+    return problems
+
+
 def probe_sealed(efivars_dir: Path = efivars.EFIVARS, record: Path | None = None, tpm: Path = TPM,
-                 pcr_signature: Path = PCR_SIGNATURE) -> Part:
+                 pcr_signature: Path = PCR_SIGNATURE, var_record: Path | None = None) -> Part:
     record = enroll_record() if record is None else record
     state = efivars.secure_boot_state(efivars_dir)
     if not state.efi:
@@ -51,6 +79,7 @@ def probe_sealed(efivars_dir: Path = efivars.EFIVARS, record: Path | None = None
         problems.append("no TPM: /var cannot be sealed to this machine")
     if not details["pcr_signature"]:
         problems.append("the kernel image carries no signed PCR policy")
+    problems += _var(var_seal_record() if var_record is None else var_record, details)
     if problems:
         return Part(DEGRADED, "; ".join(problems), details)
     return Part(OK, "", details)

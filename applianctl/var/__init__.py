@@ -1,0 +1,1 @@
+"""/var on the device: its encryption and seal to the machine (seal)."""

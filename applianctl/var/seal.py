@@ -1,0 +1,174 @@
+"""`applianctl var-seal` (appliance-var-seal.service, every boot once /var is unlocked): /var's LUKS2
+header becomes what a sealed appliance needs, and status learns how /var is opened.
+
+- **A TPM2 slot sealed to PCR 7 and the signed PCR 11 policy** (appliance.luks). PCR 7 holds the
+  firmware's Secure Boot state and the certificate that verified the boot, so a boot with Secure
+  Boot off or through another vendor's signed loader cannot unseal it; the signed PCR 11 policy
+  lets every kernel image the release's policy key signed unseal it, so upgrades and rollbacks
+  never reseal. The installer runs before the keys are enrolled and cannot know the sealed boot's
+  PCR 7: it leaves a slot bound to the signed policy alone, which the first sealed boot replaces
+  (one systemd-cryptenroll call: the wipe follows the enrollment). Only a boot that enforces Secure
+  Boot seals: sealing an unsealed boot's PCR 7 would bind /var to that.
+- **A recovery key.** The installer makes one and shows it in its summary. An image booted as it
+  was built (the demo, tests) has none: one is made and shown once on the console, never logged.
+  After a factory reset a new one replaces the old, shown once.
+Records /run/appliance/var-seal.json for status; STATE_DIR/var-seal.json remembers which factory
+reset the recovery key was last renewed for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from appliance import efivars, luks, paths
+from appliance.atomic import atomic_write
+from appliance.errors import UserError
+from appliance.run import run
+from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
+
+DEVICE = f"/dev/disk/by-partlabel/{luks.VAR_LABEL}"
+PCR_PUBLIC_KEY = Path("/run/systemd/tpm2-pcr-public-key.pem")  # systemd-stub's .pcrpkey, through the initrd
+CONSOLES = (Path("/dev/console"), Path("/dev/tty1"))
+HINT = "see `journalctl -u appliance-var-seal`; /var still opens as before"
+
+
+def record_path() -> Path:
+    return paths.RUN_DIR / "var-seal.json"
+
+
+def renewed_path() -> Path:
+    return paths.STATE_DIR / "var-seal.json"
+
+
+def _run(argv: Sequence[str]) -> str:
+    return run(list(argv), argv[0], hint=HINT, timeout=300)
+
+
+def show_once(key: str, consoles: Sequence[Path] | None = None) -> list[str]:
+    """KEY on the consoles (CONSOLES: never on stdout, which the journal keeps); those it reached,
+    each device once (/dev/console may be tty1)."""
+    consoles = CONSOLES if consoles is None else consoles
+    page = ("\n" + "=" * 72 + "\n /var recovery key (shown once and stored nowhere: write it down now)\n\n    " + key +
+            "\n\n It opens /var when the TPM cannot (a firmware or Secure Boot key change, a\n"
+            " new main board, a cleared TPM): type it at the console's password prompt.\n" + "=" * 72 + "\n")
+    reached: list[str] = []
+    seen: set[tuple[int, int, int]] = set()
+    for console in consoles:
+        try:
+            fd = os.open(console, os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            identity = (st.st_rdev, 0, 0) if st.st_rdev else (0, st.st_dev, st.st_ino)
+            if identity in seen:
+                continue
+            seen.add(identity)
+            os.write(fd, page.encode())
+            reached.append(str(console))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return reached
+
+
+def _factory_reset_at() -> str | None:
+    """When the last factory reset ran (its record's `at`), if one ever did."""
+    data = read_capped(paths.last_factory_reset_path(), MAX_RECORD_BYTES, what="the last factory reset's record")
+    try:
+        at = loads_bounded(data)["at"] if data is not None else None
+    except (ValueError, KeyError, TypeError):
+        return None
+    return at if isinstance(at, str) else None
+
+
+def _renewed_for() -> str | None:
+    data = read_capped(renewed_path(), MAX_RECORD_BYTES, what="/var's seal record")
+    try:
+        value = loads_bounded(data)["recovery_renewed_for_reset"] if data is not None else None
+    except (ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def seal(runner: Callable[[Sequence[str]], str] | None = None, device: str = DEVICE, *, public_key: Path | None = None,
+         efivars_dir: Path | None = None, show: Callable[[str], list[str]] | None = None) -> dict[str, Any]:
+    """Bring /var's header to the sealed binding and a recovery key; return what status shows."""
+    runner = _run if runner is None else runner
+    public_key = PCR_PUBLIC_KEY if public_key is None else public_key
+    efivars_dir = efivars.EFIVARS if efivars_dir is None else efivars_dir
+    show = show_once if show is None else show
+    record: dict[str, Any] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": device,
+                              "changed": [], "problems": []}
+    if not luks.is_luks(runner, device):
+        record.update(encrypted=False, methods=[], sealed=False, recovery=False)
+        record["problems"].append("/var is not encrypted (a disk installed before encrypted /var): re-install to seal it")
+        return record
+    methods = luks.read_header(runner, device)
+    if not any(m.sealed for m in methods):
+        state = efivars.secure_boot_state(efivars_dir)
+        if not (state.secure_boot and not state.setup_mode):
+            record["problems"].append("not sealed to this machine yet: this boot does not enforce Secure Boot, "
+                                      "so its PCR 7 is not one to seal to")
+        elif not public_key.is_file():
+            record["problems"].append(f"not sealed to this machine yet: no signed PCR policy key at {public_key}")
+        else:
+            temporary = [m.keyslot for m in methods if m.kind == "tpm2"]
+            runner(["systemd-cryptenroll", "--unlock-tpm2-device=auto",
+                    *luks.tpm2_options(literal_pcrs=[luks.SECURE_BOOT_PCR], public_key=str(public_key)),
+                    *([f"--wipe-slot={','.join(str(s) for s in temporary)}"] if temporary else []), device])
+            record["changed"].append("sealed to PCR 7 + signed PCR 11" +
+                                     (f" (the installer's slot {', '.join(map(str, temporary))} wiped)" if temporary else ""))
+            methods = luks.read_header(runner, device)
+    reset_at = _factory_reset_at()
+    old_recovery = [m.keyslot for m in methods if m.kind == "recovery"]
+    renew = bool(reset_at) and reset_at != _renewed_for() and bool(old_recovery)
+    if not old_recovery or renew:
+        # the slot it adds opens with the TPM's key; the old recovery slots go only after that
+        key = luks.recovery_key(runner(["systemd-cryptenroll", "--unlock-tpm2-device=auto", "--recovery-key",
+                                        *([f"--wipe-slot={','.join(map(str, old_recovery))}"] if renew else []), device]))
+        reached = show(key)
+        record["changed"].append(("a new recovery key after the factory reset" if renew else "a recovery key made") +
+                                 (f", shown once on {', '.join(reached)}" if reached else ", but no console took it"))
+        if not reached:
+            record["problems"].append("the new recovery key reached no console: make another with "
+                                      "`systemd-cryptenroll --unlock-tpm2-device=auto --recovery-key " + device + "`")
+        methods = luks.read_header(runner, device)
+    if reset_at and (renew or not old_recovery):
+        atomic_write(renewed_path(), json.dumps({"recovery_renewed_for_reset": reset_at}).encode() + b"\n", mode=0o600)
+    record.update(encrypted=True, methods=[m.to_json() for m in methods], sealed=any(m.sealed for m in methods),
+                  recovery=any(m.kind == "recovery" for m in methods))
+    if any(m.kind == "passphrase" for m in methods):
+        record["problems"].append("a passphrase slot no token describes opens /var: wipe it "
+                                  "(systemd-cryptenroll --wipe-slot=password " + device + ") unless you made it")
+    return record
+
+
+def add_parser(subparsers: Any) -> None:
+    # hidden (not listed): appliance-var-seal.service's
+    p = subparsers.add_parser("var-seal", description="Seal /var's key to this machine and make sure a recovery key exists.")
+    p.set_defaults(func=cmd_var_seal)
+
+
+def cmd_var_seal(args: argparse.Namespace) -> int:
+    try:
+        record = seal()
+    except UserError as e:
+        record = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": DEVICE, "changed": [],
+                  "problems": [e.message]}
+        atomic_write(record_path(), json.dumps(record).encode() + b"\n")
+        raise
+    atomic_write(record_path(), json.dumps(record).encode() + b"\n")
+    for line in record["changed"] + record["problems"]:
+        print(f"/var: {line}")
+    if not record["changed"] and not record["problems"]:
+        print("/var: sealed; " + ", ".join(luks.Method(**{**m, "pcrs": tuple(m["pcrs"]), "signed_pcrs": tuple(m["signed_pcrs"])})
+                                            .describe() for m in record["methods"]))
+    return 0
