@@ -23,7 +23,7 @@ MAX_HEADER_JSON = 4 << 20  # LUKS2's metadata area is at most 4 MiB
 SECURE_BOOT_PCR = 7  # the firmware's Secure Boot state and the authorities that verified the boot
 KERNEL_IMAGE_PCR = 11  # what systemd-stub measured of the kernel image, and the boot phases
 # systemd's recovery keys: 32 random bytes as 64 "modhex" characters in 8 groups of 8
-RECOVERY_KEY = re.compile(r"^[cbdefghijklnrtuv]{8}(-[cbdefghijklnrtuv]{8}){7}$")
+RECOVERY_KEY = re.compile(r"^[cbdefghijklnrtuv]{8}(-[cbdefghijklnrtuv]{8}){7}\Z")
 
 Runner = Callable[[Sequence[str]], str]
 

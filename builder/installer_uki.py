@@ -47,13 +47,13 @@ def extra_tree(config: Config, signing_key: Path, tree: Path) -> None:
     shutil.copyfile(public, trusted)
     shutil.copytree(REPART_SOURCE, tree / REPART_IN_INSTALLER)
     render.first_boot_repart(config, tree / REPART_IN_INSTALLER)  # + the engine slots
-    # the installer opens the /var it makes with a key file of its own (to write the plan), which it
-    # then replaces with the recovery key; its TPM2 slot is bound to the signed PCR 11 policy only
+    # the installer makes /var with a key file of its own (to write the plan), which it then
+    # replaces with the recovery key; it adds the TPM2 slot itself (signed PCR 11 only)
     var = tree / REPART_IN_INSTALLER / "30-var.conf"
     text = var.read_text()
     if "\nEncrypt=tpm2\n" not in text:
         raise UserError(f"{REPART_SOURCE / var.name}: no Encrypt=tpm2 line", hint="/var must be encrypted (docs/disk-layout.md)")
-    var.write_text(text.replace("\nEncrypt=tpm2\n", "\nEncrypt=key-file+tpm2\n"))
+    var.write_text(text.replace("\nEncrypt=tpm2\n", "\nEncrypt=key-file\n"))
     boot = secureboot.boot_keys(config, signing_key)
     (tree / PCR_KEY_IN_INSTALLER).write_bytes(secureboot.public_key_pem(boot.pcr_cert))
     # the Secure Boot keys it enrolls into a firmware in setup mode

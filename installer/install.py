@@ -6,7 +6,7 @@ A disk that already holds the medium's version (and may not be wiped) is re-inst
 engine store are verified as they are (read-only), only the new plan is written onto its /var.
 
 `bmaptool copy` writes the image's used blocks, then `systemd-repart` with the first-boot definitions
-makes slot B and /var, inside LUKS2: a TPM2 slot bound to the release's signed PCR 11 policy only
+makes slot B and /var, inside LUKS2; systemd-cryptenroll adds a TPM2 slot bound to the release's signed PCR 11 policy only
 (the keys are not enrolled yet, so the sealed boot's PCR 7 is unknown here; the first sealed boot
 replaces it, applianctl/var/seal.py) and a key file of this run's own, in RAM, with which the plan is
 written and which is then replaced by the recovery key the summary shows once.
@@ -380,9 +380,12 @@ def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: 
         check_against_index(payload.image, payload.image_file)  # before the first write
         runner(["bmaptool", "copy", "--bmap", str(payload.bmap), str(payload.image), choice.disk.path])
         key_file = var_key_file()
-        runner(["systemd-repart", "--dry-run=no", f"--definitions={REPART_DEFINITIONS}", f"--key-file={key_file}",
-                *luks.tpm2_options(literal_pcrs=[], public_key=str(PCR_PUBLIC_KEY)), choice.disk.path])
+        runner(["systemd-repart", "--dry-run=no", f"--definitions={REPART_DEFINITIONS}", f"--key-file={key_file}", choice.disk.path])
         runner(["udevadm", "settle"])
+        # systemd-cryptenroll, not repart: its empty --tpm2-pcrs= is documented to bind no PCR by value
+        var = _by_partuuid(runner, choice.disk.path, label=VAR_LABEL)
+        runner(["systemd-cryptenroll", f"--unlock-key-file={key_file}", *luks.tpm2_options(literal_pcrs=[], public_key=str(PCR_PUBLIC_KEY)),
+                var])
     elif _var_fstype(runner, choice.disk.path) == "crypto_LUKS":
         raise UserError(f"{choice.disk.path}: its /var is encrypted and sealed to the appliance, so the installer cannot "
                         "write a new plan into it; nothing written",

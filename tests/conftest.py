@@ -62,14 +62,16 @@ def no_host_efivars(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 @pytest.fixture(autouse=True)
-def installer_sees_a_tpm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+def installer_sees_a_tpm(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """install() seals /var to the TPM and refuses a machine without one: a test's machine has a
-    TPM 2.0 (a sysfs directory of its own) and the install's key file goes to its own directory."""
+    TPM 2.0 (a sysfs directory of its own) and the install's key file goes to its own directory
+    (both outside the test's tmp_path, which some tests read whole)."""
     from installer import install
 
-    tpm = tmp_path / "sys-class-tpm-tpm0"
+    machine = tmp_path_factory.mktemp("machine")
+    tpm = machine / "sys-class-tpm-tpm0"
     tpm.mkdir()
     (tpm / "tpm_version_major").write_text("2\n")
     monkeypatch.setattr(install, "TPM", tpm)
-    monkeypatch.setattr(install, "KEY_DIR", tmp_path / "installer-run")
+    monkeypatch.setattr(install, "KEY_DIR", machine / "installer-run")
     return tpm

@@ -135,22 +135,23 @@ def test_install_writes_verifies_records_the_plan_and_boots_first(tmp_path: Path
     status = install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(_as_spare_disk(_host_listing()), {}),
                              boot_partuuid="", trusted_keys=_trusted(tmp_path)[1], signer="0123456789abcdef", out=out.append)
     assert status == 0
-    assert rec.tools == ["bmaptool", "systemd-repart", "udevadm", "veritysetup", "veritysetup", "cryptsetup", "mount", "umount",
-                         "cryptsetup", "systemd-cryptenroll", "efibootmgr", "efibootmgr --create", "efibootmgr",
+    assert rec.tools == ["bmaptool", "systemd-repart", "udevadm", "systemd-cryptenroll", "veritysetup", "veritysetup", "cryptsetup",
+                         "mount", "umount", "cryptsetup", "systemd-cryptenroll", "efibootmgr", "efibootmgr --create", "efibootmgr",
                          "efibootmgr --bootorder", "systemctl"]
     image = tmp_path / "appliance_1.0.0.raw.zst"
     assert rec.calls[0] == ["bmaptool", "copy", "--bmap", str(tmp_path / "appliance_1.0.0.raw.bmap"), str(image), "/dev/vda"]
-    key_file = str(tmp_path / "installer-run" / "var.key")
+    key_file = str(install.KEY_DIR / "var.key")
     # /var in LUKS2: this run's key file, and a TPM2 slot bound to the release's signed PCR 11 policy alone
     assert rec.calls[1] == ["systemd-repart", "--dry-run=no", "--definitions=/usr/lib/appliance-installer/repart.d",
-                            f"--key-file={key_file}", "--tpm2-device=auto", "--tpm2-pcrs=",
-                            "--tpm2-public-key=/usr/lib/appliance-installer/tpm2-pcr-public-key.pem", "--tpm2-public-key-pcrs=11",
-                            "/dev/vda"]
+                            f"--key-file={key_file}", "/dev/vda"]
     crypt = [c for c in rec.calls if c[0] in ("cryptsetup", "systemd-cryptenroll", "mount", "umount")]
-    assert crypt[0] == ["cryptsetup", "open", "--type", "luks2", f"--key-file={key_file}", "/dev/vda9", "appliance-var-install"]
-    assert crypt[1][:2] == ["mount", "/dev/mapper/appliance-var-install"] and crypt[3] == ["cryptsetup", "close", "appliance-var-install"]
+    assert crypt[0] == ["systemd-cryptenroll", f"--unlock-key-file={key_file}", "--tpm2-device=auto", "--tpm2-pcrs=",
+                        "--tpm2-public-key=/usr/lib/appliance-installer/tpm2-pcr-public-key.pem", "--tpm2-public-key-pcrs=11",
+                        "/dev/vda9"]
+    assert crypt[1] == ["cryptsetup", "open", "--type", "luks2", f"--key-file={key_file}", "/dev/vda9", "appliance-var-install"]
+    assert crypt[2][:2] == ["mount", "/dev/mapper/appliance-var-install"] and crypt[4] == ["cryptsetup", "close", "appliance-var-install"]
     # the key file's slot goes once the recovery key is in; the file itself too
-    assert crypt[4] == ["systemd-cryptenroll", f"--unlock-key-file={key_file}", "--recovery-key", "--wipe-slot=password", "/dev/vda9"]
+    assert crypt[5] == ["systemd-cryptenroll", f"--unlock-key-file={key_file}", "--recovery-key", "--wipe-slot=password", "/dev/vda9"]
     assert not Path(key_file).exists()
     verity = [c for c in rec.calls if c[0] == "veritysetup"]
     assert verity[0] == ["veritysetup", "verify", "/dev/vda2", "/dev/vda3", USRHASH]

@@ -192,7 +192,7 @@ def test_the_command_prints_what_it_did_and_never_the_key(tmp_path: Path, device
     consoles[0].write_text("")
     monkeypatch.setattr(var_seal, "CONSOLES", tuple(consoles))
     import argparse
-    assert var_seal.cmd_var_seal(argparse.Namespace()) == 0
+    assert var_seal.cmd_var_seal(argparse.Namespace(reseal=False)) == 0
     out = capsys.readouterr().out
     assert "a recovery key made" in out and KEY not in out
     assert KEY in consoles[0].read_text()  # the console got it; the missing tty1 is skipped
@@ -261,3 +261,40 @@ def test_status_shows_how_var_opens_and_what_is_missing(tmp_path: Path, device: 
     assert "no recovery key" in no_recovery.reason
     plain = part(_seal(FakeLuks([], is_luks=False), device, firmware, []))
     assert plain.details["var_encrypted"] is False and "not encrypted" in plain.reason
+
+
+def test_a_changed_pcr_7_is_reported_with_the_way_to_seal_again(tmp_path: Path, device: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A firmware or Secure Boot key change moves PCR 7: that boot needed the recovery key, and
+    status says how to seal /var to the new value (the PCR 7 it was sealed to is kept on /var)."""
+    pcr7 = tmp_path / "pcr-sha256-7"
+    monkeypatch.setattr(var_seal, "PCR7", pcr7)
+    pcr7.write_text("AB" * 32 + "\n")
+    firmware = _firmware(tmp_path, secure_boot=True)
+    fake = FakeLuks(list(INSTALLED))
+    assert _seal(fake, device, firmware, [])["problems"] == []  # sealed now, to this PCR 7
+    assert json.loads(var_seal.renewed_path().read_text())["sealed_pcr7"] == "ab" * 32
+    assert _seal(fake, device, firmware, [])["problems"] == []  # the same PCR 7 on the next boot
+    pcr7.write_text("CD" * 32 + "\n")  # a firmware update
+    record = _seal(fake, device, firmware, [])
+    assert "PCR 7 changed" in str(record["problems"]) and "--reseal" in str(record["problems"])
+    assert [c for c in fake.calls if c[0] == "systemd-cryptenroll" and "--tpm2-pcrs=7" in c].__len__() == 1  # never by itself
+
+
+def test_var_is_made_encrypted_and_opened_through_the_tpm_in_the_image() -> None:
+    """The image's first boot makes /var LUKS2 sealed to PCR 7 + signed PCR 11 (systemd-repart in the
+    initrd, its options from a credential drop-in), /etc/crypttab opens it through the TPM and
+    /etc/fstab mounts only the opened device (a plain /var is never mounted)."""
+    import base64
+
+    from builder import build
+
+    root = Path(__file__).resolve().parents[1] / "image/mkosi.extra"
+    assert "\nEncrypt=tpm2\n" in (root / "usr/lib/repart.d/30-var.conf").read_text()
+    (word,) = [w for w in build.initrd_credentials() if "systemd.unit-dropin.systemd-repart.service:" in w]
+    dropin = base64.b64decode(word.partition(":")[2]).decode()
+    assert "ExecStart=\n" in dropin and "--tpm2-pcrs=7 " in dropin and "--tpm2-public-key-pcrs=11" in dropin
+    crypttab = [line.split() for line in (root / "etc/crypttab").read_text().splitlines() if line and not line.startswith("#")]
+    assert crypttab == [["appliance-var", "PARTLABEL=appliance-var", "none", "tpm2-device=auto,x-systemd.device-timeout=5min"]]
+    fstab = [line.split() for line in (root / "etc/fstab").read_text().splitlines() if line and not line.startswith("#")]
+    assert [f[:2] for f in fstab] == [["/dev/mapper/appliance-var", "/var"]]

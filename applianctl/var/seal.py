@@ -12,8 +12,12 @@ header becomes what a sealed appliance needs, and status learns how /var is open
 - **A recovery key.** The installer makes one and shows it in its summary. An image booted as it
   was built (the demo, tests) has none: one is made and shown once on the console, never logged.
   After a factory reset a new one replaces the old, shown once.
-Records /run/appliance/var-seal.json for status; STATE_DIR/var-seal.json remembers which factory
-reset the recovery key was last renewed for.
+- **A changed PCR 7** (a firmware or dbx update, other Secure Boot keys) leaves the TPM2 slot
+  unable to open /var: that boot asked for the recovery key at the console. The PCR 7 value /var
+  was sealed to is kept on /var; a boot that finds another one says so in status, and
+  `applianctl var-seal --reseal` (the recovery key typed once more) seals /var to the new value.
+Records /run/appliance/var-seal.json for status; STATE_DIR/var-seal.json keeps the sealed PCR 7 and
+which factory reset the recovery key was last renewed for.
 """
 
 from __future__ import annotations
@@ -29,12 +33,13 @@ from typing import Any
 from appliance import efivars, luks, paths
 from appliance.atomic import atomic_write
 from appliance.errors import UserError
-from appliance.run import run
+from appliance.run import call, run
 from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
 
 DEVICE = f"/dev/disk/by-partlabel/{luks.VAR_LABEL}"
 PCR_PUBLIC_KEY = Path("/run/systemd/tpm2-pcr-public-key.pem")  # systemd-stub's .pcrpkey, through the initrd
 CONSOLES = (Path("/dev/console"), Path("/dev/tty1"))
+PCR7 = Path("/sys/class/tpm/tpm0/pcr-sha256/7")
 HINT = "see `journalctl -u appliance-var-seal`; /var still opens as before"
 
 
@@ -89,13 +94,26 @@ def _factory_reset_at() -> str | None:
     return at if isinstance(at, str) else None
 
 
-def _renewed_for() -> str | None:
+def _kept() -> dict[str, str]:
+    """What STATE_DIR/var-seal.json keeps: sealed_pcr7, recovery_renewed_for_reset."""
     data = read_capped(renewed_path(), MAX_RECORD_BYTES, what="/var's seal record")
     try:
-        value = loads_bounded(data)["recovery_renewed_for_reset"] if data is not None else None
-    except (ValueError, KeyError, TypeError):
+        doc = loads_bounded(data) if data is not None else {}
+    except ValueError:
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(doc, dict) else {}
+
+
+def _keep(**values: str) -> None:
+    atomic_write(renewed_path(), json.dumps({**_kept(), **values}, sort_keys=True).encode() + b"\n", mode=0o600)
+
+
+def _pcr7() -> str | None:
+    try:
+        value = PCR7.read_text().strip().lower()
+    except OSError:
         return None
-    return value if isinstance(value, str) else None
+    return value if len(value) == 64 and all(c in "0123456789abcdef" for c in value) else None
 
 
 def seal(runner: Callable[[Sequence[str]], str] | None = None, device: str = DEVICE, *, public_key: Path | None = None,
@@ -127,9 +145,19 @@ def seal(runner: Callable[[Sequence[str]], str] | None = None, device: str = DEV
             record["changed"].append("sealed to PCR 7 + signed PCR 11" +
                                      (f" (the installer's slot {', '.join(map(str, temporary))} wiped)" if temporary else ""))
             methods = luks.read_header(runner, device)
+            if (now := _pcr7()) is not None:
+                _keep(sealed_pcr7=now)
+    elif (now := _pcr7()) is not None:
+        sealed_to = _kept().get("sealed_pcr7")
+        if sealed_to is None:  # sealed by systemd-repart on this image's first boot
+            _keep(sealed_pcr7=now)
+        elif sealed_to != now:
+            record["problems"].append("PCR 7 changed since /var was sealed (a firmware or Secure Boot key change): the TPM "
+                                      "no longer opens /var, so this boot needed the recovery key; seal it again with "
+                                      "`applianctl var-seal --reseal` (it asks for the recovery key once more)")
     reset_at = _factory_reset_at()
     old_recovery = [m.keyslot for m in methods if m.kind == "recovery"]
-    renew = bool(reset_at) and reset_at != _renewed_for() and bool(old_recovery)
+    renew = bool(reset_at) and reset_at != _kept().get("recovery_renewed_for_reset") and bool(old_recovery)
     if not old_recovery or renew:
         # the slot it adds opens with the TPM's key; the old recovery slots go only after that
         key = luks.recovery_key(runner(["systemd-cryptenroll", "--unlock-tpm2-device=auto", "--recovery-key",
@@ -142,7 +170,7 @@ def seal(runner: Callable[[Sequence[str]], str] | None = None, device: str = DEV
                                       "`systemd-cryptenroll --unlock-tpm2-device=auto --recovery-key " + device + "`")
         methods = luks.read_header(runner, device)
     if reset_at and (renew or not old_recovery):
-        atomic_write(renewed_path(), json.dumps({"recovery_renewed_for_reset": reset_at}).encode() + b"\n", mode=0o600)
+        _keep(recovery_renewed_for_reset=reset_at)
     record.update(encrypted=True, methods=[m.to_json() for m in methods], sealed=any(m.sealed for m in methods),
                   recovery=any(m.kind == "recovery" for m in methods))
     if any(m.kind == "passphrase" for m in methods):
@@ -151,13 +179,35 @@ def seal(runner: Callable[[Sequence[str]], str] | None = None, device: str = DEV
     return record
 
 
+def reseal(device: str = DEVICE) -> int:
+    """After a PCR 7 change: a new TPM2 slot sealed to this boot's PCR 7 (systemd-cryptenroll asks for
+    the recovery key on the terminal), the old TPM2 slots wiped after it."""
+    state = efivars.secure_boot_state(efivars.EFIVARS)
+    if not (state.secure_boot and not state.setup_mode):
+        raise UserError("this boot does not enforce Secure Boot: /var is sealed only to a sealed boot's PCR 7",
+                        hint="turn Secure Boot on (README, \"Secure Boot\"), boot again, then run this")
+    old = [m.keyslot for m in luks.read_header(_run, device) if m.kind == "tpm2"]
+    argv = ["systemd-cryptenroll", *luks.tpm2_options(literal_pcrs=[luks.SECURE_BOOT_PCR], public_key=str(PCR_PUBLIC_KEY)),
+            *([f"--wipe-slot={','.join(map(str, old))}"] if old else []), device]
+    if call(argv, timeout=None, capture=False).returncode != 0:
+        raise UserError("systemd-cryptenroll did not seal /var again", hint="see its message above; /var opens as before")
+    if (now := _pcr7()) is not None:
+        _keep(sealed_pcr7=now)
+    print("/var: sealed to this boot's PCR 7 + signed PCR 11")
+    return 0
+
+
 def add_parser(subparsers: Any) -> None:
-    # hidden (not listed): appliance-var-seal.service's
+    # hidden from the list: appliance-var-seal.service's; --reseal is the operator's after a PCR 7 change
     p = subparsers.add_parser("var-seal", description="Seal /var's key to this machine and make sure a recovery key exists.")
+    p.add_argument("--reseal", action="store_true",
+                   help="seal /var to this boot's PCR 7 again after a firmware or Secure Boot key change (asks for the recovery key)")
     p.set_defaults(func=cmd_var_seal)
 
 
 def cmd_var_seal(args: argparse.Namespace) -> int:
+    if args.reseal:
+        return reseal()
     try:
         record = seal()
     except UserError as e:

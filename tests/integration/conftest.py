@@ -19,7 +19,8 @@ import netprobe
 import pytest
 from journey import V1, V2, V3, reports_of
 
-from appliance import config
+from appliance import config, luks
+from appliance.errors import UserError
 from applianctl import tls
 from builder import build, keys, qemu, release
 from testkit.standin import free_port
@@ -231,7 +232,33 @@ def installed(demo_config: config.Config, demo_image: Path, bundles: dict[str, s
         (work / "install-console.log").rename(work / f"install-console-{attempt}.log")
         (work / "install-output.log").unlink(missing_ok=True)
     return {"dir": work, "output": output, "console": console, "attempts": attempt,
-            "seconds": round(time.monotonic() - started), "ssh_line": ssh_line, "table": table}
+            "seconds": round(time.monotonic() - started), "ssh_line": ssh_line, "table": table,
+            "var_header": var_header(disk, table, work / "var-header-installed.img")}
+
+
+def var_header(disk: Path, table: dict[str, Any], copy: Path) -> tuple[list[luks.Method], Path] | str:
+    """The unlock methods of DISK's /var as the host reads them (a copy of the LUKS2 header and key
+    slots, the partition's first 32 MiB: the host has no device-mapper, and needs none for this);
+    what went wrong, for the test that asks, when it cannot be read."""
+    try:
+        return _var_header(disk, table, copy)
+    except (subprocess.CalledProcessError, StopIteration, KeyError, OSError, UserError) as e:
+        return f"{type(e).__name__}: {getattr(e, 'stderr', '') or e}"
+
+
+def _var_header(disk: Path, table: dict[str, Any], copy: Path) -> tuple[list[luks.Method], Path]:
+    part = next(p for p in table["partitiontable"]["partitions"] if p.get("name") == luks.VAR_LABEL)
+    with open(disk, "rb") as src, open(copy, "wb") as dst:
+        src.seek(int(part["start"]) * int(table["partitiontable"].get("sectorsize", 512)))
+        dst.write(src.read(32 << 20))
+    dump = subprocess.run(["cryptsetup", "luksDump", "--dump-json-metadata", str(copy)], capture_output=True, text=True, check=True)
+    return luks.parse_header(dump.stdout), copy
+
+
+def opens_with(header: Path, passphrase: str) -> bool:
+    """Does PASSPHRASE open a key slot of the LUKS2 header copy HEADER (no device-mapper needed)?"""
+    return subprocess.run(["cryptsetup", "open", "--test-passphrase", "--key-file=-", str(header)], input=passphrase,
+                          capture_output=True, text=True).returncode == 0
 
 
 # The installer's kernel oopsed in early boot under TCG on a loaded host twice in ten sessions

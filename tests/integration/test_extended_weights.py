@@ -229,6 +229,11 @@ def test_a_factory_reset_keeps_the_weights_and_settings_and_nothing_else(weights
     assert after["verify"]["result"]["ok"], after["verify"]
     assert after["engine"] == "active" and after["status"]["parts"]["weights"] == "ok", after["status"]
     assert after["status"]["state"] != "down", after["status"]
+    # a new recovery key replaced the old one (the one made at first boot), shown on the console once
+    seal = after["var_seal"]
+    assert seal is not None and any("a new recovery key after the factory reset" in c for c in seal["changed"]), seal
+    assert [m["kind"] for m in seal["methods"]].count("recovery") == 1, seal
+    assert weights_runs["console"].count("/var recovery key (shown once") == 1, "the reset's boot shows its new key once"
 
 
 def test_the_power_cut_counts_as_an_unclean_boot_for_the_crash_loop_guard(weights_runs: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ import array
 import fcntl
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -101,10 +102,21 @@ def fiemap_first_extent(path: Path) -> dict[str, int]:
 
 
 def var_partition_start() -> dict[str, Any]:
+    """Where /var's file system starts on the disk: its partition's start, plus the LUKS2 data
+    offset when /var is the dm-crypt device on top of it."""
     source = subprocess.run(["findmnt", "-no", "SOURCE", "/var"], capture_output=True, text=True, check=False).stdout.strip()
     name = Path(os.path.realpath(source)).name
-    start = int(Path(f"/sys/class/block/{name}/start").read_text()) * 512
-    return {"device": source, "start_bytes": start}
+    slaves = sorted(Path(f"/sys/class/block/{name}/slaves").glob("*"))
+    offset = 0
+    if slaves:
+        status = subprocess.run(["cryptsetup", "status", Path(source).name], capture_output=True, text=True, check=False).stdout
+        found = re.search(r"offset:\s+([0-9]+) sectors", status)
+        if not found:
+            raise RuntimeError(f"{source}: no data offset in `cryptsetup status`: {status[-300:]}")
+        offset = int(found.group(1)) * 512
+        name = slaves[0].name
+    start = int(Path(f"/sys/class/block/{name}/start").read_text()) * 512 + offset
+    return {"device": source, "start_bytes": start, "luks_offset": offset}
 
 
 def read_seconds(path: Path) -> float:
@@ -155,6 +167,9 @@ def ask_factory_reset() -> dict[str, Any]:
     return out
 
 
+VAR_SEAL = Path("/run/appliance/var-seal.json")
+
+
 def after_factory_reset() -> dict[str, Any]:
     quick = verify()
     return {"record": json.loads(LAST_RESET.read_text()) if LAST_RESET.exists() else None,
@@ -165,7 +180,9 @@ def after_factory_reset() -> dict[str, Any]:
             "boots": run("journalctl", "--list-boots", "-q", "--no-pager")["stdout"],
             "ca": TLS_CA.read_text() if TLS_CA.exists() else None,
             "verify": quick, "engine": run("systemctl", "is-active", "appliance-engine.service")["stdout"].strip(),
-            "status": status_summary()}
+            "status": status_summary(),
+            # /var's seal after the reset: a new recovery key, shown on the console (never in this record)
+            "var_seal": json.loads(VAR_SEAL.read_text()) if VAR_SEAL.exists() else None}
 
 
 def status_summary() -> Any:
