@@ -12,6 +12,7 @@ there (`APPLIANCE-ASK NAME JSON`); ProbeNet gives the guest a second NIC reachab
 from __future__ import annotations
 
 import base64
+import contextlib
 import ctypes
 import fcntl
 import ipaddress
@@ -166,6 +167,11 @@ class Tpm:
             ["swtpm", "socket", "--tpm2", "--tpmstate", f"dir={self.state}", "--ctrl", f"type=unixio,path={self.socket}",
              "--log", f"file={self.state / 'swtpm.log'}", "--terminate"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Ahead of QEMU's vCPU threads, which keep every core of a small host busy under TCG: a
+        # starved swtpm answered late once and the guest kernel gave up on a command ("tpm tpm0:
+        # Operation Timed out", systemd-pcrmachine.service failed). Only root may raise it.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, -10)
         deadline = time.monotonic() + 10
         while not self.socket.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
