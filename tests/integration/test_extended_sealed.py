@@ -4,8 +4,8 @@ and after the TPM's state is lost.
     boot 1  the demo image's first boot, sealed (Secure Boot enforcing, a TPM): systemd-repart makes
             /var LUKS2 sealed to PCR 7 + the signed PCR 11 policy; its recovery key is shown once
             on the console; report
-    boot 2  Secure Boot turned off in the firmware (the keys stay, so no setup mode) and a boot
-            entry added to the ESP that boots the genuine, signed kernel image with the signed
+    boot 2  Secure Boot turned off in the firmware (its keys cleared: setup mode) and a boot
+            entry added to the ESP (its loader.conf told not to enroll the ESP's key set) that boots the genuine, signed kernel image with the signed
             command line plus init=/usr/bin/bash: with Secure Boot off systemd-stub takes the
             loader's command line, so the shell runs as PID 1 on the real root and /usr. Typed at
             the serial console, what anyone at that shell would try: opening /var through the TPM
@@ -22,7 +22,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -36,7 +35,8 @@ from builder import build, qemu
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
 RECOVERY_SHOWN = re.compile(r"/var recovery key \(shown once[^\n]*\n\s*\n\s*([a-z-]{71})\s")
-PROMPT = re.compile(r"[Pp]assphrase for (disk )?appliance-var")
+# systemd-cryptsetup 257: "Please enter recovery key for disk appliance-var on /var:"
+PROMPT = re.compile(r"(passphrase|recovery key) for disk appliance-var")
 ATTACK_START, ATTACK_END = "SEALED-ATTACK-START", "SEALED-ATTACK-END"
 SHELL = re.compile(r"no job control in this shell|bash-[0-9.]+# ")
 ATTACK = ("exec >/dev/ttyS1 2>&1; echo " + ATTACK_START + "; modprobe dm_crypt; "
@@ -73,20 +73,17 @@ def _attack_entry(guest: qemu.Guest, work: Path) -> dict[str, str]:
     entry = work / "attack.conf"
     entry.write_text(f"title attack\nefi {uki_path}\noptions {' '.join(words)} init=/usr/bin/bash\n")
     loader = work / "loader.conf"
-    loader.write_text("default attack.conf\ntimeout 0\neditor no\n")
+    # no enrollment of the ESP's key set by systemd-boot on a firmware in setup mode (below)
+    loader.write_text("default attack.conf\ntimeout 0\neditor no\nsecure-boot-enroll off\n")
     subprocess.run(["mmd", "-D", "s", "-i", esp, "::/loader/entries"], capture_output=True, check=False)
     subprocess.run(["mcopy", "-o", "-i", esp, str(entry), "::/loader/entries/attack.conf"], check=True)
     subprocess.run(["mcopy", "-o", "-i", esp, str(loader), "::/loader/loader.conf"], check=True)
     return {"uki": uki_path, "options_bytes": str(len(entry.read_text()))}
 
 
-def _secure_boot_off(vars_fd: Path, cert: Path) -> None:
-    """The appliance's keys enrolled (not setup mode: systemd-boot would enroll them again), Secure
-    Boot off, as the firmware setup's switch leaves it."""
-    tool = Path(sys.executable).with_name("virt-fw-vars")
-    subprocess.run([str(tool), "--input", str(qemu.OVMF_VARS), "--output", str(vars_fd),
-                    "--set-pk", qemu.ENROLL_OWNER, str(cert), "--add-kek", qemu.ENROLL_OWNER, str(cert),
-                    "--add-db", qemu.ENROLL_OWNER, str(cert)], check=True, capture_output=True)
+def _secure_boot_off(vars_fd: Path) -> None:
+    """Secure Boot off: the firmware's keys cleared (setup mode), as its setup screen leaves them."""
+    qemu.firmware_vars(vars_fd, None)
 
 
 def _boot_raw(guest: qemu.Guest, timeout: float, *, type_at: tuple[re.Pattern[str], str] | None = None,
@@ -150,7 +147,7 @@ def sealed_runs(demo_config: config.Config, demo_image: Path, tmp_path_factory: 
     pristine_esp = work / "esp-loader.conf"
     subprocess.run(["mcopy", "-o", "-i", _esp(guest.disk), "::/loader/loader.conf", str(pristine_esp)], check=True)
     runs["entry"] = _attack_entry(guest, work)
-    _secure_boot_off(guest.vars, cert)
+    _secure_boot_off(guest.vars)
     runs["attack"] = _boot_raw(guest, 900, type_at=(SHELL, ATTACK))
     # boot 3: the entry gone, Secure Boot on, the TPM's state lost
     esp = _esp(guest.disk)
