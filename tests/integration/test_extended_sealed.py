@@ -5,10 +5,11 @@ and after the TPM's state is lost.
             /var LUKS2 sealed to PCR 7 + the signed PCR 11 policy; its recovery key is shown once
             on the console; report
     boot 2  Secure Boot turned off in the firmware (its keys cleared: setup mode) and a boot
-            entry added to the ESP (its loader.conf told not to enroll the ESP's key set) that boots the genuine, signed kernel image with the signed
-            command line plus init=/usr/bin/bash: with Secure Boot off systemd-stub takes the
-            loader's command line, so the shell runs as PID 1 on the real root and /usr. Typed at
-            the serial console, what anyone at that shell would try: opening /var through the TPM
+            entry added to the ESP (its loader.conf told not to enroll the ESP's key set) that
+            boots the genuine, signed kernel image with the signed command line plus
+            init=/usr/bin/bash: with Secure Boot off systemd-stub takes the loader's command
+            line, so the shell runs as PID 1 on the real root and /usr. Typed at the serial
+            console, what anyone at that shell would try: opening /var through the TPM
             (systemd-cryptsetup attach ... tpm2-device=auto); the TPM refuses (PCR 7 differs)
     boot 3  Secure Boot on again and the TPM's state lost (a new, empty swtpm): the TPM cannot open
             /var, the console asks for a passphrase; the recovery key from boot 1's console typed at
