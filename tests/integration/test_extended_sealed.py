@@ -39,7 +39,7 @@ RECOVERY_SHOWN = re.compile(r"/var recovery key \(shown once[^\n]*\n\s*\n\s*([a-
 # systemd-cryptsetup 257: "Please enter recovery key for disk appliance-var on /var:"
 PROMPT = re.compile(r"(passphrase|recovery key) for disk appliance-var")
 ATTACK_START, ATTACK_END = "SEALED-ATTACK-START", "SEALED-ATTACK-END"
-SHELL = re.compile(r"no job control in this shell|bash-[0-9.]+# ")
+SHELL = re.compile(r"no job control in this shell|bash-[0-9.]+# |root@[^\s:]+:/# ")
 ATTACK = ("exec >/dev/ttyS1 2>&1; echo " + ATTACK_START + "; modprobe dm_crypt; "
           "/usr/lib/systemd/systemd-cryptsetup attach attack /dev/disk/by-partlabel/appliance-var none "
           "tpm2-device=auto,headless=1; echo SEALED-ATTACK-RC=$?; ls /dev/mapper; "
