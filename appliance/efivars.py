@@ -62,10 +62,15 @@ def secure_boot_state(efivars: Path = EFIVARS) -> SecureBootState:
 
 
 def signature_list_sha256s(data: bytes) -> list[str]:
-    """The SHA-256 (hex) of each X.509 certificate in DATA, a chain of EFI_SIGNATURE_LISTs (the
-    value of db, KEK or PK); lists of other types (hashes of binaries) are skipped. ValueError (one
-    line) on a malformed chain: each list's sizes are checked against what is left before use."""
-    found: list[str] = []
+    """The SHA-256 (hex) of each X.509 certificate in DATA (signature_list_certificates)."""
+    return [hashlib.sha256(der).hexdigest() for der in signature_list_certificates(data)]
+
+
+def signature_list_certificates(data: bytes) -> list[bytes]:
+    """Each X.509 certificate (DER) in DATA, a chain of EFI_SIGNATURE_LISTs (the value of db, KEK
+    or PK); lists of other types (hashes of binaries) are skipped. ValueError (one line) on a
+    malformed chain: each list's sizes are checked against what is left before use."""
+    found: list[bytes] = []
     view = memoryview(data)
     offset = 0
     while offset < len(view):
@@ -88,7 +93,7 @@ def signature_list_sha256s(data: bytes) -> list[str]:
         if str(uuid.UUID(bytes_le=bytes(raw_type))) == CERT_X509_GUID:
             start = offset + _ESL_HEADER.size + header_size
             for sig in range(start, start + body, sig_size):
-                found.append(hashlib.sha256(view[sig + _OWNER:sig + sig_size]).hexdigest())
+                found.append(bytes(view[sig + _OWNER:sig + sig_size]))
         offset += list_size
     return found
 
@@ -98,3 +103,15 @@ def db_sha256s(efivars: Path = EFIVARS) -> list[str]:
     ValueError when db is malformed."""
     data = read_var("db", IMAGE_SECURITY_GUID, efivars)
     return [] if data is None else signature_list_sha256s(data)
+
+
+def db_certificates(efivars: Path = EFIVARS) -> list[bytes]:
+    """The X.509 certificates (DER) in the firmware's db; [] when there is none. ValueError when
+    db is malformed."""
+    data = read_var("db", IMAGE_SECURITY_GUID, efivars)
+    return [] if data is None else signature_list_certificates(data)
+
+
+def enforcing(state: SecureBootState) -> bool:
+    """The firmware checks every image it starts: Secure Boot on, not in setup mode."""
+    return bool(state.secure_boot) and state.setup_mode is not True

@@ -23,19 +23,31 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def make_pe(path: Path, sections: dict[str, bytes]) -> None:
-    """A minimal PE file with SECTIONS, enough for update.pe_sections (a stand-in UKI)."""
-    pe_offset = 0x40
-    table_offset = pe_offset + 24
-    data_offset = table_offset + 40 * len(sections)
-    head = bytearray(b"MZ" + b"\0" * (pe_offset - 2))
-    struct.pack_into("<I", head, 0x3C, pe_offset)
-    coff = b"PE\0\0" + struct.pack("<HHIIIHH", 0x8664, len(sections), 0, 0, 0, 0, 0)
-    table, body = b"", b""
+    """A small PE32+ image with SECTIONS: enough for update.pe_sections (a stand-in UKI), and for
+    sbsign to sign (an optional header with 16 data directories, aligned sections)."""
+    pe_offset, file_align, section_align, opt_size = 0x80, 0x200, 0x1000, 112 + 16 * 8
+    headers = -(-(pe_offset + 24 + opt_size + 40 * len(sections)) // file_align) * file_align
+    dos = bytearray(b"MZ" + b"\0" * (pe_offset - 2))
+    struct.pack_into("<I", dos, 0x3C, pe_offset)
+    coff = b"PE\0\0" + struct.pack("<HHIIIHH", 0x8664, len(sections), 0, 0, 0, opt_size, 0x22)
+    table, body, rva = b"", b"", section_align
     for name, data in sections.items():
-        header = struct.pack("<IIIIIIHHI", len(data), 0, len(data), data_offset + len(body), 0, 0, 0, 0, 0)
-        table += name.encode().ljust(8, b"\0") + header
-        body += data
-    path.write_bytes(bytes(head) + coff + table + body + b"\0" * 512)
+        raw_size = -(-len(data) // file_align) * file_align
+        table += name.encode().ljust(8, b"\0") + struct.pack("<IIIIIIHHI", len(data), rva, raw_size, headers + len(body),
+                                                             0, 0, 0, 0, 0x40000040)
+        body += data.ljust(raw_size, b"\0")
+        rva += -(-len(data) // section_align) * section_align
+    optional = struct.pack("<HBBIIIIIQIIHHHHHHIIIIHHQQQQII", 0x20B, 0, 0, 0, 0, 0, 0, section_align, 0x10000000,
+                           section_align, file_align, 0, 0, 0, 0, 0, 0, 0, rva, headers, 0, 10, 0, 0, 0, 0, 0, 0, 16)
+    path.write_bytes((bytes(dos) + coff + optional + b"\0" * (16 * 8) + table).ljust(headers, b"\0") + body)
+
+
+def sign_pe(path: Path, key: Path, cert: Path, *extra_certs: Path) -> None:
+    """Sign PATH in place for Secure Boot with sbsign (KEY, CERT; EXTRA_CERTS ride in the signature)."""
+    command = ["sbsign", "--key", str(key), "--cert", str(cert), "--output", str(path), str(path)]
+    for extra in extra_certs:
+        command[1:1] = ["--addcert", str(extra)]
+    subprocess.run(command, check=True, capture_output=True)
 
 
 def usrhash_for(version: str) -> str:
@@ -136,7 +148,10 @@ def make_signing(tmp_path: Path) -> tuple[Path, Path]:
 def bundle(tmp_path: Path, key: Path, version: str = "2.0.0", **kw: Any) -> Path:
     engine = kw.pop("engine", False)
     config = demo_config(version, kw.pop("min_version", "0"), kw.pop("digest", None))
+    uki_signer = kw.pop("uki_signer", None)  # (key, certificate): the kernel image signed for Secure Boot
     out = fake_build(tmp_path / f"out-{version}", config, key, usr_bytes=kw.pop("usr_bytes", 4096))
+    if uki_signer is not None:
+        sign_pe(out / f"appliance_{version}.efi", *uki_signer)
     if not engine:  # released for a target that has this engine already
         kw.setdefault("previous_bundle_or_engine_digests", [config.engine.digest])
     target = tmp_path / f"bundle-{version}"

@@ -17,7 +17,9 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from appliance import manifest
+from cryptography import x509
+
+from appliance import authenticode, efivars, manifest
 from appliance.bundle import MAX_SIG_BYTES, NOT_OURS, BundleIndex, engine_short, payload_names, uki_facts
 from appliance.errors import Refused, UserError
 from appliance.run import call
@@ -135,11 +137,12 @@ def check_fits(index: BundleIndex, inactive: Slot) -> None:
 
 
 def check_staged(index: BundleIndex, staging: Path, keys_dir: Path, engine_written: bool = False,
-                 running_engine: manifest.EngineImage | None = None) -> None:
+                 running_engine: manifest.EngineImage | None = None, efivars_dir: Path | None = None) -> None:
     """What is inside the verified files agrees with the signed index; with ENGINE_WRITTEN (the
     plan writes the engine slot), the staged engine images hash to what the manifest pins; when the
     new version runs the RUNNING_ENGINE's image, its manifest pins the running engine store's root
-    hash (the slot it will open, unwritten)."""
+    hash (the slot it will open, unwritten). With EFIVARS_DIR, a kernel image the firmware would
+    refuse (check_kernel_trusted)."""
     names = payload_names(index.version, index.engine_digest, False)
     # On /var: regular files, capped before reading (the hashes below are checked after).
     again = "fetch the bundle again: applianctl update SOURCE (or --download-only SOURCE)"
@@ -183,6 +186,33 @@ def check_staged(index: BundleIndex, staging: Path, keys_dir: Path, engine_writt
         raise Refused(f"{names['uki']} boots usrhash {facts['usrhash']}, not bundle.json's", hint="the bundle is inconsistent")
     if facts["image_version"] not in (None, index.version):
         raise Refused(f"{names['uki']} is version {facts['image_version']}, not {index.version}", hint="the bundle is inconsistent")
+    if efivars_dir is not None:
+        check_kernel_trusted(staging / names["uki"], efivars_dir)
+
+
+def check_kernel_trusted(uki: Path, efivars_dir: Path) -> None:
+    """Under Secure Boot, a kernel image whose signer the firmware's db does not trust is refused
+    before anything is written: the firmware would refuse to start it, and its boot manager then
+    stays in its own menu with nobody to choose the previous version (seen in QEMU with OVMF).
+    Without Secure Boot enforcing the firmware checks nothing, and neither does this."""
+    state = efivars.secure_boot_state(efivars_dir)
+    if not efivars.enforcing(state):
+        return
+    try:
+        db = [x509.load_der_x509_certificate(der) for der in efivars.db_certificates(efivars_dir)]
+    except ValueError as e:
+        raise Refused(f"the firmware's db cannot be read ({e}), so {uki.name}'s signer cannot be checked",
+                      hint="check the firmware's Secure Boot keys in its setup (or enroll the appliance's keys again)") from None
+    try:
+        found = authenticode.signers(uki)
+    except (OSError, authenticode.NotSigned) as e:
+        raise Refused(f"{uki.name} has no signature this firmware could check ({e}); under Secure Boot it would never start",
+                      hint="release it again from a build signed with the appliance's Secure Boot key") from None
+    if not any(authenticode.trusted_by(s, db) for s in found):
+        raise Refused(f"{uki.name} is signed by {found[0].subject}, which this firmware's db does not trust; "
+                      "under Secure Boot it would never start",
+                      hint="release it again with the Secure Boot key whose certificate is enrolled here "
+                           "(or enroll that key's certificate in db first)")
 
 
 VERITYSETUP = "veritysetup"

@@ -87,11 +87,11 @@ def _refuse_rolled_back(p: UpdatePlan) -> None:
         raise refused
 
 
-def _download(p: UpdatePlan, staging: Path, space_margin: int, keys_dir: Path) -> None:
+def _download(p: UpdatePlan, staging: Path, space_margin: int, keys_dir: Path, host: Host) -> None:
     """Room first, then every file the plan names into STAGING, each proven, then their content."""
     check_space(p.index, staging, space_margin, p.engine_written)
     stage(p.index, p.source, staging, p.engine_written)
-    check_staged(p.index, staging, keys_dir, p.engine_written, p.running.engine_image)
+    check_staged(p.index, staging, keys_dir, p.engine_written, p.running.engine_image, efivars_dir=host.efivars)
 
 
 def check(
@@ -141,7 +141,7 @@ def update(
         if confirm is not None and not confirm(f"install {p.version} over {running.version} into slot {p.inactive.name}?"):
             raise UserError("not confirmed", hint="add --yes to install without asking")
         staging = staging_for(p.version)
-        _download(p, staging, space_margin, keys_dir)
+        _download(p, staging, space_margin, keys_dir, host)
         say(f"bundle {p.version} verified ({len(p.index.files)} files, signed by {p.index.signer})")
         install(p, staging, host=host, deadline=deadline, source=spec, say=say)
         _accepted(p)
@@ -254,7 +254,7 @@ def download_only(
             return 0
         staging = staging_for(p.version)
         update_staged.seed(previous, p.index, staging, p.engine_written)
-        _download(p, staging, space_margin, keys_dir)
+        _download(p, staging, space_margin, keys_dir, host)
         record = update_staged.publish(staging, p.index, p.signed, spec, p.engine_written, timestamp=p.signed_timestamp)
         _accepted(p)
     mib = record.bytes / (1 << 20)
@@ -305,7 +305,7 @@ def apply(
             raise UserError("not confirmed", hint="add --yes to install without asking")
         with update_staged.discarded_if_refused():
             update_staged.verify_in_place(p.index, staged, p.engine_written)
-            check_staged(p.index, staged, keys_dir, p.engine_written, p.running.engine_image)
+            check_staged(p.index, staged, keys_dir, p.engine_written, p.running.engine_image, efivars_dir=host.efivars)
         say(f"staged bundle {p.version} verified again ({len(p.index.files)} files, signed by {p.index.signer})")
         install(p, staged, host=host, deadline=deadline, source=record.source, staged_at=record.staged_at, say=say)
     installed(p, reboot, say)
