@@ -18,6 +18,7 @@ from typing import Any
 import netprobe
 import pytest
 from journey import V1, V2, V3, reports_of
+from signed_images import foreign_signed
 
 from appliance import config, luks
 from appliance.errors import UserError
@@ -53,8 +54,9 @@ def demo_image(demo_config: config.Config) -> Path:
 #                  is applied again, from /var, and succeeds: engine slot B, then /usr slot B
 #          boot B  v2 (1.0.1) on trial, with its new engine: before it is judged, an update to v3
 #                  is refused with both slots hashed before and after; then judged good and
-#                  blessed; three bundles that must be refused (a flipped byte, an untrusted
-#                  key, a downgrade) with the inactive slot hashed before and after; then
+#                  blessed; four bundles that must be refused (a flipped byte, an untrusted
+#                  key, a kernel image signed by a Secure Boot key outside db, a downgrade)
+#                  with the inactive slot hashed before and after; then
 #                  `applianctl rollback`
 #          boot R  v1 again, by the operator's rollback, with v1's engine from engine slot A;
 #                  then `applianctl rollback --force` (v2 is out of tries since it was left)
@@ -131,7 +133,7 @@ def never_serving(demo: config.Config) -> config.Config:
 def bundles(demo_config: config.Config, demo_image: Path, https_root: tuple[Path, str, str],
             tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """v2 (a new engine image) and v3 (v2's engine) built and released on the HTTPS server, and
-    the three bundles to refuse: the URLs by name."""
+    the four bundles to refuse: the URLs by name."""
     root, url, _ = https_root
     key = build.signing_key_for(demo_config, None)
     v1_out = demo_image.parent
@@ -157,10 +159,14 @@ def bundles(demo_config: config.Config, demo_image: Path, https_root: tuple[Path
     # the same release, signed by a key the appliance does not trust
     stranger, _ = keys.generate(tmp_path_factory.mktemp("stranger-key"))
     release.make_bundle(v3, outputs["v3"], root / "untrusted", stranger, [v3.engine.digest], previous_version=V2)
+    # the same release, whose kernel image is signed by a Secure Boot key the firmware's db lacks
+    release.make_bundle(v3, foreign_signed(outputs["v3"], tmp_path_factory), root / "foreign-signed", key, [v3.engine.digest],
+                        previous_version=V2)
     # a downgrade: v1's own build, released; with its install image, since the installer medium
     # (conftest.installed) carries only what the signed index lists
     release.make_bundle(demo_config, v1_out, root / "v1", key, [demo_config.engine.digest], with_install_image=True)
-    return {name: f"{url}/{name}/" for name in ("v2", "v3", "flipped", "untrusted", "v1")}
+    return {name: f"{url}/{name}/" for name in ("v2", "v3", "flipped", "untrusted", "foreign-signed", "v1")}
+
 
 
 # The journey's host: the demo's disk size, the hostname and SSH key its signed install plan gives
@@ -294,6 +300,7 @@ def _plan_credentials(bundles: dict[str, str], ca: str) -> dict[str, str]:
             # run by appliance-bootcheck-trial.service, before the assessment
             {"do": "update-on-trial", "url": bundles["v3"]},
             {"do": "refusals", "bundles": {n: bundles[u] for n, u in (("flipped", "flipped"), ("untrusted", "untrusted"),
+                                                                       ("foreign-signed", "foreign-signed"),
                                                                        ("downgrade", "v1"))}},
             {"do": "rollback"},  # boot B: the operator goes back to v1 and its engine
             {"do": "update", "url": bundles["v3"]},

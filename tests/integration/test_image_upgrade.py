@@ -1,6 +1,6 @@
 """Signed A/B upgrades of a demo appliance in QEMU, over HTTPS from a real Caddy on the host:
 v1 stages v2 (a new engine image) and applies it, the power is cut while the new engine is
-written, the staged update is applied again after the reboot; three refused bundles; the
+written, the staged update is applied again after the reboot; four refused bundles; the
 operator rolls back to v1 (and its engine) and forward again; v3 rolled back by itself to v2
 with v2's engine. The journey and its boots are described in conftest.py."""
 
@@ -115,6 +115,7 @@ def test_v2_is_judged_good_blessed_and_v1_kept(boot_b: dict[str, Any]) -> None:
     [
         ("flipped", "does not match bundle.json"),
         ("untrusted", "which this version does not trust"),
+        ("foreign-signed", "which this firmware's db does not trust; under Secure Boot it would never start"),
         ("downgrade", f"older than the running version {V2}"),
     ],
 )
