@@ -8,6 +8,7 @@ Ed25519, bundle.json.sig). Nothing in a bundle is trusted before that one signat
 
 from __future__ import annotations
 
+import json
 import re
 import struct
 from collections.abc import Mapping
@@ -30,13 +31,16 @@ MAX_SIG_BYTES = 256
 # GPT partition types of the A/B /usr slots (the Discoverable Partitions Specification, x86-64)
 USR_TYPE = "8484680C-9521-48C6-9C11-B0720656F69E"
 USR_VERITY_TYPE = "77FF5F63-E7B6-4633-ACF4-1565B864C0E6"
+USR_VERITY_SIG_TYPE = "E7BB33FB-06CF-4E81-8273-E543B413E2E2"  # the root hash's signature (image/initrd reads it)
 # the engine slots' own types (docs/disk-layout.md): appliance-engine and appliance-engine-verity
 ENGINE_TYPE = "344E5F5F-F1EA-455D-9D71-C82214F17CF1"
 ENGINE_VERITY_TYPE = "E8587844-5270-4B6E-B69C-E9E0C63B1823"
 EMPTY_LABEL = "_empty"  # a free slot (systemd-sysupdate's convention)
 IMAGE_ID = "appliance"
 # the partition images a bundle ships without their trailing zeros (the slot is zeroed first)
-TRIMMED_ROLES = ("usr", "usr-verity", "engine", "engine-verity")
+TRIMMED_ROLES = ("usr", "usr-verity", "usr-verity-sig", "engine", "engine-verity")
+# the /usr slot's partitions an update writes, in the order it writes them (sysupdate.d)
+USR_ROLES = ("usr", "usr-verity", "usr-verity-sig")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*\Z")
 
@@ -51,6 +55,7 @@ def payload_names(version: str, engine_digest: str, with_engine: bool, with_inst
     names = {
         "usr": f"appliance_{version}.usr.raw",
         "usr-verity": f"appliance_{version}.usr-verity.raw",
+        "usr-verity-sig": f"appliance_{version}.usr-verity-sig.raw",
         "uki": f"appliance_{version}.efi",
         "manifest": "manifest.json",
         "manifest-sig": "manifest.json.sig",
@@ -98,6 +103,7 @@ def source_names(index: BundleIndex) -> dict[str, str]:
     return {
         names["usr"]: f"appliance_{version}_{usr_uuid}.usr.raw",
         names["usr-verity"]: f"appliance_{version}_{verity_uuid}.usr-verity.raw",
+        names["usr-verity-sig"]: names["usr-verity-sig"],
         names["uki"]: f"appliance_{version}.efi",
     }
 
@@ -257,3 +263,26 @@ def uki_facts(path: Path) -> dict[str, str | None]:
     osrel = sections.get(".osrel", b"").decode("utf-8", "replace")
     m = re.search(r"^IMAGE_VERSION=\"?([^\"\n]*)\"?$", osrel, re.M)
     return {"usrhash": usrhash, "image_version": m.group(1) if m else None}
+
+
+# ----------------------------------------------------------------------------------- /usr's signature
+
+MAX_SIGNATURE_PARTITION = 64 << 10  # systemd-repart's JSON is about 1 KiB, the partition 16 KiB
+
+
+def signed_root_hash(path: Path) -> str:
+    """The root hash a usr-verity-sig partition image signs (systemd-repart's JSON: rootHash,
+    certificateFingerprint, signature, then zeros). ValueError (one line) when it is not one."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_SIGNATURE_PARTITION + 1)
+    text = data.rstrip(b"\0")
+    if len(text) > MAX_SIGNATURE_PARTITION:
+        raise ValueError(f"more than {MAX_SIGNATURE_PARTITION} bytes before its zeros: not a root hash signature")
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        raise ValueError("not the JSON of a root hash signature") from None
+    root_hash, signature = (doc.get("rootHash"), doc.get("signature")) if isinstance(doc, dict) else (None, None)
+    if not isinstance(root_hash, str) or not SHA256.match(root_hash) or not isinstance(signature, str) or not signature:
+        raise ValueError("a root hash signature needs rootHash (64 hex digits) and signature")
+    return root_hash

@@ -89,8 +89,9 @@ def boot_to_healthy(disk: Path, demo: config.Config, timeout: float = 1500, seal
     """Seconds from starting QEMU (power-on: TCG, OVMF) on a copy of DISK until GET /health
     answers 200 through the proxy (forwarded from the host's loopback). The guest is killed
     then: only the time matters. SEALED: Secure Boot enforcing with the demo's certificate enrolled
-    and a TPM, as every test boot; else the plain firmware (no SMM) and no TPM."""
-    guest = qemu.Guest(disk, enroll_cert=build.secure_boot_certificate(demo) if sealed else None)
+    and a TPM, as every test boot; else the plain firmware (no SMM) and no TPM, its variable store
+    still holding the certificate in db: the kernel checks /usr's root hash signature against it."""
+    guest = qemu.Guest(disk, enroll_cert=build.secure_boot_certificate(demo))
     with contextlib.ExitStack() as stack:
         tpm = stack.enter_context(qemu.Tpm(guest.tpm_state)) if sealed else None
         return _time_to_healthy(guest, qemu.qemu_command(guest.disk, guest.vars, {}, tpm, sealed=sealed), demo, timeout)

@@ -16,7 +16,7 @@ from pathlib import Path
 from appliance.atomic import replace_dir
 from appliance.config import Config
 from appliance.errors import UserError
-from builder import engine_image, engine_store, keys, mirror, pins, render, secureboot, tuning, weights
+from builder import engine_image, engine_store, initrd_package, keys, mirror, pins, render, secureboot, tuning, weights
 from builder.run import HOST_CACHE, mkosi_command, run
 
 log = logging.getLogger("builder")
@@ -24,6 +24,8 @@ log = logging.getLogger("builder")
 ROOT = render.ROOT
 IMAGE_DIR = ROOT / "image"
 MKOSI_CACHE = HOST_CACHE / "mkosi-cache"
+# where the initrd puts /usr's root hash signature (image/initrd/package/usr/lib/appliance/usr-signature)
+USR_SIGNATURE = "/run/appliance/usr-roothash.p7s"
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,14 @@ def mkosi_arguments(config: Config, generated: Path, sandbox: Path, repart: Path
         f"--image-version={config.appliance.version}",
         *(f"--kernel-command-line={word}" for word in initrd_credentials()),
         f"--kernel-command-line=systemd.default_device_timeout_sec={config.os.device_timeout_sec}",
+        # /usr's root hash signature (image/mkosi.repart/12-usr-verity-sig.conf, signed with the Secure
+        # Boot key), which the initrd's package reads and dm-verity checks against the firmware's db
+        f"--kernel-command-line=systemd.verity_usr_options=root-hash-signature={USR_SIGNATURE}",
+        f"--package-directory={generated.parent / initrd_package.DIRECTORY}",
+        f"--initrd-volatile-package={initrd_package.NAME}",
         f"--hostname={config.os.hostname}",
         *secureboot.mkosi_arguments(secureboot.boot_keys(config, signing_key)),
+        *secureboot.verity_arguments(secureboot.boot_keys(config, signing_key)),
     ]
 
 
@@ -183,6 +191,7 @@ def prepare(config: Config, engine_source: Path | None, signing_key: Path) -> tu
         shutil.rmtree(path, ignore_errors=True)
     render.generate_tree(config, generated, store)
     render.repart_definitions(store, repart)
+    initrd_package.make(work / initrd_package.DIRECTORY)
     public = signing_key.with_suffix(".pub")
     trusted = generated / render.LIB / "keys" / keys.trusted_name(public)
     trusted.parent.mkdir(parents=True, exist_ok=True)

@@ -140,7 +140,7 @@ def make_bundle(
         raise UserError(f"{out}: the build's engine image is not {config.engine.digest}", hint="build it again")
 
     names = bundle.payload_names(version, config.engine.digest, with_engine=False)
-    sources = {names[r]: out / names[r] for r in ("usr", "usr-verity", "uki")}
+    sources = {names[r]: out / names[r] for r in (*bundle.USR_ROLES, "uki")}
     if config.engine.digest not in known_digests:
         # mkosi's split engine partitions (SplitName=engine, engine-verity), shipped under the digest's name
         engine_names = bundle.payload_names(version, config.engine.digest, with_engine=True)
@@ -154,6 +154,13 @@ def make_bundle(
     usrhash = bundle.uki_facts(sources[names["uki"]])["usrhash"]
     if not usrhash:
         raise UserError(f"{sources[names['uki']]}: its command line has no usrhash=", hint="the image must boot a verity-protected /usr")
+    try:
+        signed = bundle.signed_root_hash(sources[names["usr-verity-sig"]])
+    except ValueError as e:
+        raise UserError(f"{sources[names['usr-verity-sig']]}: {e}", hint="build it again") from None
+    if signed != usrhash:
+        raise UserError(f"{sources[names['usr-verity-sig']]} signs root hash {signed[:16]}…, the kernel image boots {usrhash[:16]}…",
+                        hint="build it again: the two come from one build")
 
     bundle_dir = bundle_dir.resolve()
     bundle_dir.parent.mkdir(parents=True, exist_ok=True)

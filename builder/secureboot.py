@@ -73,6 +73,12 @@ def mkosi_arguments(boot: BootKeys, *, pcr_policy: bool = True) -> list[str]:
             f"--sign-expected-pcr-certificate={boot.pcr_cert}"]
 
 
+def verity_arguments(boot: BootKeys) -> list[str]:
+    """Sign /usr's verity root hash (its usr-verity-sig partition) with the Secure Boot key: the
+    kernel checks that signature against the firmware's db, where the same certificate is."""
+    return [f"--verity-key={boot.secure_boot_key}", f"--verity-certificate={boot.secure_boot_cert}"]
+
+
 def der(cert_pem: Path) -> bytes:
     return x509.load_pem_x509_certificate(cert_pem.read_bytes()).public_bytes(serialization.Encoding.DER)
 

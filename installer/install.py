@@ -53,8 +53,8 @@ HOST_SUBDIR = "lib/appliance/host"  # on /var: /var/lib/appliance/host
 BOOT_LABEL = "Appliance"
 SYSTEMD_BOOT = r"\EFI\systemd\systemd-bootx64.efi"
 GIB = 1 << 30
-# first boot's additions besides engine slot B: /usr B and its verity, root grown to 1 GiB, /var's minimum
-LAYOUT_EXTRA = 3 * GIB + 64 * (1 << 20) + 1 * GIB + 1 * GIB
+# first boot's additions besides engine slot B: /usr B, its verity and signature, root grown to 1 GiB, /var's minimum
+LAYOUT_EXTRA = 3 * GIB + 64 * (1 << 20) + 16 * (1 << 10) + 1 * GIB + 1 * GIB
 _SIZE_MIN = re.compile(r"^SizeMinBytes=([0-9]+)$", re.M)
 
 

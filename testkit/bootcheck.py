@@ -171,6 +171,9 @@ def collect() -> dict[str, Any]:
         "failed_units": [u.get("unit") for u in units if isinstance(u, dict)],
         "usr_mount": usr_source,
         "usr_verity": _run(["veritysetup", "status", "usr"]),
+        # what the initrd's appliance-usr-signature.service said, and the signature it handed to dm-verity
+        "usr_signature": {"file": Path("/run/appliance/usr-roothash.p7s").is_file(),
+                          "log": _run(["journalctl", "-b", "-o", "cat", "--no-pager", "-u", "appliance-usr-signature.service"])[-2000:]},
         "partitions": _json(["sfdisk", "-J", f"/dev/{root_disk}"]) if root_disk else None,
         "filesystems": {
             "filesystems": [
@@ -341,7 +344,8 @@ def run_refusals(version: str, bundles: dict[str, str]) -> dict[str, Any]:
     return {"bundles": results, "inactive_before": before, "inactive_after": _inactive_slot_hashes(version)}
 
 
-USR_TYPES = {"8484680C-9521-48C6-9C11-B0720656F69E": "usr", "77FF5F63-E7B6-4633-ACF4-1565B864C0E6": "usr-verity"}
+USR_TYPES = {"8484680C-9521-48C6-9C11-B0720656F69E": "usr", "77FF5F63-E7B6-4633-ACF4-1565B864C0E6": "usr-verity",
+             "E7BB33FB-06CF-4E81-8273-E543B413E2E2": "usr-verity-sig"}
 
 
 def _sectors_written(node: str) -> str:

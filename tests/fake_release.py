@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import struct
 import subprocess
 import tempfile
@@ -50,6 +51,12 @@ def sign_pe(path: Path, key: Path, cert: Path, *extra_certs: Path) -> None:
     subprocess.run(command, check=True, capture_output=True)
 
 
+def signature_partition(root_hash: str, size: int = 16384) -> bytes:
+    """A usr-verity-sig partition image as systemd-repart writes it: its JSON, then zeros."""
+    doc = {"rootHash": root_hash, "certificateFingerprint": "ab" * 32, "signature": "MIIB" + "A" * 60}
+    return json.dumps(doc, separators=(",", ":")).encode().ljust(size, b"\0")
+
+
 def usrhash_for(version: str) -> str:
     return hashlib.sha256(f"roothash {version}".encode()).hexdigest()
 
@@ -90,6 +97,7 @@ def fake_build(out: Path, config: Config, key: Path, usr_bytes: int = 4096) -> P
     v = config.appliance.version
     (out / f"appliance_{v}.usr.raw").write_bytes(bytes([7]) * usr_bytes + v.encode())
     (out / f"appliance_{v}.usr-verity.raw").write_bytes(b"verity" * 100 + v.encode())
+    (out / f"appliance_{v}.usr-verity-sig.raw").write_bytes(signature_partition(usrhash_for(v)))
     make_pe(
         out / f"appliance_{v}.efi",
         {

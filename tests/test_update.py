@@ -31,7 +31,16 @@ from appliance import atomic as state
 from appliance import bundle as bundle_format
 from appliance import fetch as update_fetch
 from appliance import freshness, manifest, paths
-from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE, USR_TYPE, USR_VERITY_TYPE, engine_short, partuuids_from_usrhash, source_names
+from appliance.bundle import (
+    ENGINE_TYPE,
+    ENGINE_VERITY_TYPE,
+    USR_TYPE,
+    USR_VERITY_SIG_TYPE,
+    USR_VERITY_TYPE,
+    engine_short,
+    partuuids_from_usrhash,
+    source_names,
+)
 from appliance.errors import Refused, UserError
 from applianctl.records import LastRollback
 from applianctl.slots import engine as engine_slots
@@ -91,7 +100,7 @@ class Device:
 
     def set_gpt(
         self, label_a: str, label_b: str, b_bytes: int = 3 * GIB, b_uuid: str = "11111111-2222-3333-4444-555555555555",
-        engine_b: str | None = None,
+        engine_b: str | None = None, signatures: bool = True,
     ) -> None:
         """The disk: /usr A and B, engine slot A as images of today label it (linux-generic,
         engine_D12 of the running engine), and with ENGINE_B an engine slot B of the
@@ -113,6 +122,10 @@ class Device:
                 "node": "/dev/vda6", "size": 131072, "type": USR_VERITY_TYPE, "uuid": "66666666-2222-3333-4444-555555555555",
                 "name": label_b + ("_verity" if label_b != "_empty" else ""),
             },
+            *([{"node": "/dev/vda4", "size": 32, "type": USR_VERITY_SIG_TYPE, "uuid": "44444444-2222-3333-4444-555555555555",
+                 "name": label_a + "_verity_sig"},
+               {"node": "/dev/vda11", "size": 32, "type": USR_VERITY_SIG_TYPE, "uuid": "11111111-4444-3333-4444-555555555555",
+                "name": label_b + ("_verity_sig" if label_b != "_empty" else "")}] if signatures else []),
             {"node": "/dev/vda7", "size": 8192, "type": linux, "uuid": "77777777-2222-3333-4444-555555555555", "name": engine},
             {"node": "/dev/vda8", "size": 2048, "type": linux, "uuid": "88888888-2222-3333-4444-555555555555", "name": engine + "-verity"},
             *slot_b,
@@ -180,7 +193,7 @@ def test_update_from_directory_writes_the_inactive_slot_through_sysupdate(tmp_pa
     assert [c for c in calls if c[0] == "systemd-sysupdate"] == [["systemd-sysupdate", "--no-pager", "update", "2.0.0"]]
     listed = [sorted(listing) for listing in device.sources()]
     assert listed == [sorted(["appliance_2.0.0.efi", f"appliance_2.0.0_{usr_uuid}.usr.raw",
-                              f"appliance_2.0.0_{verity_uuid}.usr-verity.raw"])]
+                              f"appliance_2.0.0_{verity_uuid}.usr-verity.raw", "appliance_2.0.0.usr-verity-sig.raw"])]
     assert not any(c[0] in ("systemctl", "bootctl") for c in calls)  # no reboot asked, not a downgrade
     last = json.loads(paths.last_update_path().read_text())
     assert last["version"] == "2.0.0" and last["slot"] == "B" and last["downgrade"] is False
@@ -217,7 +230,7 @@ def test_a_new_engine_goes_into_the_free_engine_slot_first_then_usr(tmp_path: Pa
     assert writes == [["blkdiscard", "--zeroout", "/dev/vda9"], ["blkdiscard", "--zeroout", "/dev/vda10"],
                       ["systemd-sysupdate", "--no-pager", "--component=engine", "update", "abababababab"],
                       ["blkdiscard", "--zeroout", "/dev/vda5"], ["blkdiscard", "--zeroout", "/dev/vda6"],
-                      ["systemd-sysupdate", "--no-pager", "update", "2.0.0"]]
+                      ["blkdiscard", "--zeroout", "/dev/vda11"], ["systemd-sysupdate", "--no-pager", "update", "2.0.0"]]
     # never the running engine's partitions (vda7, vda8)
     assert not any("/dev/vda7" in a or "/dev/vda8" in a for c in device.calls() for a in c)
     assert not any(c[-2:] in (["7", "_empty"], ["8", "_empty"]) for c in device.calls())
@@ -553,8 +566,9 @@ def test_transfer_definitions_parse_and_match_what_update_stages(tmp_path: Path,
     import fnmatch
 
     key, trusted = signing
-    assert sorted(p.name for p in TRANSFERS.glob("*.transfer")) == ["10-usr.transfer", "20-usr-verity.transfer", "90-uki.transfer"]
-    for name in ("10-usr.transfer", "20-usr-verity.transfer", "90-uki.transfer"):
+    names = ["10-usr.transfer", "20-usr-verity.transfer", "30-usr-verity-sig.transfer", "90-uki.transfer"]
+    assert sorted(p.name for p in TRANSFERS.glob("*.transfer")) == names
+    for name in names:
         t = _transfer(name)
         assert set(t.sections()) == {"Transfer", "Source", "Target"}
         assert t["Source"]["Type"] == "regular-file"
@@ -562,6 +576,8 @@ def test_transfer_definitions_parse_and_match_what_update_stages(tmp_path: Path,
         assert t["Transfer"]["ProtectVersion"] == "%A"
         assert t["Target"]["InstancesMax"] == "2"
     usr, verity, uki = _transfer("10-usr.transfer"), _transfer("20-usr-verity.transfer"), _transfer("90-uki.transfer")
+    sig = _transfer("30-usr-verity-sig.transfer")
+    assert sig["Target"]["MatchPartitionType"] == "usr-verity-sig" and sig["Target"]["MatchPattern"] == "appliance_@v_verity_sig"
     assert (usr["Target"]["Type"], usr["Target"]["MatchPartitionType"]) == ("partition", "usr")
     assert usr["Target"]["MatchPattern"] == "appliance_@v"
     assert verity["Target"]["MatchPartitionType"] == "usr-verity" and verity["Target"]["MatchPattern"] == "appliance_@v_verity"
@@ -574,7 +590,7 @@ def test_transfer_definitions_parse_and_match_what_update_stages(tmp_path: Path,
     b = bundle(tmp_path, key, "2.0.0")
     index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
     staged = set(source_names(index).values())
-    for t in (usr, verity, uki):
+    for t in (usr, verity, sig, uki):
         glob = t["Source"]["MatchPattern"].replace("@v", "2.0.0").replace("@u", "*")
         assert len([n for n in staged if fnmatch.fnmatch(n, glob)]) == 1, glob
 

@@ -2,7 +2,8 @@
 size).
 
 Slot A is the lower-numbered /usr partition on the disk, slot B the other; each carries its
-verity partition. A slot's version is its GPT label (`appliance_VERSION`, written by mkosi for A
+verity partition and the signature of its root hash (a disk installed before that partition existed
+has none: such a disk takes no update, docs/upgrades.md). A slot's version is its GPT label (`appliance_VERSION`, written by mkosi for A
 and by systemd-sysupdate for B); `_empty` is a slot that holds no version (fresh, or being
 written). The booted slot is the one whose partition UUID the usrhash= on the kernel command line
 names.
@@ -14,7 +15,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from appliance.bundle import USR_TYPE, USR_VERITY_TYPE, partuuids_from_usrhash
+from appliance.bundle import USR_TYPE, USR_VERITY_SIG_TYPE, USR_VERITY_TYPE, partuuids_from_usrhash
 from appliance.errors import UserError
 from appliance.hashing import SHA256
 from appliance.run import run
@@ -22,7 +23,7 @@ from applianctl.slots.machine import Host, booted_usrhash
 
 VERSION = r"[0-9]{1,9}(?:\.[0-9]{1,9}){0,3}"  # a version in a slot's label or a boot entry's name
 _LABEL = re.compile(rf"^appliance_({VERSION})\Z")
-_VERITY_LABEL = re.compile(rf"^appliance_({VERSION})_verity\Z")
+_VERITY_LABEL = re.compile(rf"^appliance_({VERSION})_verity(?:_sig)?\Z")
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Slot:
     usr: Partition
     verity: Partition | None
     booted: bool
+    signature: Partition | None = None  # usr-verity-sig
 
     @property
     def version(self) -> str | None:
@@ -107,6 +109,7 @@ def slots(host: Host, running_version: str | None = None) -> list[Slot]:
 def usr_slots(parts: list[Partition], host: Host, running_version: str | None) -> list[Slot]:
     usr = sorted((p for p in parts if p.type == USR_TYPE), key=lambda p: p.number)
     verity = sorted((p for p in parts if p.type == USR_VERITY_TYPE), key=lambda p: p.number)
+    signatures = sorted((p for p in parts if p.type == USR_VERITY_SIG_TYPE), key=lambda p: p.number)
     if not usr:
         raise UserError("no /usr partition on the disk", hint="is APPLIANCE_DISK the appliance's disk?")
     usrhash = booted_usrhash(host)
@@ -115,5 +118,6 @@ def usr_slots(parts: list[Partition], host: Host, running_version: str | None) -
     for i, part in enumerate(usr[:2]):
         by_label = running_version is not None and part.version == running_version
         booted = part.uuid == booted_uuid if booted_uuid is not None else by_label
-        out.append(Slot("AB"[i], part, verity[i] if i < len(verity) else None, booted))
+        out.append(Slot("AB"[i], part, verity[i] if i < len(verity) else None, booted,
+                        signatures[i] if i < len(signatures) else None))
     return out

@@ -1,5 +1,6 @@
 """Status part `sealed`: is this boot sealed? Secure Boot enforcing with the appliance's certificate
-in the firmware's db (the chain firmware, systemd-boot, kernel image, /usr), a TPM, and the signed
+in the firmware's db (the chain firmware, systemd-boot, kernel image, /usr, and /usr's root hash
+signature checked by the kernel against db), a TPM, and the signed
 PCR 11 policy systemd-stub found in the kernel image; and /var: LUKS2, how it opens (the unlock
 methods of its header, as appliance-var-seal.service found them this boot)."""
 
@@ -15,6 +16,24 @@ from applianctl.status.probes import DEGRADED, NOT_CONFIGURED, OK, Part
 
 TPM = Path("/sys/class/tpm/tpm0")
 PCR_SIGNATURE = Path("/run/systemd/tpm2-pcr-signature.json")  # systemd-stub -> initrd -> here
+CMDLINE = Path("/proc/cmdline")
+_USR_SIGNATURE_OPTION = "root-hash-signature="
+
+
+def usr_signature_checked(cmdline: Path = CMDLINE) -> bool:
+    """Whether this boot's /usr was opened with its root hash signature: the signed command line
+    gives systemd-veritysetup the file, the initrd wrote it, and dm-verity opens /usr only when the
+    kernel verifies it against the firmware's db (we are running from that /usr)."""
+    try:
+        words = cmdline.read_text().split()
+    except OSError:
+        return False
+    for word in words:
+        key, _, value = word.partition("=")
+        if key == "systemd.verity_usr_options":
+            paths_given = [o[len(_USR_SIGNATURE_OPTION):] for o in value.split(",") if o.startswith(_USR_SIGNATURE_OPTION)]
+            return any(Path(p).is_file() for p in paths_given if p.startswith("/"))
+    return False
 HINT = "enroll the appliance's keys (README, \"Secure Boot\")"
 
 
@@ -50,7 +69,7 @@ def _var(record: Path, details: dict[str, object]) -> list[str]:
 
 
 def probe_sealed(efivars_dir: Path = efivars.EFIVARS, record: Path | None = None, tpm: Path = TPM,
-                 pcr_signature: Path = PCR_SIGNATURE, var_record: Path | None = None) -> Part:
+                 pcr_signature: Path = PCR_SIGNATURE, var_record: Path | None = None, cmdline: Path = CMDLINE) -> Part:
     record = enroll_record() if record is None else record
     state = efivars.secure_boot_state(efivars_dir)
     if not state.efi:
@@ -61,6 +80,7 @@ def probe_sealed(efivars_dir: Path = efivars.EFIVARS, record: Path | None = None
         "setup_mode": state.setup_mode,
         "tpm": tpm.exists(),
         "pcr_signature": pcr_signature.exists(),
+        "usr_signature": usr_signature_checked(cmdline),
     }
     try:
         expected = json.loads(record.read_text())["appliance_sha256"]
@@ -79,6 +99,8 @@ def probe_sealed(efivars_dir: Path = efivars.EFIVARS, record: Path | None = None
         problems.append("no TPM: /var cannot be sealed to this machine")
     if not details["pcr_signature"]:
         problems.append("the kernel image carries no signed PCR policy")
+    if not details["usr_signature"]:
+        problems.append("/usr was opened without its root hash signature: only the kernel image's usrhash= vouches for it")
     problems += _var(var_seal_record() if var_record is None else var_record, details)
     if problems:
         return Part(DEGRADED, "; ".join(problems), details)

@@ -20,7 +20,7 @@ from pathlib import Path
 from cryptography import x509
 
 from appliance import authenticode, efivars, manifest
-from appliance.bundle import MAX_SIG_BYTES, NOT_OURS, BundleIndex, engine_short, payload_names, uki_facts
+from appliance.bundle import MAX_SIG_BYTES, NOT_OURS, BundleIndex, engine_short, payload_names, signed_root_hash, uki_facts
 from appliance.errors import Refused, UserError
 from appliance.run import call
 from appliance.safe_read import read_capped
@@ -124,7 +124,11 @@ def writes_engine(choice: EngineChoice | None) -> bool:
 def check_fits(index: BundleIndex, inactive: Slot) -> None:
     sizes = index.partition_sizes
     names = payload_names(index.version, index.engine_digest, False)
-    targets = [("usr", inactive.usr), ("usr-verity", inactive.verity)]
+    if inactive.signature is None:
+        raise Refused(f"slot {inactive.name} has no partition for /usr's root hash signature (usr-verity-sig): this disk was "
+                      "installed before releases were signed that way, and nothing was written",
+                      hint="re-install the appliance from an installer medium (docs/upgrades.md, \"Disks installed before\")")
+    targets = [("usr", inactive.usr), ("usr-verity", inactive.verity), ("usr-verity-sig", inactive.signature)]
     for role, part in targets:
         if part is None:
             raise Refused(f"slot {inactive.name} has no {role} partition", hint="the disk was not set up by this image (repart.d)")
@@ -181,6 +185,12 @@ def check_staged(index: BundleIndex, staging: Path, keys_dir: Path, engine_writt
                       f"the running one (which it would open, unwritten) has {running_engine.store_roothash[:16]}…: "
                       "the new version could not open its engine",
                       hint="release it again from the build that made the running engine store")
+    try:
+        signed = signed_root_hash(staging / names["usr-verity-sig"])
+    except (OSError, ValueError) as e:
+        raise Refused(f"{names['usr-verity-sig']}: {e}", hint="the bundle is inconsistent") from None
+    if signed != index.usrhash:
+        raise Refused(f"{names['usr-verity-sig']} signs another root hash than bundle.json's usrhash", hint="the bundle is inconsistent")
     facts = uki_facts(staging / names["uki"])
     if facts["usrhash"] != index.usrhash:
         raise Refused(f"{names['uki']} boots usrhash {facts['usrhash']}, not bundle.json's", hint="the bundle is inconsistent")

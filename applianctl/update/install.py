@@ -86,7 +86,7 @@ def prepare_slot(host: Host, inactive: Slot, running_version: str) -> None:
     old = inactive.version
     if old is not None and old != running_version:
         remove_entries(host, old)
-    _blank(host, [p for p in (inactive.usr, inactive.verity) if p is not None], "the inactive slot")
+    _blank(host, [p for p in (inactive.usr, inactive.verity, inactive.signature) if p is not None], "the inactive slot")
 
 
 # ----------------------------------------------------------------------------------- engine slots

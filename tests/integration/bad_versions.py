@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from journey import reports_of
+from signed_images import FOREIGN_USR_SIGNATURE, foreign_usr_signature
 
 from appliance import config
 from builder import build, qemu, release
@@ -30,8 +31,12 @@ BAD_DEADLINE_S = 60
 
 
 def run_bad_versions(demo_config: config.Config, https_root: tuple[Path, str, str], tmp_path_factory: pytest.TempPathFactory,
-                     bad_versions: tuple[tuple[str, str], ...], name: str) -> tuple[dict[str, Any], str]:
-    """The whole run: (the last report with the earlier ones, the console of every boot)."""
+                     bad_versions: tuple[tuple[str, str], ...], name: str,
+                     first_steps: tuple[dict[str, Any], ...] = ()) -> tuple[dict[str, Any], str]:
+    """The whole run: (the last report with the earlier ones, the console of every boot). A fault
+    FOREIGN_USR_SIGNATURE is no fault word: the version is built as it is, then its /usr root hash
+    signature is made again with a key no firmware's db holds. FIRST_STEPS run on the base's first
+    boot, before the updates."""
     root, url, ca = https_root
     # Without it nothing reboots a hung version and this run would only end at its timeout.
     assert (ROOT / "units/appliance-boot-deadline.timer.j2").is_file(), "no boot deadline unit in this tree"
@@ -41,12 +46,18 @@ def run_bad_versions(demo_config: config.Config, https_root: tuple[Path, str, st
     disk = build.build(base, output=tmp_path_factory.mktemp(f"{name}-base") / "out").disk_image
     bundles = {}
     for version, fault in bad_versions:
-        bad = faults.bad_version(base, version, fault, assessment_deadline_s=BAD_DEADLINE_S)
         out = tmp_path_factory.mktemp(f"{name}-{version}") / "out"
-        build.build(bad.config, extra_mkosi_args=bad.mkosi_args, output=out)
-        release.make_bundle(bad.config, out, root / f"{name}-{version}", key, [bad.config.engine.digest], previous_version=BASE)
+        if fault == FOREIGN_USR_SIGNATURE:
+            bad_config = config.with_version(base, version)
+            build.build(bad_config, output=out)
+            foreign_usr_signature(out, tmp_path_factory)
+        else:
+            bad = faults.bad_version(base, version, fault, assessment_deadline_s=BAD_DEADLINE_S)
+            bad_config = bad.config
+            build.build(bad.config, extra_mkosi_args=bad.mkosi_args, output=out)
+        release.make_bundle(bad_config, out, root / f"{name}-{version}", key, [bad_config.engine.digest], previous_version=BASE)
         bundles[version] = f"{url}/{name}-{version}/"
-    plan = {BASE: [{"do": "update", "url": bundles[version]} for version, _ in bad_versions]}
+    plan = {BASE: [*first_steps, *({"do": "update", "url": bundles[version]} for version, _ in bad_versions)]}
     guest = qemu.Guest(disk, tmp_path_factory.mktemp(f"{name}-guest"), enroll_cert=build.secure_boot_certificate(demo_config))
     # base first boot + update, then for each bad version its try and the base again
     run = guest.boot(timeout=6000, credentials={"appliance.plan": json.dumps(plan), "appliance.update_ca": ca})

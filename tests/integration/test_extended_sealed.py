@@ -61,7 +61,9 @@ def _signed_command_line(uki: Path) -> str:
 def _attack_entry(guest: qemu.Guest, work: Path) -> dict[str, str]:
     """A boot entry on the ESP (as anyone with the disk or the console's firmware setup could add)
     that boots the genuine kernel image with its signed command line (without the credential
-    words: they are not needed here and the kernel's line is 2048 bytes) plus init=bash."""
+    words: they are not needed here and the kernel's line is 2048 bytes; without /usr's root hash
+    signature option: with the firmware's keys cleared the kernel has no db to check it against,
+    and the attacker, who writes the line, leaves it out) plus init=bash."""
     esp = _esp(guest.disk)
     listing = subprocess.run(["mdir", "-b", "-i", esp, "::/EFI/Linux"], capture_output=True, text=True, check=True).stdout
     ukis = [line.strip() for line in listing.splitlines() if line.strip().endswith(".efi")]
@@ -69,7 +71,7 @@ def _attack_entry(guest: qemu.Guest, work: Path) -> dict[str, str]:
     uki_path = ukis[0].removeprefix("::")
     local = work / "uki.efi"
     subprocess.run(["mcopy", "-o", "-i", esp, f"::{uki_path}", str(local)], check=True)
-    dropped = ("systemd.set_credential", "rd.systemd.wants")
+    dropped = ("systemd.set_credential", "rd.systemd.wants", "systemd.verity_usr_options")
     words = [w for w in _signed_command_line(local).split() if not w.startswith(dropped)]
     entry = work / "attack.conf"
     entry.write_text(f"title attack\nefi {uki_path}\noptions {' '.join(words)} init=/usr/bin/bash\n")

@@ -1,50 +1,52 @@
-"""Extended QEMU scenario (make test-extended GROUPS=signing): a kernel image signed by another key.
+"""Extended QEMU scenarios (make test-extended GROUPS=signing): what the Secure Boot key did not sign
+never runs, and the appliance stays on (or comes back to) its version with nobody at the console.
+One run (tests/integration/bad_versions.py), the base built with update.boot_tries=1:
 
-    1.0.0   sealed (Secure Boot enforcing, the appliance's certificate in db): it is offered 1.5.0,
-            whose bundle is signed by the release key (the updater trusts it) but whose kernel image
-            is signed by another Secure Boot key. The updater downloads and proves every file, then
-            refuses the kernel image in one line, before anything is written: the firmware would
-            refuse to start it, and its boot manager would then stay in its own menu (seen here
-            before the check existed). 1.0.0 keeps serving, its other slot untouched, nobody at
-            the console. The same refusal rides in the journey (make test: boot B's refusals); this
-            group adds the staged path (--download-only then --apply), where the check runs again.
+    base   1.0.0 sealed (Secure Boot enforcing, the appliance's certificate in db): offered 1.5.0,
+           whose bundle the release key signed but whose kernel image another Secure Boot key
+           signed, the updater proves every file and refuses it in one line before anything is
+           written (`update` and `--download-only` alike): the firmware would refuse to start it,
+           and its boot manager would then stay in its own menu (seen before the check existed).
+           Then it installs 1.6.0, whose /usr root hash signature another key made (the root hash
+           itself is right, so the updater takes it)
+    1.6.0  the initrd hands the signature to dm-verity; the kernel checks it against db and
+           refuses: /usr is not opened, the emergency unit reboots, the only try is used up
+    base   boots again by itself, 1.6.0 marked bad
+The same kernel image refusal rides in the journey (make test: boot B's refusals).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from signed_images import foreign_signed
+from bad_versions import BASE, after, base_reports, each_was_installed_and_tried, run_bad_versions
+from signed_images import FOREIGN_USR_SIGNATURE, foreign_signed
 
 from appliance import config
-from builder import build, qemu, release
+from builder import build, release
 
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
-FOREIGN = "1.5.0"
+FOREIGN_KERNEL, FOREIGN_USR = "1.5.0", "1.6.0"
+BAD_VERSIONS = ((FOREIGN_USR, FOREIGN_USR_SIGNATURE),)
 SAYS = "which this firmware's db does not trust; under Secure Boot it would never start"
 
 
 @pytest.fixture(scope="module")
-def foreign_report(demo_config: config.Config, demo_image: Path, https_root: tuple[Path, str, str],
-                   tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root, url, ca = https_root
+def signing_run(demo_config: config.Config, https_root: tuple[Path, str, str],
+                tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    root, url, _ = https_root
     key = build.signing_key_for(demo_config, None)
-    foreign = config.with_version(demo_config, FOREIGN)
-    out = tmp_path_factory.mktemp("foreign") / "out"
+    foreign = config.with_version(demo_config, FOREIGN_KERNEL)
+    out = tmp_path_factory.mktemp("foreign-kernel") / "out"
     build.build(foreign, output=out)
-    release.make_bundle(foreign, foreign_signed(out, tmp_path_factory), root / "sealed-foreign", key,
-                        [foreign.engine.digest], previous_version=demo_config.appliance.version)
-    guest = qemu.Guest(demo_image, tmp_path_factory.mktemp("foreign-guest"),
-                       enroll_cert=build.secure_boot_certificate(demo_config))
-    version = demo_config.appliance.version
-    plan = {version: [{"do": "refusals", "bundles": {"foreign-signed": f"{url}/sealed-foreign/"}},
-                      {"do": "download-only", "url": f"{url}/sealed-foreign/"}]}
-    creds = {"appliance.plan": json.dumps(plan), "appliance.update_ca": ca, "appliance.bootcheck": "poweroff"}
-    return guest.boot(timeout=3000, credentials=creds)
+    release.make_bundle(foreign, foreign_signed(out, tmp_path_factory), root / "signing-foreign-kernel", key,
+                        [foreign.engine.digest], previous_version=BASE)
+    first = ({"do": "refusals", "bundles": {"foreign-kernel": f"{url}/signing-foreign-kernel/"}},
+             {"do": "download-only", "url": f"{url}/signing-foreign-kernel/"})
+    return run_bad_versions(demo_config, https_root, tmp_path_factory, BAD_VERSIONS, "signing", first)
 
 
 def _step(report: dict[str, Any], do: str) -> dict[str, Any]:
@@ -53,19 +55,24 @@ def _step(report: dict[str, Any], do: str) -> dict[str, Any]:
     return steps[-1]
 
 
-def test_the_update_is_refused_in_one_line_and_nothing_is_written(foreign_report: dict[str, Any]) -> None:
-    refused = _step(foreign_report, "refusals")["bundles"]["foreign-signed"]
-    assert refused["exit"] == 1, refused
-    assert any(SAYS in line for line in refused["stderr"].splitlines()), refused["stderr"]
+def test_a_kernel_image_signed_by_another_key_is_refused_in_one_line_before_any_write(
+        signing_run: tuple[dict[str, Any], str]) -> None:
+    first = base_reports(signing_run[0])[0]
+    refusals = _step(first, "refusals")
+    refused = refusals["bundles"]["foreign-kernel"]
+    assert refused["exit"] == 1 and any(SAYS in line for line in refused["stderr"].splitlines()), refused
     assert "hint: " in refused["stderr"] and "Traceback" not in refused["stderr"], refused["stderr"]
-    refusals = _step(foreign_report, "refusals")
     assert refusals["inactive_before"] and refusals["inactive_before"] == refusals["inactive_after"]
-
-
-def test_staging_it_is_refused_too_and_the_appliance_keeps_serving_its_version(foreign_report: dict[str, Any]) -> None:
-    staged = _step(foreign_report, "download-only")
+    staged = _step(first, "download-only")
     assert staged["exit"] == 1 and SAYS in staged["output"], staged
-    status = foreign_report["status"]["parts"]
-    assert status["os"].get("version") != FOREIGN
-    assert not [e for e in status["slots"].get("entries") or [] if e.get("version") == FOREIGN], status["slots"]
-    assert foreign_report["engine_became_healthy"] and foreign_report["failed_units"] == [], foreign_report["journal"]
+
+
+def test_a_usr_whose_signature_the_kernel_refuses_is_not_opened_and_rolled_back_by_itself(
+        signing_run: tuple[dict[str, Any], str]) -> None:
+    run, console = signing_run
+    each_was_installed_and_tried(run, console, BAD_VERSIONS)
+    report = after(run, console, BAD_VERSIONS, FOREIGN_USR)  # the base again, 1.6.0 bad with no try left
+    assert report["status"]["parts"]["sealed"].get("usr_signature") is True
+    # 1.6.0's initrd found its signature and dm-verity refused it: the emergency unit rebooted
+    tried = console.split(f"appliance_{FOREIGN_USR}", 1)[-1]
+    assert "the signature of /usr's root hash" in tried and "appliance: emergency mode" in tried, tried[-3000:]

@@ -48,7 +48,8 @@ def test_the_installer_enrolled_the_keys_and_every_later_boot_is_sealed(
 ) -> None:
     """The journey's firmware starts in setup mode (no keys): the installer enrolls the appliance's
     keys, so the installed disk's first boot and every one after it enforce Secure Boot, with a TPM
-    and the kernel image's signed PCR policy."""
+    and the kernel image's signed PCR policy, and open /usr with its signed root hash (v1's slot A
+    as installed, v2's and v3's slot B as the updater wrote it)."""
     output = installed["output"]
     assert "secure boot keys enrolled" in output, (output or installed["console"])[-3000:]
     boots = [*reports_of(journey_run1), *reports_of(journey_run2)]
@@ -63,6 +64,9 @@ def test_the_installer_enrolled_the_keys_and_every_later_boot_is_sealed(
         assert (part.get("var_encrypted"), part.get("var_sealed"), part.get("var_recovery_key")) == (True, True, True), (version, part)
         kinds = sorted(u.split(" (slot")[0] for u in part.get("var_unlock") or [])
         assert kinds == ["recovery", "tpm2 PCR 7 + signed PCR 11"], (version, part)
+        # /usr opened only with its root hash signature, which the kernel checked against db
+        assert part.get("usr_signature") is True and report["usr_signature"]["file"], (version, report["usr_signature"])
+        assert "the signature of /usr's root hash" in report["usr_signature"]["log"], (version, report["usr_signature"])
 
 
 def test_var_is_sealed_to_pcr_7_after_the_journey_and_the_recovery_key_still_opens_it(

@@ -1,0 +1,182 @@
+"""Phased rollouts (appliance/rollout.py): places uniform over a fleet, pause, stop, barriers, the
+signed channel index, and maintenance windows across midnight."""
+
+from __future__ import annotations
+
+import calendar
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance import manifest, rollout
+from appliance.errors import Refused
+from builder import keys
+
+DAY = 86400
+START = "2026-12-01T00:00:00Z"
+T0 = calendar.timegm((2026, 12, 1, 0, 0, 0))  # a Tuesday
+
+
+def _ids(n: int) -> list[str]:
+    return [uuid.UUID(int=i * 7919 + 1).hex for i in range(n)]  # machine ids as /etc/machine-id holds them
+
+
+def _release(version: str, *, barrier: bool = False, **ro: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {"version": version, "path": f"{version}/", "barrier": barrier}
+    if ro:
+        doc["rollout"] = {"start": START, "duration_s": 10 * DAY, **ro}
+    return doc
+
+
+def _channel(*releases: dict[str, Any], sequence: int = 1, signer: str = "0" * 16) -> dict[str, Any]:
+    return {"format": 1, "channel": "stable", "sequence": sequence, "signed_at": START, "releases": list(releases),
+            "signer": signer}
+
+
+def test_places_are_uniform_within_two_percent_per_tenth_over_ten_thousand_machines() -> None:
+    ids = _ids(10_000)
+    for version in ("1.2.0", "1.3.0"):
+        tenths = [0] * 10
+        for machine in ids:
+            tenths[int(rollout.place(machine, version) * 10)] += 1
+        assert all(abs(count / len(ids) - 0.1) <= 0.02 for count in tenths), (version, tenths)
+
+
+def test_a_machine_s_place_differs_between_releases() -> None:
+    """The same appliances are not always the first ones: places of two releases are unrelated."""
+    ids = _ids(2000)
+    first = {m for m in ids if rollout.place(m, "1.2.0") < 0.1}
+    again = {m for m in ids if rollout.place(m, "1.3.0") < 0.1}
+    assert 0.05 < len(first & again) / len(first) < 0.2  # about a tenth of the first tenth, as chance gives
+
+
+def test_the_share_grows_from_start_to_end_and_admits_about_that_part_of_the_fleet() -> None:
+    channel = rollout.load(_channel(_release("1.1.0", state="active")))
+    ids = _ids(10_000)
+    for days, share in ((-1, 0.0), (0, 0.0), (2.5, 0.25), (5, 0.5), (10, 1.0), (20, 1.0)):
+        now = T0 + days * DAY
+        assert channel.releases[0].rollout is not None and channel.releases[0].rollout.share(now) == pytest.approx(share)
+        admitted = sum(rollout.decide(channel, "1.0.0", m, now).target is not None for m in ids)
+        assert abs(admitted / len(ids) - share) <= 0.02, (days, admitted)
+
+
+def test_pause_freezes_the_share_and_stop_admits_nobody() -> None:
+    ids = _ids(4000)
+    paused = rollout.load(_channel(_release("1.1.0", state="paused", paused_at="2026-12-03T00:00:00Z"), sequence=2))
+    later = T0 + 9 * DAY
+    admitted = [m for m in ids if rollout.decide(paused, "1.0.0", m, later).target is not None]
+    assert abs(len(admitted) / len(ids) - 0.2) <= 0.02  # as on day 2, not day 9
+    waiting = next(m for m in ids if m not in admitted)
+    d = rollout.decide(paused, "1.0.0", waiting, later)
+    assert d.waiting_for is not None and d.waiting_for.admits_at is None
+    assert "waits until a newly signed index resumes it" in d.describe()
+    assert rollout.when(d, (), later) is None
+    stopped = rollout.load(_channel(_release("1.1.0", state="stopped"), sequence=3))
+    assert not any(rollout.decide(stopped, "1.0.0", m, later).target for m in ids)
+
+
+def test_an_appliance_outside_the_share_learns_when_it_will_be_admitted() -> None:
+    channel = rollout.load(_channel(_release("1.1.0", state="active")))
+    machine = next(m for m in _ids(1000) if 0.6 < rollout.place(m, "1.1.0") < 0.7)
+    d = rollout.decide(channel, "1.0.0", machine, T0 + DAY)
+    assert d.target is None and d.waiting_for is not None
+    at = d.waiting_for.admits_at
+    assert at is not None and T0 + 6 * DAY < at < T0 + 7 * DAY
+    assert rollout.decide(channel, "1.0.0", machine, at + 1).target is not None
+    assert rollout.decide(channel, "1.0.0", machine, at - 60).target is None
+
+
+def test_a_barrier_is_never_skipped() -> None:
+    channel = rollout.load(_channel(_release("1.1.0"), _release("1.2.0", barrier=True), _release("1.3.0"), _release("1.4.0")))
+    machine = _ids(1)[0]
+    assert rollout.decide(channel, "1.0.0", machine, T0).target.version == "1.2.0"  # type: ignore[union-attr]
+    assert rollout.decide(channel, "1.2.0", machine, T0).target.version == "1.4.0"  # type: ignore[union-attr]
+    assert rollout.decide(channel, "1.4.0", machine, T0).target is None
+
+
+def test_a_barrier_whose_rollout_has_not_reached_this_appliance_holds_it_before_the_barrier() -> None:
+    channel = rollout.load(_channel(_release("1.1.0"), _release("1.2.0", barrier=True, state="active"), _release("1.3.0")))
+    late = next(m for m in _ids(1000) if rollout.place(m, "1.2.0") > 0.9)
+    d = rollout.decide(channel, "1.0.0", late, T0 + DAY)
+    assert d.target is not None and d.target.version == "1.1.0"  # what lies before the barrier
+    assert [s.version for s in d.standings] == ["1.1.0", "1.2.0"]  # 1.3.0 is not even looked at
+    assert rollout.decide(channel, "1.1.0", late, T0 + DAY).target is None
+
+
+def test_a_hostile_or_malformed_index_is_refused_in_one_line() -> None:
+    for bad, says in (
+        (_channel(_release("1.1.0"), _release("1.1.0")), "listed twice"),
+        (_channel(_release("1.1.0", state="paused")), "paused_at goes with state paused"),
+        (_channel(_release("1.1.0", state="active", paused_at=START)), "paused_at goes with state paused"),
+        (_channel(_release("1.1.0", state="rolling")), "active or paused or stopped"),
+        (_channel({"version": "1.1.0", "path": "../etc/"}), "expected a directory beside the index"),
+        (_channel({"version": "1.1.0", "path": "/abs/"}), "expected a directory beside the index"),
+        (_channel(_release("1.1.0", state="active", duration_s=-1)), "seconds"),
+        (_channel(), "0 releases"),
+        ({**_channel(_release("1.1.0")), "extra": 1}, "unknown field 'extra'"),
+    ):
+        with pytest.raises(Refused, match=says) as e:
+            rollout.load(bad)
+        assert "\n" not in e.value.message
+
+
+def test_the_index_is_trusted_only_by_its_signature_and_never_goes_back(tmp_path: Path) -> None:
+    private, _ = keys.generate(tmp_path / "k")
+    key = manifest.load_private_key(private)
+    kid = manifest.key_id(key.public_key())
+    trusted = {kid: key.public_key()}
+    doc = _channel(_release("1.1.0", state="active"), sequence=5, signer=kid)
+    data = rollout.dumps(doc)
+    sig = manifest.encode_signature(key.sign(data))
+    assert rollout.verify(data, sig, trusted).sequence == 5
+    with pytest.raises(Refused, match="does not match any key this version trusts"):
+        rollout.verify(data.replace(b'"active"', b'"paused"'), sig, trusted)
+    stranger, _ = keys.generate(tmp_path / "s")
+    other = manifest.load_private_key(stranger)
+    with pytest.raises(Refused, match="does not match any key"):
+        rollout.verify(data, manifest.encode_signature(other.sign(data)), trusted)
+    channel = rollout.verify(data, sig, trusted)
+    rollout.check_sequence(channel, 5)
+    with pytest.raises(Refused, match="lower than the 6 this appliance accepted before"):
+        rollout.check_sequence(channel, 6)
+
+
+# ----------------------------------------------------------------------------------- maintenance windows
+
+
+def _at(day: int, hour: int, minute: int = 0) -> int:
+    return calendar.timegm((2026, 12, day, hour, minute, 0))
+
+
+def test_a_window_across_midnight_covers_both_days() -> None:
+    nightly = (rollout.Window(start="22:00", duration_min=240),)  # 22:00 to 02:00
+    assert rollout.in_window(nightly, _at(1, 23, 30))
+    assert rollout.in_window(nightly, _at(2, 1, 59))
+    assert not rollout.in_window(nightly, _at(2, 2, 0))
+    assert not rollout.in_window(nightly, _at(2, 21, 59))
+    assert rollout.next_opening(nightly, _at(2, 12)) == _at(2, 22)
+    assert rollout.next_opening(nightly, _at(2, 1)) == _at(2, 1)  # inside: now
+
+
+def test_a_window_on_given_days_counts_its_start_day_even_after_midnight() -> None:
+    saturday_night = (rollout.Window(start="23:00", duration_min=180, days=("sat",)),)  # Sat 23:00 to Sun 02:00
+    saturday, sunday = _at(5, 23, 30), _at(6, 1, 30)  # 2026-12-05 is a Saturday
+    assert rollout.in_window(saturday_night, saturday) and rollout.in_window(saturday_night, sunday)
+    assert not rollout.in_window(saturday_night, _at(6, 23, 30))  # Sunday night is not Saturday's window
+    assert rollout.next_opening(saturday_night, _at(7, 12)) == _at(12, 23)  # from Monday: next Saturday
+
+
+def test_no_window_configured_means_any_time_and_the_install_waits_for_admission_and_a_window() -> None:
+    assert rollout.in_window((), _at(3, 12))
+    channel = rollout.load(_channel(_release("1.1.0", state="active")))
+    machine = next(m for m in _ids(1000) if 0.3 < rollout.place(m, "1.1.0") < 0.35)
+    d = rollout.decide(channel, "1.0.0", machine, T0)
+    admitted = d.waiting_for.admits_at if d.waiting_for else None
+    assert admitted is not None
+    assert rollout.when(d, (), T0) == admitted
+    nightly = (rollout.Window(start="02:00", duration_min=60),)
+    opens = rollout.when(d, nightly, T0)
+    assert opens is not None and opens >= admitted and rollout.in_window(nightly, opens)
+    assert opens - admitted < DAY
