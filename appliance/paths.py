@@ -103,6 +103,11 @@ def boots_record_path() -> Path:
     return update_dir() / "boots.json"
 
 
+def channel_path() -> Path:
+    """The highest sequence of each channel's index the updater acted on (applianctl/update/channel.py)."""
+    return update_dir() / "channel.json"
+
+
 def freshness_path() -> Path:
     """The highest timestamp sequence accepted, per timestamp key (appliance.freshness)."""
     return update_dir() / "freshness.json"

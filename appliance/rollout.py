@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance import manifest, schema
+from appliance.config.model import DAYS, MaintenanceWindow
 from appliance.errors import Refused, UserError
 from appliance.freshness import parse_utc, utc
 from appliance.patterns import VERSION, VERSION_FORM
@@ -44,8 +45,6 @@ _CHANNEL_NAME = re.compile(r"^[a-z][a-z0-9-]{0,31}\Z")
 # a bundle directory beside the index: one or more plain path segments, ending in /
 _BUNDLE_PATH = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]{0,63}/){1,4}\Z")
 RESIGN = "sign the channel index again on the build host: python3 -m builder channel"
-DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
-_CLOCK = re.compile(r"^([01][0-9]|2[0-3]):([0-5][0-9])\Z")
 
 
 def _time_check(value: str) -> str | None:
@@ -242,18 +241,7 @@ def decide(channel: Channel, running: str, machine_id: str, now: float) -> Decis
 # ----------------------------------------------------------------------------------- maintenance windows
 
 
-@dataclass(frozen=True)
-class Window:
-    """A maintenance window: from START (HH:MM, UTC) for DURATION_MIN minutes, on DAYS (the day it starts)."""
-
-    start: str = field(metadata=_string(_CLOCK, "a time of day HH:MM (UTC)"))
-    duration_min: int = field(metadata=schema.check(lambda v: None if 1 <= v <= 1440 else "1 to 1440 minutes"))
-    days: tuple[str, ...] = field(default=DAYS, metadata=schema.each(lambda v: None if v in DAYS else " ".join(DAYS)))
-
-    @property
-    def start_min(self) -> int:
-        hours, minutes = self.start.split(":")
-        return int(hours) * 60 + int(minutes)
+Window = MaintenanceWindow  # the configuration's (update.maintenance_windows)
 
 
 def _midnight(now: float) -> int:

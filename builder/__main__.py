@@ -215,10 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="the output directory (default: out/PROFILE)")
     p.set_defaults(func=cmd_build)
 
-    from builder import release
+    from builder import channel, release
 
     release.add_parser(sub)
     release.add_timestamp_parser(sub)
+    channel.add_parser(sub)
 
     from builder import weights
 

@@ -54,7 +54,7 @@ BOOT_LABEL = "Appliance"
 SYSTEMD_BOOT = r"\EFI\systemd\systemd-bootx64.efi"
 GIB = 1 << 30
 # first boot's additions besides engine slot B: /usr B, its verity and signature, root grown to 1 GiB, /var's minimum
-LAYOUT_EXTRA = 3 * GIB + 64 * (1 << 20) + 16 * (1 << 10) + 1 * GIB + 1 * GIB
+LAYOUT_EXTRA = 3 * GIB + 64 * (1 << 20) + 10 * (1 << 20) + 1 * GIB + 1 * GIB  # B's signature: repart's 10 MiB minimum
 _SIZE_MIN = re.compile(r"^SizeMinBytes=([0-9]+)$", re.M)
 
 

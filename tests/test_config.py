@@ -96,7 +96,25 @@ BAD = [
     ("stop_timeout_s = 120", "stop_timeout_s = 100000000000000000000", "engine.stop_timeout_s"),
     ('port = 8000', 'port = true', "engine.port"),
     ('timer_action = "install"', 'timer_action = "apply"', "update.timer_action"),
+    ('timer_action = "install"', 'timer_action = "install"\nmaintenance_windows = [{start = "24:00", duration_min = 60}]',
+     "update.maintenance_windows[0].start"),
+    ('timer_action = "install"', 'timer_action = "install"\nmaintenance_windows = [{start = "22:00", duration_min = 2000}]',
+     "update.maintenance_windows[0].duration_min"),
+    ('timer_action = "install"',
+     'timer_action = "install"\nmaintenance_windows = [{start = "22:00", duration_min = 60, days = ["fri", "someday"]}]',
+     "update.maintenance_windows[0].days[1]"),
 ]
+
+
+def test_maintenance_windows_reach_the_device_as_written(tmp_path: Path) -> None:
+    from appliance.config.device import from_json
+
+    path = _with(tmp_path, 'timer_action = "install"',
+                 'timer_action = "install"\nmaintenance_windows = [{start = "22:00", duration_min = 240, days = ["sat"]}]')
+    loaded = config.load(path, "production")
+    (window,) = loaded.update.maintenance_windows
+    assert (window.start, window.duration_min, window.days, window.start_min) == ("22:00", 240, ("sat",), 22 * 60)
+    assert from_json(loaded.to_json(), tmp_path / "appliance.json").update == loaded.update
 
 
 @pytest.mark.parametrize(("old", "new", "key"), BAD)

@@ -212,10 +212,12 @@ def test_first_boot_lays_out_both_engine_slots(profile: config.Config, tmp_path:
         ("00-esp.conf", "esp", "unchanged"),
         ("10-usr-a.conf", "appliance_1.0.0", "unchanged"),
         ("11-usr-a-verity.conf", "appliance_1.0.0_verity", "unchanged"),
+        ("11-usr-a-verity-sig.conf", "appliance_1.0.0_verity_sig", "unchanged"),
         ("15-engine-a.conf", label, "unchanged"),  # matched by type; its label is never changed
         ("16-engine-a-verity.conf", label + "-verity", "unchanged"),
         ("20-root.conf", "root-x86-64", "resize"),
         ("12-usr-b.conf", "_empty", "create"),
+        ("13-usr-b-verity-sig.conf", "_empty", "create"),  # "-sig" sorts before ".conf"
         ("13-usr-b-verity.conf", "_empty", "create"),
         ("25-engine-b.conf", "_empty", "create"),
         ("26-engine-b-verity.conf", "_empty", "create"),
@@ -223,6 +225,9 @@ def test_first_boot_lays_out_both_engine_slots(profile: config.Config, tmp_path:
     ]
     sizes = {p["file"]: p["raw_size"] for p in layout}
     assert sizes["15-engine-a.conf"] == sizes["25-engine-b.conf"] == slot
+    # A's as built (repart sizes a signature 16 KiB); B's as systemd-repart makes it on first boot (its
+    # 10 MiB minimum for a partition without contents, seen here), room for any release's signature
+    assert sizes["11-usr-a-verity-sig.conf"] == 16384 <= sizes["13-usr-b-verity-sig.conf"] <= 10 << 20
     assert sizes["16-engine-a-verity.conf"] == sizes["26-engine-b-verity.conf"] == verity
     types = {p["file"]: p["type"].upper() for p in layout}
     assert types["15-engine-a.conf"] == types["25-engine-b.conf"] == ENGINE_TYPE

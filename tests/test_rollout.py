@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from appliance import manifest, rollout
+from appliance import manifest, paths, rollout
 from appliance.errors import Refused
 from builder import keys
 
@@ -180,3 +180,113 @@ def test_no_window_configured_means_any_time_and_the_install_waits_for_admission
     opens = rollout.when(d, nightly, T0)
     assert opens is not None and opens >= admitted and rollout.in_window(nightly, opens)
     assert opens - admitted < DAY
+
+
+# ----------------------------------------------------------------------------------- builder and updater
+
+
+def _server(tmp_path: Path, key: Path, versions: tuple[str, ...]) -> Path:
+    """An update server's channel directory with a real bundle per version (fake builds)."""
+    from fake_release import bundle
+
+    out = tmp_path / "server"
+    out.mkdir()
+    for version in versions:
+        bundle(tmp_path, key, version).rename(out / version)
+    return out
+
+
+def _channel_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "stable.toml"
+    path.write_text(text)
+    return path
+
+
+ROLLING = """channel = "stable"
+[[releases]]
+version = "2.0.0"
+path = "2.0.0/"
+[releases.rollout]
+start = "2026-12-01T00:00:00Z"
+duration_s = 864000
+state = "{state}"
+{paused}"""
+
+
+def test_the_builder_signs_the_channel_one_sequence_higher_each_time(tmp_path: Path) -> None:
+    from fake_release import make_signing
+
+    from builder import channel as builder_channel
+
+    key, trusted = make_signing(tmp_path)
+    server = _server(tmp_path, key, ("2.0.0",))
+    first = builder_channel.make(_channel_file(tmp_path, ROLLING.format(state="active", paused="")), server, key, now=T0)
+    paused = ROLLING.format(state="paused", paused="paused_at = \"2026-12-02T00:00:00Z\"\n")
+    second = builder_channel.make(_channel_file(tmp_path, paused), server, key, now=T0 + DAY)
+    assert (first.sequence, second.sequence) == (1, 2)
+    keys_ = manifest.trusted_keys(trusted)
+    signed = rollout.verify((server / "channel.json").read_bytes(), (server / "channel.json.sig").read_bytes(), keys_)
+    assert signed.releases[0].rollout is not None and signed.releases[0].rollout.state == "paused"
+
+
+def test_the_builder_refuses_a_release_whose_bundle_is_not_beside_the_index(tmp_path: Path) -> None:
+    from fake_release import make_signing
+
+    from appliance.errors import UserError
+    from builder import channel as builder_channel
+
+    key, _ = make_signing(tmp_path)
+    server = _server(tmp_path, key, ("2.0.0",))
+    text = ROLLING.format(state="active", paused="").replace('"2.0.0/"', '"3.0.0/"').replace('version = "2.0.0"', 'version = "3.0.0"')
+    with pytest.raises(UserError, match=r"release 3\.0\.0: no bundle at") as e:
+        builder_channel.make(_channel_file(tmp_path, text), server, key, now=T0)
+    assert "\n" not in e.value.message and not (server / "channel.json").exists()
+    with pytest.raises(UserError, match=r"holds version 2\.0\.0"):
+        builder_channel.make(_channel_file(tmp_path, text.replace('"3.0.0/"', '"2.0.0/"')), server, key, now=T0)
+    with pytest.raises(UserError, match="expected active or paused or stopped"):
+        builder_channel.make(_channel_file(tmp_path, ROLLING.format(state="later", paused="")), server, key, now=T0)
+
+
+def test_an_appliance_outside_the_share_does_not_update_and_a_newly_signed_index_lets_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The updater's side: the channel's index decides, the bundle beside it is what is installed,
+    and an index older than one acted on is refused (it could undo a pause or a stop)."""
+    from fake_release import make_signing
+
+    from appliance.fetch import Deadline
+    from applianctl.update import channel
+    from builder import channel as builder_channel
+
+    monkeypatch.setattr(paths, "STATE_DIR", tmp_path / "state")
+    key, trusted = make_signing(tmp_path)
+    server = _server(tmp_path, key, ("2.0.0",))
+    machine = next(m for m in _ids(1000) if 0.5 < rollout.place(m, "2.0.0") < 0.6)
+
+    def resolve(now: float) -> channel.Resolution:
+        return channel.resolve(str(server / "channel.json"), ca=None, deadline=Deadline(60), keys_dir=trusted,
+                               running_version="1.0.0", machine=machine, now=now, windows=())
+
+    builder_channel.make(_channel_file(tmp_path, ROLLING.format(state="active", paused="")), server, key, now=T0)
+    early = resolve(T0 + DAY)
+    assert early.bundle is None and "installs: at 2026-12-0" in early.describe(T0 + DAY)
+    channel.accept(early.channel)
+    # the operator pauses it on day 2: this appliance (place 0.5-0.6) is not reached on day 8 either
+    paused = ROLLING.format(state="paused", paused="paused_at = \"2026-12-03T00:00:00Z\"\n")
+    builder_channel.make(_channel_file(tmp_path, paused), server, key, now=T0 + 2 * DAY)
+    stays = resolve(T0 + 8 * DAY)
+    assert stays.bundle is None and "waits until a newly signed index resumes it" in stays.describe(T0 + 8 * DAY)
+    channel.accept(stays.channel)
+    # resumed with a start that reaches it at once: installs the bundle beside the index
+    resumed = ROLLING.format(state="active", paused="").replace("864000", "60")
+    builder_channel.make(_channel_file(tmp_path, resumed), server, key, now=T0 + 8 * DAY)
+    now = resolve(T0 + 8 * DAY)
+    assert now.bundle == str(server) + "/2.0.0/" and now.installs_at is not None and now.installs_at <= T0 + 8 * DAY
+    channel.accept(now.channel)
+    assert channel.accepted_sequence("stable") == 3
+    # the first index, served again, is refused
+    replayed = {**manifest.parse_canonical((server / "channel.json").read_bytes()), "sequence": 1}
+    (server / "channel.json").write_bytes(rollout.dumps(replayed))
+    key_ = manifest.load_private_key(key)
+    (server / "channel.json.sig").write_bytes(manifest.encode_signature(key_.sign((server / "channel.json").read_bytes())))
+    with pytest.raises(Refused, match="lower than the 3 this appliance accepted before"):
+        resolve(T0 + 9 * DAY)

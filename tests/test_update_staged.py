@@ -176,7 +176,7 @@ def test_apply_installs_what_was_staged(tmp_path: Path, device: Device, signing:
     assert [c for c in calls if c[0] == "systemd-sysupdate"] == [["systemd-sysupdate", "--no-pager", "update", "2.0.0"]]
     listed = [sorted(listing) for listing in device.sources()]
     assert listed == [sorted(["appliance_2.0.0.efi", f"appliance_2.0.0_{usr_uuid}.usr.raw",
-                              f"appliance_2.0.0_{verity_uuid}.usr-verity.raw"])]
+                              f"appliance_2.0.0_{verity_uuid}.usr-verity.raw", "appliance_2.0.0.usr-verity-sig.raw"])]
     assert calls.index(["blkdiscard", "--zeroout", "/dev/vda5"]) < calls.index(["systemd-sysupdate", "--no-pager", "update", "2.0.0"])
     last = json.loads(paths.last_update_path().read_text())
     assert (last["version"], last["slot"], last["source"], last["staged_at"]) == ("2.0.0", "B", str(b), record.staged_at)

@@ -6,6 +6,7 @@ make test-extended GROUPS=rollback: a /usr whose signature does not verify)."""
 from __future__ import annotations
 
 import configparser
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ def test_the_initrd_package_holds_the_reader_and_requires_it_for_usr(tmp_path: P
     dropin = _conf(initrd_package.SOURCE / "usr/lib/systemd/system/systemd-veritysetup@usr.service.d/appliance-signature.conf")
     assert dropin["Unit"]["Requires"] == "appliance-usr-signature.service"  # fail closed: no signature, no /usr
     script = (initrd_package.SOURCE / "usr/lib/appliance/usr-signature").read_text()
-    assert build.USR_SIGNATURE in script and bundle_format.USR_VERITY_SIG_TYPE.lower() in script
+    assert "root-hash-signature=" in script and bundle_format.USR_VERITY_SIG_TYPE.lower() in script
     # the same tree makes the same package; a changed file, another version (mkosi's cache never hides it)
     again = initrd_package.make(tmp_path / "again")
     assert again.name == deb.name and again.read_bytes() == deb.read_bytes()
@@ -132,3 +133,82 @@ def test_status_says_whether_usr_was_opened_with_its_signature(tmp_path: Path) -
     assert not sealed.usr_signature_checked(cmdline)
     part = sealed.probe_sealed(tmp_path / "efivars-missing", cmdline=cmdline)
     assert part.state == "not configured"  # not booted through UEFI: the part says nothing more
+
+
+# ------------------------------------------------------------------ the initrd's reader, run on the host
+
+SCRIPT = initrd_package.SOURCE / "usr/lib/appliance/usr-signature"
+ROOT_HASH = "52dfc5c1fab09899fd6c8e061c7a3dc2c64f79e33a86b63331fa89790b5f3e25"
+
+
+def _initrd(tmp_path: Path, cmdline: str, partitions: dict[str, tuple[str, bytes]], verity_exit: int = 0) -> tuple[Any, Path]:
+    """Run the real script with fake udevadm, lsblk, systemctl and systemd-veritysetup; PARTITIONS
+    are regular files standing in for the disk's partitions: name -> (GPT type, content)."""
+    import fakeprog
+
+    bin_dir, by_uuid = tmp_path / "bin", tmp_path / "by-partuuid"
+    by_uuid.mkdir(parents=True)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    table = []
+    for name, (kind, content) in partitions.items():
+        (disk / name).write_bytes(content)
+        table.append(f"{disk / name} {kind}")
+    data = f"{ROOT_HASH[:8]}-{ROOT_HASH[8:12]}-{ROOT_HASH[12:16]}-{ROOT_HASH[16:20]}-{ROOT_HASH[20:32]}"
+    (by_uuid / data).symlink_to(disk / "vda2")
+    fakeprog.fake_program(bin_dir, "udevadm")
+    fakeprog.fake_program(bin_dir, "systemctl")
+    listing = " ".join(repr(t) for t in table)
+    fakeprog.fake_program(bin_dir, "lsblk", script_body=f'case "$1" in -ndo) echo vda;; *) printf "%s\\n" {listing};; esac')
+    verity = fakeprog.fake_program(bin_dir, "systemd-veritysetup", exit=verity_exit)
+    (tmp_path / "cmdline").write_text(cmdline + "\n")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "APPLIANCE_CMDLINE": str(tmp_path / "cmdline"),
+           "APPLIANCE_BY_PARTUUID": str(by_uuid), "APPLIANCE_VERITYSETUP": str(verity)}
+    proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, check=False, timeout=60)
+    return proc, bin_dir / fakeprog.LOG
+
+
+def _calls(log: Path) -> list[list[str]]:
+    import fakeprog
+
+    return fakeprog.calls(log) if log.exists() else []
+
+
+def test_the_reader_hands_the_signature_of_the_booted_root_hash_to_dm_verity(tmp_path: Path) -> None:
+    import base64
+    import json as json_module
+
+    target = tmp_path / "run/usr-roothash.p7s"
+    other = signature_partition("ab" * 32)  # the other slot's, for another root hash
+    mine = signature_partition(ROOT_HASH)
+    signature = base64.b64decode(json_module.loads(mine.rstrip(b"\0"))["signature"])
+    sig_type = bundle_format.USR_VERITY_SIG_TYPE.lower()
+    proc, log = _initrd(tmp_path, f"usrhash={ROOT_HASH} rw systemd.verity_usr_options=root-hash-signature={target}",
+                        {"vda2": (bundle_format.USR_TYPE.lower(), b"usr"), "vda4": (sig_type, other), "vda11": (sig_type, mine)})
+    assert proc.returncode == 0, proc.stderr
+    assert target.read_bytes() == signature and "from " + str(tmp_path / "disk/vda11") in proc.stderr
+    attach = [c for c in _calls(log) if c[:2] == ["systemd-veritysetup", "attach"]]
+    assert attach and attach[0][-1] == f"root-hash-signature={target}" and attach[0][-2] == ROOT_HASH
+    assert not [c for c in _calls(log) if c[0] == "systemctl"]
+
+
+@pytest.mark.parametrize("case", ["refused", "missing", "empty-signature"])
+def test_without_a_signature_the_kernel_takes_the_initrd_reboots_at_once(tmp_path: Path, case: str) -> None:
+    """Fail closed, and fast: no /usr, and a reboot (a try used up) rather than a wait for the device."""
+    target = tmp_path / "run/usr-roothash.p7s"
+    sig_type = bundle_format.USR_VERITY_SIG_TYPE.lower()
+    content = {"refused": signature_partition(ROOT_HASH), "missing": signature_partition("cd" * 32),
+               "empty-signature": json.dumps({"rootHash": ROOT_HASH, "signature": ""}).encode()}[case]
+    proc, log = _initrd(tmp_path, f"usrhash={ROOT_HASH} systemd.verity_usr_options=root-hash-signature={target}",
+                        {"vda2": (bundle_format.USR_TYPE.lower(), b"usr"), "vda4": (sig_type, content)},
+                        verity_exit=1 if case == "refused" else 0)
+    assert proc.returncode == 1 and "/usr is not opened; rebooting" in proc.stderr, proc.stderr
+    assert ["systemctl", "--force", "reboot"] in _calls(log)
+
+
+def test_a_command_line_that_asks_for_no_signature_is_not_the_signed_one_and_is_left_alone(tmp_path: Path) -> None:
+    proc, log = _initrd(tmp_path, f"usrhash={ROOT_HASH} init=/usr/bin/bash", {})
+    assert proc.returncode == 0 and "not checked" in proc.stderr
+    assert _calls(log) == []
+    proc, log = _initrd(tmp_path / "x", f"usrhash={ROOT_HASH} systemd.verity_usr_options=root-hash-signature=../x", {})
+    assert proc.returncode == 1 and "not a plain absolute path" in proc.stderr

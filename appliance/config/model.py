@@ -227,6 +227,24 @@ class Proxy:
     metrics_cidrs: tuple[str, ...] = field(default=(), metadata=_each(checks.is_cidr))
 
 
+DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+
+
+@dataclass(frozen=True)
+class MaintenanceWindow:
+    """When the update timer may install and reboot: from START (HH:MM, UTC) for DURATION_MIN
+    minutes, on DAYS (the day a window starts; it may run past midnight). appliance/rollout.py."""
+
+    start: str = field(metadata=_check(checks.pattern(re.compile(r"^([01][0-9]|2[0-3]):[0-5][0-9]\Z"), "a time of day HH:MM (UTC)")))
+    duration_min: int = field(metadata=_check(checks.between(1, 1440)))
+    days: tuple[str, ...] = field(default=DAYS, metadata=_each(checks.one_of(*DAYS)))
+
+    @property
+    def start_min(self) -> int:
+        hours, minutes = self.start.split(":")
+        return int(hours) * 60 + int(minutes)
+
+
 @dataclass(frozen=True)
 class Update:
     url: str = field(default="", metadata=_check(checks.is_url))
@@ -236,6 +254,8 @@ class Update:
     # what the update timer does with a new bundle at url: install it into the inactive slot, or
     # only download and verify it into /var for `applianctl update --apply` in a maintenance window
     timer_action: str = field(default="install", metadata=_check(checks.one_of("install", "download-only")))
+    # when the update timer may install from a channel (none: any time)
+    maintenance_windows: tuple[MaintenanceWindow, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from applianctl.slots import release
 from applianctl.slots import view as slots
 from applianctl.slots.entries import entries
 from applianctl.slots.machine import Host
+from applianctl.update import channel
 from applianctl.update import staged as update_staged
 from applianctl.update.checks import check_judged, check_staged
 from applianctl.update.download import SPACE_MARGIN_BYTES, check_space, stage, staging_for
@@ -372,6 +373,11 @@ def cmd_update(args: argparse.Namespace) -> int:
         download = download or settings.timer_action == "download-only"
     if not spec:
         raise UserError("no SOURCE given", hint="applianctl update DIRECTORY-or-URL (or --from-config)")
+    if channel.is_channel(spec):
+        resolved = _resolve_channel(spec, args)
+        if resolved is None:
+            return 0
+        spec = resolved
     if args.check:
         p = check(spec, ca=args.ca, allow_downgrade=args.allow_downgrade, deadline_s=args.deadline or 300.0, force=args.force)
         if args.json:
@@ -393,6 +399,27 @@ def cmd_update(args: argparse.Namespace) -> int:
         raise
 
 
+def _resolve_channel(spec: str, args: argparse.Namespace) -> str | None:
+    """SPEC names a channel index: say where this appliance stands in each rollout and when it
+    installs; the bundle to go on with, or None when there is nothing to install now (for the timer,
+    also outside a maintenance window). --check records nothing; acting on an index records its
+    sequence, so that an older one (which could undo a pause or a stop) is refused from then on."""
+    now = channel.system_clock()
+    running = release.running_manifest()
+    res = channel.resolve(spec, ca=args.ca, deadline=Deadline(args.deadline or 300.0), keys_dir=paths.TRUSTED_KEYS_DIR,
+                          running_version=running.version, machine=channel.machine_id(), now=now,
+                          windows=channel.maintenance_windows())
+    print(res.describe(now), flush=True)
+    if res.bundle is None:
+        return None
+    if args.from_config and not res.in_window:
+        print("outside the maintenance window: nothing installed now", flush=True)
+        return None
+    if not args.check:
+        channel.accept(res.channel)
+    return res.bundle
+
+
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "update",
@@ -400,7 +427,8 @@ def add_parser(subparsers: Any) -> None:
         description="Install a signed release bundle into the inactive slot; refused while the running version is on trial. "
         "--download-only fetches and verifies it into /var and writes no slot; --apply installs what was staged.",
     )
-    p.add_argument("source", nargs="?", default="", help="a bundle directory or an https:// URL of one")
+    p.add_argument("source", nargs="?", default="",
+                   help="a bundle directory or an https:// URL of one, or of a channel index (.../channel.json: phased rollouts)")
     p.add_argument("--check", action="store_true", help="say what would be installed and whether it would be refused now; write nothing")
     p.add_argument("--json", action="store_true", help="with --check: print the plan as JSON")
     p.add_argument("--download-only", action="store_true",
