@@ -720,3 +720,47 @@ def test_the_schema_doc_matches_what_status_prints_both_ways(
     never_printed = {tuple(sorted(row)): sorted(row - printed) for row, printed in rows.items() if row - printed}
     assert undocumented == {}
     assert never_printed == {}
+
+
+def test_the_prometheus_output_says_what_the_json_says(
+    tree: Path, config: Config, engine: str, live_proxy: LiveProxy, systemd_mock: MockSystemd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`applianctl status --prometheus` parsed by prometheus_client's own parser: one series per
+    part and state, 1 exactly for the state --json gives, and the figures as the document has them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from applianctl.status import exposition
+
+    config = behind(config, live_proxy, monkeypatch)
+    write_healthy(tree, config)
+    src = sources(tree, engine, systemd_mock)
+    write_config(tree, config, monkeypatch)
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert status.run(argparse.Namespace(json=False, prometheus=True), src) == 0
+    families = {f.name: f for f in text_string_to_metric_families(out.getvalue())}
+    doc = status.collect(config, src)  # the same tree: the same states
+    states = {(s.labels["part"], s.labels["state"]): s.value for s in families["appliance_part_state"].samples}
+    assert {part for part, _ in states} == set(doc["parts"])
+    for part, body in doc["parts"].items():
+        assert [state for state in exposition.PART_STATES if states[(part, state)] == 1] == [body["state"]], part
+    assert {s.labels["state"]: s.value for s in families["appliance_state"].samples}[doc["state"]] == 1
+    info = families["appliance_info"].samples[0].labels
+    assert (info["version"], info["profile"]) == (doc["version"], doc["profile"])
+    figures = {s.labels["figure"]: s.value for s in families["appliance_startup_figure"].samples}
+    assert figures == {k: v["value"] for k, v in doc["parts"]["startup"]["figures"].items() if v.get("value") is not None}
+
+
+def test_label_values_from_the_device_cannot_break_the_exposition_format() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from applianctl.status import exposition
+
+    hostile = 'x"} 1\nappliance_rolled_back 1\n# \\'
+    doc = {"appliance": hostile, "version": "1.0.0", "profile": "demo", "state": "ok", "parts": {
+        "slots": {"state": "ok", "reason": "", "slots": [{"slot": "A", "version": hostile, "state": "good", "booted": True}],
+                  "running_state": "good", "rolled_back": False}}}
+    families = {f.name: f for f in text_string_to_metric_families(exposition.render(doc))}
+    assert families["appliance_info"].samples[0].labels["appliance"] == hostile
+    assert families["appliance_slot_info"].samples[0].labels["version"] == hostile
+    assert [s.value for s in families["appliance_rolled_back"].samples] == [0]

@@ -220,6 +220,10 @@ def run(args: argparse.Namespace, src: Sources | None = None) -> int:
     if args.json:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
+    elif getattr(args, "prometheus", False):
+        from applianctl.status import exposition
+
+        sys.stdout.write(exposition.render(doc))
     else:
         render(doc, sys.stdout, colour=sys.stdout.isatty())
     sys.stdout.flush()
@@ -228,7 +232,10 @@ def run(args: argparse.Namespace, src: Sources | None = None) -> int:
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("status", help="show the state of every part of the appliance")
-    p.add_argument("--json", action="store_true", help="print the JSON document of docs/status-schema.md")
+    output = p.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print the JSON document of docs/status-schema.md")
+    output.add_argument("--prometheus", action="store_true",
+                        help="print the same as Prometheus metrics (text format; monitoring/ holds alert rules and a dashboard)")
     p.add_argument("--timeout-scale", type=float, default=1.0, metavar="N",
                    help="multiply every probe's timeout by N (slow hosts, e.g. emulated test VMs)")
     p.set_defaults(func=run)

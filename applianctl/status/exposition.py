@@ -1,0 +1,115 @@
+"""`applianctl status --prometheus`: the status document (docs/status-schema.md) as Prometheus
+metrics in the text exposition format, so that what a scraper alerts on is what `applianctl
+status --json` says at the same moment. Every series is a gauge named appliance_*; one series per
+part and state (1 for the part's state, 0 for the others), so an alert never depends on a reason
+text. Label values come from the device's own records and are escaped as the format requires.
+monitoring/ holds the alert rules and the dashboard written against these names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+OVERALL = ("ok", "degraded", "down")
+PART_STATES = ("ok", "degraded", "down", "not configured")
+# status part sealed: the facts whose loss weakens the appliance's seal, each 1 or 0
+SEALED_FLAGS = ("secure_boot", "db_trusts_appliance", "tpm", "pcr_signature", "usr_signature", "var_encrypted", "var_sealed",
+                "var_recovery_key")
+
+HELP = {
+    "appliance_info": "the appliance's name, version and profile (always 1)",
+    "appliance_state": "the overall state: 1 for the current one, 0 for the others",
+    "appliance_status_seconds": "how long collecting the status took",
+    "appliance_part_state": "each part's state: 1 for the current one, 0 for the others",
+    "appliance_slot_info": "each /usr slot: its version, its state (good, on trial, bad, empty) and whether it is booted",
+    "appliance_slot_tries_left": "boot tries left of the slot's version (absent when it is not counted)",
+    "appliance_running_good": "1 when the running version is judged good",
+    "appliance_rolled_back": "1 when the last update was rolled back",
+    "appliance_sealed": "each fact of the seal (Secure Boot, TPM, signatures, /var): 1 or 0",
+    "appliance_weights_verified": "1 when every weight file matched its signed digest before the engine started",
+    "appliance_startup_figure": "the engine's startup report: each figure as logged",
+    "appliance_startup_figure_expected": "the engine's startup report: each figure as the runbook expects it",
+    "appliance_disk_free_bytes": "free bytes where the appliance keeps its state and the model cache",
+    "appliance_disk_total_bytes": "size of the file systems of appliance_disk_free_bytes",
+    "appliance_shm_free_bytes": "free bytes in /dev/shm (the engine's CPU KV offload lives there)",
+    "appliance_shm_stale_offload_files": "offload files in /dev/shm that no process holds",
+    "appliance_tls_ca_days_left": "days until the appliance CA expires",
+}
+
+
+def escape(value: object) -> str:
+    """A label value as the text format needs it: backslash, double quote and newline escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _sample(name: str, labels: dict[str, object], value: float) -> str:
+    inner = ",".join(f'{k}="{escape(v)}"' for k, v in labels.items())
+    text = repr(float(value)) if not float(value).is_integer() else str(int(value))
+    return f"{name}{{{inner}}} {text}" if inner else f"{name} {text}"
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _samples(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, object], float]]:
+    parts: dict[str, Any] = doc.get("parts") or {}
+    yield "appliance_info", {"appliance": doc.get("appliance"), "version": doc.get("version"), "profile": doc.get("profile")}, 1
+    for state in OVERALL:
+        yield "appliance_state", {"state": state}, int(doc.get("state") == state)
+    if (elapsed := _number(doc.get("elapsed_s"))) is not None:
+        yield "appliance_status_seconds", {}, elapsed
+    for name, part in parts.items():
+        for state in PART_STATES:
+            yield "appliance_part_state", {"part": name, "state": state}, int(part.get("state") == state)
+    slots = parts.get("slots") or {}
+    for slot in slots.get("slots") or []:
+        labels = {"slot": slot.get("slot"), "version": slot.get("version") or "", "state": slot.get("state") or "",
+                  "booted": str(bool(slot.get("booted"))).lower()}
+        yield "appliance_slot_info", labels, 1
+        if (tries := _number(slot.get("tries_left"))) is not None:
+            yield "appliance_slot_tries_left", {"slot": slot.get("slot")}, tries
+    if "running_state" in slots:
+        yield "appliance_running_good", {}, int(slots.get("running_state") == "good")
+    if "rolled_back" in slots:
+        yield "appliance_rolled_back", {}, int(bool(slots.get("rolled_back")))
+    sealed = parts.get("sealed") or {}
+    for flag in SEALED_FLAGS:
+        if isinstance(sealed.get(flag), bool):
+            yield "appliance_sealed", {"fact": flag}, int(sealed[flag])
+    weights = parts.get("weights") or {}
+    if isinstance(weights.get("verified"), bool):
+        yield "appliance_weights_verified", {}, int(weights["verified"])
+    for figure, values in ((parts.get("startup") or {}).get("figures") or {}).items():
+        if isinstance(values, dict):
+            for key, metric in (("value", "appliance_startup_figure"), ("expected", "appliance_startup_figure_expected")):
+                if (number := _number(values.get(key))) is not None:
+                    yield metric, {"figure": figure}, number
+    disk = parts.get("disk") or {}
+    for where in ("var", "model_cache"):
+        place = disk.get(where) or {}
+        for key, metric in (("free_bytes", "appliance_disk_free_bytes"), ("total_bytes", "appliance_disk_total_bytes")):
+            if (number := _number(place.get(key))) is not None:
+                yield metric, {"path": place.get("path") or where}, number
+    shm = parts.get("shm") or {}
+    if (free := _number(shm.get("free_bytes"))) is not None:
+        yield "appliance_shm_free_bytes", {}, free
+    if isinstance(shm.get("stale_offload_files"), list):
+        yield "appliance_shm_stale_offload_files", {}, len(shm["stale_offload_files"])
+    if (days := _number((parts.get("tls") or {}).get("ca_days_left"))) is not None:
+        yield "appliance_tls_ca_days_left", {}, days
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The exposition text of DOC (a status document): HELP and TYPE once per metric, then its samples."""
+    by_name: dict[str, list[str]] = {}
+    for name, labels, value in _samples(doc):
+        by_name.setdefault(name, []).append(_sample(name, labels, value))
+    lines = []
+    for name, samples in by_name.items():
+        lines += [f"# HELP {name} {HELP[name]}", f"# TYPE {name} gauge", *samples]
+    return "\n".join(lines) + "\n"
