@@ -37,6 +37,7 @@ COMMAND_MODULES = {
     "slots": "applianctl.slots.command",
     "model": "applianctl.model.command",
     "factory-reset": "applianctl.factory_reset",
+    "support-bundle": "applianctl.status.bundle",
     "var-seal": "applianctl.var.seal",  # hidden: appliance-var-seal.service
 }
 
