@@ -10,6 +10,7 @@ names by issuer and serial number, not any certificate that rides in the signatu
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,11 @@ class Signer:
     @property
     def subject(self) -> str:
         return self.certificate.subject.rfc4514_string()
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of the certificate (hex): two keys may well carry the same subject."""
+        return hashlib.sha256(_der(self.certificate)).hexdigest()
 
 
 def _certificate_table(path: Path) -> bytes:

@@ -219,7 +219,8 @@ def check_kernel_trusted(uki: Path, efivars_dir: Path) -> None:
         raise Refused(f"{uki.name} has no signature this firmware could check ({e}); under Secure Boot it would never start",
                       hint="release it again from a build signed with the appliance's Secure Boot key") from None
     if not any(authenticode.trusted_by(s, db) for s in found):
-        raise Refused(f"{uki.name} is signed by {found[0].subject}, which this firmware's db does not trust; "
+        raise Refused(f"{uki.name} is signed by {found[0].subject} (certificate SHA-256 {found[0].fingerprint[:16]}…), "
+                      "which this firmware's db does not trust; "
                       "under Secure Boot it would never start",
                       hint="release it again with the Secure Boot key whose certificate is enrolled here "
                            "(or enroll that key's certificate in db first)")
