@@ -5,6 +5,7 @@ dashboard parses and names only metrics something exports."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -17,7 +18,8 @@ from applianctl.status import exposition
 
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "monitoring"
-PROMTOOL = Path("/var/cache/appliance-host/prometheus/usr/bin/promtool")
+# where tools/setup-host unpacks it (APPLIANCE_HOST_CACHE moves the cache there too)
+PROMTOOL = Path(os.environ.get("APPLIANCE_HOST_CACHE", "/var/cache/appliance-host")) / "prometheus/usr/bin/promtool"
 # what else a fleet's Prometheus scrapes from an appliance: the engine's /metrics (vLLM's names,
 # ../shared/PLATFORM.md), Prometheus itself (up), and AMD's device-metrics-exporter's GPU names
 OTHER_METRICS = {"up", "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
