@@ -23,7 +23,7 @@ build-demo: setup
 	$(BUILDER) --profile demo build
 
 demo: build-demo
-	$(BUILDER) --profile demo boot --status-json out/demo-status.json
+	$(BUILDER) --profile demo boot --status-json out/demo-status.json --metrics-out out/demo-metrics.prom
 
 qemu: setup
 	$(BUILDER) --profile demo boot --interactive

@@ -8,6 +8,7 @@ Ed25519, bundle.json.sig). Nothing in a bundle is trusted before that one signat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import struct
@@ -20,6 +21,8 @@ from appliance import manifest, schema
 from appliance.errors import Refused, UserError
 from appliance.hashing import DIGEST, SHA256
 from appliance.patterns import VERSION, VERSION_FORM
+from appliance.safe_read import loads_bounded, read_capped
+from appliance.sums import SUMS_FILE, parse_sums
 
 BUNDLE_INDEX = "bundle.json"
 BUNDLE_SIG = "bundle.json.sig"
@@ -286,3 +289,93 @@ def signed_root_hash(path: Path) -> str:
     if not isinstance(root_hash, str) or not SHA256.match(root_hash) or not isinstance(signature, str) or not signature:
         raise ValueError("a root hash signature needs rootHash (64 hex digits) and signature")
     return root_hash
+
+
+# ----------------------------------------------------------------------------------- package manifest
+
+MAX_PACKAGES_BYTES = 16 << 20  # a Debian image's ~600 packages are about 100 KB
+PACKAGES_FORMAT = 1  # mkosi's manifest_version ("bumped when incompatible changes are made")
+
+
+@dataclass(frozen=True)
+class Package:
+    name: str
+    version: str
+    architecture: str
+
+
+def mkosi_manifest_name(version: str) -> str:
+    """Where mkosi writes the image's package manifest (ManifestFormat=json): OUTPUT.manifest."""
+    return f"appliance_{version}.manifest"
+
+
+def packages_name(version: str) -> str:
+    """The package manifest in a bundle: informational (the operator's, a scanner's), never fetched
+    by the updater. It is not in bundle.json's file list, which every updater so far refuses to see
+    grow (load_index); SHA256SUMS, listed there with its size and SHA-256, binds it."""
+    return f"appliance_{version}.packages.json"
+
+
+def load_packages(data: bytes, version: str | None = None) -> tuple[Package, ...]:
+    """The packages of mkosi's JSON manifest (manifest_version 1: config {name, version, ...},
+    packages [{type, name, version, architecture}]), of image VERSION when given (mkosi's own output;
+    a release may relabel a build, bench/upgrade.py); ValueError (one line) when DATA is not one."""
+    if len(data) > MAX_PACKAGES_BYTES:
+        raise ValueError(f"more than {MAX_PACKAGES_BYTES} bytes: not a package manifest")
+    try:
+        doc = loads_bounded(data)
+    except ValueError:
+        raise ValueError("not JSON") from None
+    if not isinstance(doc, dict) or type(doc.get("manifest_version")) is not int or doc["manifest_version"] != PACKAGES_FORMAT:
+        raise ValueError(f"not mkosi's package manifest (manifest_version {PACKAGES_FORMAT} expected)")
+    config, entries = doc.get("config"), doc.get("packages")
+    if not isinstance(config, dict) or config.get("name") != IMAGE_ID:
+        raise ValueError(f"config.name is not {IMAGE_ID!r}: not this image's package manifest")
+    if version is not None and config.get("version") != version:
+        raise ValueError(f"config.version = {schema.shown(config.get('version'), 40)}: the manifest of another build than {version}")
+    if not isinstance(entries, list) or not entries:
+        raise ValueError("packages is not a list of packages")
+    out = []
+    for i, entry in enumerate(entries):
+        fields = [entry.get(k) for k in ("name", "version", "architecture")] if isinstance(entry, dict) else []
+        if len(fields) != 3 or not all(isinstance(v, str) and v for v in fields):
+            raise ValueError(f"packages[{i}] = {schema.shown(entry, 60)}: expected name, version and architecture")
+        out.append(Package(entry["name"], entry["version"], entry["architecture"]))
+    return tuple(out)
+
+
+def read_packages(directory: Path, index: BundleIndex) -> tuple[Package, ...]:
+    """The package manifest of the bundle in DIRECTORY, proven as the build host reads it: SHA256SUMS
+    against the signed INDEX (size, SHA-256), the manifest against SHA256SUMS, then its form. Refused
+    (one line) on any fault. The updater never calls this."""
+    hint = "the bundle was changed after it was signed: release it again"
+
+    def read(name: str, cap: int) -> bytes:
+        try:
+            data = read_capped(directory / name, cap, what=name, hint=hint)
+        except UserError as e:
+            raise Refused(e.message, hint=hint) from None
+        if data is None:
+            raise Refused(f"{directory / name}: no such file", hint=hint)
+        return data
+
+    listed = next((f for f in index.files if f.name == SUMS_FILE), None)
+    if listed is None:
+        raise Refused(f"bundle.json lists no {SUMS_FILE}", hint=NOT_OURS)
+    sums_data = read(SUMS_FILE, MAX_INDEX_BYTES)
+    if len(sums_data) != listed.size or hashlib.sha256(sums_data).hexdigest() != listed.sha256:
+        raise Refused(f"{SUMS_FILE}: not the one the signed bundle index names (size or SHA-256 differs)", hint=hint)
+    name = packages_name(index.version)
+    try:
+        entry = parse_sums(sums_data).get(name)
+    except UserError as e:
+        raise Refused(e.message, hint=hint) from None
+    if entry is None:
+        raise Refused(f"{SUMS_FILE} names no package manifest {name}", hint="a bundle released before package manifests has none")
+    data = read(name, MAX_PACKAGES_BYTES)
+    if hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise Refused(f"{name}: its SHA-256 is not the one {SUMS_FILE} (signed through bundle.json) names", hint=hint)
+    try:
+        return load_packages(data)
+    except ValueError as e:
+        raise Refused(f"{name}: {e}", hint=hint) from None

@@ -116,6 +116,7 @@ REFUSALS = {
                              "permission_error", 403),
     "method": _error_json("Method not allowed: the engine's API takes GET and POST.", "invalid_request_error", 405),
     "too_large": _error_json("The request body is larger than the proxy admits.", "invalid_request_error", 413),
+    "not_found": _error_json("Not here: the metrics site serves GET /metrics and GET /engine/metrics.", "invalid_request_error", 404),
     "error": _error_json("{http.error.status_text}", "proxy_error", "{http.error.status_code}"),
 }
 
@@ -182,6 +183,13 @@ def _port(key: str, value: int) -> int:
     return value
 
 
+def _upstream(key: str, value: str) -> str:
+    host, _, port = value.rpartition(":")
+    if host != "127.0.0.1" or not port.isdigit():
+        raise _refuse(key, value, "127.0.0.1:PORT")
+    return f"127.0.0.1:{_port(key, int(port))}"
+
+
 def _file(key: str, value: Path) -> str:
     text = str(value)
     if not _ABS_PATH.fullmatch(text) or "/../" in text + "/":
@@ -195,6 +203,8 @@ def template_values(
     tls_dir: Path | None = None,
     http_port: int = 80,
     admin: str = f"unix/{ADMIN_SOCKET}",
+    metrics_client_ca: Path = paths.METRICS_CLIENT_CA,
+    node_exporter: str = paths.NODE_EXPORTER,
 ) -> dict[str, Any]:
     """Every value the template takes, each checked; ConfigError naming the first bad one.
     Without jinja2: host_settings.overlay checks a host's settings with it before any reader sees them."""
@@ -229,6 +239,11 @@ def template_values(
         "loopback": LOOPBACK,
         # Restricting /metrics only matters when /metrics can be reached at all.
         "metrics_cidrs": _cidrs("metrics_cidrs", proxy.metrics_cidrs, allow_empty=True),
+        # the metrics site (docs/fleet.md): scrapers, who are not clients
+        "metrics_port": _port("metrics.port", config.metrics.port),
+        "scraper_cidrs": _cidrs("metrics.allowed_cidrs", config.metrics.allowed_cidrs, allow_empty=True),
+        "metrics_client_ca": _file("metrics.client_ca", metrics_client_ca) if config.metrics.client_ca else "",
+        "node_exporter": _upstream("node_exporter", node_exporter),
         "cert_file": _file("tls_dir", tls_dir / "server.crt"),
         "key_file": _file("tls_dir", tls_dir / "server.key"),
         "admin": admin,
@@ -237,6 +252,8 @@ def template_values(
         "upstream_idle_s": UPSTREAM_IDLE_S,
         "refusals": REFUSALS,
     }
+    if values["metrics_port"] in (values["https_port"], values["http_port"]):
+        raise _refuse("metrics.port", values["metrics_port"], "a port of its own (not the proxy's HTTPS or HTTP port)")
     if proxy.https_port == http_port and values["redirect"]:
         raise _refuse("https_port", proxy.https_port, "a port other than the plain HTTP port")
     return values
@@ -248,12 +265,15 @@ def render_caddyfile(
     tls_dir: Path | None = None,
     http_port: int = 80,
     admin: str = f"unix/{ADMIN_SOCKET}",
+    metrics_client_ca: Path = paths.METRICS_CLIENT_CA,
+    node_exporter: str = paths.NODE_EXPORTER,
 ) -> str:
     """The Caddyfile for CONFIG; TLS_DIR holds server.crt/.key in mode "internal". HTTP_PORT and
     ADMIN are for tests, which run Caddy unprivileged on loopback."""
     import jinja2  # only where a Caddyfile is written (the build, appliance-host.service)
 
-    values = template_values(config, tls_dir=tls_dir, http_port=http_port, admin=admin)
+    values = template_values(config, tls_dir=tls_dir, http_port=http_port, admin=admin, metrics_client_ca=metrics_client_ca,
+                             node_exporter=node_exporter)
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(template_dir())),
         autoescape=False,

@@ -16,7 +16,7 @@ from typing import Any
 from appliance import caddyfile, paths, schema
 from appliance.config import checks
 from appliance.config.device import from_json, load_image, no_constant
-from appliance.config.model import Config
+from appliance.config.model import Config, MaintenanceWindow
 from appliance.errors import ConfigError, UserError
 from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
 
@@ -110,7 +110,24 @@ class Proxy:
 
 @dataclass(frozen=True)
 class Update:
-    url: str = field(metadata=schema.check(checks.is_url))
+    url: str | None = field(default=None, metadata=schema.check(checks.is_url))
+    maintenance_windows: tuple[MaintenanceWindow, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Who may scrape this host's metrics (appliance.toml's [metrics])."""
+
+    allowed_cidrs: tuple[str, ...] | None = field(default=None, metadata=schema.each(checks.is_cidr))
+    client_ca: str | None = field(default=None, metadata=schema.multiline(checks.is_pem_certificates))
+
+
+@dataclass(frozen=True)
+class Logs:
+    """Where this host's journal goes (appliance.toml's [logs])."""
+
+    upload_url: str | None = field(default=None, metadata=schema.check(checks.is_https_url))
+    upload_ca: str | None = field(default=None, metadata=schema.multiline(checks.is_pem_certificates))
 
 
 @dataclass(frozen=True)
@@ -128,6 +145,8 @@ class HostSettings:
     proxy: Proxy | None = None
     update: Update | None = None
     weights: Weights | None = None
+    metrics: Metrics | None = None
+    logs: Logs | None = None
 
     def effective(self, config: Config) -> dict[str, Any]:
         """The host's settings: these, and the image's configuration where these are silent."""
@@ -139,9 +158,26 @@ class HostSettings:
             "proxy_hostname": proxy.hostname or config.proxy.hostname,
             "proxy_allowed_cidrs": list(proxy.allowed_cidrs if proxy.allowed_cidrs is not None else config.proxy.allowed_cidrs),
             "proxy_acme_email": proxy.acme_email if proxy.acme_email is not None else config.proxy.acme_email,
-            "update_url": self.update.url if self.update else config.update.url,
+            "update_url": _given(self.update and self.update.url, config.update.url),
             "weights_source": self.weights.source if self.weights else config.model.source,
+            "metrics_allowed_cidrs": list(_given(self.metrics and self.metrics.allowed_cidrs, config.metrics.allowed_cidrs)),
+            "logs_upload_url": _given(self.logs and self.logs.upload_url, config.logs.upload_url),
         }
+
+    def overlay_values(self) -> dict[str, dict[str, Any]]:
+        """{SECTION: {KEY: VALUE}} of what these settings set of OVERLAY's keys, as load_device
+        lays them over the image's configuration (appliance-host.service writes it)."""
+        out: dict[str, dict[str, Any]] = {}
+        for section, keys in OVERLAY.items():
+            given = getattr(self, section)
+            values = {k: getattr(given, k) for k in keys if given is not None and getattr(given, k) is not None}
+            if values:
+                out[section] = schema.plain(values)
+        return out
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def cross_checks(where: str, settings: HostSettings) -> None:
@@ -175,8 +211,10 @@ def cross_checks(where: str, settings: HostSettings) -> None:
 
 # ----------------------------------------------------------------------------------- the overlay
 
-# What of the image's configuration a host's settings replace: [proxy]'s keys that Proxy has.
-OVERLAY = {"proxy": tuple(f.name for f in dataclasses.fields(Proxy))}
+# What of the image's configuration a host's settings replace: the keys of these sections that
+# the host's dataclass of the same name has.
+OVERLAY = {section: tuple(f.name for f in dataclasses.fields(cls)) for section, cls in
+           (("proxy", Proxy), ("update", Update), ("metrics", Metrics), ("logs", Logs))}
 SETTINGS_FILE = "host-settings.json"
 HINT = "systemctl restart appliance-host.service renders it again from the signed install plan"
 

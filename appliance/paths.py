@@ -42,6 +42,13 @@ PREFLIGHT_RESULT = RUN_DIR / "preflight.json"
 VAR_DIR = _path("VAR_DIR", "/var")  # what a factory reset wipes (applianctl/factory_reset.py)
 STATE_DIR = _path("STATE_DIR", "/var/lib/appliance")
 TLS_DIR = STATE_DIR / "tls"  # ca.crt, ca.key, server.crt, server.key
+# appliance-host.service writes these from the effective configuration (image, or the install plan)
+METRICS_CLIENT_CA = RUN_DIR / "metrics-client-ca.pem"  # the proxy's metrics site: scrapers' CAs
+JOURNAL_UPLOAD_CA = RUN_DIR / "journal-upload-ca.pem"  # the log collector's CA
+JOURNAL_UPLOAD_ENV = RUN_DIR / "journal-upload.env"  # UPLOAD_URL=, read by appliance-journal-upload.service
+# appliance-metrics.service's textfiles, which node_exporter serves (status and GPU gauges)
+METRICS_TEXTFILE_DIR = RUN_DIR / "metrics"
+NODE_EXPORTER = "127.0.0.1:9100"  # loopback only: scrapers reach it through the proxy
 PROC_CMDLINE = _path("PROC_CMDLINE", "/proc/cmdline")
 BOOT_ID = _path("BOOT_ID", "/proc/sys/kernel/random/boot_id")
 
@@ -131,4 +138,7 @@ UNITS = (
     "appliance-startup-report.service",
     "appliance-tls.service",
     "appliance-proxy.service",
+    # seen from outside: the metrics scrapers reach, the journal sent to the collector (issue 22)
+    "appliance-node-exporter.service",
+    "appliance-journal-upload.service",
 )

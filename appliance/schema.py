@@ -42,6 +42,11 @@ def each(fn: Check) -> dict[str, Any]:
     return {"each": fn}
 
 
+def multiline(fn: Check) -> dict[str, Any]:
+    """Field metadata: check the value, which may span lines (a printable document allows it "\\n")."""
+    return {"check": fn, "multiline": True}
+
+
 def optional(**kw: Any) -> Any:
     """A field that is None unless set, and then not written at all (the key is absent)."""
     return dataclasses.field(default=None, metadata={"omit": True, **kw})
@@ -185,7 +190,8 @@ class Loader:
             ok = -MAX_INT <= value <= 10**15
         if not ok:
             raise self.invalid(key, value, type_name(tp) + (" (finite, at most 15 digits)" if tp in (int, float) else ""))
-        if self.printable and tp is str and CONTROL.search(value):
+        # a `multiline` field (PEM certificates) may hold line feeds, and no other control character
+        if self.printable and tp is str and CONTROL.search(value.replace("\n", "") if meta.get("multiline") else value):
             raise self.invalid(key, value, "text without control characters (C0, DEL, C1)")
         fn = meta.get("check")
         if fn is not None and (hint := fn(value)) is not None:

@@ -93,7 +93,7 @@ def network_files(net: host_settings.Network) -> dict[str, str]:
 
 def render(plan: plan_model.Plan, config: Config) -> dict[str, str]:
     """Path (relative to the rendering root) -> content of every file the plan sets; ConfigError
-    when the Caddyfile's checks refuse a proxy setting."""
+    when a setting laid over the image's configuration is refused (the Caddyfile's checks too)."""
     out: dict[str, str] = {}
     if plan.network is not None:
         out.update({f"network/{name}": text for name, text in network_files(plan.network).items()})
@@ -101,15 +101,38 @@ def render(plan: plan_model.Plan, config: Config) -> dict[str, str]:
         out["hostname"] = plan.hostname + "\n"
     if plan.ssh is not None:
         out["authorized_keys"] = "".join(k + "\n" for k in plan.ssh.authorized_keys)
-    if plan.proxy is not None:
-        eff = plan.effective(config)
-        settings = {"proxy": {"hostname": eff["proxy_hostname"], "allowed_cidrs": eff["proxy_allowed_cidrs"],
-                              "acme_email": eff["proxy_acme_email"]}}
+    settings = plan.overlay_values()
+    if settings:
         # Checked as every reader will check it, then rendered through the image's own template.
         effective = host_settings.overlay(config, settings, "install plan")
         out[HOST_SETTINGS] = json.dumps(settings, indent=2, sort_keys=True) + "\n"
-        out[CADDYFILE] = caddyfile.render_caddyfile(effective)
+        if plan.proxy is not None or plan.metrics is not None:
+            out[CADDYFILE] = caddyfile.render_caddyfile(effective)
     return out
+
+
+def effective_config(config: Config, files: dict[str, str]) -> Config:
+    """The image's CONFIG with the settings RENDER wrote laid over it (checked there already)."""
+    if HOST_SETTINGS not in files:
+        return config
+    return host_settings.overlay(config, json.loads(files[HOST_SETTINGS]), "install plan")
+
+
+def write_service_files(run_dir: Path, config: Config) -> None:
+    """Files other units read, from the effective configuration (the image's or the plan's): the
+    metrics site's client CAs, the log collector's CA and URL. Absent when not configured, so the
+    journal upload's unit (ConditionPathExists=) does not start at all."""
+    wanted = {
+        run_dir / paths.METRICS_CLIENT_CA.name: config.metrics.client_ca,
+        run_dir / paths.JOURNAL_UPLOAD_CA.name: config.logs.upload_ca if config.logs.upload_url else "",
+        # checks.is_https_url admitted only URL characters: nothing an EnvironmentFile= would expand
+        run_dir / paths.JOURNAL_UPLOAD_ENV.name: f"UPLOAD_URL={config.logs.upload_url}\n" if config.logs.upload_url else "",
+    }
+    for path, text in wanted.items():
+        if text:
+            atomic_write(path, (text if text.endswith("\n") else text + "\n").encode(), 0o644)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _clear_rendered(directory: Path) -> None:
@@ -123,12 +146,14 @@ def _clear_proxy(run_dir: Path) -> None:
         (run_dir / name).unlink(missing_ok=True)
 
 
-def _write_proxy(run_dir: Path, files: dict[str, str]) -> None:
+def _write_settings(run_dir: Path, files: dict[str, str]) -> None:
     # 0644: the proxy runs as caddy; every reader of the configuration reads the settings.
-    atomic_write(run_dir / CADDYFILE, files[CADDYFILE].encode(), 0o644)
+    if CADDYFILE in files:
+        atomic_write(run_dir / CADDYFILE, files[CADDYFILE].encode(), 0o644)
     atomic_write(run_dir / HOST_SETTINGS, files[HOST_SETTINGS].encode(), 0o644)
-    # Last: the unit takes the per-host Caddyfile only once both files are whole.
-    atomic_write(run_dir / PROXY_ENV, f"CADDYFILE={run_dir / CADDYFILE}\n".encode(), 0o644)
+    if CADDYFILE in files:
+        # Last: the unit takes the per-host Caddyfile only once both files are whole.
+        atomic_write(run_dir / PROXY_ENV, f"CADDYFILE={run_dir / CADDYFILE}\n".encode(), 0o644)
 
 
 def apply(config: Config, host_dir: Path = HOST_DIR, network_dir: Path = NETWORK_RUN_DIR, result: Path = RESULT,
@@ -144,16 +169,19 @@ def apply(config: Config, host_dir: Path = HOST_DIR, network_dir: Path = NETWORK
     try:
         plan = plan_model.load_signed(host_dir, trusted_keys)
     except UserError as e:
+        write_service_files(run_dir, config)
         return _result(result, HostResult(False, f"plan refused: {e.message}", "image defaults"))
     if plan is None:
+        write_service_files(run_dir, config)
         return _result(result, HostResult(True, "", "image defaults", _shown(_defaults(config))))
     proxy_refused = ""
     try:
         files = render(plan, config)
     except ConfigError as e:
-        # The rest of the plan still applies; the proxy keeps the image's Caddyfile and values.
-        proxy_refused = f"the plan's proxy settings refused ({e.message}; {e.hint}): the image's proxy settings apply"
-        files = render(dataclasses.replace(plan, proxy=None), config)
+        # The rest of the plan still applies; the image's values stand for what was refused.
+        proxy_refused = f"the plan's settings refused ({e.message}; {e.hint}): the image's proxy, metrics, update and log settings apply"
+        plan = dataclasses.replace(plan, proxy=None, metrics=None, update=None, logs=None)
+        files = render(plan, config)
     for name, text in files.items():
         if name.startswith("network/"):
             atomic_write(network_dir / name.removeprefix("network/"), text.encode())
@@ -163,15 +191,16 @@ def apply(config: Config, host_dir: Path = HOST_DIR, network_dir: Path = NETWORK
         atomic_write(keys, files["authorized_keys"].encode(), 0o644)
     else:
         keys.unlink(missing_ok=True)
-    if CADDYFILE in files:
-        _write_proxy(run_dir, files)
+    if HOST_SETTINGS in files:
+        _write_settings(run_dir, files)
+    write_service_files(run_dir, effective_config(config, files))
     if set_hostname and plan.hostname:
         # Transient: /etc belongs to the factory image; the plan on /var is the lasting record.
         try:
             socket.sethostname(plan.hostname)
         except OSError as e:
             return _result(result, HostResult(False, f"cannot set the host name: {e.strerror}", "plan"))
-    settings = plan.effective(config) if not proxy_refused else dataclasses.replace(plan, proxy=None).effective(config)
+    settings = plan.effective(config)
     rendered = tuple(sorted(n.removeprefix("network/") for n in files if n.startswith("network/")))
     return _result(result, HostResult(not proxy_refused, proxy_refused, "plan", _shown(settings), rendered))
 

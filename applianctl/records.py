@@ -255,6 +255,8 @@ class EffectiveSettings:
     proxy_acme_email: str
     update_url: str
     weights_source: str
+    metrics_allowed_cidrs: tuple[str, ...] | None = optional()  # from release 1.x of issue 22 on
+    logs_upload_url: str | None = optional()
 
 
 @dataclass(frozen=True)

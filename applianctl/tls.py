@@ -15,6 +15,7 @@ import grp
 import ipaddress
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -67,6 +68,14 @@ class Files:
     @property
     def server_key(self) -> Path:
         return self.dir / "server.key"
+
+    @property
+    def client_crt(self) -> Path:
+        return self.dir / "client.crt"
+
+    @property
+    def client_key(self) -> Path:
+        return self.dir / "client.key"
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,19 @@ def within(ip: IpAddress, networks: Iterable[IpNetwork]) -> bool:
     return any(ip.version == n.version and ip in n for n in networks)
 
 
+def _self_signed(key: ec.EllipticCurvePrivateKey, name: x509.Name, now: datetime.datetime, days: int) -> x509.CertificateBuilder:
+    """A certificate of NAME, issued by itself, valid from a little before NOW for DAYS."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(now + datetime.timedelta(days=days))
+    )
+
+
 def make_ca(
     hostname: str, now: datetime.datetime, networks: Iterable[IpNetwork] = ()
 ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
@@ -174,13 +196,7 @@ def make_ca(
     )
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - BACKDATE)
-        .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+        _self_signed(key, name, now, CA_DAYS)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
@@ -436,6 +452,49 @@ def generate(
     return Result(created_ca=created_ca, renewed=True, reason=reason)
 
 
+CLIENT_DAYS = 3650
+
+
+def make_client(hostname: str, now: datetime.datetime) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """The appliance's own client identity (the journal upload presents it to the log collector):
+    self-signed, so that it exists in every TLS mode (with ACME there is no appliance CA), named
+    by the host, for client authentication only. A collector trusts each appliance's certificate
+    (their concatenation as its trust file) or, on a trusted network, any (docs/fleet.md)."""
+    key = _new_key()
+    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Appliance"), x509.NameAttribute(NameOID.COMMON_NAME, hostname)])
+    cert = (
+        _self_signed(key, name, now, CLIENT_DAYS)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(hostname)]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return key, cert
+
+
+def ensure_client(tls_dir: Path, hostname: str, now: datetime.datetime | None = None) -> str | None:
+    """Make TLS_DIR hold the client identity for HOSTNAME; a new one when there is none, it names
+    another host, its key does not match, or it expires within RENEW_DAYS. The reason, or None."""
+    now = _now() if now is None else now
+    files = Files(tls_dir)
+    cert, key = _load_cert(files.client_crt), _load_key(files.client_key)
+    if cert is None or key is None:
+        reason = "no client certificate yet"
+    elif not _same_public_key(key, cert):
+        reason = "the client key does not match its certificate"
+    elif cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value != hostname:
+        reason = f"the client certificate names another host than {hostname}"
+    elif not_after(cert) - now < datetime.timedelta(days=RENEW_DAYS):
+        reason = "the client certificate expires soon"
+    else:
+        return None
+    tls_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+    key, cert = make_client(hostname, now)
+    atomic_write(files.client_key, _key_pem(key), 0o600)
+    atomic_write(files.client_crt, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return reason
+
+
 def reload_proxy() -> None:
     """Have a running proxy pick up the new certificate; nothing when it does not run."""
     if not Path("/run/systemd/system").is_dir():
@@ -500,6 +559,13 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     mode, hostname = _tls_mode()
+    # the host's own name (the install plan's, else the image's): the collector files its logs by it
+    client_name = socket.gethostname() or hostname
+    try:
+        if (renewed := ensure_client(paths.TLS_DIR, client_name)) is not None:
+            print(f"applianctl tls: new client certificate for {client_name}: {renewed}")
+    except PermissionError as e:
+        raise UserError(f"cannot write {paths.TLS_DIR}: {e.strerror}", hint="run as root (appliance-tls.service)") from None
     if mode != "internal":
         print(f"applianctl tls: TLS mode {mode}: Caddy manages the certificate; nothing to do")
         return 0

@@ -76,8 +76,16 @@ def cmd_boot(args: argparse.Namespace) -> int:
     cert = build.secure_boot_certificate(config)  # the firmware enrolls it: Secure Boot enforcing
     if args.interactive:
         return qemu.interactive(disk, cert)
-    report = qemu.boot_and_report(disk, cert, timeout=args.timeout)
+    metrics_out = Path(args.metrics_out) if args.metrics_out else None
+    scrape = (config.appliance.version, config.metrics.port, metrics_out) if metrics_out else None
+    report = qemu.boot_and_report(disk, cert, timeout=args.timeout, scrape=scrape)
     status = report.get("status", {})
+    if metrics_out is not None:
+        asked = [a.get("answer", {}) for a in report.get("asked", []) if a.get("name") == "scrape"]
+        if not metrics_out.is_file() or not asked:
+            print(f"the metrics were not scraped ({asked[-1] if asked else 'the guest never asked'})", file=sys.stderr)
+            return 1
+        print(f"scraped the appliance's metrics through the proxy into {metrics_out} ({asked[-1].get('bytes')} bytes)")
     if args.status_json:
         out = Path(args.status_json)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -248,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interactive", action="store_true", help="serial console on this terminal")
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for the guest's report")
     p.add_argument("--status-json", help="write the guest's status as JSON here")
+    p.add_argument("--metrics-out", help="scrape the appliance's metrics through the proxy's metrics site into this file")
     p.set_defaults(func=cmd_boot)
 
     for command_parser in sub.choices.values():

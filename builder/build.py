@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance import bundle
 from appliance.atomic import replace_dir
 from appliance.config import Config
 from appliance.errors import UserError
@@ -212,6 +213,20 @@ def prepare(config: Config, engine_source: Path | None, signing_key: Path) -> tu
     return generated, sandbox, repart
 
 
+def check_package_manifest(output: Path, version: str) -> Path:
+    """mkosi's package manifest of the image in OUTPUT (image/mkosi.conf: ManifestFormat=json), which
+    every release publishes; UserError when mkosi wrote none or not one of VERSION."""
+    path = output / bundle.mkosi_manifest_name(version)
+    hint = "image/mkosi.conf's [Output] must say ManifestFormat=json; see mkosi's output above"
+    if not path.is_file():
+        raise UserError(f"mkosi wrote no package manifest at {path}", hint=hint)
+    try:
+        bundle.load_packages(path.read_bytes(), version)
+    except ValueError as e:
+        raise UserError(f"{path}: {e}", hint=hint) from None
+    return path
+
+
 def build(
     config: Config,
     extra_mkosi_args: tuple[str, ...] = (),
@@ -235,6 +250,7 @@ def build(
         disk = staging / f"appliance_{config.appliance.version}.raw"
         if not disk.is_file():
             raise UserError(f"mkosi produced no disk image at {disk}", hint="see mkosi's output above")
+        check_package_manifest(staging, config.appliance.version)  # published with every release
         # mkosi's tools tree lives in the output directory; keep it out of the result.
         shutil.rmtree(staging / "tools", ignore_errors=True)
         (staging / "build.json").write_text(

@@ -19,6 +19,7 @@ import ipaddress
 import json
 import os
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -206,14 +207,16 @@ def firmware_args(vars_fd: Path, sealed: bool = True) -> list[str]:
 
 
 def qemu_command(disk: Path, vars_fd: Path, credentials: dict[str, str], tpm: Tpm | None = None,
-                 sealed: bool = True) -> list[str]:
+                 sealed: bool = True, forwards: tuple[tuple[int, int], ...] = ()) -> list[str]:
     """QEMU for one sealed boot of DISK: Secure Boot firmware (SMM, its variables secure), TPM.
-    SEALED false: the plain firmware without SMM (the benchmark's baseline; give no TPM then)."""
+    SEALED false: the plain firmware without SMM (the benchmark's baseline; give no TPM then).
+    FORWARDS: (host port, guest port) pairs, the host's side on 127.0.0.1 only."""
+    nic = "user,model=virtio-net-pci" + "".join(f",hostfwd=tcp:127.0.0.1:{int(h)}-:{int(g)}" for h, g in forwards)
     cmd = [
         "qemu-system-x86_64", "-accel", "tcg", "-smp", str(min(4, os.cpu_count() or 2)), "-m", "4096",
         *firmware_args(vars_fd, sealed),
         "-drive", f"if=virtio,format=raw,file={disk},cache=unsafe,discard=unmap",
-        "-nic", "user,model=virtio-net-pci",
+        "-nic", nic,
         "-device", "virtio-rng-pci",
         "-device", "i6300esb",  # a hardware watchdog, as servers have (systemd.watchdog_sec= arms it)
         "-display", "none", "-monitor", "none",
@@ -260,6 +263,7 @@ class Guest:
         cut_power: tuple[str, float] | None = None,
         answer: dict[str, Answerer] | None = None,
         probe_net: ProbeNet | None = None,
+        forwards: tuple[tuple[int, int], ...] = (),
     ) -> dict[str, Any]:
         """Boot until the guest powers off (or TIMEOUT); return its last report, earlier boots' in "earlier_boots".
 
@@ -270,7 +274,7 @@ class Guest:
         creds = {"appliance.bootcheck": "poweroff", **(credentials or {}), **(probe_net.credentials() if probe_net else {})}
         with Tpm(self.tpm_state) as tpm:
             cmd = [
-                *qemu_command(self.disk, self.vars, creds, tpm),
+                *qemu_command(self.disk, self.vars, creds, tpm, forwards=forwards),
                 *(probe_net.qemu_args() if probe_net else []),
                 "-serial", f"file:{self.console_log}", "-serial", f"file:{self.report_log}",
             ]
@@ -363,8 +367,52 @@ def parse_questions(text: str) -> list[dict[str, Any]]:
     return questions
 
 
-def boot_and_report(disk: Path, enroll_cert: Path | None, timeout: float = 900) -> dict[str, Any]:
-    return Guest(disk, enroll_cert=enroll_cert).boot(timeout)
+def boot_and_report(disk: Path, enroll_cert: Path | None, timeout: float = 900,
+                    scrape: tuple[str, int, Path] | None = None) -> dict[str, Any]:
+    """One boot of DISK to its report. SCRAPE (VERSION, METRICS PORT, OUT): the guest's boot check
+    has the host scrape its metrics through the proxy (a forwarded port, as a scraper on the
+    appliance's network would) into OUT while it serves."""
+    if scrape is None:
+        return Guest(disk, enroll_cert=enroll_cert).boot(timeout)
+    version, guest_port, out = scrape
+    port = free_port()
+    plan = {"appliance.plan": json.dumps({version: [{"do": "scrape"}]})}
+    return Guest(disk, enroll_cert=enroll_cert).boot(timeout, credentials=plan, answer={"scrape": scrape_answerer(port, out)},
+                                                     forwards=((port, guest_port),))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape_answerer(port: int, out: Path) -> Answerer:
+    """The host's side of the boot check's scrape step: GET /metrics of the proxy's metrics site on
+    PORT (forwarded to the guest) into OUT, written whole; then a request to the question's
+    done_path, which the waiting guest sees in the proxy's log."""
+    import requests
+    import urllib3
+
+    urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)  # the appliance CA is the guest's own
+
+    def scrape(question: dict[str, Any]) -> dict[str, Any]:
+        base = f"https://127.0.0.1:{port}"
+        try:
+            got = requests.get(f"{base}/metrics", verify=False, timeout=120)
+            answer: dict[str, Any] = {"http_code": got.status_code, "bytes": len(got.content)}
+            if got.status_code == 200:
+                tmp = out.with_name(out.name + ".tmp")
+                out.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_bytes(got.content)
+                tmp.rename(out)
+        except requests.RequestException as e:
+            answer = {"error": str(e)[:300]}
+        with contextlib.suppress(requests.RequestException):
+            requests.get(base + str(question.get("done_path", "/")), verify=False, timeout=60)
+        return answer
+
+    return scrape
 
 
 def interactive(disk: Path, enroll_cert: Path | None) -> int:

@@ -2,7 +2,8 @@
 
 The bundle holds the /usr and verity images, the UKI, the engine images unless the target has that
 digest, with --install-image the zstd disk image and its block map (for installer/), the signed
-manifest, SHA256SUMS, bundle.json(.sig), the signed index binding every file by size and SHA-256, and
+manifest, the image's package manifest (informational: in SHA256SUMS, not in the index's file list),
+SHA256SUMS, bundle.json(.sig), the signed index binding every file by size and SHA-256, and
 timestamp.json(.sig), signed by the timestamp key: the index's expiry and sequence number (appliance/
 freshness.py), signed again by `builder timestamp` before it expires.
 Partition images stop at their last non-zero block (the updater zeroes the slot before writing), so a
@@ -161,6 +162,7 @@ def make_bundle(
     if signed != usrhash:
         raise UserError(f"{sources[names['usr-verity-sig']]} signs root hash {signed[:16]}…, the kernel image boots {usrhash[:16]}…",
                         hint="build it again: the two come from one build")
+    packages = _package_manifest(out / bundle.mkosi_manifest_name(version), config.profile)
 
     bundle_dir = bundle_dir.resolve()
     bundle_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -180,11 +182,15 @@ def make_bundle(
                 p.advance(src.stat().st_size)
         (tmp / "manifest.json").write_bytes(manifest_data)
         (tmp / "manifest.json.sig").write_bytes(manifest_sig)
+        # the package manifest: in SHA256SUMS only, so that an updater neither fetches it nor
+        # refuses an index whose file list it does not know (bundle.load_index)
+        (tmp / bundle.packages_name(version)).write_bytes(packages)
         installable = _install_image(disk_image, tmp, version) if with_install_image else []
         listed = sorted([*sources, *installable, "manifest.json", "manifest.json.sig"])
-        with progress.Progress("hashing payloads", total=sum((tmp / name).stat().st_size for name in listed)) as p:
-            sums = {name: sha256_file(tmp / name, p.advance) for name in listed}
-        (tmp / "SHA256SUMS").write_text("".join(f"{sums[n]}  {n}\n" for n in listed))
+        summed = sorted([*listed, bundle.packages_name(version)])
+        with progress.Progress("hashing payloads", total=sum((tmp / name).stat().st_size for name in summed)) as p:
+            sums = {name: sha256_file(tmp / name, p.advance) for name in summed}
+        (tmp / "SHA256SUMS").write_text("".join(f"{sums[n]}  {n}\n" for n in summed))
         listed.append("SHA256SUMS")
         sums["SHA256SUMS"] = sha256_file(tmp / "SHA256SUMS")
         index = {
@@ -200,6 +206,7 @@ def make_bundle(
             "signer": signer,
         }
         model = bundle.load_index(index)  # what the updater will check, checked before signing
+        bundle.read_packages(tmp, model)  # and the package manifest as the build host reads it back
         data = manifest.canonical(index)
         signature = manifest.encode_signature(manifest.load_private_key(signing_key).sign(data))
         (tmp / bundle.BUNDLE_INDEX).write_bytes(data)
@@ -261,6 +268,20 @@ def _install_image(disk_image: Path, directory: Path, version: str) -> list[str]
         run(["bmaptool", "create", "-o", directory / names["install-bmap"], disk_image], capture=True, what="bmaptool create")
         run(["zstd", "-q", "-T0", "-6", "-o", directory / names["install-image"], disk_image], capture=True, what="zstd")
     return list(names.values())
+
+
+def _package_manifest(path: Path, profile: str) -> bytes:
+    """The build's package manifest (mkosi's, ManifestFormat=json), checked for its form. Its
+    config.version is not compared: bench/upgrade.py releases one build under the next version."""
+    hint = f"build again with image/mkosi.conf's ManifestFormat=json: python3 -m builder --profile {profile} build"
+    if not path.is_file():
+        raise UserError(f"{path}: missing from the build output (no package manifest)", hint=hint)
+    data = path.read_bytes()
+    try:
+        bundle.load_packages(data)
+    except ValueError as e:
+        raise UserError(f"{path}: {e}", hint=hint) from None
+    return data
 
 
 def _read(path: Path) -> bytes:

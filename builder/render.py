@@ -72,6 +72,8 @@ def render_template(name: str, config: Config, store: EngineStore | None = None)
         "overlays": [Mount(device_path("overlays", f), f.target) for f in config.engine.overlays],
         "tuning": [Mount(device_path("tuning", f), f.target) for f in config.engine.tuning],
         "shm_size_mib": shm_size_mib(config),
+        # the demo profile runs emulated (QEMU under TCG), as the tests' own status calls scale it
+        "status_timeout_scale": 20 if config.profile == "demo" else 1,
     }
     return _environment().get_template(name).render(context)
 

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"{plan_dir}: no install plan", hint="sign one with python3 -m builder plan PLAN.toml and put it on the medium")
         if medium is None:
             # only a verified plan may say where the release comes from
-            url = args.source or (plan.update.url if plan.update else "")
+            url = args.source or (plan.update.url if plan.update else None) or ""
             if not url:
                 raise NO_RELEASE
             medium = remote.download(url, args.ca or remote.credential_ca(), trusted)

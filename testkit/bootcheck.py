@@ -289,6 +289,13 @@ def run_fault_scenarios() -> dict[str, Any]:
 #                                             with root would, to change what it runs), then
 #                                             `applianctl verify --json`; the file is left for
 #                                             the next boot's initrd to remove
+#   {"do": "scrape"}                          the metrics refreshed (appliance-metrics.service),
+#                                             then the host scrapes them through the proxy's
+#                                             metrics site (make demo: builder boot --metrics-out)
+#   {"do": "rollout-hold", "url": URL}        URL is a channel index whose rollout has not
+#                                             reached this appliance: `applianctl update --check
+#                                             URL`, then `applianctl update URL`, which must
+#                                             install nothing (the inactive slot hashed before and after)
 #   {"do": "update-on-trial", "url": URL}     while this version is still on trial (run by
 #                                             appliance-bootcheck-trial.service, ordered before
 #                                             the assessment): `applianctl update URL` must be
@@ -298,7 +305,7 @@ def run_fault_scenarios() -> dict[str, Any]:
 # power cut in the middle leaves no marker, so the next boot runs it again.
 
 MARKER_DIR = Path("/var/lib/appliance/bootcheck")
-STEPS = ("faults", "refusals", "update", "netprobe", "download-only", "apply", "rollback", "etc-dropin")
+STEPS = ("faults", "refusals", "update", "netprobe", "download-only", "apply", "rollback", "etc-dropin", "rollout-hold", "scrape")
 # not from the signed image: `applianctl verify` must name it, the next boot must not run with it
 ETC_DROPIN = Path("/etc/systemd/system/appliance-engine.service.d/50-not-signed.conf")
 UPDATES = ("update", "apply", "rollback")  # each run after the report, then a reboot
@@ -436,9 +443,14 @@ def run_netprobe(wait_s: float = 120) -> dict[str, Any]:
     port = config.engine.port
     health = config.engine.health.path
     inside_before = _http_status(f"http://{bridge}:{port}{health}") if bridge else "no bridge address"
+    # the metrics the host scrapes: written now (the timer's unit, run at once), and the status
+    # document of the same moment, whose part states the scraped gauges must repeat
+    metrics_unit = subprocess.run(["systemctl", "start", "appliance-metrics.service"], capture_output=True, text=True,
+                                  timeout=300, check=False)
+    status_now = _json(["/usr/bin/applianctl", "status", "--json", "--timeout-scale", "20"]) or {}
     since = _run(["date", "+%Y-%m-%d %H:%M:%S"]).strip()
     question = {"bridge": bridge, "engine_port": port, "https_port": config.proxy.https_port,
-                "http_port": 80, "done_path": NETPROBE_DONE}
+                "http_port": 80, "done_path": NETPROBE_DONE, "metrics_port": config.metrics.port}
     with open(REPORT_PORT, "w") as report_port:
         report_port.write(f"\n{ASK} netprobe {json.dumps(question)}\n")
     started = time.monotonic()
@@ -452,7 +464,30 @@ def run_netprobe(wait_s: float = 120) -> dict[str, Any]:
         "ip_forward": Path("/proc/sys/net/ipv4/ip_forward").read_text().strip(),
         "addresses": _run(["ip", "-br", "addr"]),
         "nft_tables": _run(["nft", "list", "tables"]),
+        "metrics_unit": {"exit": metrics_unit.returncode, "stderr": metrics_unit.stderr[-500:]},
+        "part_states": {name: part.get("state") for name, part in (status_now.get("parts") or {}).items()},
+        "units": {name: {k: u.get(k) for k in ("state", "reason", "active_state", "sub_state")}
+                  for name, u in ((status_now.get("parts") or {}).get("units", {}).get("units") or {}).items()},
     }
+
+
+SCRAPE_DONE = "/appliance-scrape-done"
+
+
+def run_scrape(wait_s: float = 180) -> dict[str, Any]:
+    """Have the host scrape this appliance's metrics through the proxy's metrics site, fresh: the
+    metrics unit runs first. The guest waits (bounded) for the host's last request, to SCRAPE_DONE,
+    in the proxy's log."""
+    config = load_device()
+    unit = subprocess.run(["systemctl", "start", "appliance-metrics.service"], capture_output=True, text=True, timeout=300, check=False)
+    since = _run(["date", "+%Y-%m-%d %H:%M:%S"]).strip()
+    question = {"metrics_port": config.metrics.port, "done_path": SCRAPE_DONE}
+    with open(REPORT_PORT, "w") as report_port:
+        report_port.write(f"\n{ASK} scrape {json.dumps(question)}\n")
+    started = time.monotonic()
+    seen = _wait(lambda: _proxy_saw(SCRAPE_DONE, since), wait_s)
+    return {**question, "metrics_unit": {"exit": unit.returncode, "stderr": unit.stderr[-500:]}, "host_done_seen": seen,
+            "waited_s": round(time.monotonic() - started, 1)}
 
 
 def _engine_partitions() -> dict[str, Any]:
@@ -526,6 +561,12 @@ def run_step(version: str, step: dict[str, Any], engine_healthy: bool) -> dict[s
         outcome = run_refusals(version, dict(step.get("bundles", {})))
     elif step["do"] == "netprobe":
         outcome = run_netprobe() if engine_healthy else {"skipped": "the engine never became healthy"}
+    elif step["do"] == "scrape":
+        outcome = run_scrape() if engine_healthy else {"skipped": "the engine never became healthy"}
+    elif step["do"] == "rollout-hold":
+        check = subprocess.run(_update_command(str(step["url"]), "--check"), capture_output=True, text=True, timeout=600, check=False)
+        outcome = {"check": {"exit": check.returncode, "stdout": check.stdout[-2000:], "stderr": check.stderr[-2000:]},
+                   **run_refusals(version, {"held": str(step["url"])})}
     elif step["do"] == "update-on-trial":
         outcome = run_update_on_trial(str(step["url"]))
     elif step["do"] == "etc-dropin":

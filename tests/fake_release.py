@@ -57,6 +57,16 @@ def signature_partition(root_hash: str, size: int = 16384) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode().ljust(size, b"\0")
 
 
+def package_manifest(version: str) -> dict[str, Any]:
+    """mkosi's package manifest (ManifestFormat=json) of image VERSION, in small."""
+    packages = [("systemd", "257.7-1"), ("linux-image-6.12.38+deb13-amd64", "6.12.38-1"), ("python3", "3.13.5-1")]
+    return {
+        "manifest_version": 1,
+        "config": {"name": "appliance", "distribution": "debian", "architecture": "x86-64", "version": version, "release": "trixie"},
+        "packages": [{"type": "deb", "name": n, "version": v, "architecture": "amd64"} for n, v in packages],
+    }
+
+
 def usrhash_for(version: str) -> str:
     return hashlib.sha256(f"roothash {version}".encode()).hexdigest()
 
@@ -98,6 +108,7 @@ def fake_build(out: Path, config: Config, key: Path, usr_bytes: int = 4096) -> P
     (out / f"appliance_{v}.usr.raw").write_bytes(bytes([7]) * usr_bytes + v.encode())
     (out / f"appliance_{v}.usr-verity.raw").write_bytes(b"verity" * 100 + v.encode())
     (out / f"appliance_{v}.usr-verity-sig.raw").write_bytes(signature_partition(usrhash_for(v)))
+    (out / bundle_format.mkosi_manifest_name(v)).write_text(json.dumps(package_manifest(v), indent=2))
     make_pe(
         out / f"appliance_{v}.efi",
         {

@@ -33,6 +33,7 @@ class MockSystemd:
         path = self.main.GetUnit(name, dbus_interface=systemd.BUS_NAME + ".Manager")
         obj = dbusmock.DBusTestCase.get_dbus(system_bus=True).get_object(systemd.BUS_NAME, path)
         enter = T0 if active not in ("inactive",) or service.pop("ran", False) else 0
+        unmet = service.pop("condition_unmet", False)  # its Condition...= checked and not met
         obj.UpdateProperties(UNIT_IFACE, {"ActiveState": active}, dbus_interface=dbusmock.MOCK_IFACE)
         obj.AddProperties(
             UNIT_IFACE,
@@ -40,6 +41,8 @@ class MockSystemd:
                 "SubState": sub,
                 "ActiveEnterTimestamp": dbus.UInt64(enter),
                 "StateChangeTimestamp": dbus.UInt64(T0 + 5_000_000),
+                "ConditionResult": dbus.Boolean(not unmet),
+                "ConditionTimestamp": dbus.UInt64(T0),
             },
             dbus_interface=dbusmock.MOCK_IFACE,
         )

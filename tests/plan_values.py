@@ -38,6 +38,28 @@ RSA16384 = "ssh-rsa " + base64.b64encode(_s(b"ssh-rsa") + _s(b"\0\x01\0\x01") + 
 SK = "sk-ssh-ed25519@openssh.com " + base64.b64encode(
     _s(b"sk-ssh-ed25519@openssh.com") + _s(bytes(range(32))) + _s("ssh:ünï".encode())).decode()
 
+
+
+def _ca_pem(name: str) -> str:
+    """A self-signed CA certificate in PEM (the metrics site's client CA, the log collector's CA)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=3650))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM).decode()
+
+
+CA_PEM = _ca_pem("scrapers' CA")
+
 COMMENTS = [
     "jürgen@ßtraße 🚀",
     "\u202eevil\u202c right-to-left and isolates \u2067x\u2069",  # bidi controls are format characters, not control characters
@@ -67,7 +89,10 @@ HOSTILE: dict[str, Any] = {
         "allowed_cidrs": ["2001:db8:ffff:ffff:ffff:ffff:ffff:fff0/124", "0.0.0.0/0"],
         "acme_email": "o.p+s_1-x@" + LONGEST_DNS[10:],
     },
-    "update": {"url": "https://" + LONGEST_DNS + ":65535/" + "a._~-/" * 100},
+    "update": {"url": "https://" + LONGEST_DNS + ":65535/" + "a._~-/" * 100,
+               "maintenance_windows": [{"start": "23:59", "duration_min": 1440, "days": ["sun", "mon"]}]},
+    "metrics": {"allowed_cidrs": ["2001:db8:ffff:ffff:ffff:ffff:ffff:fff0/124", "0.0.0.0/0"], "client_ca": CA_PEM + CA_PEM},
+    "logs": {"upload_url": "https://" + LONGEST_DNS + ":65535/" + "l._~-/" * 100, "upload_ca": CA_PEM},
     "weights": {"source": "https://" + LONGEST_DNS + ":443/" + "w._~-/" * 100},
     "target": {
         "serial": "S" + " ._:/+-" * 9,
@@ -103,6 +128,8 @@ def string_fields(cls: type = plan_model.Plan, prefix: str = "") -> set[str]:
             out |= string_fields(typing.cast(type, tp), key)
         elif tp is str or (typing.get_origin(tp) is tuple and typing.get_args(tp)[0] is str):
             out.add(key)
+        elif typing.get_origin(tp) is tuple and dataclasses.is_dataclass(typing.get_args(tp)[0]) and string_fields(typing.get_args(tp)[0]):
+            out.add(key)  # a list of tables with strings (maintenance windows): the loader names them KEY[i].FIELD
     return out
 
 

@@ -71,14 +71,14 @@ def test_only_its_own_table_is_touched(profile: str) -> None:
 def test_input_admits_only_the_proxy_and_ssh_with_keys(ssh: bool, http: str, ports: str) -> None:
     rules = _input_rules(_ruleset(_config(ssh=ssh, http=http)))
     assert "policy drop;" in rules
-    assert re.findall(r"tcp dport (.+) accept", rules) == [ports, *(["22"] if ssh else [])]
+    assert re.findall(r"tcp dport (.+) accept", rules) == [ports, "9443", *(["22"] if ssh else [])]
     assert "8000" not in rules
 
 
 def test_https_port_follows_the_configuration() -> None:
     c = _config(http="close")
     c = dataclasses.replace(c, proxy=dataclasses.replace(c.proxy, https_port=8443))
-    assert re.findall(r"tcp dport (.+) accept", _input_rules(_ruleset(c))) == ["8443"]
+    assert re.findall(r"tcp dport (.+) accept", _input_rules(_ruleset(c))) == ["8443", "9443"]
 
 
 def test_rendered_into_the_image_where_the_unit_loads_it(tmp_path: Path) -> None:

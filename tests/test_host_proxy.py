@@ -148,7 +148,11 @@ def test_apply_renders_the_plans_caddyfile_and_caddy_accepts_it(machine: Host, t
     ranges = _remote_ips(json.loads(adapted.stdout))
     # The engine's route admits the plan's networks and the loopback, never the image's own list.
     assert [*PLAN_CIDRS, *caddyfile.LOOPBACK] in ranges
-    assert not any(cidr in r for r in ranges for cidr in image.proxy.allowed_cidrs if cidr not in caddyfile.LOOPBACK)
+    # (the metrics site's scrapers are the image's own in this plan: not the engine's route)
+    scrapers = [*image.metrics.allowed_cidrs, *caddyfile.LOOPBACK]
+    assert scrapers in ranges
+    engine_ranges = [r for r in ranges if r != scrapers]
+    assert not any(cidr in r for r in engine_ranges for cidr in image.proxy.allowed_cidrs if cidr not in caddyfile.LOOPBACK)
 
 
 @needs_caddy
@@ -198,7 +202,7 @@ def test_proxy_values_only_the_caddyfile_refuses_leave_the_image_proxy_and_the_r
     image = _image()
     doc = machine.apply(image)
     assert doc.ok is False and doc.source == "plan"
-    assert "proxy settings refused" in doc.reason and "allowed_cidrs" in doc.reason, doc.reason
+    assert "settings refused" in doc.reason and "allowed_cidrs" in doc.reason, doc.reason
     assert machine.proxy_files() == []
     # status shows what applies: the plan's host name, the image's proxy
     assert doc.settings.hostname == "gpu-07"
@@ -315,3 +319,62 @@ def test_the_image_carries_the_template_and_the_device_renders_with_it(tmp_path:
     where, text = out.stdout.split("\n", 1)
     assert where == str(lib)
     assert text == (lib / "Caddyfile").read_text()
+
+
+# ------------------------------------------------------------------ update, metrics and logs per host (issue 22)
+
+COLLECTOR = "https://logs.example.net:19532"
+
+
+def test_the_plans_update_url_windows_metrics_and_logs_reach_every_reader(machine: Host,
+                                                                        appliance_json: Callable[[str], Path]) -> None:
+    from plan_values import CA_PEM
+
+    window = config_mod.model.MaintenanceWindow(start="22:30", duration_min=120, days=("sat",))
+    machine.install(plan_model.Plan(
+        update=host_settings.Update(url="https://updates.example.net/stable/channel.json", maintenance_windows=(window,)),
+        metrics=host_settings.Metrics(allowed_cidrs=("198.51.100.7/32",), client_ca=CA_PEM),
+        logs=host_settings.Logs(upload_url=COLLECTOR, upload_ca=CA_PEM)))
+    result = machine.apply(_image())
+    assert result.ok, result.reason
+    device = host_settings.load_device(appliance_json("demo"), machine.run_dir / host.HOST_SETTINGS)
+    # the update timer (applianctl update --from-config) reads these: before, the plan's url never reached it
+    assert device.update.url == "https://updates.example.net/stable/channel.json"
+    assert device.update.maintenance_windows == (window,)
+    assert device.metrics.allowed_cidrs == ("198.51.100.7/32",)
+    assert (machine.run_dir / paths.METRICS_CLIENT_CA.name).read_text() == CA_PEM
+    assert (machine.run_dir / paths.JOURNAL_UPLOAD_CA.name).read_text() == CA_PEM
+    assert (machine.run_dir / paths.JOURNAL_UPLOAD_ENV.name).read_text() == f"UPLOAD_URL={COLLECTOR}\n"
+    caddy_text = (machine.run_dir / host.CADDYFILE).read_text()
+    assert "remote_ip 198.51.100.7/32 127.0.0.1/32 ::1/128" in caddy_text
+    assert f"trusted_ca_cert_file {paths.METRICS_CLIENT_CA}" in caddy_text
+    assert result.settings is not None and result.settings.logs_upload_url == COLLECTOR
+
+
+def test_without_a_collector_nothing_is_left_for_the_upload_unit(machine: Host) -> None:
+    from plan_values import CA_PEM
+
+    machine.install(plan_model.Plan(logs=host_settings.Logs(upload_url=COLLECTOR, upload_ca=CA_PEM)))
+    assert machine.apply(_image()).ok
+    assert (machine.run_dir / paths.JOURNAL_UPLOAD_ENV.name).exists()
+    machine.install(plan_model.Plan(hostname="gpu-08"))  # a new plan without logs: the image's (none)
+    assert machine.apply(_image()).ok
+    assert not (machine.run_dir / paths.JOURNAL_UPLOAD_ENV.name).exists()
+    assert not (machine.run_dir / paths.JOURNAL_UPLOAD_CA.name).exists()
+    assert not (machine.run_dir / host.CADDYFILE).exists()  # nothing of the proxy's changed
+
+
+def test_a_plan_with_an_upload_url_and_no_ca_is_refused_with_the_image_settings_kept(machine: Host) -> None:
+    machine.install(plan_model.Plan(hostname="gpu-09", logs=host_settings.Logs(upload_url=COLLECTOR)))
+    result = machine.apply(_image())
+    assert not result.ok and "logs.upload_url needs logs.upload_ca" in result.reason
+    assert not (machine.run_dir / paths.JOURNAL_UPLOAD_ENV.name).exists()
+    assert result.settings is not None and result.settings.hostname == "gpu-09"  # the rest of the plan holds
+
+
+@pytest.mark.parametrize("pem", ["-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+                                 "not a certificate", "-----BEGIN CERTIFICATE-----\n}\n-----END CERTIFICATE-----\n"])
+def test_a_ca_that_is_not_pem_certificates_is_refused_by_the_plan(pem: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        plan_model.from_plain({"metrics": {"client_ca": pem}}, "plan.toml")
+    assert "metrics.client_ca" in e.value.message and "PEM" in (e.value.hint or "")

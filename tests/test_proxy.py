@@ -117,10 +117,11 @@ def test_every_variant_is_valid_for_caddy(
 
     servers = _adapt(text, tmp_path)["apps"]["http"]["servers"]
     listens = sorted(addr for s in servers.values() for addr in s["listen"])
+    # the metrics site (scrapers) on a port of its own, in every variant
     if http == "redirect":
-        assert listens == [":443", ":80"]
+        assert listens == [":443", ":80", ":9443"]
     else:
-        assert listens == [":443"], "http = close: port 80 must not be opened"
+        assert listens == [":443", ":9443"], "http = close: port 80 must not be opened"
     assert all(s.get("automatic_https", {}).get("disable_redirects") for s in servers.values())
     https = next(s for s in servers.values() if s["listen"] == [":443"])
     routes = json.dumps(https["routes"])

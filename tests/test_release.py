@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_release import bundle, demo_config, fake_build, make_signing, usrhash_for
+from fake_release import bundle, demo_config, fake_build, make_signing, package_manifest, usrhash_for
 
 from appliance import bundle as bundle_format
 from appliance import manifest
 from appliance.errors import Refused, UserError
+from builder import build as build_module
 from builder import release as rel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,12 +40,13 @@ def test_bundle_round_trip(tmp_path: Path, signing: tuple[Path, Path]) -> None:
     assert index.version == "2.0.0" and index.profile == "demo"
     assert index.usrhash == usrhash_for("2.0.0")
     names = sorted(p.name for p in b.iterdir())
-    assert names == sorted([f.name for f in index.files] + ["bundle.json", "bundle.json.sig", "timestamp.json", "timestamp.json.sig"])
+    assert names == sorted([f.name for f in index.files] + ["bundle.json", "bundle.json.sig", "timestamp.json", "timestamp.json.sig",
+                                                            "appliance_2.0.0.packages.json"])
     for f in index.files:
         data = (b / f.name).read_bytes()
         assert hashlib.sha256(data).hexdigest() == f.sha256 and len(data) == f.size
     sums = dict(reversed(line.split("  ")) for line in (b / "SHA256SUMS").read_text().splitlines())
-    assert set(sums) == {f.name for f in index.files} - {"SHA256SUMS"}
+    assert set(sums) == {f.name for f in index.files} - {"SHA256SUMS"} | {"appliance_2.0.0.packages.json"}
     assert index.manifest_sha256 == hashlib.sha256((b / "manifest.json").read_bytes()).hexdigest()
     assert (b / "bundle.json").read_bytes() == manifest.canonical(json.loads((b / "bundle.json").read_text()))
     assert not list(tmp_path.glob(".bundle-*"))  # no temporary directory left behind
@@ -196,3 +198,141 @@ def test_a_previous_that_is_neither_a_bundle_directory_nor_a_version_is_one_line
     assert len(err) == 2 and err[0].startswith("error: --previous '") and "no such bundle directory" in err[0]
     assert err[1].startswith("hint: ") and "--previous 1.0.0" in err[1]
     assert not (tmp_path / "b").exists()
+
+
+# ----------------------------------------------------------------------------------- the package manifest
+
+PACKAGES = "appliance_2.0.0.packages.json"
+
+
+def test_a_bundle_carries_the_package_manifest_bound_by_the_signed_index(tmp_path: Path, signing: tuple[Path, Path]) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key)
+    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    assert json.loads((b / PACKAGES).read_text()) == package_manifest("2.0.0")  # mkosi's manifest as it was
+    # the signed index lists SHA256SUMS (size, SHA-256), which lists the package manifest's SHA-256
+    listed = {f.name: f for f in index.files}
+    sums_data = (b / "SHA256SUMS").read_bytes()
+    assert (hashlib.sha256(sums_data).hexdigest(), len(sums_data)) == (listed["SHA256SUMS"].sha256, listed["SHA256SUMS"].size)
+    assert f"{hashlib.sha256((b / PACKAGES).read_bytes()).hexdigest()}  {PACKAGES}" in sums_data.decode().splitlines()
+    packages = bundle_format.read_packages(b, index)
+    assert (packages[0].name, packages[0].architecture) == ("systemd", "amd64") and len(packages) == 3
+
+
+def test_the_updater_never_sees_the_package_manifest(tmp_path: Path, signing: tuple[Path, Path]) -> None:
+    """Informational: not in the index's file list (an updater of today refuses a list that differs
+    from payload_names, and fetches every file listed), so neither fetched nor staged."""
+    from applianctl.update import download
+
+    key, trusted = signing
+    b = bundle(tmp_path, key, engine=True, with_install_image=True)
+    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    names = {f.name for f in index.files}
+    assert PACKAGES not in names and names == set(bundle_format.payload_names("2.0.0", index.engine_digest, True, True).values())
+    assert PACKAGES not in {f.name for f in download.to_fetch(index, engine=True)}
+
+
+def _tamper_manifest(b: Path) -> None:
+    doc = json.loads((b / PACKAGES).read_text())
+    doc["packages"][0]["version"] = "999"
+    (b / PACKAGES).write_text(json.dumps(doc))
+
+
+def _tamper_manifest_and_sums(b: Path) -> None:
+    _tamper_manifest(b)
+    digest = hashlib.sha256((b / PACKAGES).read_bytes()).hexdigest()
+    lines = [f"{digest}  {PACKAGES}" if line.endswith(PACKAGES) else line for line in (b / "SHA256SUMS").read_text().splitlines()]
+    (b / "SHA256SUMS").write_text("".join(line + "\n" for line in lines))
+
+
+@pytest.mark.parametrize(
+    ("tamper", "match"),
+    [
+        (_tamper_manifest, r"packages\.json: its SHA-256 is not the one SHA256SUMS"),
+        (_tamper_manifest_and_sums, r"SHA256SUMS: not the one the signed bundle index names"),
+        (lambda b: (b / PACKAGES).unlink(), r"packages\.json: no such file"),
+    ],
+)
+def test_a_tampered_package_manifest_fails_verification(tmp_path: Path, signing: tuple[Path, Path], tamper: Any, match: str) -> None:
+    key, trusted = signing
+    b = bundle(tmp_path, key)
+    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    tamper(b)
+    with pytest.raises(Refused, match=match) as e:
+        bundle_format.read_packages(b, index)
+    assert "\n" not in e.value.message and e.value.hint
+
+
+def _bad_shape(doc: dict[str, Any]) -> dict[str, Any]:
+    del doc["packages"][1]["architecture"]
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (None, r"missing from the build output \(no package manifest\)"),
+        (b"{not json", r"not JSON"),
+        (b"[]", r"not mkosi's package manifest"),
+        (json.dumps({**package_manifest("2.0.0"), "manifest_version": 2}).encode(), r"manifest_version 1 expected"),
+        (json.dumps({**package_manifest("2.0.0"), "packages": []}).encode(), r"packages is not a list of packages"),
+        (json.dumps(_bad_shape(package_manifest("2.0.0"))).encode(), r"packages\[1\] = .*: expected name, version and architecture"),
+    ],
+)
+def test_release_refuses_a_build_without_a_valid_package_manifest(
+    tmp_path: Path, signing: tuple[Path, Path], content: bytes | None, match: str
+) -> None:
+    key, _ = signing
+    config = demo_config("2.0.0")
+    out = fake_build(tmp_path / "out", config, key)
+    path = out / "appliance_2.0.0.manifest"
+    if content is None:
+        path.unlink()
+    else:
+        path.write_bytes(content)
+    with pytest.raises(UserError, match=match) as e:
+        rel.make_bundle(config, out, tmp_path / "b", key, [config.engine.digest])
+    assert "\n" not in e.value.message and "ManifestFormat=json" in e.value.hint
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.*"))
+
+
+@pytest.mark.parametrize("manifest", [None, "{", "1.9.0", "ok"])
+def test_build_refuses_mkosi_output_without_a_package_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, manifest: str | None
+) -> None:
+    """build.build with mkosi stood in for: the package manifest lands in the output with the disk
+    image, and an output without one (or with a broken one) is refused, nothing replaced."""
+    config = demo_config("2.0.0")
+    final = tmp_path / "out" / "demo"
+    final.mkdir(parents=True)
+    (final / "previous").write_text("the last good build")
+
+    def fake_mkosi(command: list[str], **kw: Any) -> None:
+        staging = final.with_name("demo.tmp")
+        (staging / "appliance_2.0.0.raw").write_bytes(b"disk")
+        (staging / "tools").mkdir()
+        if manifest is not None:
+            text = {"ok": json.dumps(package_manifest("2.0.0")), "1.9.0": json.dumps(package_manifest("1.9.0"))}.get(manifest, manifest)
+            (staging / "appliance_2.0.0.manifest").write_text(text)
+
+    for name, value in (("signing_key_for", lambda config, key: tmp_path / "release.key"),
+                        ("prepare", lambda *a: (tmp_path, tmp_path, tmp_path)), ("mkosi_command", lambda: ["mkosi"]),
+                        ("mkosi_arguments", lambda *a: []), ("run", fake_mkosi)):
+        monkeypatch.setattr(build_module, name, value)
+    if manifest == "ok":
+        result = build_module.build(config, output=final)
+        assert json.loads((result.output_dir / "appliance_2.0.0.manifest").read_text()) == package_manifest("2.0.0")
+        assert not (final / "previous").exists()
+        return
+    match = {None: "mkosi wrote no package manifest at", "{": r"appliance_2\.0\.0\.manifest: not JSON",
+             "1.9.0": r"config\.version = '1\.9\.0': the manifest of another build than 2\.0\.0"}[manifest]
+    with pytest.raises(UserError, match=match) as e:
+        build_module.build(config, output=final)
+    assert "ManifestFormat=json" in e.value.hint and "\n" not in e.value.message
+    assert [p.name for p in final.iterdir()] == ["previous"] and not final.with_name("demo.tmp").exists()
+
+
+def test_image_config_asks_mkosi_for_the_package_manifest() -> None:
+    text = (REPO / "image/mkosi.conf").read_text()
+    output = text.split("[Output]", 1)[1].split("\n[", 1)[0]
+    assert "\nManifestFormat=json\n" in output

@@ -62,6 +62,18 @@ def test_oneshot_that_ran_is_ok_one_that_never_ran_is_degraded(mock: MockSystemd
     assert (part.state, part.reason) == (probes.DEGRADED, "never.service: never started")
 
 
+def test_a_unit_whose_condition_is_not_met_is_not_configured_and_not_missing(mock: MockSystemd) -> None:
+    # the journal upload without a log collector: skipped by ConditionPathExists=, nothing wrong
+    mock.add("ok3.service", restarts=0, result="success")
+    mock.add("upload.service", "inactive", "dead", restarts=0, result="success", condition_unmet=True)
+    part = systemd.probe(["ok3.service", "upload.service"], mock.bus)
+    assert part.state == probes.OK, part.reason
+    assert part.details["units"]["upload.service"]["state"] == probes.NOT_CONFIGURED
+    # the same unit when its condition held and it never ran is a fault, as before
+    mock.add("upload2.service", "inactive", "dead", restarts=0, result="success")
+    assert systemd.probe(["ok3.service", "upload2.service"], mock.bus).state == probes.DEGRADED
+
+
 def test_units_that_do_not_exist(mock: MockSystemd) -> None:
     # The template has no LoadUnit: GetUnit fails and the unit is "not installed".
     part = systemd.probe(["appliance-engine.service"], mock.bus)

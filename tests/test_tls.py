@@ -353,6 +353,27 @@ def test_cli_acme_mode_is_a_no_op(tmp_path: Path, device: Path, capsys: pytest.C
     (tmp_path / "appliance.json").write_text(_appliance_json("acme", "dsv4.example.net"))
     assert main(["tls", "generate"]) == 0
     assert "nothing to do" in capsys.readouterr().out
-    assert not device.exists()
+    # no appliance CA or server certificate; only the journal upload's client identity
+    assert sorted(p.name for p in device.iterdir()) == ["client.crt", "client.key"]
     assert main(["tls", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"mode": "acme", "hostname": "dsv4.example.net"}
+
+
+# ------------------------------------------------------------------ the journal upload's client identity (issue 22)
+
+
+def test_the_client_certificate_is_made_once_for_client_auth_and_renewed_for_another_host(tmp_path: Path) -> None:
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime(2026, 12, 1, tzinfo=datetime.UTC)
+    assert tls.ensure_client(tmp_path, "gpu-07", now) == "no client certificate yet"
+    files = tls.Files(tmp_path)
+    cert = x509.load_pem_x509_certificate(files.client_crt.read_bytes())
+    assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "gpu-07"
+    assert list(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+    assert stat.S_IMODE(files.client_key.stat().st_mode) == 0o600
+    first = files.client_crt.read_bytes()
+    assert tls.ensure_client(tmp_path, "gpu-07", now) is None and files.client_crt.read_bytes() == first
+    assert "another host" in (tls.ensure_client(tmp_path, "gpu-08", now) or "")
+    later = now + datetime.timedelta(days=tls.CLIENT_DAYS - tls.RENEW_DAYS + 2)
+    assert tls.ensure_client(tmp_path, "gpu-08", later) == "the client certificate expires soon"

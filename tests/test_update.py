@@ -777,7 +777,8 @@ def test_check_says_what_would_be_installed_and_writes_nothing(
     plan = json.loads(out)
     summary = (plan["version"], plan["running_version"], plan["slot"], plan["downgrade"], plan["blocked"])
     assert summary == ("2.0.0", "1.0.0", "B", False, None)
-    assert plan["download_bytes"] == sum(f.stat().st_size for f in b.iterdir() if not f.name.startswith(("bundle.json", "timestamp.json")))
+    assert plan["download_bytes"] == sum(f.stat().st_size for f in b.iterdir()
+               if not f.name.startswith(("bundle.json", "timestamp.json")) and not f.name.endswith(".packages.json"))
     assert not (device.root / "state").exists() and device.writes() == []
     code, out, err = _cli(["update", "--check", str(b)], device, trusted, monkeypatch, capsys)
     assert code == 0 and out.startswith("would install 2.0.0 over 1.0.0 (upgrade) into slot B")
@@ -794,7 +795,8 @@ def test_not_enough_free_space_is_refused_before_downloading(
 
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0", usr_bytes=300_000)
-    need = sum(f.stat().st_size for f in b.iterdir() if not f.name.startswith(("bundle.json", "timestamp.json")))
+    need = sum(f.stat().st_size for f in b.iterdir()
+               if not f.name.startswith(("bundle.json", "timestamp.json")) and not f.name.endswith(".packages.json"))
     real = update_stage.free_bytes
     asked: list[Path] = []
 

@@ -73,12 +73,13 @@ def test_download_only_stages_a_verified_bundle_and_touches_no_slot(tmp_path: Pa
     assert device.gpt.read_text() == gpt and _esp(device) == esp
     assert not paths.last_update_path().exists() and not paths.update_source_dir().exists()
     record = staged_record()  # there, and no error
-    payload = [f for f in b.iterdir() if not f.name.startswith(("bundle.json", "timestamp.json"))]
+    fetched = [f for f in b.iterdir() if not f.name.endswith(".packages.json")]  # the package manifest is never fetched
+    payload = [f for f in fetched if not f.name.startswith(("bundle.json", "timestamp.json"))]
     assert (record.version, record.files, record.bytes) == ("2.0.0", len(payload), sum(f.stat().st_size for f in payload))
     assert record.source == str(b) and record.staged_at.endswith("Z")
     staged = update_staged.directory(record)
-    assert sorted(p.name for p in staged.iterdir()) == sorted(p.name for p in b.iterdir())
-    for f in b.iterdir():
+    assert sorted(p.name for p in staged.iterdir()) == sorted(p.name for p in fetched)
+    for f in fetched:
         assert (staged / f.name).read_bytes() == f.read_bytes()
     assert staged_dirs() == [record.directory]
     assert not any(paths.update_staging_dir().iterdir()), "the download directory was moved, not copied"

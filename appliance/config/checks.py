@@ -186,6 +186,36 @@ def is_url(value: str) -> str | None:
     return None
 
 
+def is_https_url(value: str) -> str | None:
+    if value == "" or (value.startswith("https://") and is_url(value) is None):
+        return None
+    return "an https:// URL such as https://logs.example.net:19532, or \"\""
+
+
+# One or more PEM certificates; a CA bundle of a thousand certificates is far beyond any real one.
+MAX_PEM_BYTES = 256 * 1024
+_PEM_BLOCK = re.compile(r"-----BEGIN CERTIFICATE-----\n[A-Za-z0-9+/=\n]+-----END CERTIFICATE-----\n?")
+
+
+def is_pem_certificates(value: str) -> str | None:
+    """"" or one or more X.509 certificates in PEM, nothing else (the text lands in a file the proxy
+    or systemd-journal-upload reads as a CA bundle)."""
+    if value == "":
+        return None
+    hint = "one or more PEM certificates (-----BEGIN CERTIFICATE----- ...), nothing else, or \"\""
+    text = value if value.endswith("\n") else value + "\n"
+    if len(text) > MAX_PEM_BYTES or _PEM_BLOCK.sub("", text).strip():
+        return hint
+    from cryptography import x509  # only where a certificate is given
+
+    try:
+        for block in _PEM_BLOCK.finditer(text):
+            x509.load_pem_x509_certificate(block.group(0).encode())
+    except ValueError:
+        return hint
+    return None
+
+
 def is_weights_source(value: str) -> str | None:
     if value == "" or (value.startswith("/") and is_abs_path(value) is None) or (value.startswith("https://") and is_url(value) is None):
         return None

@@ -227,6 +227,30 @@ class Proxy:
     metrics_cidrs: tuple[str, ...] = field(default=(), metadata=_each(checks.is_cidr))
 
 
+@dataclass(frozen=True)
+class Metrics:
+    """The appliance's own metrics (node_exporter: the host, its units, the status and the GPUs; and
+    the engine's) on a port of their own through the proxy, for scrapers, who are not clients:
+    https://HOST:PORT/metrics and /engine/metrics (docs/fleet.md)."""
+
+    port: int = field(default=9443, metadata=_check(checks.is_port))
+    # who may scrape, besides the appliance itself; empty: no one from the network
+    allowed_cidrs: tuple[str, ...] = field(default=(), metadata=_each(checks.is_cidr))
+    # PEM CA certificates: a scraper must also present a client certificate one of them signed
+    client_ca: str = field(default="", metadata=schema.multiline(checks.is_pem_certificates))
+
+
+@dataclass(frozen=True)
+class Logs:
+    """The journal off the box: systemd-journal-upload to a systemd-journal-remote over TLS (the
+    appliance presents a client certificate of its own). The local journal is bounded by
+    engine.log_max_size x engine.log_max_files (journald's SystemMaxUse=)."""
+
+    upload_url: str = field(default="", metadata=_check(checks.is_https_url))
+    # PEM: the CA that signed the collector's certificate (required with upload_url)
+    upload_ca: str = field(default="", metadata=schema.multiline(checks.is_pem_certificates))
+
+
 DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 
 
@@ -269,6 +293,8 @@ class Config:
     expected: Expected = field(default_factory=Expected)
     gpu: Gpu = field(default_factory=Gpu)
     update: Update = field(default_factory=Update)
+    metrics: Metrics = field(default_factory=Metrics)
+    logs: Logs = field(default_factory=Logs)
 
     @property
     def served_model(self) -> str:
@@ -328,5 +354,10 @@ def cross_checks(path: Path, config: Config) -> None:
             f"{path}: engine.args has --kv-offloading-size {offload!r}",
             hint=f"a size in GiB written with ASCII digits, e.g. 96 or 0.5, at most {checks.MAX_GIB:g}",
         )
+    if config.logs.upload_url and not config.logs.upload_ca:
+        raise ConfigError(f"{path}: logs.upload_url needs logs.upload_ca",
+                          hint="give the PEM of the CA that signed the collector's certificate")
+    if config.metrics.port in (config.proxy.https_port, config.engine.port, 80):
+        raise ConfigError(f"{path}: metrics.port = {config.metrics.port} is taken", hint="give the metrics a port of their own, e.g. 9443")
     if config.gpu.required and config.profile == "demo":
         raise ConfigError(f"{path}: profiles.demo needs gpu.required = false", hint="the demo runs without a GPU")

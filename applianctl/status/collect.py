@@ -206,6 +206,8 @@ UNKNOWN_EXIT = 3  # the monitoring-plugin convention: status could not be determ
 
 
 def run(args: argparse.Namespace, src: Sources | None = None) -> int:
+    if getattr(args, "output", None) and not getattr(args, "prometheus", False):
+        raise UserError("--output writes the Prometheus text only", hint="applianctl status --prometheus --output FILE")
     try:
         config = load_device()
         if getattr(args, "timeout_scale", 1.0) != 1:
@@ -221,9 +223,17 @@ def run(args: argparse.Namespace, src: Sources | None = None) -> int:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
     elif getattr(args, "prometheus", False):
-        from applianctl.status import exposition
+        from applianctl.status import exposition, gpu_metrics
 
-        sys.stdout.write(exposition.render(doc))
+        # the GPUs' own series (device-metrics-exporter's names) after the status document's
+        text = exposition.render(doc) + gpu_metrics.exposition(probes.run_command, probes.COMMAND_TIMEOUT_S * 5)
+        if getattr(args, "output", None):
+            # whole or not at all: node_exporter's textfile collector may read it at any moment
+            from appliance.atomic import atomic_write
+
+            atomic_write(Path(args.output), text.encode(), 0o644)
+        else:
+            sys.stdout.write(text)
     else:
         render(doc, sys.stdout, colour=sys.stdout.isatty())
     sys.stdout.flush()
@@ -236,6 +246,8 @@ def add_parser(subparsers: Any) -> None:
     output.add_argument("--json", action="store_true", help="print the JSON document of docs/status-schema.md")
     output.add_argument("--prometheus", action="store_true",
                         help="print the same as Prometheus metrics (text format; monitoring/ holds alert rules and a dashboard)")
+    p.add_argument("--output", metavar="FILE", help="with --prometheus: write FILE (atomically) instead of standard output "
+                   "(appliance-metrics.service, for node_exporter's textfile collector)")
     p.add_argument("--timeout-scale", type=float, default=1.0, metavar="N",
                    help="multiply every probe's timeout by N (slow hosts, e.g. emulated test VMs)")
     p.set_defaults(func=run)

@@ -12,6 +12,7 @@ The tools' output changed shape between ROCm releases and this reads all of them
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import threading
@@ -51,19 +52,16 @@ class NoGpu(Exception):
 
 
 def number(value: Any) -> float | None:
-    """A plain number, a numeric string, or {"value": N, ...}; None for "N/A" and the like."""
+    """A plain number, a numeric string, or {"value": N, ...}; None for "N/A", infinities and the like."""
     if isinstance(value, Mapping):
         value = value.get("value")
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         return None
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            return None
-    return None
+    try:
+        n = float(value)
+    except (ValueError, OverflowError):
+        return None
+    return n if math.isfinite(n) else None
 
 
 def mib(value: Any, default_unit: str = "MB") -> float | None:
@@ -93,13 +91,18 @@ def _first(record: Mapping[str, Any], *keys: str) -> Any:
     return None
 
 
+def gpu_index(position: int, record: Mapping[str, Any]) -> int:
+    """The GPU's number in an amd-smi record: its "gpu", else its place in the list."""
+    n = number(record.get("gpu"))
+    return position if n is None else int(n)
+
+
 def from_amd_smi(static: Any, metric: Any) -> list[Reading]:
     """Readings from `amd-smi static --json` and `amd-smi metric --json` (either may be None)."""
     readings: dict[int, Reading] = {}
 
     def reading(i: int, record: Mapping[str, Any]) -> Reading:
-        n = number(record.get("gpu"))
-        index = i if n is None else int(n)
+        index = gpu_index(i, record)
         return readings.setdefault(index, Reading(gpu=index))
 
     for i, rec in enumerate(gpu_list(static) if static is not None else []):
@@ -173,20 +176,21 @@ def from_rocm_smi_text(text: str) -> list[Reading]:
 # ----------------------------------------------------------------------------------- reading
 
 
-def _run_json(run: Runner, argv: Sequence[str]) -> Any:
-    rc, out = run(argv, COMMAND_TIMEOUT_S)
+def _run_json(run: Runner, argv: Sequence[str], timeout_s: float) -> Any:
+    rc, out = run(argv, timeout_s)
     if rc != 0:
         raise NoGpu(f"{' '.join(argv[:2])} exited with status {rc}")
     return json.loads(out)
 
 
-def read_amd_smi(run: Runner) -> list[Reading]:
-    """Both amd-smi calls side by side, so together they take one command timeout."""
+def amd_smi_json(run: Runner, timeout_s: float = COMMAND_TIMEOUT_S) -> tuple[Any, Any]:
+    """(static, metric): both amd-smi calls side by side, so together they take one timeout; each
+    the parsed JSON, or the exception its call ended with."""
     results: dict[str, Any] = {}
 
     def call(key: str, argv: Sequence[str]) -> None:
         try:
-            results[key] = _run_json(run, argv)
+            results[key] = _run_json(run, argv, timeout_s)
         except Exception as e:
             results[key] = e
 
@@ -197,9 +201,14 @@ def read_amd_smi(run: Runner) -> list[Reading]:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(COMMAND_TIMEOUT_S + 0.2)
-    metric = results.get("metric")
-    static = results.get("static")
+        t.join(timeout_s + 0.2)
+    static = results.get("static", NoGpu("amd-smi static did not answer"))
+    return static, results.get("metric", NoGpu("amd-smi metric did not answer"))
+
+
+def read_amd_smi(run: Runner) -> list[Reading]:
+    """Readings from amd-smi: its metric call must answer, its static call may fail."""
+    static, metric = amd_smi_json(run)
     if isinstance(metric, BaseException) or metric is None:
         raise metric if isinstance(metric, BaseException) else NoGpu("amd-smi metric did not answer")
     readings = from_amd_smi(None if isinstance(static, BaseException) else static, metric)

@@ -29,11 +29,15 @@ class Unit:
     active_since: str | None = None
     changed: str | None = None
     started: str | None = None  # when it last left "inactive": a oneshot that ran never becomes "active"
+    # its Condition...= checked and not met (the journal upload without a collector): not configured here
+    condition_unmet: bool = False
 
     def judge(self) -> tuple[str, str]:
         """(state, reason) of this unit."""
         if self.load_state == "not-found":
             return NOT_CONFIGURED, "not installed"
+        if self.condition_unmet and self.active_state == "inactive":
+            return NOT_CONFIGURED, "not configured on this appliance (its condition is not met)"
         if self.load_state not in ("loaded", "stub"):
             return DOWN, f"load state {self.load_state}"
         if self.active_state == "failed":
@@ -99,6 +103,7 @@ def read_unit(bus: Any, manager: Any, name: str) -> Unit:
         active_since=_timestamp(props.get("ActiveEnterTimestamp")),
         changed=_timestamp(props.get("StateChangeTimestamp")),
         started=_timestamp(props.get("InactiveExitTimestamp")),
+        condition_unmet=props.get("ConditionResult") is False and bool(props.get("ConditionTimestamp")),
     )
 
 
@@ -120,7 +125,7 @@ def probe(names: Sequence[str], bus_factory: Callable[[], Any] | None = None) ->
     if all(state == NOT_CONFIGURED for _, state, _ in judged):
         return Part(NOT_CONFIGURED, "none of the appliance's units is installed", details)
     counted = [(u.name, Part(state, reason)) for u, state, reason in judged if state != NOT_CONFIGURED]
-    missing = [u.name for u, state, _ in judged if state == NOT_CONFIGURED]
+    missing = [u.name for u, state, _ in judged if state == NOT_CONFIGURED and not u.condition_unmet]
     state = worst([p.state for _, p in counted])
     reason = first_reason(counted)
     if missing and state == OK:

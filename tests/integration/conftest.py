@@ -112,6 +112,40 @@ def https_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path,
         proc.wait(timeout=10)
 
 
+JOURNAL_REMOTE = "/usr/lib/systemd/systemd-journal-remote"
+
+
+@pytest.fixture(scope="session")
+def log_collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A real systemd-journal-remote (Debian's) over HTTPS on the host, for the journey's install
+    plan ([logs]): the guest's systemd-journal-upload sends its journal here on every boot.
+    {"url", "ca" (PEM), "dir" (the received journal files), "log"}."""
+    work = tmp_path_factory.mktemp("collector")
+    tls.generate(work / "tls", "logs.appliance.test", [ipaddress.ip_address("10.0.2.2")], group="nonexistent-group")
+    (work / "journal").mkdir()
+    port = free_port()
+    log = work / "journal-remote.log"
+    with log.open("wb") as out:
+        # Debian 12's build has no GnuTLS client-certificate checking (--trust "is not available"):
+        # the upload's own certificate is checked on the appliance's side (tests/test_tls.py)
+        proc = subprocess.Popen([JOURNAL_REMOTE, f"--listen-https=127.0.0.1:{port}", f"--key={work}/tls/server.key",
+                                 f"--cert={work}/tls/server.crt", "--split-mode=host", f"--output={work}/journal/"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(100):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None, f"systemd-journal-remote exited: {log.read_text()[-2000:]}"
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"systemd-journal-remote does not listen on {port}")
+        yield {"url": f"https://10.0.2.2:{port}", "ca": (work / "tls/ca.crt").read_text(), "dir": work / "journal", "log": log}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def with_new_engine(cfg: config.Config, work: Path) -> config.Config:
     """CFG with another stand-in engine image: the same code started through env(1), so its
     manifest digest differs (the builder builds the stand-in reproducibly and checks the pin)."""
@@ -165,7 +199,31 @@ def bundles(demo_config: config.Config, demo_image: Path, https_root: tuple[Path
     # a downgrade: v1's own build, released; with its install image, since the installer medium
     # (conftest.installed) carries only what the signed index lists
     release.make_bundle(demo_config, v1_out, root / "v1", key, [demo_config.engine.digest], with_install_image=True)
-    return {name: f"{url}/{name}/" for name in ("v2", "v3", "flipped", "untrusted", "foreign-signed", "v1")}
+    channels = rollout_channels(root, key, tmp_path_factory.mktemp("channels"))
+    return {**{name: f"{url}/{name}/" for name in ("v2", "v3", "flipped", "untrusted", "foreign-signed", "v1")},
+            **{name: f"{url}/{name}/channel.json" for name in channels}}
+
+
+def rollout_channels(root: Path, key: Path, work: Path) -> list[str]:
+    """Two signed channel indexes of v3 (issue 22, item 3), each beside a copy of v3's bundle: in
+    "channel-held" v3's rollout began as it was signed and takes 366 days to reach the whole fleet
+    (the journey's appliance is admitted when its place, uniform over 0..1, is under the share: at
+    boot time about 1/9000, so it stays out); "channel-reached" is the same index signed again,
+    one sequence higher, whose rollout takes one second: the appliance is in it."""
+    from appliance import freshness, rollout
+    from builder import channel
+
+    now = time.time()
+    for name, duration in (("channel-held", rollout.MAX_DURATION_S), ("channel-reached", 1)):
+        out = root / name
+        shutil.copytree(root / "v3", out / "v3", copy_function=os.link)
+        if name == "channel-reached":  # the server's index, signed again: one sequence higher
+            shutil.copy(root / "channel-held" / rollout.CHANNEL, out / rollout.CHANNEL)
+        source = work / f"{name}.toml"
+        source.write_text(f'channel = "journey"\n[[releases]]\nversion = "{V3}"\npath = "v3/"\n'
+                          f'[releases.rollout]\nstart = "{freshness.utc(now)}"\nduration_s = {duration}\n')
+        channel.make(source, out, key, now=now)
+    return ["channel-held", "channel-reached"]
 
 
 
@@ -180,6 +238,14 @@ INSTALLER_XHCI_ADDR = "0x11"
 INSTALL_PLAN = f"""hostname = "{JOURNEY_HOSTNAME}"
 [ssh]
 authorized_keys = ["{{key}}"]
+# the netprobe namespace's first address scrapes the metrics (netprobe.NOT_A_SCRAPER does not)
+[metrics]
+allowed_cidrs = ["198.51.100.1/32"]
+# the host's systemd-journal-remote (conftest.log_collector)
+[logs]
+upload_url = "{{collector_url}}"
+upload_ca = '''
+{{collector_ca}}'''
 [target]
 by_path = "{JOURNEY_DISK_PATH}"
 min_size_gib = {qemu.DISK_SIZE // (1 << 30) - 1}
@@ -196,7 +262,7 @@ def _openssh_line(public_pem: Path) -> str:
 
 @pytest.fixture(scope="session")
 def installed(demo_config: config.Config, demo_image: Path, bundles: dict[str, str], https_root: tuple[Path, str, str],
-              tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+              log_collector: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The journey starts from a blank disk: the installer (its kernel image built by the builder,
     on a USB medium made by `builder installer` with v1's bundle and a signed plan) writes it and
     makes the firmware boot entry the journey then boots through. The disk and the firmware
@@ -209,7 +275,8 @@ def installed(demo_config: config.Config, demo_image: Path, bundles: dict[str, s
     uki = installer_uki.build_uki(demo_config, output=work / "installer" / installer_uki.UKI_NAME)
     _, ssh_pub = keys.generate(work / "ssh")
     ssh_line = _openssh_line(ssh_pub)
-    (work / "plan.toml").write_text(INSTALL_PLAN.format(key=ssh_line))
+    (work / "plan.toml").write_text(INSTALL_PLAN.format(key=ssh_line, collector_url=log_collector["url"],
+                                                        collector_ca=log_collector["ca"].strip()))
     builder_plan.write(work / "plan.toml", key, work / "plan")
     media = installer_media.make(demo_image.parent, demo_config.appliance.version, uki, work / "plan", work / "media", ["usb"],
                                  https_root[0] / "v1")
@@ -303,7 +370,10 @@ def _plan_credentials(bundles: dict[str, str], ca: str) -> dict[str, str]:
                                                                        ("foreign-signed", "foreign-signed"),
                                                                        ("downgrade", "v1"))}},
             {"do": "rollback"},  # boot B: the operator goes back to v1 and its engine
-            {"do": "update", "url": bundles["v3"]},
+            # a phased rollout of v3 that has not reached this appliance: nothing installed ...
+            {"do": "rollout-hold", "url": bundles["channel-held"]},
+            # ... and the same index signed again, the rollout over: v3 installed from it
+            {"do": "update", "url": bundles["channel-reached"]},
         ],
     }
     return {"appliance.plan": json.dumps(plan), "appliance.update_ca": ca}

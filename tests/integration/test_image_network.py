@@ -47,3 +47,55 @@ def test_the_container_bridge_is_not_reachable_through_the_appliance(probe: tupl
     assert "engine_on_bridge" in host, host
     assert host["engine_on_bridge"]["exit"] in (REFUSED, TIMED_OUT), (host, guest.get("nft_tables"))
     assert guest["inside_before"] == 200 and guest["inside_after"] == 200, guest
+
+
+# ------------------------------------------------------------------ the appliance's metrics (issue 22, item 1)
+
+def _families(text: str) -> dict[str, Any]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_a_scraper_gets_the_appliances_metrics_through_the_proxy_and_they_agree_with_status(
+        probe: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    host, guest = probe
+    assert guest["metrics_unit"]["exit"] == 0, guest["metrics_unit"]
+    scraped = host["metrics"]
+    assert scraped["exit"] == 0 and scraped["http_code"] == "200", {k: v for k, v in scraped.items() if k != "body"}
+    families = _families(scraped["body"])
+    # node_exporter's own collectors, its systemd collector, and the status textfile
+    assert {"node_memory_MemAvailable_bytes", "node_filesystem_avail_bytes", "node_systemd_unit_state",
+            "appliance_part_state", "appliance_info", "appliance_gpu_metrics_up"} <= set(families), sorted(families)[:50]
+    states = {s.labels["part"]: s.labels["state"] for s in families["appliance_part_state"].samples if s.value == 1}
+    # the part gauges say what `applianctl status --json` said at the same moment
+    assert states == guest["part_states"], (states, guest["part_states"])
+    info = families["appliance_info"].samples[0].labels
+    assert info["version"] == V1 and info["profile"] == "demo"
+    # no GPU in the demo: the GPU series say why they are absent
+    assert [s.value for s in families["appliance_gpu_metrics_up"].samples] == [0]
+    # the systemd collector sees the appliance's units
+    engine = [s for s in families["node_systemd_unit_state"].samples
+              if s.labels["name"] == "appliance-engine.service" and s.labels["state"] == "active"]
+    assert engine and engine[0].value == 1
+
+
+def test_the_engines_metrics_through_the_metrics_site(probe: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    host, _ = probe
+    scraped = host["engine_metrics"]
+    assert scraped["http_code"] == "200", {k: v for k, v in scraped.items() if k != "body"}
+    assert any(name.startswith("vllm:") for name in _families(scraped["body"])), scraped["body"][:500]
+
+
+def test_a_source_outside_the_metrics_allowlist_gets_403(probe: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    host, _ = probe
+    refused = host["metrics_not_a_scraper"]
+    assert refused["source"] != host["metrics"]["source"]
+    assert refused["http_code"] == "403" and "permission_error" in refused["body"], refused
+
+
+def test_node_exporter_and_the_journal_upload_run_as_units_status_counts(probe: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    _, guest = probe
+    units = guest["units"]
+    assert units["appliance-node-exporter.service"]["state"] == "ok", units
+    assert units["appliance-journal-upload.service"]["active_state"] == "active", units

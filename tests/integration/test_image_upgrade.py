@@ -168,11 +168,26 @@ def test_applianctl_rollback_brings_v1_back_with_its_engine_and_forward_again(jo
     assert _slots(boot_f)["running_engine"] != _slots(boot_r)["running_engine"]
 
 
+def test_a_rollout_that_has_not_reached_the_appliance_installs_nothing(journey_run2: dict[str, Any]) -> None:
+    final = reports_of(journey_run2)[-1]
+    held = _step(final, "rollout-hold", V2)
+    check = held["check"]
+    assert check["exit"] == 0, check
+    # where it stands: its place in v3's rollout, above the share admitted so far, and when it installs
+    assert f"in {V3}'s rollout" in check["stdout"] and "admitted at" in check["stdout"], check["stdout"]
+    assert "installs: now" not in check["stdout"], check["stdout"]
+    run = held["bundles"]["held"]
+    assert run["exit"] == 0 and f"installed {V3}" not in run["stdout"], run
+    assert held["inactive_before"] and held["inactive_before"] == held["inactive_after"]
+
+
 def test_v2_updates_to_v3_without_writing_an_engine(journey_run2: dict[str, Any]) -> None:
     final = reports_of(journey_run2)[-1]
     update = _step(final, "update", V2)
     assert update["exit"] == 0, update["output"]
     assert f"installed {V3}" in update["output"] and "engine slot" not in update["output"], update["output"]
+    # from the channel index signed again (the rollout over): the appliance stood in it
+    assert "channel-reached/channel.json" in update["url"], update["url"]
     assert update["engines_before"] == update["engines_after"]
 
 
