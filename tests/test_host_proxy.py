@@ -378,3 +378,15 @@ def test_a_ca_that_is_not_pem_certificates_is_refused_by_the_plan(pem: str) -> N
     with pytest.raises(ConfigError) as e:
         plan_model.from_plain({"metrics": {"client_ca": pem}}, "plan.toml")
     assert "metrics.client_ca" in e.value.message and "PEM" in (e.value.hint or "")
+
+
+@pytest.mark.parametrize(("section", "key", "value"), [
+    ("logs", "upload_url", "http://logs.example.net:19532"),  # the journal only over TLS
+    ("logs", "upload_url", "https://logs.example.net:19532/x y"),
+    ("metrics", "allowed_cidrs", ["10.0.0.1/8"]),  # host bits set: not what the Caddyfile would say
+    ("update", "maintenance_windows", [{"start": "24:00", "duration_min": 60}]),
+])
+def test_per_host_values_the_device_could_not_use_are_refused_by_the_plan(section: str, key: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as e:
+        plan_model.from_plain({section: {key: value}}, "plan.toml")
+    assert f"{section}." in e.value.message and e.value.hint

@@ -14,16 +14,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from applianctl.status import exposition
+from applianctl.status import exposition, gpu_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "monitoring"
 # where tools/setup-host unpacks it (APPLIANCE_HOST_CACHE moves the cache there too)
 PROMTOOL = Path(os.environ.get("APPLIANCE_HOST_CACHE", "/var/cache/appliance-host")) / "prometheus/usr/bin/promtool"
-# what else a fleet's Prometheus scrapes from an appliance: the engine's /metrics (vLLM's names,
-# ../shared/PLATFORM.md), Prometheus itself (up), and AMD's device-metrics-exporter's GPU names
+# what else a fleet's Prometheus scrapes from an appliance's metrics site: the GPUs' series
+# (applianctl/status/gpu_metrics.py, AMD device-metrics-exporter's names), the engine's
+# /engine/metrics (vLLM's names, ../shared/PLATFORM.md), node_exporter's textfile freshness, and
+# Prometheus itself (up)
 OTHER_METRICS = {"up", "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "gpu_ecc_uncorrect_total"}
+                 "node_textfile_mtime_seconds", *gpu_metrics.HELP}
 PROMQL_WORDS = {"count", "sum", "by", "or", "and", "unless", "vector", "min", "max", "increase", "rate", "without", "on"}
 _METRIC = re.compile(r"(?<![\w:\"{=$.])([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?=[{\[)\s]|$|==|!=|<|>|/)")
 
@@ -52,7 +54,7 @@ def test_the_alert_rules_check_and_their_unit_tests_pass() -> None:
 def test_the_rules_cover_what_the_fleet_needs_and_name_only_exported_metrics() -> None:
     rules = yaml.safe_load((MONITORING / "appliance.rules.yml").read_text())["groups"][0]["rules"]
     assert {r["alert"] for r in rules} == {"ApplianceDown", "ApplianceVersionRolledBack", "ApplianceEngineNotReady",
-                                          "ApplianceVarNearlyFull", "ApplianceGpuEccRising"}
+                                          "ApplianceVarNearlyFull", "ApplianceGpuEccRising", "ApplianceStatusStale"}
     for rule in rules:
         assert _metrics(rule["expr"]) <= set(exposition.HELP) | OTHER_METRICS, rule["expr"]
 

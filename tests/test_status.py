@@ -751,6 +751,32 @@ def test_the_prometheus_output_says_what_the_json_says(
     assert figures == {k: v["value"] for k, v in doc["parts"]["startup"]["figures"].items() if v.get("value") is not None}
 
 
+def test_the_textfile_for_node_exporter_is_the_same_text_written_whole(
+    tree: Path, config: Config, engine: str, live_proxy: LiveProxy, systemd_mock: MockSystemd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """appliance-metrics.service: `status --prometheus --output FILE` writes what --prometheus
+    prints, with the GPUs' series after it (no GPU here: appliance_gpu_metrics_up 0), and leaves no
+    partial file; --output alone is refused."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from appliance.errors import UserError
+
+    config = behind(config, live_proxy, monkeypatch)
+    write_healthy(tree, config)
+    src = sources(tree, engine, systemd_mock)
+    write_config(tree, config, monkeypatch)
+    out = tree / "metrics" / "appliance.prom"
+    out.parent.mkdir()
+    assert status.run(argparse.Namespace(json=False, prometheus=True, output=str(out)), src) == 0
+    families = {f.name: f for f in text_string_to_metric_families(out.read_text())}
+    assert {"appliance_part_state", "appliance_info", "appliance_gpu_metrics_up"} <= set(families)
+    assert [s.value for s in families["appliance_gpu_metrics_up"].samples] == [0]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["appliance.prom"]
+    with pytest.raises(UserError) as e:
+        status.run(argparse.Namespace(json=False, prometheus=False, output=str(out)), src)
+    assert "--prometheus" in (e.value.hint or "")
+
+
 def test_label_values_from_the_device_cannot_break_the_exposition_format() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
