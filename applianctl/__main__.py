@@ -39,6 +39,7 @@ COMMAND_MODULES = {
     "factory-reset": "applianctl.factory_reset",
     "support-bundle": "applianctl.status.bundle",
     "var-seal": "applianctl.var.seal",  # hidden: appliance-var-seal.service
+    "selftest": "applianctl.selftest.command",
 }
 
 

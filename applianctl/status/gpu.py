@@ -164,13 +164,18 @@ def from_rocm_smi_json(doc: Any) -> list[Reading]:
 _TEXT_LINE = re.compile(r"^GPU\[(\d+)\]\s*:\s*([^:]+?)\s*:\s*(.*?)\s*\Z")
 
 
-def from_rocm_smi_text(text: str) -> list[Reading]:
+def rocm_smi_labels(text: str) -> dict[int, dict[str, str]]:
+    """rocm-smi's text lines `GPU[0]  : label: value`, by GPU and label."""
     per_gpu: dict[int, dict[str, str]] = {}
     for line in text.splitlines():
         m = _TEXT_LINE.match(line)
         if m:
             per_gpu.setdefault(int(m.group(1)), {})[m.group(2)] = m.group(3)
-    return [_from_labels(i, labels) for i, labels in sorted(per_gpu.items())]
+    return per_gpu
+
+
+def from_rocm_smi_text(text: str) -> list[Reading]:
+    return [_from_labels(i, labels) for i, labels in sorted(rocm_smi_labels(text).items())]
 
 
 # ----------------------------------------------------------------------------------- reading

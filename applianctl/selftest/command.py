@@ -1,0 +1,86 @@
+"""`applianctl selftest [--json] [--previous FILE]`: the GPU self-test on demand.
+
+Exit 0 when every GPU passed, 1 when a GPU failed (the report says which and why), 2 for bad input
+(one line and a hint), 3 when it could not run (no tool listed the GPUs, or the test itself broke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from appliance.errors import UserError
+from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
+from applianctl.selftest.checks import EXIT_COULD_NOT_RUN, FAILED, NOT_CHECKED, Expectations, Report, run
+from applianctl.selftest.readings import DEADLINE_S, collect
+from applianctl.status.probes import run_command
+
+_HINT = "pass a report `applianctl selftest --json` printed, or leave --previous out"
+
+
+def previous_counts(path: Path) -> Mapping[str, Any] | None:
+    """The correctable ECC counts of the report at PATH (None when there is no file yet)."""
+    data = read_capped(path, MAX_RECORD_BYTES, what="an earlier self-test report", hint=_HINT)
+    if data is None:
+        return None
+    try:
+        doc = loads_bounded(data)
+    except ValueError as e:
+        raise UserError(f"{path}: not JSON ({e})".splitlines()[0], hint=_HINT) from None
+    counts = doc.get("correctable_counts") if isinstance(doc, Mapping) else None
+    if not isinstance(counts, Mapping):
+        raise UserError(f"{path}: not a self-test report (no correctable_counts)", hint=_HINT)
+    return counts
+
+
+def render(report: Report) -> str:
+    """The report for a person: a line per GPU, each failure's reason under it, what was not checked."""
+    if report.could_not_run:
+        return f"could not run: {report.could_not_run}"
+    lines = []
+    for g in report.gpus:
+        where = f" ({g.bdf})" if g.bdf else ""
+        lines.append(f"GPU {g.index}{where}: {g.state}")
+        lines += [f"  {f.check}: {f.reason}" for f in g.findings if f.state == FAILED]
+    lines += [f"host: {f.check}: {f.reason}" for f in report.host if f.state == FAILED]
+    unchecked: dict[str, list[str]] = {}
+    for f in [f for g in report.gpus for f in g.findings] + list(report.host):
+        if f.state == NOT_CHECKED:
+            unchecked.setdefault(f.check, []).append(f.reason)
+    for check, reasons in unchecked.items():
+        distinct = list(dict.fromkeys(reasons))
+        more = f" (and {len(distinct) - 1} more)" if len(distinct) > 1 else ""
+        lines.append(f"not checked: {check}: {distinct[0]}{more}")
+    lines += [f"problem: {p}" for p in report.problems]
+    failed = report.failed_gpus
+    lines.append(f"failed GPUs: {', '.join(map(str, failed))}" if failed else "all GPUs passed")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    previous = previous_counts(args.previous) if args.previous is not None else None
+    try:
+        report = run(collect(run_command, DEADLINE_S), Expectations(), previous)
+    except Exception as e:  # a self-test that breaks has not run: never a traceback read as "GPU failed"
+        if args.debug:
+            raise
+        print(f"applianctl selftest: could not run: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        return EXIT_COULD_NOT_RUN
+    print(json.dumps(report.to_json(), indent=2) if args.json else render(report))
+    return report.exit_status
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "selftest",
+        help="check every GPU, read-only, before an engine starts",
+        description="Exit 0 when every GPU passed, 1 when a GPU failed, 2 for bad input, 3 when the test could not run.",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON (it holds the correctable ECC counts to keep)")
+    p.add_argument("--previous", type=Path, metavar="FILE",
+                   help="an earlier --json report: correctable ECC errors must not have risen since")
+    p.set_defaults(func=main)
