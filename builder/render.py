@@ -48,7 +48,7 @@ def device_path(kind: str, pinned: PinnedFile) -> str:
 
 
 def shm_size_mib(config: Config) -> int:
-    return config.engine.shm_size_mib
+    return config.shm_size_mib
 
 
 def _environment() -> jinja2.Environment:

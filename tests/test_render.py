@@ -173,7 +173,8 @@ def test_environment_values_with_percent_and_spaces_round_trip(production: confi
     text = render.render_template("appliance-engine.container.j2", c, _store(c))
     unit = parse_unit(text)
     # the engine always runs offline on the verified snapshot (issue 14), whatever engine.env says
-    assert environment(unit) == {**env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # and every engine with PYTHONHASHSEED=0 (issue 23)
+    assert environment(unit) == {**env, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     assert systemd_words(unit["Exec"][0])[-2:] == ["--note", "a b %h"]
     # systemd itself accepts every line as written (quadlet parses these settings by its rules)
     if shutil.which("systemd-analyze"):

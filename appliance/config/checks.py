@@ -270,5 +270,18 @@ def is_slot_size(value: float) -> str | None:
     return None
 
 
+# An engine layout: REPLICASxTP, e.g. 8x1 (eight single-GPU engines) or 1x8 (one engine, tensor
+# parallel 8). Tensor parallel sizes are the ones an MI300X platform's XGMI mesh splits evenly.
+LAYOUT = re.compile(r"^([1-8])x(1|2|4|8)\Z")
+LAYOUT_PRESETS = ("1x1", "2x1", "1x2", "8x1", "4x2", "2x4", "1x8")
+MAX_GPUS = 8  # an MI300X platform (OAM baseboard) holds eight
+
+
+def is_layout(value: str) -> str | None:
+    if LAYOUT.fullmatch(value):
+        return None
+    return f"REPLICASxTP: replicas (1 to {MAX_GPUS}) x tensor parallel size (1, 2, 4 or 8), e.g. " + ", ".join(LAYOUT_PRESETS)
+
+
 def is_port(value: int) -> str | None:
     return None if 0 < value < 65536 else "a TCP port between 1 and 65535"

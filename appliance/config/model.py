@@ -109,6 +109,10 @@ class Shm:
     )
 
 
+# Set in every engine's environment whatever engine.env says (engine.env may only repeat them).
+FIXED_ENV = {"PYTHONHASHSEED": "0"}
+
+
 @dataclass(frozen=True)
 class Engine:
     image: str = field(metadata=_check(checks.pattern(checks.IMAGE_NAME, "an image name without tag, e.g. vllm/vllm-openai-rocm")))
@@ -185,14 +189,11 @@ class Engine:
         return self.arg_value("--served-model-name")
 
     @property
-    def shm_required_bytes(self) -> int:
-        """What /dev/shm must have free before the engine starts: the offload file plus the margin."""
-        return int((self.offload_gib + self.shm.margin_gib) * GIB)
-
-    @property
-    def shm_size_mib(self) -> int:
-        """The size /dev/shm is mounted with: the requirement plus 64 MiB for everything else there."""
-        return math.ceil((self.offload_gib + self.shm.margin_gib) * 1024) + 64
+    def environment(self) -> dict[str, str]:
+        """What every engine (each replica) runs with: engine.env, then the variables the appliance
+        always sets (FIXED_ENV: PYTHONHASHSEED=0, so that every replica hashes prompts' prefix
+        blocks alike)."""
+        return {**self.env, **FIXED_ENV}
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,40 @@ class Update:
 
 
 @dataclass(frozen=True)
+class Topology:
+    """The GPUs this appliance serves with and how the engines share them: LAYOUT is REPLICASxTP,
+    that many separate engines (replicas; vLLM's data parallelism would make one failure domain of
+    a mixture-of-experts model) of TP GPUs each (tensor parallel). The default is one engine on
+    one GPU. cross_checks ties it to the engine's arguments and /dev/shm; `check_host` to a host."""
+
+    gpus: int = field(default=1, metadata=_check(checks.between(1, checks.MAX_GPUS)))
+    layout: str = field(default="1x1", metadata=_check(checks.is_layout))
+    # The host's memory (MemTotal, GiB) this build is for: every replica's CPU KV offload file and
+    # engine.shm.margin_gib, in /dev/shm, must fit in it with memory_reserve_gib to spare for
+    # the OS and the engines' own processes. 0: not checked at build, only at boot.
+    memory_gib: float = field(default=0.0, metadata=_check(checks.between(0, checks.MAX_GIB)))
+    memory_reserve_gib: float = field(default=32.0, metadata=_check(checks.between(0, checks.MAX_GIB)))
+
+    @property
+    def replicas(self) -> int:
+        return int(self.layout.split("x")[0])
+
+    @property
+    def tensor_parallel(self) -> int:
+        return int(self.layout.split("x")[1])
+
+    @property
+    def gpus_used(self) -> int:
+        return self.replicas * self.tensor_parallel
+
+    def replica_gpus(self, i: int) -> tuple[int, ...]:
+        """The GPU indexes (0-based, in the host's order) replica I runs on: consecutive blocks of TP."""
+        if not 0 <= i < self.replicas:
+            raise IndexError(f"replica {i} of {self.replicas}")
+        return tuple(range(i * self.tensor_parallel, (i + 1) * self.tensor_parallel))
+
+
+@dataclass(frozen=True)
 class Config:
     profile: str
     appliance: Appliance
@@ -295,6 +330,44 @@ class Config:
     update: Update = field(default_factory=Update)
     metrics: Metrics = field(default_factory=Metrics)
     logs: Logs = field(default_factory=Logs)
+    topology: Topology = field(default_factory=Topology)
+
+    @property
+    def replicas(self) -> int:
+        return self.topology.replicas
+
+    def replica_port(self, i: int) -> int:
+        """Replica I's loopback port: engine.port, then every second port (the later two-GPU stack
+        ran its replicas on 8000 and 8002)."""
+        if not 0 <= i < self.replicas:
+            raise IndexError(f"replica {i} of {self.replicas}")
+        return self.engine.port + 2 * i
+
+    @property
+    def offload_bytes_per_replica(self) -> int:
+        """The CPU KV offload file each replica maps in /dev/shm (its --kv-offloading-size)."""
+        return int(self.engine.offload_gib * GIB)
+
+    @property
+    def shm_required_gib(self) -> float:
+        return self.replicas * self.engine.offload_gib + self.engine.shm.margin_gib
+
+    @property
+    def shm_required_bytes(self) -> int:
+        """What /dev/shm must have free before the engines start: every replica's offload file plus
+        the margin."""
+        return int(self.shm_required_gib * GIB)
+
+    @property
+    def shm_size_mib(self) -> int:
+        """The size /dev/shm is mounted with: the requirement plus 64 MiB for everything else there."""
+        return math.ceil(self.shm_required_gib * 1024) + 64
+
+    @property
+    def shm_need(self) -> str:
+        """The requirement in words, e.g. '8 x 96 GiB KV offload + 8 GiB margin'."""
+        per = f"{self.replicas} x {self.engine.offload_gib:g}" if self.replicas > 1 else f"{self.engine.offload_gib:g}"
+        return f"{per} GiB KV offload + {self.engine.shm.margin_gib:g} GiB margin"
 
     @property
     def served_model(self) -> str:
@@ -359,5 +432,82 @@ def cross_checks(path: Path, config: Config) -> None:
                           hint="give the PEM of the CA that signed the collector's certificate")
     if config.metrics.port in (config.proxy.https_port, config.engine.port, 80):
         raise ConfigError(f"{path}: metrics.port = {config.metrics.port} is taken", hint="give the metrics a port of their own, e.g. 9443")
+    _topology_checks(path, config)
     if config.gpu.required and config.profile == "demo":
         raise ConfigError(f"{path}: profiles.demo needs gpu.required = false", hint="the demo runs without a GPU")
+
+
+def _topology_checks(path: Path, config: Config) -> None:
+    """topology against itself, the engine's arguments, the ports and /dev/shm."""
+    for name, value in FIXED_ENV.items():
+        if config.engine.env.get(name, value) != value:
+            raise ConfigError(f"{path}: engine.env.{name} = {config.engine.env[name]!r}: every engine runs with {name}={value}",
+                              hint=f"leave {name} out of engine.env")
+    t = config.topology
+    if t.gpus_used != t.gpus:
+        raise ConfigError(
+            f"{path}: topology.layout = {t.layout!r} uses {t.replicas} x {t.tensor_parallel} = {t.gpus_used} GPU(s), "
+            f"topology.gpus = {t.gpus}",
+            hint=f"replicas x tensor parallel must equal gpus: for {t.gpus} GPU(s) one of "
+            + (", ".join(layout for layout in checks.LAYOUT_PRESETS if _uses(layout) == t.gpus) or "a layout that adds up"),
+        )
+    for name in ("--tensor-parallel-size", "-tp"):
+        tp = config.engine.arg_value(name)
+        if tp is not None and tp != str(t.tensor_parallel):
+            raise ConfigError(
+                f"{path}: engine.args has {name} {tp} but topology.layout = {t.layout!r} (tensor parallel {t.tensor_parallel})",
+                hint=f"make them the same, or leave {name} out",
+            )
+    dp = config.engine.arg_value("--data-parallel-size")
+    if dp not in (None, "1"):
+        raise ConfigError(
+            f"{path}: engine.args has --data-parallel-size {dp}",
+            hint="replicas are separate engines: set topology.layout (e.g. 8x1) and leave --data-parallel-size out",
+        )
+    last = config.replica_port(t.replicas - 1)
+    taken = {config.metrics.port, config.proxy.https_port, 80}
+    clash = sorted(taken & {config.replica_port(i) for i in range(t.replicas)})
+    if last > 65535 or clash:
+        raise ConfigError(
+            f"{path}: replica ports engine.port + 2 x i = {config.engine.port}..{last} "
+            + (f"include port {clash[0]}, which is taken" if clash else "run past 65535"),
+            hint="move engine.port so that every replica's port is free",
+        )
+    need = config.shm_required_gib + t.memory_reserve_gib
+    if t.memory_gib and need > t.memory_gib:
+        room = (t.memory_gib - t.memory_reserve_gib - config.engine.shm.margin_gib) / t.replicas
+        raise ConfigError(
+            f"{path}: /dev/shm needs {config.shm_required_gib:g} GiB ({config.shm_need}) + "
+            f"{t.memory_reserve_gib:g} GiB reserved, more than topology.memory_gib = {t.memory_gib:g}",
+            hint=f"lower --kv-offloading-size to at most {max(room, 0):.4g} GiB per replica, or use fewer replicas or more memory",
+        )
+
+
+def _uses(layout: str) -> int:
+    replicas, tp = layout.split("x")
+    return int(replicas) * int(tp)
+
+
+def check_host(config: Config, gpu_count_seen: int, mem_total_bytes: int, shm_total_bytes: int) -> list[str]:
+    """The topology against the host it boots on: the GPUs seen (when the profile needs GPUs), the
+    memory (MemTotal) and /dev/shm's size. One line per problem; none when it fits. Pure: the
+    caller reads the host. More GPUs than the topology uses is no problem (the rest stay idle)."""
+    t = config.topology
+    problems: list[str] = []
+    if config.gpu.required and gpu_count_seen < t.gpus:
+        problems.append(
+            f"{gpu_count_seen} GPU(s) seen, topology {t.layout} ({t.replicas} replica(s) x tensor parallel "
+            f"{t.tensor_parallel}) needs {t.gpus}"
+        )
+    need = config.shm_required_bytes
+    if shm_total_bytes < need:
+        problems.append(
+            f"/dev/shm holds {shm_total_bytes / GIB:.2f} GiB, the {t.replicas} replica(s) need "
+            f"{need / GIB:.2f} GiB ({config.shm_need})"
+        )
+    if mem_total_bytes < need + t.memory_reserve_gib * GIB:
+        problems.append(
+            f"{mem_total_bytes / GIB:.2f} GiB of memory, the {t.replicas} replica(s) need {need / GIB:.2f} GiB in "
+            f"/dev/shm ({config.shm_need}) and {t.memory_reserve_gib:g} GiB to spare"
+        )
+    return problems

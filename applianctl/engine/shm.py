@@ -259,13 +259,12 @@ def check(
     dry_run: bool = False,
 ) -> ShmCheck:
     """Clean SHM_DIR, then check its room and memory for the offload; the result as SHM_CHECK holds it."""
-    offload_gib, margin_gib = config.engine.offload_gib, config.engine.shm.margin_gib
-    required = config.engine.shm_required_bytes
+    required = config.shm_required_bytes
     mem_before = mem_available_bytes(meminfo())  # read before removal: the freed files add to it
     removed, freed = clean(shm_dir, proc, dry_run)
     usage = statvfs(shm_dir)
     memory = mem_before + freed
-    need = f"{required / GIB:.2f} GiB ({offload_gib:g} GiB KV offload + {margin_gib:g} GiB margin)"
+    need = f"{required / GIB:.2f} GiB ({config.shm_need})"
     if usage.free_bytes < required:
         ok = False
         reason = (f"{shm_dir} has {usage.free_bytes / GIB:.2f} GiB free of {usage.size_bytes / GIB:.2f} GiB "

@@ -22,7 +22,6 @@ def probe_shm(config: Config, src: Sources, shm_dir: Path | None = None) -> Part
 
     shm_dir = shm_dir or paths.SHM_DIR
     offload_gib = config.engine.offload_gib
-    margin_gib = config.engine.shm.margin_gib
     if not shm_dir.is_dir():
         if offload_gib == 0:
             return Part(NOT_CONFIGURED, f"{shm_dir} absent and no CPU KV offload configured")
@@ -59,11 +58,11 @@ def probe_shm(config: Config, src: Sources, shm_dir: Path | None = None) -> Part
             f"{len(stale)} stale offload file(s) in {shm_dir} ({stale[0]}...): the next engine start may "
             "fail with 'Bad address'; restart the engine to clean them"
         )
-    need = config.engine.shm_required_bytes if offload_gib else 0
+    need = config.shm_required_bytes if offload_gib else 0
     details["needed_bytes"] = need
     if need and details["total_bytes"] < need:
         problems.append(
             f"{shm_dir} holds {details['total_bytes'] / GIB:.1f} GiB; the CPU KV offload needs "
-            f"{offload_gib:g} + {margin_gib:g} GiB"
+            f"{config.shm_need}"
         )
     return Part(DEGRADED if problems else OK, "; ".join(problems), details)

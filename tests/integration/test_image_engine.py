@@ -37,7 +37,7 @@ def test_engine_environment_in_the_running_container_equals_the_configuration(
     names = [name for name, _, _ in pairs]
     assert len(names) == len(set(names)), env["environ"]
     seen = {name: value for name, _, value in pairs}
-    expected = dict(demo_config.engine.env)
+    expected = dict(demo_config.engine.environment)  # engine.env and PYTHONHASHSEED=0
     assert {"HSA_COREDUMP_PATTERN", "STANDIN_SPACED"} <= set(expected)  # the hard cases are configured
     assert {name: seen.get(name) for name in expected} == expected, env["environ"]
     image_names = {v.partition("=")[0] for v in env["image_env"]}
