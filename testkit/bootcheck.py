@@ -34,9 +34,9 @@ def _run(cmd: list[str], timeout: float = 20) -> str:
         return f"error: {e}"
 
 
-def _json(cmd: list[str]) -> Any:
+def _json(cmd: list[str], timeout: float = 20) -> Any:
     try:
-        return json.loads(_run(cmd))
+        return json.loads(_run(cmd, timeout=timeout))
     except json.JSONDecodeError:
         return None
 
@@ -166,7 +166,7 @@ def collect() -> dict[str, Any]:
         "sealed": sealed(),
         "etc": etc_state(),
         "engine_env": engine_env,
-        "applianctl_version": _run(["/usr/bin/applianctl", "--version"]).strip(),
+        "applianctl_version": _run(["/usr/bin/applianctl", "--version"], timeout=90).strip(),
         "bootcheck_version": __version__,
         "failed_units": [u.get("unit") for u in units if isinstance(u, dict)],
         "usr_mount": usr_source,
@@ -447,7 +447,7 @@ def run_netprobe(wait_s: float = 120) -> dict[str, Any]:
     # document of the same moment, whose part states the scraped gauges must repeat
     metrics_unit = subprocess.run(["systemctl", "start", "appliance-metrics.service"], capture_output=True, text=True,
                                   timeout=300, check=False)
-    status_now = _json(["/usr/bin/applianctl", "status", "--json", "--timeout-scale", "20"]) or {}
+    status_now = _json(["/usr/bin/applianctl", "status", "--json", "--timeout-scale", "20"], timeout=180) or {}
     since = _run(["date", "+%Y-%m-%d %H:%M:%S"]).strip()
     question = {"bridge": bridge, "engine_port": port, "https_port": config.proxy.https_port,
                 "http_port": 80, "done_path": NETPROBE_DONE, "metrics_port": config.metrics.port}

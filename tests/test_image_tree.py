@@ -251,3 +251,14 @@ def test_the_initrd_resets_etc_before_systemd_reads_it() -> None:
     assert "After=sysroot.mount sysroot-usr.mount" in unit and "Before=initrd-parse-etc.service" in unit
     assert all(" " not in w for w in words)
     assert sum(len(w) + 1 for w in words) < 1500  # the built UKI's whole command line: about 1,750 bytes
+
+
+def test_the_metrics_refresh_follows_the_configuration(production_tree: Path, demo_tree: Path) -> None:
+    for profile, tree in (("production", production_tree), ("demo", demo_tree)):
+        c = config.load(ROOT / "appliance.toml", profile)
+        timer = (tree / "usr/lib/systemd/system/appliance-metrics.timer").read_text()
+        assert f"OnUnitActiveSec={c.metrics.refresh_s}s" in timer
+        unit = (tree / "usr/lib/systemd/system/appliance-metrics.service").read_text()
+        assert "--output /run/appliance/metrics/appliance.prom" in unit
+    # emulated, the demo refreshes far less often than a server (each refresh is one status run)
+    assert config.load(ROOT / "appliance.toml", "demo").metrics.refresh_s > config.load(ROOT / "appliance.toml", "production").metrics.refresh_s

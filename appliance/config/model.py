@@ -239,6 +239,8 @@ class Metrics:
     allowed_cidrs: tuple[str, ...] = field(default=(), metadata=_each(checks.is_cidr))
     # PEM CA certificates: a scraper must also present a client certificate one of them signed
     client_ca: str = field(default="", metadata=schema.multiline(checks.is_pem_certificates))
+    # how often appliance-metrics.timer writes the status and GPU gauges (one status run each)
+    refresh_s: int = field(default=60, metadata=_check(checks.between(15, 3600)))
 
 
 @dataclass(frozen=True)
