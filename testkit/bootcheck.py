@@ -55,7 +55,7 @@ def _status() -> tuple[dict[str, Any], str]:
     try:
         status = json.loads(raw)
     except json.JSONDecodeError:
-        status = {"state": "unknown", "error": raw[-500:]}
+        status = {"state": "unknown", "error": _tail(raw, 500)}
     return status, _run(["/usr/bin/applianctl", "status", "--timeout-scale", "20"], timeout=90)
 
 
@@ -173,7 +173,8 @@ def collect() -> dict[str, Any]:
         "usr_verity": _run(["veritysetup", "status", "usr"]),
         # what the initrd's appliance-usr-signature.service said, and the signature it handed to dm-verity
         "usr_signature": {"file": Path("/run/appliance/usr-roothash.p7s").is_file(),
-                          "log": _run(["journalctl", "-b", "-o", "cat", "--no-pager", "-u", "appliance-usr-signature.service"])[-2000:]},
+                          "log": _tail(_run(["journalctl", "-b", "-o", "cat", "--no-pager", "-u",
+                                             "appliance-usr-signature.service"]), 2000)},
         "partitions": _json(["sfdisk", "-J", f"/dev/{root_disk}"]) if root_disk else None,
         "filesystems": {
             "filesystems": [
@@ -187,7 +188,7 @@ def collect() -> dict[str, Any]:
         "cmdline": Path("/proc/cmdline").read_text().strip(),
         # the last lines of each appliance unit's journal, for whoever reads a failed test
         "journal": {
-            unit: _run(["journalctl", "-o", "cat", "-u", unit, "-n", "30", "--no-pager"])[-3000:]
+            unit: _tail(_run(["journalctl", "-o", "cat", "-u", unit, "-n", "30", "--no-pager"]), 3000)
             for unit in dict.fromkeys(
                 (*ENGINE_REQUIREMENTS, ENGINE, "appliance-proxy.service", "appliance-tls.service",
                  *(str(u.get("unit")) for u in units if isinstance(u, dict)))
@@ -255,7 +256,7 @@ def run_fault_scenarios() -> dict[str, Any]:
         "restarted": restarted,
         "offload_files_before": before,
         "offload_files_after": after,
-        "cleaner_log": _run(["journalctl", "-o", "cat", "-u", "appliance-shm-clean.service", "--no-pager"])[-4000:],
+        "cleaner_log": _tail(_run(["journalctl", "-o", "cat", "-u", "appliance-shm-clean.service", "--no-pager"]), 4000),
     }
     # A hang (health checks failing) is detected and the engine restarted.
     _restart_with({"hang_after_s": 45})
@@ -263,7 +264,7 @@ def run_fault_scenarios() -> dict[str, Any]:
     FAULTS_FILE.unlink()
     restarted = _wait(lambda: int(_engine_prop("NRestarts") or 0) > restarts and _engine_prop("ActiveState") == "active", 300)
     log = _run(["journalctl", "-o", "cat", "-u", ENGINE, "-n", "40", "--no-pager"])
-    results["hang"] = {"restarted": restarted, "engine_log": log[-4000:]}
+    results["hang"] = {"restarted": restarted, "engine_log": _tail(log, 4000)}
     return results
 
 
@@ -273,7 +274,7 @@ def run_fault_scenarios() -> dict[str, Any]:
 # /var/lib/appliance/bootcheck records its outcome), so a plan can span reboots and power cuts:
 #   {"do": "faults"}                          the fault scenarios above
 #   {"do": "refusals", "bundles": {N: URL}}   `applianctl update URL` of bundles that must be
-#                                             refused; the inactive slot hashed before and after
+#                                             refused; the inactive slot's write counters before and after
 #   {"do": "update", "url": URL}              `applianctl update URL`, then a reboot into it
 #   {"do": "download-only", "url": URL}       `applianctl update --download-only URL`: staged on
 #                                             /var, no slot written
@@ -295,11 +296,11 @@ def run_fault_scenarios() -> dict[str, Any]:
 #   {"do": "rollout-hold", "url": URL}        URL is a channel index whose rollout has not
 #                                             reached this appliance: `applianctl update --check
 #                                             URL`, then `applianctl update URL`, which must
-#                                             install nothing (the inactive slot hashed before and after)
+#                                             install nothing (the inactive slot's write counters before and after)
 #   {"do": "update-on-trial", "url": URL}     while this version is still on trial (run by
 #                                             appliance-bootcheck-trial.service, ordered before
 #                                             the assessment): `applianctl update URL` must be
-#                                             refused; both slots hashed before and after
+#                                             refused; both slots' write counters before and after
 # The CA for https:// URLs comes in the credential appliance.update_ca (PEM). An update runs
 # after the report is written, its output on the console, its outcome in the next report: a
 # power cut in the middle leaves no marker, so the next boot runs it again.
@@ -333,22 +334,33 @@ def _update_command(url: str, *options: str) -> list[str]:
     return ["/usr/bin/applianctl", "update", *options, url, "--yes"] + (["--ca", str(ca)] if ca.exists() else [])
 
 
-def _inactive_slot_hashes(version: str) -> dict[str, str]:
+def _inactive_slot_writes(version: str) -> dict[str, str]:
+    """The inactive slot's partitions, each with its label and the kernel's write counters: what the
+    updater writes (systemd-sysupdate, blkdiscard) goes through these partitions' nodes, so equal
+    counters before and after prove nothing was written, without reading a GiB under emulation."""
     from applianctl.slots.machine import Host
     from applianctl.slots.partitions import slots
 
     inactive = next(s for s in slots(Host(), version) if not s.booted)
     parts = [p for p in (inactive.usr, inactive.verity) if p is not None]
-    return {p.node: _run(["sha256sum", p.node], timeout=1800).split(" ")[0] for p in parts}
+    return {p.node: f"{p.label} {_sectors_written(p.node)}" for p in parts}
+
+
+def _tail(text: str, limit: int) -> str:
+    """The end of TEXT, at most LIMIT characters, from the start of a line."""
+    if len(text) <= limit:
+        return text
+    cut = text[-limit:]
+    return cut.split("\n", 1)[1] if "\n" in cut else cut
 
 
 def run_refusals(version: str, bundles: dict[str, str]) -> dict[str, Any]:
-    before = _inactive_slot_hashes(version)
+    before = _inactive_slot_writes(version)
     results = {}
     for name, url in bundles.items():
         proc = subprocess.run(_update_command(url), capture_output=True, text=True, timeout=1800, check=False)
-        results[name] = {"url": url, "exit": proc.returncode, "stdout": proc.stdout[-2000:], "stderr": proc.stderr[-2000:]}
-    return {"bundles": results, "inactive_before": before, "inactive_after": _inactive_slot_hashes(version)}
+        results[name] = {"url": url, "exit": proc.returncode, "stdout": _tail(proc.stdout, 2000), "stderr": _tail(proc.stderr, 2000)}
+    return {"bundles": results, "inactive_before": before, "inactive_after": _inactive_slot_writes(version)}
 
 
 USR_TYPES = {"8484680C-9521-48C6-9C11-B0720656F69E": "usr", "77FF5F63-E7B6-4633-ACF4-1565B864C0E6": "usr-verity",
@@ -356,10 +368,11 @@ USR_TYPES = {"8484680C-9521-48C6-9C11-B0720656F69E": "usr", "77FF5F63-E7B6-4633-
 
 
 def _sectors_written(node: str) -> str:
-    """The kernel's count of sectors written through this partition since boot
-    (/sys/class/block/NAME/stat, field 7): any write by the updater shows here."""
+    """The kernel's counts of sectors written (zeroing included) and discarded through this
+    partition since boot (/sys/class/block/NAME/stat, fields 7 and 14): any write by the updater
+    shows here."""
     fields = Path(f"/sys/class/block/{Path(node).name}/stat").read_text().split()
-    return f"written {fields[6]} sectors"
+    return f"written {fields[6]} sectors, discarded {fields[13] if len(fields) > 13 else '?'}"
 
 
 def _partitions() -> list[dict[str, Any]]:
@@ -368,13 +381,11 @@ def _partitions() -> list[dict[str, Any]]:
     return list((_json(["sfdisk", "-J", f"/dev/{root_disk}"]) or {}).get("partitiontable", {}).get("partitions", []))
 
 
-def _slot_hashes() -> dict[str, str]:
-    """Every /usr and /usr verity partition with its label (a relabel is an install too), and the
-    ESP's boot entries. The inactive slot is hashed whole; the running one is proven untouched by
-    the kernel's write counter, not by reading 6 GiB under emulation."""
+def _slot_writes() -> dict[str, str]:
+    """Every /usr and /usr verity partition with its label (a relabel is an install too) and the
+    kernel's write counters (_inactive_slot_writes), and the ESP's boot entries."""
     parts = [p for p in _partitions() if p.get("type", "").upper() in USR_TYPES]
-    inactive = _inactive_slot_hashes(_running_version())
-    hashes = {f"{p['node']} {p.get('name', '')}": inactive.get(p["node"]) or _sectors_written(p["node"]) for p in parts}
+    hashes = {f"{p['node']} {p.get('name', '')}": _sectors_written(p["node"]) for p in parts}
     esp = next((Path(d) / "EFI/Linux" for d in ("/efi", "/boot") if (Path(d) / "EFI/Linux").is_dir()), None)
     entries = sorted(e.name for e in esp.iterdir()) if esp else []
     return {**hashes, "entries": " ".join(entries)}
@@ -397,19 +408,16 @@ def run_update_on_trial(url: str) -> dict[str, Any]:
     """`applianctl update URL` while this version is not judged yet: it must be refused (one
     line), and neither slot nor the boot entries may change."""
     trial = _on_trial()
-    hashing = time.monotonic()
-    before = _slot_hashes()
-    hashing_s = round(time.monotonic() - hashing, 1)
+    before = _slot_writes()
     proc = subprocess.run(_update_command(url), capture_output=True, text=True, timeout=1800, check=False)
     return {
-        "hashing_seconds": hashing_s,
         "url": url,
         "trial": trial,
         "exit": proc.returncode,
-        "stdout": proc.stdout[-2000:],
-        "stderr": proc.stderr[-2000:],
+        "stdout": _tail(proc.stdout, 2000),
+        "stderr": _tail(proc.stderr, 2000),
         "slots_before": before,
-        "slots_after": _slot_hashes(),
+        "slots_after": _slot_writes(),
         "trial_after": _on_trial(),
     }
 
@@ -464,7 +472,7 @@ def run_netprobe(wait_s: float = 120) -> dict[str, Any]:
         "ip_forward": Path("/proc/sys/net/ipv4/ip_forward").read_text().strip(),
         "addresses": _run(["ip", "-br", "addr"]),
         "nft_tables": _run(["nft", "list", "tables"]),
-        "metrics_unit": {"exit": metrics_unit.returncode, "stderr": metrics_unit.stderr[-500:]},
+        "metrics_unit": {"exit": metrics_unit.returncode, "stderr": _tail(metrics_unit.stderr, 500)},
         "part_states": {name: part.get("state") for name, part in (status_now.get("parts") or {}).items()},
         "units": {name: {k: u.get(k) for k in ("state", "reason", "active_state", "sub_state")}
                   for name, u in ((status_now.get("parts") or {}).get("units", {}).get("units") or {}).items()},
@@ -486,7 +494,7 @@ def run_scrape(wait_s: float = 180) -> dict[str, Any]:
         report_port.write(f"\n{ASK} scrape {json.dumps(question)}\n")
     started = time.monotonic()
     seen = _wait(lambda: _proxy_saw(SCRAPE_DONE, since), wait_s)
-    return {**question, "metrics_unit": {"exit": unit.returncode, "stderr": unit.stderr[-500:]}, "host_done_seen": seen,
+    return {**question, "metrics_unit": {"exit": unit.returncode, "stderr": _tail(unit.stderr, 500)}, "host_done_seen": seen,
             "waited_s": round(time.monotonic() - started, 1)}
 
 
@@ -513,9 +521,9 @@ def run_etc_dropin() -> dict[str, Any]:
     try:
         result = json.loads(proc.stdout)
     except ValueError:
-        result = {"unreadable": proc.stdout[-2000:]}
+        result = {"unreadable": _tail(proc.stdout, 2000)}
     return {"path": str(ETC_DROPIN), "drop_in_paths": _engine_prop("DropInPaths"), "verify_exit": proc.returncode,
-            "verify": result, "stderr": proc.stderr[-2000:]}
+            "verify": result, "stderr": _tail(proc.stderr, 2000)}
 
 
 def etc_state() -> dict[str, Any]:
@@ -525,14 +533,14 @@ def etc_state() -> dict[str, Any]:
         "etc_dropin_present": ETC_DROPIN.exists(),
         "engine_drop_in_paths": _engine_prop("DropInPaths"),
         "engine_environment": _engine_prop("Environment"),
-        "reset_log": _run(["journalctl", "-b", "-o", "cat", "--no-pager", "-u", "appliance-etc-reset.service"])[-3000:],
+        "reset_log": _tail(_run(["journalctl", "-b", "-o", "cat", "--no-pager", "-u", "appliance-etc-reset.service"]), 3000),
     }
 
 
 def run_download_only(url: str) -> dict[str, Any]:
     """`applianctl update --download-only URL`: staged on /var, no slot written."""
     proc = subprocess.run(_update_command(url, "--download-only"), capture_output=True, text=True, timeout=3600, check=False)
-    return {"url": url, "exit": proc.returncode, "output": (proc.stdout + proc.stderr)[-4000:]}
+    return {"url": url, "exit": proc.returncode, "output": _tail(proc.stdout + proc.stderr, 4000)}
 
 
 def run_update(command: list[str], url: str | None) -> dict[str, Any]:
@@ -545,7 +553,7 @@ def run_update(command: list[str], url: str | None) -> dict[str, Any]:
     for line in proc.stdout:
         print(line, end="", flush=True)
         lines.append(line)
-    return {"url": url, "exit": proc.wait(), "output": "".join(lines)[-4000:], "engines_before": engines_before,
+    return {"url": url, "exit": proc.wait(), "output": _tail("".join(lines), 4000), "engines_before": engines_before,
             "engines_after": _engine_partitions()}
 
 
@@ -565,7 +573,7 @@ def run_step(version: str, step: dict[str, Any], engine_healthy: bool) -> dict[s
         outcome = run_scrape() if engine_healthy else {"skipped": "the engine never became healthy"}
     elif step["do"] == "rollout-hold":
         check = subprocess.run(_update_command(str(step["url"]), "--check"), capture_output=True, text=True, timeout=600, check=False)
-        outcome = {"check": {"exit": check.returncode, "stdout": check.stdout[-2000:], "stderr": check.stderr[-2000:]},
+        outcome = {"check": {"exit": check.returncode, "stdout": _tail(check.stdout, 2000), "stderr": _tail(check.stderr, 2000)},
                    **run_refusals(version, {"held": str(step["url"])})}
     elif step["do"] == "update-on-trial":
         outcome = run_update_on_trial(str(step["url"]))

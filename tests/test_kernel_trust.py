@@ -24,7 +24,7 @@ from test_update import Device, run_update
 from test_update import device as device
 from test_update import signing_fixture as signing_fixture
 
-from appliance import authenticode
+from appliance import authenticode, paths
 from appliance.errors import Refused
 
 Pair = tuple[Path, Path]  # (key, certificate) as PEM files
@@ -141,6 +141,9 @@ def test_under_secure_boot_a_kernel_image_db_does_not_trust_is_refused_before_an
         run_update(device, str(b), trusted)
     assert "\n" not in e.value.message and "Secure Boot key" in e.value.hint
     assert device.sysupdate_calls() == [] and device.writes() == []
+    # refused as soon as the kernel image was proven: the large /usr image was never downloaded
+    fetched = sorted(p.name for p in paths.update_staging_dir().rglob("*") if p.is_file())
+    assert fetched and not any(".usr" in name for name in fetched), fetched
 
 
 def test_under_secure_boot_an_unsigned_kernel_image_is_refused(tmp_path: Path, device: Device, signing: Any,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import atomic, paths, progress
-from appliance.bundle import BUNDLE_INDEX, MAX_INDEX_BYTES, engine_short
+from appliance.bundle import BUNDLE_INDEX, MAX_INDEX_BYTES, BundleFile, engine_short, payload_names
 from appliance.errors import Refused, UserError
 from appliance.fetch import Deadline
 from appliance.manifest import Manifest
@@ -40,7 +40,7 @@ from applianctl.slots.entries import entries
 from applianctl.slots.machine import Host
 from applianctl.update import channel
 from applianctl.update import staged as update_staged
-from applianctl.update.checks import check_judged, check_staged
+from applianctl.update.checks import check_judged, check_kernel_trusted, check_staged
 from applianctl.update.download import SPACE_MARGIN_BYTES, check_space, stage, staging_for
 from applianctl.update.install import (
     boot_tries,
@@ -91,7 +91,13 @@ def _refuse_rolled_back(p: UpdatePlan) -> None:
 def _download(p: UpdatePlan, staging: Path, space_margin: int, keys_dir: Path, host: Host) -> None:
     """Room first, then every file the plan names into STAGING, each proven, then their content."""
     check_space(p.index, staging, space_margin, p.engine_written)
-    stage(p.index, p.source, staging, p.engine_written)
+    uki = payload_names(p.index.version, p.index.engine_digest, False)["uki"]
+
+    def refuse_early(f: BundleFile) -> None:  # a kernel image the firmware would refuse: before /usr is fetched
+        if f.name == uki:
+            check_kernel_trusted(staging / uki, host.efivars)
+
+    stage(p.index, p.source, staging, p.engine_written, proven=refuse_early)
     check_staged(p.index, staging, keys_dir, p.engine_written, p.running.engine_image, efivars_dir=host.efivars)
 
 

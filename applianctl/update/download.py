@@ -7,10 +7,11 @@ at that reserve, its partial file kept for the next run to resume.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from appliance import fetch, paths
-from appliance.bundle import BundleFile, BundleIndex, install_names
+from appliance.bundle import BundleFile, BundleIndex, install_names, payload_names
 from appliance.errors import UserError
 from appliance.fetch import Source, fetch_proven, missing_bytes
 
@@ -21,7 +22,11 @@ def to_fetch(index: BundleIndex, engine: bool = False) -> list[BundleFile]:
     """The bundle files this appliance downloads: the engine image only when ENGINE (an engine slot
     is written: update.checks.check_engine), never the installer's whole disk image."""
     install = set(install_names(index.version).values())
-    return [f for f in index.files if (engine or not f.name.startswith("engine_")) and f.name not in install]
+    uki = payload_names(index.version, index.engine_digest, False)["uki"]
+    wanted = [f for f in index.files if (engine or not f.name.startswith("engine_")) and f.name not in install]
+    # the kernel image first: what can be refused from it alone (its Secure Boot signer) is then
+    # refused before the large /usr image is downloaded
+    return sorted(wanted, key=lambda f: f.name != uki)
 
 
 def free_bytes(path: Path) -> int:
@@ -56,12 +61,16 @@ def staging_for(version: str) -> Path:
 
 
 def stage(index: BundleIndex, source: Source, staging: Path, engine: bool = False, *,
-          reserve: int = SPACE_MARGIN_BYTES, free: fetch.FreeBytes | None = None) -> None:
+          reserve: int = SPACE_MARGIN_BYTES, free: fetch.FreeBytes | None = None,
+          proven: Callable[[BundleFile], None] | None = None) -> None:
     """Fetch every file of the bundle into STAGING, each checked against bundle.json. A file
     already staged is re-hashed, not trusted; a partial one (NAME.part) is resumed. Stops
-    (fetch.ReserveReached) before a write would leave less than RESERVE free, the partial kept."""
+    (fetch.ReserveReached) before a write would leave less than RESERVE free, the partial kept.
+    PROVEN is called with each file once it is proven, and may refuse the rest."""
     files = to_fetch(index, engine)
     guard = fetch.Guard(staging, sum(missing_bytes(f.name, f.size, staging) for f in files),
                         free=free_bytes if free is None else free, reserve=reserve)
     for f in files:
         fetch_proven(source, f.name, f.size, f.sha256, staging, guard.claim)
+        if proven is not None:
+            proven(f)
