@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import paths
-from appliance.config.checks import is_dns_name
+from appliance.config.checks import HEADER_NAME, is_dns_name
 from appliance.config.model import Config
 from appliance.errors import ConfigError
 
@@ -59,6 +59,10 @@ LOOPBACK = ("127.0.0.1/32", "::1/128")
 # timeout (uvicorn's timeout_keep_alive, 5 s in vLLM), so the proxy always closes first and never
 # sends a request on a connection the engine is closing at that moment.
 UPSTREAM_IDLE_S = 2
+# With several replicas: how long a request may look for a replica that takes its connection, and
+# how long a replica that failed a request is passed over.
+REPLICA_TRY_S = 5
+REPLICA_FAIL_S = 10
 
 # The request body limit: the engine's context (--max-model-len) times BYTES_PER_TOKEN, at least
 # MIN_BODY. A token of prompt is ~4 bytes of JSON text, ~6-12 for escaped non-ASCII or token ids
@@ -183,6 +187,12 @@ def _port(key: str, value: int) -> int:
     return value
 
 
+def _header(key: str, value: str) -> str:
+    if not HEADER_NAME.fullmatch(value):
+        raise _refuse(key, value, "an HTTP header name such as X-Session-Id")
+    return value
+
+
 def _upstream(key: str, value: str) -> str:
     host, _, port = value.rpartition(":")
     if host != "127.0.0.1" or not port.isdigit():
@@ -230,7 +240,11 @@ def template_values(
         "hostname": _hostname("hostname", proxy.hostname),
         "https_port": _port("https_port", proxy.https_port),
         "http_port": _port("http_port", http_port),
-        "engine_port": _port("engine.port", config.engine.port),
+        # every replica's loopback address (one: the single engine)
+        "upstreams": [f"127.0.0.1:{_port('engine.port', config.replica_port(i))}" for i in range(config.replicas)],
+        "affinity_header": _header("proxy.affinity_header", proxy.affinity_header) if proxy.affinity_header else "",
+        "try_s": REPLICA_TRY_S,
+        "fail_s": REPLICA_FAIL_S,
         "health_uri": _url_path("engine.health.path", config.engine.health.path),
         "allowed_cidrs": _cidrs("allowed_cidrs", proxy.allowed_cidrs, allow_empty=False),
         "allowed_paths": paths_,

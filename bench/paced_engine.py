@@ -1,21 +1,26 @@
-"""A latency-bound backend shaped like vLLM's OpenAI server, for the proxy rows of `make bench`:
-`python -m bench.paced_engine PORT`.
+"""A latency-bound backend shaped like vLLM's OpenAI server, for the proxy rows of `make bench`
+and the replica tests: `python -m bench.paced_engine PORT [CONCURRENCY SERVICE_S]`.
 
 uvicorn + starlette (as vLLM serves, keep-alive 5 s). POST /v1/chat/completions: at most
 CONCURRENCY requests at once (a semaphore, as an engine's batch caps them); streamed, the role
 chunk and the first token after one token time, then one SSE `data:` chunk every TOKEN_S, then
 the finish chunk and `data: [DONE]`; not streamed, one JSON answer after SERVICE_S. The work is
 sleeping, so the host's 2 cores are left to the proxy and the clients, and both paths meet the
-same fixed latencies.
+same fixed latencies. Every answer names the backend's port in X-Paced-Engine (which replica
+answered, for the balancing tests).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 MODEL = "bench/paced"
@@ -31,7 +36,8 @@ def chunk(head: dict[str, Any], delta: dict[str, str], finish: str | None = None
     return b"data: " + json.dumps({**head, "choices": [choice]}, separators=(",", ":")).encode() + b"\n\n"
 
 
-def make_app(token_s: float = TOKEN_S, service_s: float = SERVICE_S, concurrency: int = CONCURRENCY, tokens: int = TOKENS) -> Any:
+def make_app(token_s: float = TOKEN_S, service_s: float = SERVICE_S, concurrency: int = CONCURRENCY, tokens: int = TOKENS,
+             name: str = "") -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -54,7 +60,7 @@ def make_app(token_s: float = TOKEN_S, service_s: float = SERVICE_S, concurrency
             usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}
             return JSONResponse({**head, "object": "chat.completion",
                                  "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}],
-                                 "usage": usage})
+                                 "usage": usage}, headers={"X-Paced-Engine": name})
 
         async def events() -> AsyncIterator[bytes]:
             async with batch:
@@ -68,17 +74,47 @@ def make_app(token_s: float = TOKEN_S, service_s: float = SERVICE_S, concurrency
                 yield chunk(head, {"content": ""}, "stop")
                 yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Paced-Engine": name})
 
     return Starlette(routes=[Route("/health", health, methods=["GET"]),
                              Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+@contextlib.contextmanager
+def running(ports: list[int], work: Path, concurrency: int = CONCURRENCY, service_s: float = SERVICE_S) -> Iterator[dict[int, Any]]:
+    """A paced backend on each of PORTS until the block ends (its process by port; a test may kill
+    one and start it again with `start`); ready once each port connects."""
+    from testkit import caddy
+
+    procs = {port: start(port, work, concurrency, service_s) for port in ports}
+    try:
+        yield procs
+    finally:
+        for proc in procs.values():
+            caddy.stop(proc)
+
+
+def start(port: int, work: Path, concurrency: int = CONCURRENCY, service_s: float = SERVICE_S) -> Any:
+    """One paced backend on PORT (log in WORK/engine-PORT.log), once it connects."""
+    from testkit import caddy
+
+    root = Path(__file__).resolve().parents[1]
+    log = work / f"engine-{port}.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "bench.paced_engine", str(port), str(concurrency), str(service_s)], cwd=root,
+                                env={**os.environ, "PYTHONPATH": str(root)}, stdout=out, stderr=subprocess.STDOUT)
+    caddy.wait_ready("the paced backend (needs uvicorn and starlette)", lambda: caddy.connects(port), proc, log)
+    return proc
 
 
 def main(argv: list[str]) -> None:
     import uvicorn
 
     # vLLM's defaults: uvicorn, keep-alive 5 s, no access log
-    uvicorn.run(make_app(), host="127.0.0.1", port=int(argv[0]), log_level="warning", access_log=False, timeout_keep_alive=5)
+    port = argv[0]
+    concurrency, service_s = (int(argv[1]), float(argv[2])) if len(argv) > 2 else (CONCURRENCY, SERVICE_S)
+    uvicorn.run(make_app(name=port, concurrency=concurrency, service_s=service_s), host="127.0.0.1", port=int(port),
+                log_level="warning", access_log=False, timeout_keep_alive=5)
 
 if __name__ == "__main__":
     main(sys.argv[1:])

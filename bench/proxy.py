@@ -19,11 +19,8 @@ import dataclasses
 import http.client
 import itertools
 import json
-import os
 import shutil
 import ssl
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -33,7 +30,7 @@ from typing import TypeVar
 
 from appliance import config
 from bench import paced_engine
-from bench.common import ROOT, percentile, ratio, ratio_row, verdict
+from bench.common import percentile, ratio, ratio_row, verdict
 from testkit import caddy
 from testkit.standin import free_port
 
@@ -192,17 +189,11 @@ def paths() -> Iterator[dict[str, Endpoint]]:
     """The paced backend and Caddy in front of it; the two endpoints by name (direct, proxy)."""
     work = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     port = free_port()
-    log = work / "engine.log"
-    with log.open("wb") as out:
-        engine = subprocess.Popen([sys.executable, "-m", "bench.paced_engine", str(port)], cwd=ROOT,
-                                  env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out, stderr=subprocess.STDOUT)
     try:
-        caddy.wait_ready("the paced backend (needs uvicorn and starlette)", lambda: caddy.connects(port), engine, log)
-        with caddy.demo_front(port, work) as front:
+        with paced_engine.running([port], work), caddy.demo_front(port, work) as front:
             tls = ssl.create_default_context(cafile=str(front.ca))
             yield {"direct": Endpoint("direct", port), "proxy": Endpoint("proxy", front.port, tls)}
     finally:
-        caddy.stop(engine)
         shutil.rmtree(work, ignore_errors=True)
 
 

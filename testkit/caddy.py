@@ -87,9 +87,10 @@ class Front:
 
 
 @contextlib.contextmanager
-def demo_front(engine_port: int, work: Path) -> Iterator[Front]:
+def demo_front(engine_port: int, work: Path, *, replicas: int = 1, affinity_header: str = "") -> Iterator[Front]:
     """Caddy on the demo profile's rendered Caddyfile (its own certificates from applianctl.tls),
-    forwarding to 127.0.0.1:ENGINE_PORT; loopback admitted, no plain HTTP, no admin API."""
+    forwarding to 127.0.0.1:ENGINE_PORT; loopback admitted, no plain HTTP, no admin API. With
+    REPLICAS, the layout REPLICASx1: the replicas at ENGINE_PORT, +2, +4, ... (Config.replica_port)."""
     from appliance import config as config_mod
     from appliance.caddyfile import render_caddyfile
     from applianctl import tls
@@ -102,7 +103,10 @@ def demo_front(engine_port: int, work: Path) -> Iterator[Front]:
         proxy=dataclasses.replace(config.proxy, https_port=https_port, http="close",
                                   allowed_cidrs=("127.0.0.1/32",), metrics_cidrs=()),
         engine=dataclasses.replace(config.engine, port=engine_port),
+        topology=dataclasses.replace(config.topology, gpus=replicas, layout=f"{replicas}x1"),
     )
+    if affinity_header:
+        config = dataclasses.replace(config, proxy=dataclasses.replace(config.proxy, affinity_header=affinity_header))
     tls_dir = work / "tls"
     tls.generate(tls_dir, config.proxy.hostname, tls.host_addresses(), group="appliance-no-such-group")
     caddyfile = work / "Caddyfile"

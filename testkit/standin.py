@@ -21,6 +21,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_spaced_ports(count: int, step: int = 2) -> list[int]:
+    """COUNT free loopback ports STEP apart (replicas' ports: Config.replica_port)."""
+    for _ in range(100):
+        base = free_port()
+        ports = [base + step * i for i in range(count)]
+        if ports[-1] < 65536 and all(_bindable(p) for p in ports):
+            return ports
+    raise RuntimeError(f"no {count} free ports {step} apart")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.5):

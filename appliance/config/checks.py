@@ -20,6 +20,8 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 CAPABILITY = re.compile(r"^[A-Z_]+\Z")
 SIZE = re.compile(r"^[0-9]+[kmg]\Z")
 URL_PATH = re.compile(r"^/[A-Za-z0-9._~/-]*\Z")
+# an HTTP header name: letters, digits and '-' (RFC 9110's token, narrowed: it goes into a Caddyfile)
+HEADER_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,63}\Z")
 # Characters that would let a value break out of a line in a generated unit, Caddyfile or
 # sources file.
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029{}\"'`$\\;]")  # C0, C1 and Unicode line breaks too
@@ -151,6 +153,11 @@ def is_ssh_key(value: str) -> str | None:
     except ValueError as e:
         return f"{SSH_KEY_HINT} ({e})"
     return None
+
+
+def is_header_name(value: str) -> str | None:
+    """"" (none) or an HTTP header name."""
+    return None if value == "" or HEADER_NAME.fullmatch(value) else "an HTTP header name such as X-Session-Id"
 
 
 def is_cidr(value: str) -> str | None:

@@ -226,6 +226,10 @@ class Proxy:
         metadata=_each(checks.pattern(checks.URL_PATH, "a URL path such as /v1/models")),
     )
     metrics_cidrs: tuple[str, ...] = field(default=(), metadata=_each(checks.is_cidr))
+    # With several replicas (topology.layout): requests that carry this header go to the replica its
+    # value hashes to, so that a conversation's turns reuse that replica's prefix cache; the others
+    # to the replica with the fewest requests in flight. "": no affinity.
+    affinity_header: str = field(default="", metadata=_check(checks.is_header_name))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,225 @@
+"""The proxy in front of several replicas (issue 23, item 3) on the real Caddy: the rendered
+Caddyfile of a layout RxTP names every replica, picks the one with the fewest requests in flight,
+sends a request that carries proxy.affinity_header to the replica its value hashes to, and loses
+no request sent after a replica is killed (SIGKILL): only the ones in flight on it may fail, at
+most its concurrency. The replicas are bench/paced_engine.py (latency-bound, capped concurrency,
+the answering port in X-Paced-Engine)."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from test_proxy import _adapt
+
+from appliance import config as config_mod
+from appliance.caddyfile import render_caddyfile
+from appliance.errors import ConfigError
+from bench import paced_engine
+from testkit import caddy
+from testkit.standin import free_spaced_ports
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not os.access(caddy.CADDY, os.X_OK), reason="needs Debian's caddy (apt install caddy)")
+
+CAP = 4  # requests at once per replica
+SERVICE_S = 0.05
+CHAT = "/v1/chat/completions"
+BODY = {"model": paced_engine.MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def _layout(replicas: int, affinity_header: str = "") -> config_mod.Config:
+    demo = config_mod.load(ROOT / "appliance.toml", "demo")
+    return dataclasses.replace(demo, topology=dataclasses.replace(demo.topology, gpus=replicas, layout=f"{replicas}x1"),
+                               proxy=dataclasses.replace(demo.proxy, affinity_header=affinity_header))
+
+
+def _engine_proxies(adapted: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every reverse_proxy handler of the clients' site that forwards to the engine's replicas."""
+    found = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("handler") == "reverse_proxy" and node.get("health_checks"):
+                found.append(node)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(adapted["apps"]["http"]["servers"])
+    return found
+
+
+# ------------------------------------------------------------------------------ the rendered file
+
+
+def test_one_engine_renders_a_single_upstream_without_balancing(tmp_path: Path) -> None:
+    text = render_caddyfile(_layout(1))
+    assert "reverse_proxy 127.0.0.1:8000 {" in text and "lb_policy" not in text and "/engine/0/metrics" not in text
+    (proxy,) = _engine_proxies(_adapt(text, tmp_path))
+    assert [u["dial"] for u in proxy["upstreams"]] == ["127.0.0.1:8000"]
+
+
+def test_two_replicas_are_balanced_by_requests_in_flight_and_retried_only_when_they_never_got_the_request(tmp_path: Path) -> None:
+    (proxy,) = _engine_proxies(_adapt(render_caddyfile(_layout(2)), tmp_path))
+    assert [u["dial"] for u in proxy["upstreams"]] == ["127.0.0.1:8000", "127.0.0.1:8002"]
+    lb = proxy["load_balancing"]
+    assert lb["selection_policy"] == {"policy": "least_conn"}
+    assert lb["try_duration"] > 0 and "retry_match" not in lb  # Caddy's default: only GET (and refused dials) retried
+    assert proxy["health_checks"]["active"]["uri"] == "/health" and proxy["health_checks"]["passive"]["fail_duration"] > 0
+
+
+def test_eight_replicas_each_with_its_own_metrics_path(tmp_path: Path) -> None:
+    text = render_caddyfile(_layout(8))
+    (proxy,) = _engine_proxies(_adapt(text, tmp_path))
+    assert [u["dial"] for u in proxy["upstreams"]] == [f"127.0.0.1:{8000 + 2 * i}" for i in range(8)]
+    for i in range(8):
+        assert f"`^/engine/{i}/metrics$`" in text and f"reverse_proxy 127.0.0.1:{8000 + 2 * i}\n" in text
+
+
+def test_affinity_by_a_header_goes_first_and_the_rest_by_requests_in_flight(tmp_path: Path) -> None:
+    proxies = _engine_proxies(_adapt(render_caddyfile(_layout(2, "X-Session-Id")), tmp_path))
+    assert [p["load_balancing"]["selection_policy"] for p in proxies] == [{"policy": "header", "field": "X-Session-Id"},
+                                                                         {"policy": "least_conn"}]
+
+
+@pytest.mark.parametrize("hostile", ["X-Session-Id *", "X-Session-Id\n}", "{http.request.uri}", "1abc", "X" * 65])
+def test_an_affinity_header_that_is_not_a_header_name_is_refused_in_one_line(tmp_path: Path, hostile: str) -> None:
+    text = (ROOT / "appliance.toml").read_text()
+    assert text.count('affinity_header = ""') == 1
+    path = tmp_path / "appliance.toml"
+    path.write_text(text.replace('affinity_header = ""', f"affinity_header = {hostile!r}".replace("'", '"').replace("\n", "\\n")))
+    with pytest.raises(ConfigError) as e:
+        config_mod.load(path, "demo")
+    assert "affinity_header" in e.value.message and "\n" not in e.value.message and e.value.hint
+
+
+# ------------------------------------------------------------------------------ the real Caddy
+
+
+@dataclasses.dataclass
+class Replicas:
+    ports: list[int]
+    procs: dict[int, Any]
+    url: str
+    ca: Path
+    work: Path
+
+
+@pytest.fixture
+def two(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Replicas]:
+    affinity = getattr(request, "param", "")
+    ports = free_spaced_ports(2)
+    with paced_engine.running(ports, tmp_path, CAP, SERVICE_S) as procs, \
+            caddy.demo_front(ports[0], tmp_path / "front", replicas=2, affinity_header=affinity) as front:
+        yield Replicas(ports, procs, front.url, front.ca, tmp_path)
+
+
+def _session(r: Replicas) -> requests.Session:
+    s = requests.Session()
+    s.trust_env = False  # REQUESTS_CA_BUNDLE and the like would win over verify
+    s.verify = str(r.ca)
+    return s
+
+
+def _ask(s: requests.Session, r: Replicas, headers: dict[str, str] | None = None) -> str:
+    """One chat completion through the proxy; the replica (port) that answered."""
+    resp = s.post(r.url + CHAT, json=BODY, headers=headers or {}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp.headers["X-Paced-Engine"]
+
+
+def test_requests_are_spread_over_both_replicas(two: Replicas) -> None:
+    def client(_: int) -> list[str]:
+        with _session(two) as s:
+            return [_ask(s, two) for _ in range(6)]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answered = collections.Counter(port for ports in pool.map(client, range(8)) for port in ports)
+    # 8 clients against a cap of 4 each: one replica alone would queue half of them
+    assert set(answered) == {str(p) for p in two.ports} and min(answered.values()) >= 12, answered
+
+
+@pytest.mark.parametrize("two", ["X-Session-Id"], indirect=True)
+def test_a_session_header_keeps_a_conversation_on_one_replica(two: Replicas) -> None:
+    with _session(two) as s:
+        by_session = {key: {_ask(s, two, {"X-Session-Id": key}) for _ in range(5)} for key in (f"conv-{i}" for i in range(8))}
+        without = {_ask(s, two) for _ in range(8)}
+    assert all(len(ports) == 1 for ports in by_session.values()), by_session
+    # the sessions' hashes use both replicas, and requests without the header still reach both
+    assert {p for ports in by_session.values() for p in ports} == {str(p) for p in two.ports}, by_session
+    assert without == {str(p) for p in two.ports}
+
+
+def test_a_killed_replica_fails_only_its_requests_in_flight_and_none_sent_after(two: Replicas) -> None:
+    """SIGKILL one replica while 6 clients send a steady stream of non-streaming requests: what was
+    in flight on it may fail (at most its concurrency), nothing sent after; started again, it
+    takes requests once its health check passes."""
+    stop, killed_at = threading.Event(), [0.0]
+    outcomes: list[tuple[float, int | str, str]] = []  # (sent at, status or error, replica)
+    lock = threading.Lock()
+
+    def client() -> None:
+        with _session(two) as s:
+            while not stop.is_set():
+                sent = time.monotonic()
+                try:
+                    resp = s.post(two.url + CHAT, json=BODY, timeout=30)
+                    outcome: tuple[float, int | str, str] = (sent, resp.status_code, resp.headers.get("X-Paced-Engine", ""))
+                except requests.RequestException as e:
+                    outcome = (sent, type(e).__name__, "")
+                with lock:
+                    outcomes.append(outcome)
+
+    victim = two.ports[1]
+    threads = [threading.Thread(target=client) for _ in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        killed_at[0] = time.monotonic()
+        two.procs[victim].send_signal(signal.SIGKILL)
+        two.procs[victim].wait()
+        time.sleep(4)
+        two.procs[victim] = paced_engine.start(victim, two.work, CAP, SERVICE_S)
+        restarted_at = time.monotonic()
+        # the next active health check (every 10 s) finds it serving
+        deadline = restarted_at + 30
+        while time.monotonic() < deadline and not any(sent > restarted_at and port == str(victim) for sent, _, port in list(outcomes)):
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    before = [o for o in outcomes if o[0] < killed_at[0]]
+    after = [o for o in outcomes if o[0] >= killed_at[0]]
+    failed_before = [o for o in before if o[1] != 200]
+    failed_after = [o for o in after if o[1] != 200]
+    assert any(o[2] == str(victim) for o in before), "the victim served nothing before it was killed"
+    assert len(failed_before) <= CAP, failed_before
+    assert failed_after == [], failed_after[:5]
+    assert len(after) > 50, len(after)
+    assert any(sent > restarted_at and port == str(victim) for sent, _, port in after), "the restarted replica got no request"
+
+
+def test_a_replica_that_died_idle_costs_no_request(two: Replicas) -> None:
+    """Nothing in flight on it when it died, so nothing told the proxy: the next requests that pick
+    it find its port closed, and go to the other replica (lb_try_duration) instead of failing."""
+    two.procs[two.ports[1]].send_signal(signal.SIGKILL)
+    two.procs[two.ports[1]].wait()
+    with _session(two) as s:
+        statuses = [s.post(two.url + CHAT, json=BODY, timeout=30) for _ in range(12)]
+    assert [r.status_code for r in statuses] == [200] * 12, [(r.status_code, r.text[:100]) for r in statuses if r.status_code != 200]
+    assert {r.headers["X-Paced-Engine"] for r in statuses} == {str(two.ports[0])}
