@@ -134,6 +134,7 @@ UNITS = (
     "appliance-preflight.service",
     "appliance-shm-clean.service",
     "appliance-engine-store.service",
+    "appliance-model-fetch.service",  # the weights, when any is missing (a first boot)
     ENGINE_UNIT,
     "appliance-startup-report.service",
     "appliance-tls.service",

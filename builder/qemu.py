@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import UserError
+from applianctl.model.command import CA_CREDENTIAL as MODEL_SOURCE_CA
+from applianctl.model.command import SOURCE_CREDENTIAL as MODEL_SOURCE
+from builder import weights_mirror
 
 OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.secboot.fd")
 OVMF_CODE_UNSEALED = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")  # no Secure Boot, no SMM: bench/image.py's baseline
@@ -272,6 +275,19 @@ class Guest:
         for path in (self.console_log, self.report_log):
             path.unlink(missing_ok=True)
         creds = {"appliance.bootcheck": "poweroff", **(credentials or {}), **(probe_net.credentials() if probe_net else {})}
+        with contextlib.ExitStack() as stack:
+            # Demo images fetch their weights at first boot (appliance-model-fetch.service) from the
+            # source handed over: the build host's mirror of the demo's weights, unless the caller
+            # gives another, or "" for none.
+            if MODEL_SOURCE not in creds:
+                url, ca = stack.enter_context(weights_mirror.demo())
+                creds.update({MODEL_SOURCE: url, MODEL_SOURCE_CA: ca})
+            elif not creds[MODEL_SOURCE]:
+                del creds[MODEL_SOURCE]
+            return self._boot(creds, timeout, cut_power, answer, probe_net, forwards)
+
+    def _boot(self, creds: dict[str, str], timeout: float, cut_power: tuple[str, float] | None,
+              answer: dict[str, Answerer] | None, probe_net: ProbeNet | None, forwards: tuple[tuple[int, int], ...]) -> dict[str, Any]:
         with Tpm(self.tpm_state) as tpm:
             cmd = [
                 *qemu_command(self.disk, self.vars, creds, tpm, forwards=forwards),

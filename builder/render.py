@@ -136,9 +136,10 @@ def install_demo(tree: Path) -> None:
     check (`python3 -m testkit.bootcheck`), testkit/units and their preset."""
     for name in TESTKIT_GUEST:
         _write(tree / "usr/lib/python3/dist-packages/testkit" / name, (TESTKIT_DIR / name).read_text())
-    for source in sorted((TESTKIT_DIR / "units").iterdir()):
+    units = TESTKIT_DIR / "units"
+    for source in sorted(p for p in units.rglob("*") if p.is_file()):
         directory = Path("usr/lib/systemd/system-preset") if source.suffix == ".preset" else SYSTEMD_DIR
-        _write(tree / directory / source.name, source.read_text())
+        _write(tree / directory / source.relative_to(units), source.read_text())
 
 
 def install_engine_files(config: Config, tree: Path) -> None:

@@ -100,7 +100,11 @@ def test_demo_tree_has_the_boot_check(demo_tree: Path) -> None:
     assert {n.split("/")[-1] for n in found} <= {"appliance-bootcheck.service", "appliance-bootcheck-trial.service",
                                                 "20-appliance-demo.preset", "bootcheck.py", "__init__.py",
                                                 "appliance-demo-fault.service", "appliance-demo-panic.service",
-                                                "appliance-demo-freeze.service", "appliance-demo-crash.service"}
+                                                "appliance-demo-freeze.service", "appliance-demo-crash.service",
+                                                "demo-source.conf"}
+    # the demo's weights source comes with the boot; production's fetch imports no credential
+    dropin = "usr/lib/systemd/system/appliance-model-fetch.service.d/demo-source.conf"
+    assert "ImportCredential=appliance.model_source" in (demo_tree / dropin).read_text()
 
 
 def test_bootcheck_is_not_an_applianctl_verb() -> None:
@@ -201,7 +205,7 @@ def test_bad_versions_use_words_the_demo_units_act_on(demo_tree: Path, productio
     from testkit import faults
 
     demo = config.load(ROOT / "appliance.toml", "demo")
-    units = {p.name: p.read_text() for p in (demo_tree / "usr/lib/systemd/system").iterdir()}
+    units = {p.name: p.read_text() for p in (demo_tree / "usr/lib/systemd/system").iterdir() if p.is_file()}
     for fault, words in faults.FAULTS.items():
         bad = faults.bad_version(demo, "9.9.9", fault, assessment_deadline_s=60)
         assert bad.config.appliance.version == "9.9.9" and bad.config.update.assessment_deadline_s == 60
@@ -211,7 +215,7 @@ def test_bad_versions_use_words_the_demo_units_act_on(demo_tree: Path, productio
                 assert word.removeprefix("systemd.mask=") in units, word
             else:  # a demo unit acts on it, and no production unit does
                 assert any(f"ConditionKernelCommandLine={word}" in text for text in units.values()), word
-                assert not any(word in p.read_text() for p in (production_tree / "usr/lib/systemd/system").iterdir())
+                assert not any(word in p.read_text() for p in (production_tree / "usr/lib/systemd/system").iterdir() if p.is_file())
     with pytest.raises(UserError, match="demo profile only"):
         faults.bad_version(config.load(ROOT / "appliance.toml", "production"), "9.9.9", "panic")
     with pytest.raises(UserError, match="unknown fault"):

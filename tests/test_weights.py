@@ -21,8 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import weights_mirror
-from weights_mirror import Mirror
 
 from appliance import fetch as bounded
 from appliance import fsverity
@@ -34,7 +32,8 @@ from applianctl import tls
 from applianctl.model import fetch as model_fetch
 from applianctl.model import store as model_store
 from applianctl.model import verify as model_verify
-from builder import weights
+from builder import weights, weights_mirror
+from builder.weights_mirror import Mirror
 
 MODEL, REV = "org/model", "a" * 40
 
@@ -408,10 +407,34 @@ def test_a_full_disk_is_one_line_naming_the_file(tmp_path: Path, small_tmpfs: Pa
 
 @pytest.fixture
 def mirror(tmp_path: Path) -> Iterator[tuple[str, str, type[Mirror]]]:
-    """The local HTTPS mirror (tests/weights_mirror.py) over tmp_path/src."""
+    """The local HTTPS mirror (builder/weights_mirror.py) over tmp_path/src."""
     tls.generate(tmp_path / "tls", "mirror.test", [ipaddress.ip_address("127.0.0.1")], group="nonexistent-group")
     with weights_mirror.serve(tmp_path / "src", tmp_path / "tls/server.crt", tmp_path / "tls/server.key") as (port, handler):
         yield f"https://127.0.0.1:{port}/{MODEL}/", str(tmp_path / "tls/ca.crt"), handler
+
+
+def test_the_mirror_serves_nothing_outside_its_directory(tmp_path: Path, mirror: tuple[str, str, type[Mirror]]) -> None:
+    """`make demo` runs it as root on the build host: a request target with .. or a link out of
+    the directory gets 404, not the host's files."""
+    import http.client
+    import ssl
+
+    url, ca, _ = mirror
+    (tmp_path / "src").mkdir(exist_ok=True)
+    (tmp_path / "secret").write_text("host file")
+    (tmp_path / "src/link").symlink_to(tmp_path / "secret")
+    (tmp_path / "src/inside").write_text("served")
+    port = int(url.split(":")[2].split("/")[0])
+    ctx = ssl.create_default_context(cafile=ca)
+    for target, status in (("/inside", 200), ("/../secret", 404), ("/a/../../secret", 404), ("/link", 404),
+                           ("/resolve/r/../../secret", 404)):
+        conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=10)
+        conn.putrequest("GET", target, skip_host=True)
+        conn.putheader("Host", "127.0.0.1")
+        conn.endheaders()
+        resp = conn.getresponse()
+        assert (target, resp.status) == (target, status) and b"host file" not in resp.read()
+        conn.close()
 
 
 def test_fetch_over_https_and_a_wrong_byte_is_refused_naming_the_file(tmp_path: Path, mirror: tuple[str, str, type[Mirror]]) -> None:
@@ -579,6 +602,52 @@ def test_model_fetch_and_verify_commands(device: tuple[Path, wm.WeightsManifest,
     assert probes_weights.probe_weights(_config()).state == probes.NOT_CONFIGURED
 
 
+def test_model_fetch_at_boot_takes_the_source_handed_over_and_does_nothing_once_the_weights_are_in_place(
+        device: tuple[Path, wm.WeightsManifest, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """appliance-model-fetch.service: `applianctl model fetch --at-boot` at every boot."""
+    from applianctl.__main__ import main
+    from applianctl.model import command as model
+
+    src, _, snapshot = device
+    verity = FakeVerity()
+    monkeypatch.setattr(model, "Kernel", lambda: verity)
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    # no source anywhere: said in one line, not a failure (the start check names the missing file)
+    assert main(["model", "fetch", "--at-boot"]) == 0
+    out = capsys.readouterr().out
+    assert "config.json is missing; no source to fetch them from" in out and not (snapshot / "config.json").exists()
+    # a source handed over with the boot (the credential)
+    (creds / model.SOURCE_CREDENTIAL).write_text(f"{src}\n")
+    assert main(["model", "fetch", "--at-boot"]) == 0
+    assert "2 files, 5010 bytes in place and sealed (2 fetched" in capsys.readouterr().out
+    assert main(["model", "verify"]) == 0
+    capsys.readouterr()
+    # the next boot: nothing fetched, the source not even read
+    shutil.rmtree(src)
+    assert main(["model", "fetch", "--at-boot"]) == 0
+    assert "in place, as signed; nothing to fetch" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("hostile", ["http://mirror.test/m/", "relative/dir", "/tmp/x\n/etc", "https://a b/"])
+def test_model_fetch_at_boot_refuses_a_credential_that_is_not_a_source(
+        device: tuple[Path, wm.WeightsManifest, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], hostile: str) -> None:
+    from applianctl.__main__ import main
+    from applianctl.model import command as model
+
+    monkeypatch.setattr(model, "Kernel", FakeVerity)
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    (creds / model.SOURCE_CREDENTIAL).write_text(hostile)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    assert main(["model", "fetch", "--at-boot"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and model.SOURCE_CREDENTIAL in err[0] and err[1].startswith("hint: "), err
+
+
 def test_model_fetch_where_no_appliance_is_installed_names_the_missing_configuration(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from appliance import paths
@@ -630,7 +699,8 @@ def test_validate_and_build_refuse_a_missing_or_foreign_weights_manifest(tmp_pat
     tree = tmp_path / "tree"
     weights.install(pinned, tree)
     assert (tree / "usr/lib/appliance/weights.json").read_bytes() == (ROOT / "weights/demo.json").read_bytes()
-    weights.install(demo, tmp_path / "none")
+    unpinned = dataclasses.replace(demo, model=dataclasses.replace(demo.model, weights_manifest=""))
+    weights.install(unpinned, tmp_path / "none")
     assert not (tmp_path / "none").exists()
 
 

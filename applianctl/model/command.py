@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 from appliance.atomic import write_record
 from appliance.config import Config
+from appliance.config.checks import is_weights_source
 from appliance.errors import UserError
 from appliance.host_settings import load_device
+from appliance.safe_read import read_capped
 from appliance.schema import dump_record
 from applianctl.model import store as model_store
 from applianctl.model.seal import Kernel, Verity
@@ -33,14 +37,55 @@ def _store() -> tuple[model_store.Store | None, Config]:
     return model_store.open_store(config, manifest), config
 
 
+# A source handed over with the boot (a systemd credential), for --at-boot: demo images import it
+# (a drop-in only demo images have), `make demo` and the QEMU tests give their
+# build host's mirror this way; a production unit imports no credential.
+SOURCE_CREDENTIAL = "appliance.model_source"
+CA_CREDENTIAL = "appliance.model_source_ca"
+
+
+def _credential(name: str) -> Path | None:
+    directory = os.environ.get("CREDENTIALS_DIRECTORY")
+    path = Path(directory) / name if directory else None
+    return path if path is not None and path.is_file() else None
+
+
+def _boot_source(given: str) -> str:
+    """GIVEN (the command line), else the credential's one line; checked as model.source is."""
+    path = _credential(SOURCE_CREDENTIAL)
+    if given or path is None:
+        return given
+    data = read_capped(path, model_store.MAX_HOST_SOURCE_BYTES, what="the model source credential") or b""
+    line = data.decode("utf-8", "replace").strip()
+    problem = is_weights_source(line) if line else None
+    if problem is not None:
+        raise UserError(f"credential {SOURCE_CREDENTIAL}: {line[:80]!r} is not {problem}", hint="give an https:// mirror or a directory")
+    return line
+
+
 def cmd_fetch(args: argparse.Namespace, verity: Verity | None = None) -> int:
     from applianctl.model import fetch as model_fetch
+    from applianctl.model import verify as model_verify
 
     store, config = _store()
     if store is None:
         raise UserError(f"{model_store.weights_manifest()}: this image pins no weights", hint="nothing to fetch")
-    spec = args.source or store.default_source(config)
-    source = model_fetch.open_source(spec, args.ca, args.layout, store.manifest.model, store.manifest.revision)
+    ca = args.ca
+    if args.at_boot:  # appliance-model-fetch.service: once a boot, before the start check
+        present = model_verify.check(store, verity or Kernel())
+        if present.ok:
+            print(f"weights {store.manifest.model}@{store.manifest.revision[:12]}: in place, as signed; nothing to fetch")
+            return 0
+        spec = _boot_source(args.source) or store.default_source(config)
+        if not spec:
+            # not a failure of this unit: the start check names the missing file, status says it
+            print(f"{present.reason}; no source to fetch them from (applianctl model fetch SOURCE, "
+                  f"{store.host_dir / model_store.HOST_SOURCE}, or model.source)")
+            return 0
+        ca = ca or (str(_credential(CA_CREDENTIAL)) if _credential(CA_CREDENTIAL) else None)
+    else:
+        spec = args.source or store.default_source(config)
+    source = model_fetch.open_source(spec, ca, args.layout, store.manifest.model, store.manifest.revision)
     summary = model_fetch.fetch(store, source, verity or Kernel(), workers=args.jobs)
     write_record(store.host_dir / model_store.FETCH_STATE,
                  WeightsFetch(spec, store.manifest.revision, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
@@ -87,6 +132,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="the mirror's layout (auto: hub when the URL ends with the model id)")
     f.add_argument("--jobs", type=int, default=4, help="files fetched at once (default: 4)")
     f.add_argument("--json", action="store_true", help="print the summary as JSON")
+    f.add_argument("--at-boot", action="store_true",
+                   help="(appliance-model-fetch.service) only when a file is missing or not as signed; the source may also "
+                        f"come as the credential {SOURCE_CREDENTIAL} (its CA as {CA_CREDENTIAL}); none: say so, exit 0")
     v = verbs.add_parser("verify", help="check every weight file's fs-verity digest against the signed manifest")
     v.add_argument("--json", action="store_true", help="print the result as JSON")
     v.add_argument("--deep", action="store_true",

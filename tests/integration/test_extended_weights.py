@@ -31,13 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import weights_mirror
 from journey import reports_of
-from weights_mirror import Mirror
 
 from appliance import config
 from applianctl import tls
-from builder import build, qemu, weights
+from builder import build, qemu, weights, weights_mirror
+from builder.weights_mirror import Mirror
 
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK_BYTES = 8 << 20  # applianctl.model.fetch.CHUNK_BYTES (the guest's; asserted below)
@@ -118,7 +117,8 @@ def weights_runs(demo_config: config.Config, mirror: tuple[str, str, type[Mirror
     tree = _extra_tree(tmp_path_factory.mktemp("weights-tree") / "tree")
     disk = build.build(cfg, extra_mkosi_args=(f"--extra-tree={tree}",), output=tmp_path_factory.mktemp("weights") / "out").disk_image
     guest = qemu.Guest(disk, tmp_path_factory.mktemp("weights-guest"), enroll_cert=build.secure_boot_certificate(demo_config))
-    creds = {"appliance.weights_url": url, "appliance.weights_ca": ca, "appliance.wait": "120"}
+    # the scenario fetches by itself (no source for appliance-model-fetch.service)
+    creds = {"appliance.weights_url": url, "appliance.weights_ca": ca, "appliance.wait": "120", qemu.MODEL_SOURCE: ""}
     runs: dict[str, Any] = {}
     runs["cut"] = guest.boot(timeout=1800, credentials=creds, cut_power=("WEIGHTS-FETCH-START", CUT_AFTER_S))
     runs["log_cut"] = [dict(e) for e in handler.log]

@@ -52,3 +52,13 @@ def test_root_and_var_grown_on_first_boot(first_boot: dict[str, Any]) -> None:
 
 def test_applianctl_installed_as_a_command(first_boot: dict[str, Any]) -> None:
     assert first_boot["applianctl_version"].startswith("applianctl ")
+
+
+def test_the_first_boot_fetched_the_demo_weights_and_status_shows_them_verified(first_boot: dict[str, Any]) -> None:
+    """Issue 22, item 6: the demo pins generated weights; the guest fetched them from the build
+    host's mirror at its first boot (appliance-model-fetch.service) and the start check found
+    every file sealed with its signed digest before the engine started."""
+    weights = first_boot["status"]["parts"]["weights"]
+    assert weights["state"] == "ok" and weights["verified"] is True, weights
+    assert weights["files"] == 5 and weights["source"].startswith("https://10.0.2.2:"), weights
+    assert first_boot["status"]["parts"]["engine"]["state"] == "ok", first_boot["status"]["parts"]["engine"]

@@ -1,11 +1,14 @@
-"""A weights mirror for tests: HTTPS (Python's ssl) over a directory, with byte ranges, logging every
-request (its Range and the bytes actually written), and switches for the faults the fetcher must
-refuse. Serves BASE/PATH and the Hub's BASE/resolve/REVISION/PATH; BASE/flipped/PATH serves PATH
-with one byte changed when PATH is in `flip`."""
+"""A weights mirror on the build host: HTTPS (Python's ssl) over a directory, with byte ranges,
+logging every request (its Range and the bytes actually written). `make demo` and every QEMU boot
+serve the demo's generated weights from it (builder.qemu: the guest fetches them at first boot);
+the tests also use its switches for the faults the fetcher must refuse. Serves BASE/PATH and the
+Hub's BASE/resolve/REVISION/PATH; BASE/flipped/PATH serves PATH with one byte changed when PATH is
+in `flip`. Only regular files below the root are served (no `..`, no link out of it)."""
 
 from __future__ import annotations
 
 import http.server
+import shutil
 import ssl
 import threading
 import time
@@ -34,7 +37,8 @@ class Mirror(http.server.BaseHTTPRequestHandler):
         entry: dict[str, Any] = {"path": self.path, "name": name, "range": rng, "start": start, "sent": 0, "status": 200}
         self.log.append(entry)
         path = self.root / name
-        if name == self.fail or not path.is_file():
+        inside = path.resolve().is_relative_to(self.root.resolve())
+        if name == self.fail or not inside or not path.is_file():
             entry["status"] = 503 if name == self.fail else 404
             self.send_error(entry["status"])
             return
@@ -78,3 +82,28 @@ def serve(root: Path, cert: Path, key: Path, host: str = "127.0.0.1", **switches
     finally:
         server.shutdown()
         server.server_close()
+
+
+# QEMU's user network shows the build host's loopback to the guest as this address.
+GUEST_SEES_HOST = "10.0.2.2"
+
+
+@contextmanager
+def demo(cache: Path | None = None) -> Iterator[tuple[str, str]]:
+    """The demo's generated weights (builder.weights.demo_files, written once under the host cache)
+    over HTTPS on loopback, with a CA of their own: (the URL the guest uses, the CA's PEM)."""
+    import ipaddress
+
+    from applianctl import tls
+    from builder import weights
+    from builder.run import HOST_CACHE
+
+    work = (cache or HOST_CACHE) / "demo-weights"
+    www = work / "www"
+    if not (work / "complete").is_file():
+        shutil.rmtree(www, ignore_errors=True)
+        weights.write_demo(www)
+        (work / "complete").write_text("")
+    tls.generate(work / "tls", "weights.appliance.test", [ipaddress.ip_address(GUEST_SEES_HOST)], group="appliance-no-such-group")
+    with serve(www, work / "tls/server.crt", work / "tls/server.key") as (port, _):
+        yield f"https://{GUEST_SEES_HOST}:{port}/", (work / "tls/ca.crt").read_text()
