@@ -271,3 +271,25 @@ def test_topology_travels_in_appliance_json(eight: config.Config) -> None:
     with pytest.raises(ConfigError):
         config.from_json(data, Path("appliance.json"))
     assert dataclasses.replace(eight.topology, layout="2x4").replica_gpus(1) == (4, 5, 6, 7)
+
+
+# ------------------------------------------------------------------------------ the kernel driver (item 5)
+
+
+def test_the_inbox_driver_is_the_default(production: config.Config) -> None:
+    assert production.os.amdgpu == "inbox" and production.os.amdgpu_dkms_package == ""
+
+
+@pytest.mark.parametrize(("lines", "says"), [
+    ('amdgpu = "dkms"\namdgpu_dkms_package = "firmware/README.md"\namdgpu_dkms_sha256 = "' + "a" * 64 + '"\n',
+     "Debian's kernel loads only modules signed by Debian's key"),
+    ('amdgpu = "dkms"\n', "needs os.amdgpu_dkms_package and os.amdgpu_dkms_sha256"),
+    ('amdgpu = "inbox"\namdgpu_dkms_package = "firmware/README.md"\n', "apply with os.amdgpu = \"dkms\" only"),
+    ('amdgpu = "dkms-latest"\n', "os.amdgpu"),
+    ('amdgpu = "dkms"\namdgpu_dkms_package = "../../etc/passwd"\namdgpu_dkms_sha256 = "' + "a" * 64 + '"\n', "amdgpu_dkms_package"),
+], ids=["dkms-under-secure-boot", "dkms-unpinned", "package-without-dkms", "unknown-driver", "package-outside-the-repository"])
+def test_amdgpu_dkms_is_refused_in_one_line(tmp_path: Path, lines: str, says: str) -> None:
+    """A sealed appliance boots under Secure Boot, where Debian's kernel would not load modules
+    DKMS built (appliance/config/model.py AMDGPU_DKMS_UNDER_SECURE_BOOT): refused at build."""
+    e = _refused(_toml(tmp_path, {'amdgpu = "inbox"\n': lines}))
+    assert says in e.message, e.message

@@ -51,6 +51,14 @@ class Os:
     # reboots and uses up a boot try: the kernel command line's systemd.default_device_timeout_sec=,
     # signed into the kernel image (under Secure Boot nothing else reaches the command line).
     device_timeout_sec: int = field(default=90, metadata=_check(checks.between(10, 3600)))
+    # The GPU's kernel driver: "inbox" (Debian's amdgpu, in the kernel the image signs) or "dkms"
+    # (AMD's amdgpu-dkms from the operator's package, file of this repository, pinned by SHA-256).
+    # cross_checks refuses "dkms" (AMDGPU_DKMS_UNDER_SECURE_BOOT says why).
+    amdgpu: str = field(default="inbox", metadata=_check(checks.one_of("inbox", "dkms")))
+    amdgpu_dkms_package: str = field(default="", metadata=_check(lambda v: None if v == "" else checks.is_repo_file(v)))
+    amdgpu_dkms_sha256: str = field(
+        default="", metadata=_check(lambda v: None if v == "" or SHA256.fullmatch(v) else "64 lower-case hex digits")
+    )
 
 
 @dataclass(frozen=True)
@@ -439,6 +447,7 @@ def cross_checks(path: Path, config: Config) -> None:
     if config.metrics.port in (config.proxy.https_port, config.engine.port, 80):
         raise ConfigError(f"{path}: metrics.port = {config.metrics.port} is taken", hint="give the metrics a port of their own, e.g. 9443")
     _topology_checks(path, config)
+    _driver_checks(path, config.os)
     if config.gpu.required and config.profile == "demo":
         raise ConfigError(f"{path}: profiles.demo needs gpu.required = false", hint="the demo runs without a GPU")
 
@@ -487,6 +496,32 @@ def _topology_checks(path: Path, config: Config) -> None:
             f"{t.memory_reserve_gib:g} GiB reserved, more than topology.memory_gib = {t.memory_gib:g}",
             hint=f"lower --kv-offloading-size to at most {max(room, 0):.4g} GiB per replica, or use fewer replicas or more memory",
         )
+
+
+# Why amdgpu-dkms cannot run on a sealed appliance (docs/architecture.md, "The GPU driver"): the
+# appliance always boots under Secure Boot (the installer enrolls its keys), and then Debian's
+# kernel (lockdown) loads only modules signed by a key in its builtin keyring (Debian's) or, through
+# shim, in the machine keyring (MOK). The appliance boots systemd-boot from its own db, without
+# shim: no key of the operator's reaches a keyring the kernel checks modules against, so modules
+# that DKMS builds could never load. Refused at build, not discovered on a server.
+AMDGPU_DKMS_UNDER_SECURE_BOOT = (
+    "os.amdgpu = \"dkms\": under Secure Boot, always on for this appliance, Debian's kernel loads only modules "
+    "signed by Debian's key (or a shim MOK key, and the appliance boots without shim), so amdgpu-dkms's modules would never load"
+)
+
+
+def _driver_checks(path: Path, os_: Os) -> None:
+    pinned = bool(os_.amdgpu_dkms_package) and bool(os_.amdgpu_dkms_sha256)
+    if os_.amdgpu == "inbox" and (os_.amdgpu_dkms_package or os_.amdgpu_dkms_sha256):
+        raise ConfigError(f"{path}: os.amdgpu_dkms_package and os.amdgpu_dkms_sha256 apply with os.amdgpu = \"dkms\" only",
+                          hint="remove them, or see docs/architecture.md (the GPU driver)")
+    if os_.amdgpu == "dkms" and not pinned:
+        raise ConfigError(f"{path}: os.amdgpu = \"dkms\" needs os.amdgpu_dkms_package and os.amdgpu_dkms_sha256",
+                          hint="name AMD's amdgpu-dkms package (a file of this repository) and its SHA-256")
+    if os_.amdgpu == "dkms":
+        raise ConfigError(f"{path}: {AMDGPU_DKMS_UNDER_SECURE_BOOT}",
+                          hint="keep os.amdgpu = \"inbox\" (Debian's amdgpu supports the MI300X); docs/architecture.md says "
+                               "what a signed amdgpu-dkms would need")
 
 
 def _uses(layout: str) -> int:
