@@ -37,6 +37,7 @@ STARTUP_REPORT = RUN_DIR / "startup-report.json"
 SHM_CHECK = RUN_DIR / "shm-check.json"
 VERIFY_RESULT = RUN_DIR / "verify.json"
 PREFLIGHT_RESULT = RUN_DIR / "preflight.json"
+GPU_SELFTEST = RUN_DIR / "gpu-selftest.json"  # this boot's GPU self-test (appliance-gpu-selftest.service)
 
 # Persistent state on /var
 VAR_DIR = _path("VAR_DIR", "/var")  # what a factory reset wipes (applianctl/factory_reset.py)
@@ -110,6 +111,11 @@ def boots_record_path() -> Path:
     return update_dir() / "boots.json"
 
 
+def gpu_selftest_baseline_path() -> Path:
+    """The correctable ECC counts of the last GPU self-test that passed: the next boot's baseline."""
+    return STATE_DIR / "gpu-selftest-baseline.json"
+
+
 def channel_path() -> Path:
     """The highest sequence of each channel's index the updater acted on (applianctl/update/channel.py)."""
     return update_dir() / "channel.json"
@@ -134,6 +140,7 @@ UNITS = (
     "appliance-preflight.service",
     "appliance-shm-clean.service",
     "appliance-engine-store.service",
+    "appliance-gpu-selftest.service",  # every GPU checked before an engine starts (none in the demo)
     "appliance-model-fetch.service",  # the weights, when any is missing (a first boot)
     ENGINE_UNIT,
     "appliance-startup-report.service",

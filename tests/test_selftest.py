@@ -515,3 +515,87 @@ def test_command_that_breaks_could_not_run(monkeypatch: pytest.MonkeyPatch, caps
 def test_facts_name_each_gpu_by_its_key() -> None:
     gpus = read(healthy()).gpus
     assert [gpu_key(g) for g in gpus[:2]] == ["serial:0xAF54E92B0A5D57C8", "bdf:0000:26:00.0"]
+
+
+# ----------------------------------------------------------------------------------- at boot
+
+
+@pytest.fixture
+def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A device whose topology uses GPUs 0 and 1 (2x1) of the eight the readings show; a function
+    that sets gpu.required."""
+    import dataclasses
+
+    from appliance import config as config_mod
+    from appliance import paths
+
+    def set_required(required: bool) -> None:
+        c = config_mod.load(Path(__file__).resolve().parents[1] / "appliance.toml", "production")
+        c = dataclasses.replace(c, topology=dataclasses.replace(c.topology, gpus=2, layout="2x1"),
+                                gpu=dataclasses.replace(c.gpu, required=required))
+        (tmp_path / "lib/appliance.json").write_text(json.dumps(c.to_json()))
+
+    for d in ("lib", "run", "state"):
+        (tmp_path / d).mkdir()
+    set_required(True)
+    monkeypatch.setenv("APPLIANCE_CONFIG", str(tmp_path / "lib/appliance.json"))
+    for name, value in {"LIB_DIR": tmp_path / "lib", "RUN_DIR": tmp_path / "run", "STATE_DIR": tmp_path / "state",
+                        "GPU_SELFTEST": tmp_path / "run/gpu-selftest.json"}.items():
+        monkeypatch.setattr(paths, name, value)
+    return set_required
+
+
+def _boot(monkeypatch: pytest.MonkeyPatch, found: Readings) -> int:
+    monkeypatch.setattr(command, "collect", lambda run, timeout: found)
+    return applianctl_main.main(["selftest", "--at-boot"])
+
+
+def _gpu_part() -> Any:
+    from appliance import paths
+    from appliance.host_settings import load_device
+    from applianctl.status import gpu
+
+    answers = {"static": json.dumps(healthy().static), "metric": json.dumps(healthy().metric)}
+    return gpu.probe(load_device(), lambda argv, timeout: (0, answers[argv[1]]), paths.GPU_SELFTEST)
+
+
+def test_at_boot_a_failed_gpu_the_engines_use_keeps_them_stopped_and_status_names_it(
+        device: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from appliance import paths
+
+    assert _boot(monkeypatch, healthy()) == 0  # eight healthy GPUs; the counts kept as the baseline
+    assert json.loads(paths.GPU_SELFTEST.read_text())["used_gpus"] == [0, 1]
+    baseline = paths.gpu_selftest_baseline_path().read_text()
+    capsys.readouterr()
+    # GPU 1's correctable ECC errors rose since the last passing run: it is used, the engine stays stopped
+    assert _boot(monkeypatch, edited("metric", lambda doc: doc[1]["ecc"].update(total_correctable_count=3))) == 1
+    assert "no engine starts" in capsys.readouterr().err
+    assert paths.gpu_selftest_baseline_path().read_text() == baseline  # a rise stays a rise until someone looks
+    report = json.loads(paths.GPU_SELFTEST.read_text())
+    assert report["failed_used_gpus"] == [1]
+    part = _gpu_part()
+    assert part.state == "down" and "GPU 1 failed its self-test: GPU 1: correctable ECC errors rose from 0 to 3" in part.reason, part
+
+
+def test_at_boot_a_failed_gpu_no_engine_uses_is_reported_not_fatal(device: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from appliance import paths
+
+    assert _boot(monkeypatch, edited("metric", lambda doc: doc[5]["ecc"].update(total_uncorrectable_count=2))) == 0
+    report = json.loads(paths.GPU_SELFTEST.read_text())
+    # GPUs 2-7 are beyond the topology's two ("not expected"), GPU 5 also has uncorrectable errors: idle, not fatal
+    assert report["failed_gpus"] == [2, 3, 4, 5, 6, 7] and report["failed_used_gpus"] == []
+    (gpu5,) = [g for g in report["gpus"] if g["gpu"] == 5]
+    assert any(f["check"] == "ecc-uncorrectable" and f["state"] == "failed" for f in gpu5["findings"]), gpu5
+    part = _gpu_part()
+    assert part.state == "ok" and part.details["selftest"]["failed_used_gpus"] == [], part
+
+
+def test_at_boot_could_not_run_blocks_only_where_a_gpu_is_required(device: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from appliance import paths
+
+    nothing = Readings(problems=("amd-smi static: amd-smi is not installed",))
+    assert _boot(monkeypatch, nothing) == 3
+    assert json.loads(paths.GPU_SELFTEST.read_text())["could_not_run"]
+    assert not paths.gpu_selftest_baseline_path().exists()
+    device(False)
+    assert _boot(monkeypatch, nothing) == 0

@@ -1,7 +1,16 @@
-"""`applianctl selftest [--json] [--previous FILE]`: the GPU self-test on demand.
+"""`applianctl selftest [--json] [--previous FILE]`: the GPU self-test on demand; `--at-boot`:
+appliance-gpu-selftest.service, before every engine start.
 
 Exit 0 when every GPU passed, 1 when a GPU failed (the report says which and why), 2 for bad input
 (one line and a hint), 3 when it could not run (no tool listed the GPUs, or the test itself broke).
+
+--at-boot judges the GPUs the topology uses (0 .. topology.gpus - 1) against the correctable ECC
+counts of the last run in which they passed (paths.gpu_selftest_baseline_path(), kept on /var),
+writes this boot's report to paths.GPU_SELFTEST for status, and keeps the counts only when no GPU
+the engines use failed (so a rise stays a failure until someone looks). GPUs beyond the topology's
+are "not expected" in the report: idle, not fatal. Exit 1 when a GPU the engines use failed: the engine,
+which requires the unit, does not start; a failed GPU the topology does not use is reported, not
+fatal. Could not run: exit 3 when the profile requires a GPU, else 0.
 """
 
 from __future__ import annotations
@@ -9,10 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from appliance import paths
+from appliance.atomic import atomic_write
 from appliance.errors import UserError
 from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
 from applianctl.selftest.checks import EXIT_COULD_NOT_RUN, FAILED, NOT_CHECKED, Expectations, Report, run
@@ -61,7 +73,42 @@ def render(report: Report) -> str:
     return "\n".join(lines)
 
 
+def at_boot(debug: bool = False) -> int:
+    from appliance.host_settings import load_device
+
+    config = load_device()
+    used = list(range(config.topology.gpus))
+    baseline = paths.gpu_selftest_baseline_path()
+    try:
+        previous = previous_counts(baseline)
+    except UserError as e:  # a damaged baseline is no reason to keep every GPU out: start afresh
+        print(f"applianctl selftest: {e.message}; starting from this run's counts", file=sys.stderr)
+        previous = None
+    try:
+        report = run(collect(run_command, DEADLINE_S), Expectations(gpu_count=config.topology.gpus), previous)
+        failure = ""
+    except Exception as e:
+        if debug:
+            raise
+        report, failure = None, f"{type(e).__name__}: {e}".splitlines()[0]
+    doc: dict[str, Any] = report.to_json() if report is not None else {"ok": False, "could_not_run": failure, "failed_gpus": []}
+    failed_used = sorted(set(doc.get("failed_gpus") or []) & set(used))
+    doc.update({"used_gpus": used, "failed_used_gpus": failed_used, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    atomic_write(paths.GPU_SELFTEST, (json.dumps(doc, sort_keys=True) + "\n").encode(), 0o644)
+    if report is not None and not report.could_not_run and not failed_used:
+        atomic_write(baseline, (json.dumps({"correctable_counts": dict(report.correctable_counts)}, sort_keys=True) + "\n").encode(), 0o644)
+    print(render(report) if report is not None else f"could not run: {failure}")
+    if report is None or report.could_not_run:
+        return EXIT_COULD_NOT_RUN if config.gpu.required else 0
+    if failed_used:
+        print(f"the engines use GPU(s) {', '.join(map(str, failed_used))}, which failed: no engine starts", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.at_boot:
+        return at_boot(getattr(args, "debug", False))
     previous = previous_counts(args.previous) if args.previous is not None else None
     try:
         report = run(collect(run_command, DEADLINE_S), Expectations(), previous)
@@ -83,4 +130,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--json", action="store_true", help="print the report as JSON (it holds the correctable ECC counts to keep)")
     p.add_argument("--previous", type=Path, metavar="FILE",
                    help="an earlier --json report: correctable ECC errors must not have risen since")
+    p.add_argument("--at-boot", action="store_true",
+                   help="(appliance-gpu-selftest.service) the topology's GPUs against the last passing run; "
+                        "the report for status; exit 1 when a GPU the engines use failed")
     p.set_defaults(func=main)

@@ -47,7 +47,7 @@ def probe_table(config: Config, src: Sources) -> dict[str, Callable[[], Part]]:
         "verify": lambda: files.probe_check(paths.VERIFY_RESULT, "image verification", records.VerifyResult),
         "preflight": lambda: files.probe_check(paths.PREFLIGHT_RESULT, "the preflight check", records.PreflightResult),
         "shm-check": lambda: files.probe_check(paths.SHM_CHECK, "the /dev/shm check", records.ShmCheck),
-        "gpu": lambda: gpu.probe(config, src.run),
+        "gpu": lambda: gpu.probe(config, src.run, paths.GPU_SELFTEST),
         "shm": lambda: shm.probe_shm(config, src, paths.SHM_DIR),
         "disk": lambda: disk.probe_disk(config, paths.STATE_DIR),
         "tls": lambda: tls.probe_tls(config, paths.TLS_DIR),

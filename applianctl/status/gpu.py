@@ -18,9 +18,12 @@ import subprocess
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from appliance.config import Config
+from appliance.errors import UserError
+from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
 from applianctl.status.probes import COMMAND_TIMEOUT_S, DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Runner, ToolMissing
 
 AMD_SMI_STATIC = ("amd-smi", "static", "--json")
@@ -250,22 +253,44 @@ def read(run: Runner) -> tuple[str, list[Reading]]:
     raise NoGpu("; ".join(problems))
 
 
-def probe(config: Config, run: Runner) -> Part:
+def selftest_verdict(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """This boot's self-test report (appliance-gpu-selftest.service) and what it means for the
+    engines in one line ("" when they may run on every GPU they use); (None, "") without one."""
+    try:
+        doc = loads_bounded(read_capped(path, MAX_RECORD_BYTES, what="the GPU self-test report") or b"null")
+    except (UserError, ValueError):
+        return None, f"{path}: unreadable"
+    if not isinstance(doc, dict):
+        return None, ""
+    if doc.get("could_not_run"):
+        return doc, f"the self-test could not run: {doc['could_not_run']}"
+    failed = [g for g in doc.get("gpus", []) if isinstance(g, dict) and g.get("gpu") in (doc.get("failed_used_gpus") or [])]
+    reasons = [f"GPU {g['gpu']} failed its self-test: " + next((f.get("reason", "") for f in g.get("findings", [])
+                                                                 if isinstance(f, dict) and f.get("state") == "failed"), "")
+               for g in failed]
+    return doc, "; ".join(reasons)
+
+
+def probe(config: Config, run: Runner, selftest: Path | None = None) -> Part:
     required = config.gpu.required
     min_headroom = float(config.gpu.min_vram_headroom_mib)
+    report, verdict = selftest_verdict(selftest) if selftest is not None else (None, "")
     try:
         tool, readings = read(run)
     except NoGpu as e:
         reason = f"not present ({e})"
-        return Part(DOWN if required else NOT_CONFIGURED, reason, {"present": False, "required": required})
+        return Part(DOWN if required else NOT_CONFIGURED, reason, {"present": False, "required": required, "selftest": report})
     details: dict[str, Any] = {
         "present": True,
         "required": required,
         "tool": tool,
         "min_vram_headroom_mib": min_headroom,
         "gpus": [{**asdict(r), "vram_free_mib": r.vram_free_mib} for r in readings],
+        "selftest": report,
     }
-    problems = []
+    if report is not None and report.get("failed_used_gpus"):
+        return Part(DOWN, verdict + ": no engine starts", details)
+    problems = [verdict] if verdict else []
     for r in readings:
         free = r.vram_free_mib
         if free is not None and free < min_headroom:
