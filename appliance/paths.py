@@ -133,6 +133,11 @@ def timestamp_keys_dir(trusted_keys_dir: Path) -> Path:
 
 SHM_DIR = _path("SHM_DIR", "/dev/shm")
 
+# Boot credentials naming the weights' source (a mirror's URL or a directory) and its CA
+# (applianctl model fetch --at-boot; builder.qemu hands the build host's mirror over in them).
+MODEL_SOURCE_CREDENTIAL = "appliance.model_source"
+MODEL_SOURCE_CA_CREDENTIAL = "appliance.model_source_ca"
+
 # The appliance's units, in the order status shows them.
 ENGINE_UNIT = "appliance-engine.service"
 UNITS = (

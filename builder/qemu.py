@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import UserError
-from applianctl.model.command import CA_CREDENTIAL as MODEL_SOURCE_CA
-from applianctl.model.command import SOURCE_CREDENTIAL as MODEL_SOURCE
+from appliance.paths import MODEL_SOURCE_CA_CREDENTIAL as MODEL_SOURCE_CA
+from appliance.paths import MODEL_SOURCE_CREDENTIAL as MODEL_SOURCE
 from builder import weights_mirror
 
 OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.secboot.fd")

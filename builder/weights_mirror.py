@@ -94,7 +94,9 @@ def demo(cache: Path | None = None) -> Iterator[tuple[str, str]]:
     over HTTPS on loopback, with a CA of their own: (the URL the guest uses, the CA's PEM)."""
     import ipaddress
 
-    from applianctl import tls
+    from cryptography.hazmat.primitives import serialization
+
+    from appliance import certs
     from builder import weights
     from builder.run import HOST_CACHE
 
@@ -104,6 +106,12 @@ def demo(cache: Path | None = None) -> Iterator[tuple[str, str]]:
         shutil.rmtree(www, ignore_errors=True)
         weights.write_demo(www)
         (work / "complete").write_text("")
-    tls.generate(work / "tls", "weights.appliance.test", [ipaddress.ip_address(GUEST_SEES_HOST)], group="appliance-no-such-group")
-    with serve(www, work / "tls/server.crt", work / "tls/server.key") as (port, _):
-        yield f"https://{GUEST_SEES_HOST}:{port}/", (work / "tls/ca.crt").read_text()
+    ca_key, ca = certs.make_ca("weights.appliance.test", certs._now(), [ipaddress.ip_network(GUEST_SEES_HOST)])
+    key, cert = certs.make_server(ca_key, ca, "weights.appliance.test", [ipaddress.ip_address(GUEST_SEES_HOST)], certs._now())
+    tls = work / "tls"
+    tls.mkdir(exist_ok=True)
+    (tls / "server.key").write_bytes(certs._key_pem(key))
+    (tls / "server.key").chmod(0o600)
+    (tls / "server.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    with serve(www, tls / "server.crt", tls / "server.key") as (port, _):
+        yield f"https://{GUEST_SEES_HOST}:{port}/", ca.public_bytes(serialization.Encoding.PEM).decode()

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from appliance import paths
 from appliance.atomic import write_record
 from appliance.config import Config
 from appliance.config.checks import is_weights_source
@@ -40,8 +41,8 @@ def _store() -> tuple[model_store.Store | None, Config]:
 # A source handed over with the boot (a systemd credential), for --at-boot: demo images import it
 # (a drop-in only demo images have), `make demo` and the QEMU tests give their
 # build host's mirror this way; a production unit imports no credential.
-SOURCE_CREDENTIAL = "appliance.model_source"
-CA_CREDENTIAL = "appliance.model_source_ca"
+SOURCE_CREDENTIAL = paths.MODEL_SOURCE_CREDENTIAL
+CA_CREDENTIAL = paths.MODEL_SOURCE_CA_CREDENTIAL
 
 
 def _credential(name: str) -> Path | None:
