@@ -138,16 +138,34 @@ SHM_DIR = _path("SHM_DIR", "/dev/shm")
 MODEL_SOURCE_CREDENTIAL = "appliance.model_source"
 MODEL_SOURCE_CA_CREDENTIAL = "appliance.model_source_ca"
 
-# The appliance's units, in the order status shows them.
-ENGINE_UNIT = "appliance-engine.service"
-UNITS = (
+# The engine: one quadlet template instance per replica (units/appliance-engine@.container.j2);
+# replica I is appliance-engine@I.service running the container appliance-engine-I.
+ENGINE_TEMPLATE = "appliance-engine@.service"
+ENGINE_UNITS_GLOB = "appliance-engine@*.service"
+
+
+def engine_unit(replica: int = 0) -> str:
+    return f"appliance-engine@{replica}.service"
+
+
+def engine_container(replica: int = 0) -> str:
+    return f"appliance-engine-{replica}"
+
+
+def engine_units(replicas: int) -> tuple[str, ...]:
+    return tuple(engine_unit(i) for i in range(replicas))
+
+
+# The appliance's units, in the order status shows them (ENGINE stands for every replica's unit).
+ENGINE = "ENGINE"
+_UNITS = (
     "appliance-verify.service",
     "appliance-preflight.service",
     "appliance-shm-clean.service",
     "appliance-engine-store.service",
     "appliance-gpu-selftest.service",  # every GPU checked before an engine starts (none in the demo)
     "appliance-model-fetch.service",  # the weights, when any is missing (a first boot)
-    ENGINE_UNIT,
+    ENGINE,
     "appliance-startup-report.service",
     "appliance-tls.service",
     "appliance-proxy.service",
@@ -155,3 +173,8 @@ UNITS = (
     "appliance-node-exporter.service",
     "appliance-journal-upload.service",
 )
+
+
+def units(replicas: int = 1) -> tuple[str, ...]:
+    """The appliance's units with REPLICAS engine units, in the order status shows them."""
+    return tuple(u for name in _UNITS for u in (engine_units(replicas) if name == ENGINE else (name,)))

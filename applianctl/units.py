@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 from typing import Any
 
@@ -12,8 +13,9 @@ from appliance import paths
 from appliance.errors import UserError
 from appliance.run import call
 
+# "engine" is every replica (journalctl and systemctl take the glob); one replica alone: engine@I.
 LOG_UNITS = {
-    "engine": paths.ENGINE_UNIT,
+    "engine": paths.ENGINE_UNITS_GLOB,
     "proxy": "appliance-proxy.service",
     "verify": "appliance-verify.service",
     "shm": "appliance-shm-clean.service",
@@ -23,7 +25,24 @@ LOG_UNITS = {
 RESTART_UNITS = ("engine", "proxy")
 
 for _unit in LOG_UNITS.values():
-    assert _unit in paths.UNITS, _unit
+    assert _unit in (*paths.units(), paths.ENGINE_UNITS_GLOB), _unit
+REPLICA = re.compile(r"engine@(0|[1-9][0-9]{0,2})")
+
+
+def part_name(value: str) -> str:
+    """argparse type of a unit's short name: refused at parse time (usage, exit status 2)."""
+    if value in LOG_UNITS or REPLICA.fullmatch(value):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: one of {', '.join(LOG_UNITS)} or engine@I (replica I)")
+
+
+def unit_of(part: str) -> str:
+    """The unit (or glob) of a short name: engine, engine@I, proxy, ..."""
+    if REPLICA.fullmatch(part):
+        return paths.engine_unit(int(part.partition("@")[2]))
+    if part not in LOG_UNITS:
+        raise UserError(f"no part {part!r}: one of {', '.join(LOG_UNITS)} or engine@I (replica I)", hint="applianctl logs engine")
+    return LOG_UNITS[part]
 
 
 def _exec(argv: list[str]) -> int:
@@ -34,7 +53,7 @@ def _exec(argv: list[str]) -> int:
 
 
 def logs_argv(args: argparse.Namespace) -> list[str]:
-    argv = ["journalctl", "--no-pager", "-u", LOG_UNITS[args.part]]
+    argv = ["journalctl", "--no-pager", "-u", unit_of(args.part)]
     if args.follow:
         argv.append("-f")
     if args.lines is not None:
@@ -45,9 +64,11 @@ def logs_argv(args: argparse.Namespace) -> list[str]:
 
 
 def control_argv(verb: str, part: str) -> list[str]:
-    if part not in RESTART_UNITS:
-        raise UserError(f"cannot {verb} {part!r}: only {' or '.join(RESTART_UNITS)}", hint=f"applianctl {verb} engine")
-    return ["systemctl", verb, LOG_UNITS[part]]
+    if part not in RESTART_UNITS and not REPLICA.fullmatch(part):
+        raise UserError(
+            f"cannot {verb} {part!r}: only {' or '.join(RESTART_UNITS)} (or one replica, engine@I)", hint=f"applianctl {verb} engine"
+        )
+    return ["systemctl", verb, unit_of(part)]
 
 
 def restart_argv(part: str) -> list[str]:
@@ -74,7 +95,8 @@ def run_restart(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("logs", help="show a unit's journal: " + ", ".join(LOG_UNITS))
-    p.add_argument("part", nargs="?", default="engine", choices=tuple(LOG_UNITS), help="which unit (default engine)")
+    p.add_argument("part", nargs="?", default="engine", type=part_name,
+                   help=f"which unit: {', '.join(LOG_UNITS)} or engine@I (default engine: every replica)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     p.add_argument("-n", "--lines", type=int, metavar="N", help="show the last N lines")
     p.add_argument("--since", metavar="WHEN", help='only lines since WHEN (journalctl: "1 hour ago", "today", "2026-08-04 10:00")')
@@ -82,5 +104,5 @@ def add_parser(subparsers: Any) -> None:
 
     for verb, what in (("start", "start"), ("stop", "stop"), ("restart", "restart (resetting its start limit)")):
         p = subparsers.add_parser(verb, help=f"{what} the engine or the proxy")
-        p.add_argument("part", help="engine or proxy")
+        p.add_argument("part", help="engine (every replica), engine@I (replica I) or proxy")
         p.set_defaults(func=run_control, verb=verb)

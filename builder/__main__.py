@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("render", help="print one generated file (a template in units/)")
-    p.add_argument("template", help="e.g. appliance-engine.container.j2")
+    p.add_argument("template", help="e.g. appliance-engine@.container.j2")
     p.set_defaults(func=cmd_render)
 
     p = sub.add_parser("build", help="build the image into out/PROFILE/")

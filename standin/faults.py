@@ -2,6 +2,8 @@
 
 The file's keys are the variable names lower-cased without STANDIN_; it is read once at start and wins
 over the environment, so a test can inject a fault into an engine whose unit sets the variables.
+With several replicas sharing one file, its optional key "replica" names the one it is for (the
+replica number in APPLIANCE_REPLICA, 0 when unset); the others ignore the file.
 """
 
 from __future__ import annotations
@@ -66,10 +68,11 @@ def load(environ: Mapping[str, str] | None = None) -> Faults:
             raise FaultsError(f"{path}: cannot read faults file: {e}") from None
         if not isinstance(data, dict):
             raise FaultsError(f"{path}: the faults file must hold a JSON object")
-        unknown = sorted(set(data) - set(names))
+        unknown = sorted(set(data) - set(names) - {"replica"})
         if unknown:
-            raise FaultsError(f"{path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(names)}")
-        raw.update({k: v for k, v in data.items() if v is not None})
+            raise FaultsError(f"{path}: unknown key(s) {', '.join(unknown)}; known: replica, {', '.join(names)}")
+        if str(data.get("replica", 0)) == (env.get("APPLIANCE_REPLICA") or "0"):
+            raw.update({k: v for k, v in data.items() if v is not None and k != "replica"})
     kwargs: dict[str, Any] = {}
     for name in names:
         if name not in raw:

@@ -11,15 +11,17 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from appliance import efivars
+from appliance import efivars, paths
 from appliance.atomic import write_json_atomic
 from appliance.host_settings import load_device
 from applianctl import __version__
@@ -65,17 +67,19 @@ ENGINE_REQUIREMENTS = ("appliance-verify.service", "appliance-preflight.service"
 
 
 def wait_for_engine(deadline_s: float) -> bool:
-    """Until the engine unit is active (podman's health check passed, Notify=healthy), a unit it
-    requires failed, or the deadline."""
+    """Until every replica's unit is active (podman's health check passed, Notify=healthy), a unit
+    they require failed, a replica used up its restarts, or the deadline."""
+    replicas = paths.engine_units(load_device().replicas)
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        state = _run(["systemctl", "is-active", "appliance-engine.service"]).strip()
-        if state == "active":
+        states = _run(["systemctl", "is-active", *replicas]).split()
+        if states == ["active"] * len(replicas):
             return True
         if _run(["systemctl", "is-failed", *ENGINE_REQUIREMENTS]).split().count("failed"):
             return False
-        if state == "failed" and _run(["systemctl", "show", "-P", "NRestarts", "appliance-engine.service"]).strip() == "5":
-            return False
+        for unit, state in zip(replicas, states, strict=False):
+            if state == "failed" and _run(["systemctl", "show", "-P", "NRestarts", unit]).strip() == "5":
+                return False
         time.sleep(3)
     return False
 
@@ -119,11 +123,11 @@ def _ppid(pid: str) -> str | None:
 def engine_environment() -> dict[str, Any]:
     """The engine process's environment from /proc/PID/environ (the exact bytes it got), and the
     image's own variables for comparison. With RunInit the engine is the container init's child."""
-    inspected = _json(["podman", "inspect", "appliance-engine"]) or [{}]
+    inspected = _json(["podman", "inspect", paths.engine_container(0)]) or [{}]
     container = inspected[0] if isinstance(inspected, list) and inspected else {}
     pid = str(container.get("State", {}).get("Pid") or "")
     if not pid or pid == "0":
-        return {"error": f"no running appliance-engine container: {str(container)[:300]}"}
+        return {"error": f"no running {paths.engine_container(0)} container: {str(container)[:300]}"}
     children = sorted((p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p.name) == pid), key=int)
     engine_pid = children[0] if children else pid
     try:
@@ -190,7 +194,7 @@ def collect() -> dict[str, Any]:
         "journal": {
             unit: _tail(_run(["journalctl", "-o", "cat", "-u", unit, "-n", "30", "--no-pager"]), 3000)
             for unit in dict.fromkeys(
-                (*ENGINE_REQUIREMENTS, ENGINE, "appliance-proxy.service", "appliance-tls.service",
+                (*ENGINE_REQUIREMENTS, *paths.engine_units(config.replicas), "appliance-proxy.service", "appliance-tls.service",
                  *(str(u.get("unit")) for u in units if isinstance(u, dict)))
             )
         },
@@ -207,11 +211,19 @@ def collect() -> dict[str, Any]:
 # systemd and the /dev/shm cleaner did about each fault.
 
 FAULTS_FILE = Path("/run/appliance/standin/faults.json")
-ENGINE = "appliance-engine.service"
+# The scenarios' replica (the faults file names it); any other replica must not notice them.
+ENGINE = paths.engine_unit(0)
 
 
-def _engine_prop(name: str) -> str:
-    return _run(["systemctl", "show", "-P", name, ENGINE]).strip()
+def _engine_prop(name: str, unit: str = ENGINE) -> str:
+    return _run(["systemctl", "show", "-P", name, unit]).strip()
+
+
+def _others() -> dict[str, dict[str, str]]:
+    """Every other replica's unit: its main PID and restarts (unchanged: it was not restarted)."""
+    return {unit: {"pid": _engine_prop("MainPID", unit), "restarts": _engine_prop("NRestarts", unit),
+                   "active": _engine_prop("ActiveState", unit)}
+            for unit in paths.engine_units(load_device().replicas)[1:]}
 
 
 def _offload_files() -> list[str]:
@@ -228,16 +240,16 @@ def _wait(predicate: Any, timeout: float) -> bool:
 
 
 def _restart_with(faults: dict[str, Any]) -> float:
-    FAULTS_FILE.write_text(json.dumps(faults))
+    FAULTS_FILE.write_text(json.dumps({"replica": 0, **faults}))
     start = time.monotonic()
-    # The operator's restart (it resets the start limit, which the scenarios together would use
-    # up); returns once healthy (Notify=healthy) or failed.
-    _run(["/usr/bin/applianctl", "restart", "engine"], timeout=900)
+    # The operator's restart of replica 0 alone (it resets the start limit, which the scenarios
+    # together would use up); returns once healthy (Notify=healthy) or failed.
+    _run(["/usr/bin/applianctl", "restart", "engine@0"], timeout=900)
     return time.monotonic() - start
 
 
 def run_fault_scenarios() -> dict[str, Any]:
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"others_before": _others()}
     # A slow start inside the start period is not killed: active, and no automatic restart.
     restarts = int(_engine_prop("NRestarts") or 0)
     took = _restart_with({"load_seconds": 60})
@@ -246,16 +258,27 @@ def run_fault_scenarios() -> dict[str, Any]:
         "automatic_restarts": int(_engine_prop("NRestarts") or 0) - restarts,
         "seconds_to_healthy": round(took, 1),
     }
-    # A crash that leaves its offload file behind: restarted, the stale file removed first.
-    took = _restart_with({"crash_after_s": 45, "crash_leave_mmap": True})
-    before, restarts = _offload_files(), int(_engine_prop("NRestarts") or 0)
+    # Replica 0's engine killed (SIGKILL: its offload file left behind) while clients stream
+    # requests through the proxy: only those in flight on it may fail; it restarts alone, the
+    # stale file removed first, and replica 1 serves meanwhile.
     FAULTS_FILE.unlink()  # the restarted engine runs clean
+    before, restarts = _offload_owners(), int(_engine_prop("NRestarts") or 0)
+    stream = ProxyStream(load_device())
+    stream.start()
+    time.sleep(10)
+    killed = _kill_engine(0)
     restarted = _wait(lambda: int(_engine_prop("NRestarts") or 0) > restarts and _engine_prop("ActiveState") == "active", 600)
-    after = _offload_files()
+    time.sleep(10)  # and traffic once it is back
+    after = _offload_owners()
     results["crash"] = {
         "restarted": restarted,
-        "offload_files_before": before,
-        "offload_files_after": after,
+        "killed": killed,
+        "stream": stream.stop(killed.get("at", 0.0)),
+        "offload_files_before": sorted(f for f, r in before.items() if r == "0"),
+        "offload_files_after": sorted(f for f, r in after.items() if r in ("0", "")),
+        # the other replicas' live files, which the cleaner that ran before replica 0's restart kept
+        "other_files_before": sorted(f for f, r in before.items() if r not in ("0", "")),
+        "other_files_after": sorted(f for f, r in after.items() if r not in ("0", "")),
         "cleaner_log": _tail(_run(["journalctl", "-o", "cat", "-u", "appliance-shm-clean.service", "--no-pager"]), 4000),
     }
     # A hang (health checks failing) is detected and the engine restarted.
@@ -265,7 +288,90 @@ def run_fault_scenarios() -> dict[str, Any]:
     restarted = _wait(lambda: int(_engine_prop("NRestarts") or 0) > restarts and _engine_prop("ActiveState") == "active", 300)
     log = _run(["journalctl", "-o", "cat", "-u", ENGINE, "-n", "40", "--no-pager"])
     results["hang"] = {"restarted": restarted, "engine_log": _tail(log, 4000)}
+    results["others_after"] = _others()
     return results
+
+
+def _kill_engine(replica: int) -> dict[str, Any]:
+    """SIGKILL replica REPLICA's engine process (the container init's child), as a crash would end it."""
+    inspected = _json(["podman", "inspect", paths.engine_container(replica)]) or [{}]
+    init = str((inspected[0] if isinstance(inspected, list) and inspected else {}).get("State", {}).get("Pid") or "")
+    children = sorted((p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p.name) == init), key=int)
+    if not init or init == "0" or not children:
+        return {"error": f"no engine process in {paths.engine_container(replica)} (init {init!r})"}
+    at = time.monotonic()
+    os.kill(int(children[0]), signal.SIGKILL)
+    return {"pid": int(children[0]), "at": at}
+
+
+class ProxyStream:
+    """CLIENTS threads each sending the smoke completion through the proxy (https, the appliance CA)
+    one after another, each request's send time and outcome recorded."""
+
+    def __init__(self, config: Any, clients: int = 4) -> None:
+        from applianctl.engine import smoke
+
+        self.url = f"https://127.0.0.1:{config.proxy.https_port}"
+        self.sessions = [smoke.session_for(self.url, config.proxy.hostname, str(paths.TLS_DIR / "ca.crt"))
+                         for _ in range(clients)]
+        self.body = {"model": config.served_model, "prompt": SMOKE_PROMPT, "temperature": 0, "max_tokens": 32}
+        self.done = threading.Event()
+        self.records: list[tuple[float, float, str]] = []  # (sent, answered, "ok" or what failed)
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._client, args=(s,), daemon=True) for s in self.sessions]
+
+    def _client(self, session: Any) -> None:
+        while not self.done.is_set():
+            sent = time.monotonic()
+            try:
+                r = session.post(f"{self.url}/v1/completions", json=self.body, timeout=60)
+                outcome = "ok" if r.status_code == 200 and "391" in r.json()["choices"][0]["text"] else f"HTTP {r.status_code}"
+            except Exception as e:  # every failure is counted, none ends the stream
+                outcome = type(e).__name__
+            with self.lock:
+                self.records.append((sent, time.monotonic(), outcome))
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def stop(self, killed_at: float) -> dict[str, Any]:
+        self.done.set()
+        for t in self.threads:
+            t.join(70)
+        with self.lock:
+            records = list(self.records)
+        sent_after = [r for r in records if r[0] >= killed_at]
+        return {
+            "clients": len(self.threads),
+            "sent": len(records),
+            "sent_after_kill": len(sent_after),
+            "ok_after_kill": sum(r[2] == "ok" for r in sent_after),
+            # failed requests sent before the kill (in flight on the killed replica) and after it
+            "failed_before_kill": [r[2] for r in records if r[0] < killed_at and r[2] != "ok"],
+            "failed_after_kill": [(round(r[0] - killed_at, 2), r[2]) for r in sent_after if r[2] != "ok"],
+        }
+
+
+def _offload_owners() -> dict[str, str]:
+    """Each offload file in /dev/shm and the replica whose engine holds it (APPLIANCE_REPLICA in the
+    holder's environment; "" when no process holds it: a dead engine's)."""
+    from applianctl.engine.shm import scan_holders
+
+    holders = scan_holders()
+    owners = {}
+    for path in _offload_files():
+        replica = ""
+        try:
+            for pid in sorted(holders.pids(path, os.stat(path))):
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                replica = next((v[len(b"APPLIANCE_REPLICA="):].decode() for v in environ if v.startswith(b"APPLIANCE_REPLICA=")), "")
+                if replica:
+                    break
+        except OSError:
+            pass
+        owners[path] = replica
+    return owners
 
 
 # ------------------------------------------------------------------------- the plan
@@ -308,7 +414,7 @@ def run_fault_scenarios() -> dict[str, Any]:
 MARKER_DIR = Path("/var/lib/appliance/bootcheck")
 STEPS = ("faults", "refusals", "update", "netprobe", "download-only", "apply", "rollback", "etc-dropin", "rollout-hold", "scrape")
 # not from the signed image: `applianctl verify` must name it, the next boot must not run with it
-ETC_DROPIN = Path("/etc/systemd/system/appliance-engine.service.d/50-not-signed.conf")
+ETC_DROPIN = Path("/etc/systemd/system/appliance-engine@.service.d/50-not-signed.conf")  # every replica
 UPDATES = ("update", "apply", "rollback")  # each run after the report, then a reboot
 TRIAL_STEPS = ("update-on-trial",)
 ASK = "APPLIANCE-ASK"
@@ -445,7 +551,7 @@ def run_netprobe(wait_s: float = 120) -> dict[str, Any]:
     (bounded) for the host's last request, to NETPROBE_DONE, in the proxy's log, and checks the
     engine's health itself before and after, so a refusal does not mean the engine was down."""
     config = load_device()
-    inspected = _json(["podman", "inspect", "appliance-engine"]) or [{}]
+    inspected = _json(["podman", "inspect", paths.engine_container(0)]) or [{}]
     networks = (inspected[0] if isinstance(inspected, list) and inspected else {}).get("NetworkSettings", {}).get("Networks") or {}
     bridge = next((n.get("IPAddress") for n in networks.values() if n.get("IPAddress")), "")
     port = config.engine.port

@@ -29,7 +29,14 @@ class MockSystemd:
 
     def add(self, name: str, active: str = "active", sub: str = "running", **service: Any) -> None:
         """Add NAME to the mock with the given states and Service properties."""
-        self.main.AddMockUnit(name, dbus_interface=dbusmock.MOCK_IFACE)
+        if "@" in name:
+            # the template escapes only "." and "-": an instance's "@" would make an invalid path
+            path = f"/org/freedesktop/systemd1/unit/{bus_escape(name)}"
+            self.main.AddObject(path, UNIT_IFACE, {"Id": name, "Names": [name], "LoadState": "loaded",
+                                                   "ActiveState": "inactive"}, [], dbus_interface=dbusmock.MOCK_IFACE)
+            self.main.RegisterUnitPath(name, path, dbus_interface=dbusmock.MOCK_IFACE)
+        else:
+            self.main.AddMockUnit(name, dbus_interface=dbusmock.MOCK_IFACE)
         path = self.main.GetUnit(name, dbus_interface=systemd.BUS_NAME + ".Manager")
         obj = dbusmock.DBusTestCase.get_dbus(system_bus=True).get_object(systemd.BUS_NAME, path)
         enter = T0 if active not in ("inactive",) or service.pop("ran", False) else 0
@@ -62,7 +69,14 @@ def start_mock_systemd() -> tuple[subprocess.Popen[bytes], MockSystemd]:
     dbusmock.DBusTestCase.start_system_bus()
     address = os.environ["DBUS_SYSTEM_BUS_ADDRESS"]
     proc, main = dbusmock.DBusTestCase.spawn_server_template("systemd", {}, stdout=subprocess.DEVNULL)
+    main.AddMethod(dbusmock.MOCK_IFACE, "RegisterUnitPath", "so", "", "self.units[args[0]] = args[1]",
+                   dbus_interface=dbusmock.MOCK_IFACE)
     return proc, MockSystemd(address, main)
+
+
+def bus_escape(name: str) -> str:
+    """A unit name as systemd puts it in an object path: every byte but [A-Za-z0-9] as _XX."""
+    return "".join(c if c.isascii() and c.isalnum() else f"_{ord(c):02x}" for c in name)
 
 
 def stop_mock_systemd(proc: subprocess.Popen[bytes]) -> None:

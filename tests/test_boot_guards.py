@@ -98,7 +98,7 @@ def test_the_engine_requires_the_weights_verified(profile: str) -> None:
     runs on unverified weights while the check is still reading them."""
     c = config.load(ROOT / "appliance.toml", profile)
     store = engine_store.EngineStore(Path("/x"), Path("/y"), "ab" * 32, engine_store.label_for(c.engine.digest))
-    text = render.render_template("appliance-engine.container.j2", c, store)
+    text = render.render_template("appliance-engine@.container.j2", c, store)
     unit = text.split("\n[Container]")[0]
     required = [w for line in unit.split("\n") if line.startswith("Requires=") for w in line.partition("=")[2].split()]
     after = [w for line in unit.split("\n") if line.startswith("After=") for w in line.partition("=")[2].split()]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import applianctl
+from appliance.errors import UserError
 from applianctl import __main__ as applianctl_main
 from applianctl import units
 from builder import __main__ as builder_main
@@ -160,7 +161,12 @@ def test_builder_version_with_a_missing_configuration(tmp_path: Path, capsys: py
 def test_start_stop_restart(verb: str) -> None:
     args = applianctl_main.build_parser().parse_args([verb, "proxy"])
     assert (args.func, args.verb) == (units.run_control, verb)
-    assert units.control_argv(verb, "engine") == ["systemctl", verb, "appliance-engine.service"]
+    # every replica, or one alone
+    assert units.control_argv(verb, "engine") == ["systemctl", verb, "appliance-engine@*.service"]
+    assert units.control_argv(verb, "engine@1") == ["systemctl", verb, "appliance-engine@1.service"]
+    for hostile in ("engine@01", "engine@1x", "engine@-1", "engine@*", "engine@1 proxy"):
+        with pytest.raises(UserError):
+            units.control_argv(verb, hostile)
 
 
 def test_logs_since() -> None:

@@ -262,7 +262,7 @@ def test_any_number_either_renders_or_is_refused() -> None:
         except ConfigError:
             return
         store = engine_store.EngineStore(Path("x"), Path("y"), "0" * 64, engine_store.label_for(c.engine.digest))
-        for name in ("appliance-engine.container.j2", "appliance-shm-clean.service.j2"):
+        for name in ("appliance-engine@.container.j2", "appliance-shm-clean.service.j2"):
             render.render_template(name, c, store)
 
     check()

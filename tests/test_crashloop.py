@@ -106,7 +106,8 @@ def test_the_units_count_before_the_engine_and_mark_clean_on_stop() -> None:
     unit = (root / "appliance-crashloop.service").read_text().splitlines()
     assert "ExecStart=/usr/bin/applianctl crashloop begin" in unit and "ExecStop=/usr/bin/applianctl crashloop end" in unit
     assert "RemainAfterExit=yes" in unit  # else the stop (the clean mark) would run right after the start
-    assert any(line.startswith("Before=") and "appliance-engine.service" in line for line in unit)
+    engine = (root / "appliance-engine@.container.j2").read_text().splitlines()  # every replica after it
+    assert any(line.startswith("After=") and "appliance-crashloop.service" in line.split("=")[1].split() for line in engine)
     timer = (root / "appliance-crashloop-stable.timer").read_text()
     assert f"OnBootSec={crashloop.STABLE_AFTER_S // 60}min" in timer
     preset = (root / "appliance.preset.j2").read_text().splitlines()

@@ -24,7 +24,7 @@ CMD = re.compile(r"(?:python3 -m builder|applianctl)(?: [^`\n;()]*)?")
 MAKE = re.compile(r"^make ([a-z][a-z0-9-]*)$")  # a quoted `make TARGET` in the documents
 RUN_HERE = {"validate", "render"}  # need neither an image nor a VM nor root
 # Words in a command line that stand for something the reader fills in.
-PLACEHOLDERS = {"{config.profile}": "demo", "{verb}": "restart", "{part}": "engine"}
+PLACEHOLDERS = {"{config.profile}": "demo", "{verb}": "restart", "{part}": "engine", "--replica I": "--replica 1", "engine@I": "engine@1"}
 
 
 def _documents() -> list[tuple[str, str]]:

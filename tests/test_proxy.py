@@ -156,7 +156,10 @@ def test_rendered_text(profile: str, mode: str, http: str, metrics: tuple[str, .
     assert "tls internal" not in text
     assert "admin unix//run/appliance-proxy/admin.sock" in text
     assert re.search(r"log \{\s*output stdout\s*format json\s*\}", text)
-    assert "reverse_proxy 127.0.0.1:8000 {" in text and "flush_interval -1" in text and "health_uri /health" in text
+    # every replica (the demo runs two): production's one engine, the demo's 8000 and 8002
+    upstreams = " ".join(f"127.0.0.1:{config.replica_port(i)}" for i in range(config.replicas))
+    assert f"reverse_proxy {upstreams} {{" in text and "flush_interval -1" in text and "health_uri /health" in text
+    assert ("lb_policy least_conn" in text) == (config.replicas > 1)
     assert f"remote_ip {' '.join(config.proxy.allowed_cidrs)} 127.0.0.1/32 ::1/128\n" in text
     assert f"path {' '.join(config.proxy.allowed_paths)}\n" in text
     if mode == "acme":

@@ -75,9 +75,14 @@ def parse_unit(text: str) -> dict[str, list[str]]:
     return keys
 
 
+def replica_unit(c: config.Config, i: int = 0) -> str:
+    """Replica I's quadlet as quadlet reads it: the template, then the replica's drop-in."""
+    return render.render_template("appliance-engine@.container.j2", c, _store(c)) + render.replica_dropin(c, i)
+
+
 @pytest.fixture(scope="module")
 def quadlet(production: config.Config) -> dict[str, list[str]]:
-    return parse_unit(render.render_template("appliance-engine.container.j2", production, _store(production)))
+    return parse_unit(replica_unit(production))
 
 
 def environment(quadlet: dict[str, list[str]]) -> dict[str, str]:
@@ -170,11 +175,13 @@ def _with_engine(c: config.Config, **changes: object) -> config.Config:
 def test_environment_values_with_percent_and_spaces_round_trip(production: config.Config, tmp_path: Path) -> None:
     env = {"HSA_COREDUMP_PATTERN": "/var/crash/vllm/gpucore.%p", "SPACED": "b  c", "PCT": "100%", "EMPTY": "", "LEAD": " x"}
     c = _with_engine(production, env=env, args=(*production.engine.args, "--note", "a b %h"))
-    text = render.render_template("appliance-engine.container.j2", c, _store(c))
+    text = render.render_template("appliance-engine@.container.j2", c, _store(c))
     unit = parse_unit(text)
     # the engine always runs offline on the verified snapshot (issue 14), whatever engine.env says
     # and every engine with PYTHONHASHSEED=0 (issue 23)
-    assert environment(unit) == {**env, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # APPLIANCE_REPLICA=%i: the specifier reaches systemd as one, not escaped as the configured "%" are
+    assert environment(unit) == {**env, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                                 "APPLIANCE_REPLICA": "<%i>"}
     assert systemd_words(unit["Exec"][0])[-2:] == ["--note", "a b %h"]
     # systemd itself accepts every line as written (quadlet parses these settings by its rules)
     if shutil.which("systemd-analyze"):
@@ -199,7 +206,7 @@ def test_any_accepted_environment_value_renders_exactly(production: config.Confi
             c = config.from_json(trial, Path("appliance.json"))
         except ConfigError:
             return  # refused in one line: fine
-        unit = parse_unit(render.render_template("appliance-engine.container.j2", c, _store(c)))
+        unit = parse_unit(render.render_template("appliance-engine@.container.j2", c, _store(c)))
         assert environment(unit)["X"] == value
 
     check()
@@ -219,7 +226,7 @@ def test_any_accepted_engine_argument_renders_as_one_exact_word(production: conf
             c = config.from_json(trial, Path("appliance.json"))
         except ConfigError:
             return
-        unit = parse_unit(render.render_template("appliance-engine.container.j2", c, _store(c)))
+        unit = parse_unit(render.render_template("appliance-engine@.container.j2", c, _store(c)))
         assert systemd_words(unit["Exec"][0])[-2:] == ["--note", value]
 
     check()

@@ -567,14 +567,33 @@ def test_at_boot_a_failed_gpu_the_engines_use_keeps_them_stopped_and_status_name
     assert json.loads(paths.GPU_SELFTEST.read_text())["used_gpus"] == [0, 1]
     baseline = paths.gpu_selftest_baseline_path().read_text()
     capsys.readouterr()
-    # GPU 1's correctable ECC errors rose since the last passing run: it is used, the engine stays stopped
-    assert _boot(monkeypatch, edited("metric", lambda doc: doc[1]["ecc"].update(total_correctable_count=3))) == 1
-    assert "no engine starts" in capsys.readouterr().err
+    # GPU 1's correctable ECC errors rose since the last passing run: it is used by replica 1, which
+    # stays stopped (its unit's gate fails); replica 0 on GPU 0 still starts, so the unit passes
+    assert _boot(monkeypatch, edited("metric", lambda doc: doc[1]["ecc"].update(total_correctable_count=3))) == 0
+    assert "GPU(s) 1 failed: replica(s) 1 stay stopped" in capsys.readouterr().err
+    assert applianctl_main.main(["selftest", "--replica", "1"]) == 1
+    assert "replica 1 runs on GPU(s) 1, which failed" in capsys.readouterr().err
+    assert applianctl_main.main(["selftest", "--replica", "0"]) == 0
     assert paths.gpu_selftest_baseline_path().read_text() == baseline  # a rise stays a rise until someone looks
     report = json.loads(paths.GPU_SELFTEST.read_text())
     assert report["failed_used_gpus"] == [1]
     part = _gpu_part()
     assert part.state == "down" and "GPU 1 failed its self-test: GPU 1: correctable ECC errors rose from 0 to 3" in part.reason, part
+
+
+def test_at_boot_failed_gpus_under_every_replica_keep_the_unit_failed(device: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from appliance import paths
+
+    assert _boot(monkeypatch, edited("metric", lambda doc: [doc[g]["ecc"].update(total_uncorrectable_count=1) for g in (0, 1)])) == 1
+    assert "replica(s) 0, 1 stay stopped" in capsys.readouterr().err
+    assert [applianctl_main.main(["selftest", "--replica", str(i)]) for i in (0, 1)] == [1, 1]
+    # a damaged report keeps the replica out; no report (no self-test this boot) is no verdict
+    paths.GPU_SELFTEST.write_text("{not json")
+    assert applianctl_main.main(["selftest", "--replica", "0"]) == 1
+    paths.GPU_SELFTEST.unlink()
+    assert applianctl_main.main(["selftest", "--replica", "0"]) == 0
+    assert applianctl_main.main(["selftest", "--replica", "2"]) == 2  # the topology has two
 
 
 def test_at_boot_a_failed_gpu_no_engine_uses_is_reported_not_fatal(device: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,8 +59,10 @@ def holder() -> Iterator[Callable[[Path, str], subprocess.Popen[str]]]:
 
 
 def _cfg(offload_gib: float, margin_gib: float = 8) -> Config:
-    """The demo configuration with this KV offload (--kv-offloading-size) and /dev/shm margin."""
+    """The demo configuration, one engine (the demo runs two replicas), with this KV offload
+    (--kv-offloading-size) and /dev/shm margin."""
     base = load(ROOT / "appliance.toml", "demo")
+    base = dataclasses.replace(base, topology=dataclasses.replace(base.topology, gpus=1, layout="1x1"))
     args = list(base.engine.args)
     args[args.index("--kv-offloading-size") + 1] = str(offload_gib)
     engine = dataclasses.replace(base.engine, args=tuple(args), shm=dataclasses.replace(base.engine.shm, margin_gib=float(margin_gib)))
@@ -101,14 +103,14 @@ def test_lease_protects_a_holder_that_proc_does_not_show(shm_dir: Path, tmp_path
     free = _leak(shm_dir, "free")
     holder(held, "map")
     (tmp_path / "proc").mkdir()
-    removed, _ = shm.clean(shm_dir, proc=tmp_path / "proc")
+    removed, *_ = shm.clean(shm_dir, proc=tmp_path / "proc")
     assert held.exists() and not free.exists()
     assert [r["path"] for r in removed] == [str(free)]
 
 
 def test_dry_run_removes_nothing(shm_dir: Path) -> None:
     leaked = _leak(shm_dir, "1")
-    removed, _ = shm.clean(shm_dir, dry_run=True)
+    removed, *_ = shm.clean(shm_dir, dry_run=True)
     assert leaked.exists() and removed[0]["path"] == str(leaked)
 
 
@@ -200,7 +202,7 @@ def test_odd_entries_are_reported_and_kept_and_the_rest_still_cleaned(
     fifo = shm_dir / "vllm_offload_fifo.mmap"
     os.mkfifo(fifo)
     leaked = _leak(shm_dir, "z")
-    removed, _ = shm.clean(shm_dir)
+    removed, *_ = shm.clean(shm_dir)
     assert [r["path"] for r in removed] == [str(leaked)] and not leaked.exists()
     assert link.is_symlink() and victim.read_text() == "must survive"
     assert (directory / "inside").exists() and fifo.exists()
@@ -219,7 +221,7 @@ def test_names_are_escaped_in_the_log(shm_dir: Path, capsys: pytest.CaptureFixtu
     path = shm_dir / name
     path.write_bytes(b"x")
     fresh = _leak(shm_dir, "plain")
-    removed, _ = shm.clean(shm_dir)
+    removed, *_ = shm.clean(shm_dir)
     assert not path.exists() and not fresh.exists() and len(removed) == 2
     out = capsys.readouterr().out
     lines = out.splitlines()
@@ -263,7 +265,7 @@ def test_an_entry_swapped_between_scan_and_unlink_is_kept_and_the_rest_cleaned(
     later = _leak(shm_dir, "b_later")
     swap = _swap(stage, how, shm_dir, tmp_path)
     monkeypatch.setattr(shm, "_race_point", lambda at, name: swap(at, name) if name == racy.name else None)
-    removed, _ = shm.clean(shm_dir)  # never raises
+    removed, *_ = shm.clean(shm_dir)  # never raises
     assert [r["path"] for r in removed] == [str(later)] and not later.exists()
     assert victim.read_text() == "must survive"
     out = capsys.readouterr().out
@@ -295,3 +297,22 @@ def test_holders_are_found_by_inode_and_path(shm_dir: Path, holder: Callable[...
 )
 def test_shown(name: str, expected: str) -> None:
     assert shm.shown(name) == expected
+
+
+def test_a_replica_restarting_alone_needs_room_only_for_its_own_file(shm_dir: Path, tmp_path: Path,
+                                                                     holder: Callable[..., object]) -> None:
+    """Two replicas of 64 MiB each and a 64 MiB margin need 192 MiB; while replica 0 lives, its file
+    (fully allocated) is counted as its share, so replica 1's restart needs the other 128 MiB."""
+    base = _cfg(1 / 16, 1 / 16)
+    two = dataclasses.replace(base, topology=dataclasses.replace(base.topology, gpus=2, layout="2x1"))
+    live = shm_dir / "vllm_offload_live_dp0.mmap"
+    live.write_bytes(b"x" * (64 << 20))
+    holder(live, "map")
+    free_gib = 150 / 1024  # MiB: more than 128, less than 192
+    result = shm.check(two, shm_dir, statvfs=_fs(free_gib), meminfo=_mem(free_gib))
+    assert result.ok, result.reason
+    assert live.exists() and result.required_bytes == 128 << 20
+    # and with nothing live, the whole 192 MiB
+    (empty := tmp_path / "empty").mkdir()
+    one_short = shm.check(two, empty, statvfs=_fs(free_gib), meminfo=_mem(free_gib))
+    assert not one_short.ok and one_short.required_bytes == 192 << 20

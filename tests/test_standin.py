@@ -393,3 +393,14 @@ def test_kept_alive_answers_do_not_wait_for_delayed_acks(engine: StandinProcess)
         for _ in range(20):
             assert session.get(engine.url + "/v1/models", timeout=5).status_code == 200
         assert time.monotonic() - started < 0.5
+
+
+def test_a_faults_file_for_one_replica_is_ignored_by_the_others(tmp_path: Path) -> None:
+    path = tmp_path / "faults.json"
+    path.write_text(json.dumps({"replica": 1, "never_ready": True}))
+    env = {"STANDIN_FAULTS_FILE": str(path)}
+    assert faults.load({**env, "APPLIANCE_REPLICA": "1"}).never_ready is True
+    assert faults.load({**env, "APPLIANCE_REPLICA": "0"}).never_ready is False
+    assert faults.load(env).never_ready is False  # no replica number: replica 0
+    path.write_text(json.dumps({"never_ready": True}))  # no "replica": replica 0's
+    assert faults.load(env).never_ready is True and faults.load({**env, "APPLIANCE_REPLICA": "1"}).never_ready is False

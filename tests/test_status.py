@@ -30,6 +30,7 @@ from appliance import config as builder_config
 from appliance import paths
 from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE, USR_TYPE, USR_VERITY_TYPE
 from appliance.config import Config
+from appliance.config.model import Topology
 from applianctl.slots.machine import EFI_LOADER_GUID, Host
 from applianctl.status import collect as status
 from applianctl.status import disk as probes_disk
@@ -86,7 +87,7 @@ def make_ca(path: Path, days: float) -> None:
 @pytest.fixture(scope="module")
 def systemd_mock() -> Iterator[MockSystemd]:
     proc, mock = start_mock_systemd()
-    for unit in paths.UNITS:
+    for unit in paths.units():
         mock.add(unit, restarts=0, result="success")
     try:
         yield mock
@@ -112,10 +113,15 @@ def hung_engine() -> Iterator[str]:
 
 @pytest.fixture
 def config(tmp_path: Path) -> Config:
-    """The demo profile's real configuration, with the model cache in the temporary tree."""
-    loaded = builder_config.load(ROOT / "appliance.toml", "demo")
+    """The demo profile's real configuration with one engine (the demo runs two replicas:
+    test_engine_replicas_*), and the model cache in the temporary tree."""
+    loaded = one_engine(builder_config.load(ROOT / "appliance.toml", "demo"))
     (tmp_path / "hf").mkdir()
     return dataclasses.replace(loaded, model=dataclasses.replace(loaded.model, cache_dir=str(tmp_path / "hf")))
+
+
+def one_engine(config: Config) -> Config:
+    return dataclasses.replace(config, topology=Topology())
 
 
 def with_offload(config: Config, gib: str) -> Config:
@@ -222,7 +228,7 @@ def running_caddy(base: Path, https_port: int, engine_port: int) -> Iterator[Liv
     if caddy is None:
         pytest.skip("needs Debian's caddy (apt install caddy)")
     live = LiveProxy(https_port, engine_port, base / "tls")
-    loaded = builder_config.load(ROOT / "appliance.toml", "demo")
+    loaded = one_engine(builder_config.load(ROOT / "appliance.toml", "demo"))
     config = dataclasses.replace(
         loaded,
         proxy=dataclasses.replace(loaded.proxy, https_port=https_port),
@@ -394,6 +400,30 @@ def test_engine_serving_another_model_is_degraded(tree: Path, config: Config) ->
     finally:
         stop(proc)
     assert (part.state, part.reason) == (probes.DEGRADED, f"/v1/models does not list {MODEL}")
+
+
+def test_engine_replicas_each_probed_one_down_is_degraded_all_down_is_down(tree: Path, config: Config, engine: str) -> None:
+    """The demo's two replicas: replica 0 serving (the module's stand-in), replica 1 on a port where
+    nothing listens. Each is named; the exposition has one series per replica and state."""
+    from applianctl.status import exposition
+
+    two = builder_config.load(ROOT / "appliance.toml", "demo")
+    dead = f"http://127.0.0.1:{free_port()}"
+    part = probes_engine.probe_engine(two, sources(tree, engine, replica_urls=(dead,)))
+    assert part.state == probes.DEGRADED, part
+    assert part.reason == f"1 of 2 replicas serve; replica 1: {dead}/health: connection refused"
+    assert [(r["replica"], r["url"], r["state"], r["gpus"]) for r in part.details["replicas"]] == [
+        (0, engine, probes.OK, [0]), (1, dead, probes.DOWN, [1])]
+    assert part.details["models"] == [MODEL]  # the first replica's details, as with one engine
+    text = exposition.render({"parts": {"engine": part.to_json()}})
+    assert 'appliance_replica_state{replica="1",gpus="1",state="down"} 1' in text.splitlines()
+    assert 'appliance_replica_state{replica="0",gpus="0",state="ok"} 1' in text.splitlines()
+    # both serving: ok; neither: down, the start-in-progress cross-check still possible (all refused)
+    assert probes_engine.probe_engine(two, sources(tree, engine, replica_urls=(engine,))).state == probes.OK
+    down = probes_engine.probe_engine(two, sources(tree, dead, replica_urls=(dead,)))
+    assert down.state == probes.DOWN and down.details["refused"] is True, down
+    assert down.reason == f"replica 0: {dead}/health: connection refused; replica 1: {dead}/health: connection refused"
+    assert status.summary("engine", part.to_json()).startswith("replicas 1/2 serving; models standin/tiny-demo;")
 
 
 # ----------------------------------------------------------------------------------- os

@@ -128,11 +128,14 @@ def test_logs_and_restart_command_lines() -> None:
         "-n",
         "50",
     ]
-    assert units.logs_argv(parser.parse_args(["logs"]))[3] == "appliance-engine.service"
+    assert units.logs_argv(parser.parse_args(["logs"]))[3] == "appliance-engine@*.service"  # every replica
+    assert units.logs_argv(parser.parse_args(["logs", "engine@2"]))[3] == "appliance-engine@2.service"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["logs", "engine@01"])
     assert units.restart_argv("proxy") == ["systemctl", "restart", "appliance-proxy.service"]
     with pytest.raises(UserError) as e:
         units.restart_argv("verify")
     assert e.value.exit_status == 2
-    assert e.value.message == "cannot restart 'verify': only engine or proxy"
+    assert e.value.message == "cannot restart 'verify': only engine or proxy (or one replica, engine@I)"
     with pytest.raises(SystemExit):
         parser.parse_args(["logs", "sshd"])

@@ -50,6 +50,11 @@ def production() -> config.Config:
 
 
 @pytest.fixture(scope="module")
+def demo() -> config.Config:
+    return config.load(APPLIANCE_TOML, "demo")
+
+
+@pytest.fixture(scope="module")
 def eight(tmp_path_factory: pytest.TempPathFactory) -> config.Config:
     return config.load(_toml(tmp_path_factory.mktemp("eight"), EIGHT_GPUS), "production")
 
@@ -57,15 +62,50 @@ def eight(tmp_path_factory: pytest.TempPathFactory) -> config.Config:
 # ------------------------------------------------------------------------------ the default
 
 
-@pytest.mark.parametrize("profile", ["production", "demo"])
-def test_default_is_one_engine_on_one_gpu(profile: str) -> None:
-    c = config.load(APPLIANCE_TOML, profile)
+def test_default_is_one_engine_on_one_gpu() -> None:
+    c = config.load(APPLIANCE_TOML, "production")
     assert (c.topology.gpus, c.topology.layout, c.replicas, c.topology.tensor_parallel) == (1, "1x1", 1, 1)
     assert c.topology.replica_gpus(0) == (0,) and c.replica_port(0) == c.engine.port == 8000
     # /dev/shm as before topology: one offload file plus the margin
     assert c.shm_required_bytes == int((c.engine.offload_gib + c.engine.shm.margin_gib) * GIB)
     assert c.shm_size_mib == -(-int((c.engine.offload_gib + c.engine.shm.margin_gib) * 1024 * 1024) // 1024) + 64
     assert c.topology == model.Topology()  # appliance.toml writes out exactly the defaults
+
+
+def test_the_demo_runs_two_replicas_each_its_own_instance_port_and_devices(demo: config.Config) -> None:
+    assert (demo.topology.layout, demo.replicas) == ("2x1", 2)
+    assert [demo.replica_port(i) for i in (0, 1)] == [8000, 8002]  # the later two-GPU stack's ports
+    assert demo.shm_required_bytes == int((2 * demo.engine.offload_gib + demo.engine.shm.margin_gib) * GIB)
+    dropins = [render.replica_dropin(demo, i) for i in (0, 1)]
+    assert "PublishPort=127.0.0.1:8000:8000" in dropins[0].splitlines() and "After=" not in dropins[0]
+    # replica 1 publishes its own port (the engine inside listens where replica 0's does) and starts
+    # only after replica 0 is healthy
+    assert "PublishPort=127.0.0.1:8002:8000" in dropins[1].splitlines()
+    assert "After=appliance-engine@0.service" in dropins[1].splitlines()
+
+
+def test_production_replicas_get_only_their_own_gpus_render_nodes(production: config.Config) -> None:
+    eight = dataclasses.replace(production, topology=dataclasses.replace(production.topology, gpus=8, layout="4x2"))
+    assert production.replica_devices(0) == ("/dev/kfd", "/dev/dri")  # one engine: every GPU, as the compose stack
+    assert [eight.replica_devices(i) for i in (0, 3)] == [("/dev/kfd", "/dev/dri/renderD128", "/dev/dri/renderD129"),
+                                                         ("/dev/kfd", "/dev/dri/renderD134", "/dev/dri/renderD135")]
+    lines = render.replica_dropin(eight, 3).splitlines()
+    assert [line for line in lines if line.startswith(("AddDevice=", "Environment=", "PublishPort=", "After="))] == [
+        "After=appliance-engine@2.service",
+        "PublishPort=127.0.0.1:8006:8000",
+        "AddDevice=/dev/kfd", "AddDevice=/dev/dri/renderD134", "AddDevice=/dev/dri/renderD135",
+        "Environment=ROCR_VISIBLE_DEVICES=0,1",
+    ]
+
+
+def test_the_image_tree_has_one_instance_link_and_drop_in_per_replica(demo: config.Config, tmp_path: Path) -> None:
+    written = render.render_replicas(demo, tmp_path)
+    quadlets = tmp_path / render.QUADLET_DIR
+    for i in (0, 1):
+        link = quadlets / f"appliance-engine@{i}.container"
+        assert link.is_symlink() and str(link.readlink()) == "appliance-engine@.container"
+        assert (quadlets / f"appliance-engine@{i}.container.d/10-replica.conf").read_text() == render.replica_dropin(demo, i)
+    assert len(written) == 4
 
 
 def test_production_shm_is_the_reference_stacks_offload_plus_margin(production: config.Config) -> None:
@@ -77,7 +117,7 @@ def test_production_shm_is_the_reference_stacks_offload_plus_margin(production: 
 def test_every_engine_runs_with_pythonhashseed_0(production: config.Config) -> None:
     assert "PYTHONHASHSEED" not in production.engine.env  # not set by hand in appliance.toml
     assert production.engine.environment == {**production.engine.env, "PYTHONHASHSEED": "0"}
-    unit = render.render_template("appliance-engine.container.j2", production, _store(production))
+    unit = render.render_template("appliance-engine@.container.j2", production, _store(production))
     assert "Environment=PYTHONHASHSEED=0" in unit.splitlines()
     # configured values come first, in their order, and unchanged
     lines = [line.removeprefix("Environment=") for line in unit.splitlines() if line.startswith("Environment=")]

@@ -22,6 +22,8 @@ from appliance.hashing import DIGEST, SHA256
 from appliance.patterns import MODEL_ID, REVISION, VERSION, VERSION_FORM
 
 PROFILES = ("production", "demo")
+# The first DRM render node's minor number (/dev/dri/renderD128).
+RENDER_MINOR_BASE = 128
 GIB = 1 << 30
 
 _check = schema.check
@@ -356,6 +358,17 @@ class Config:
         if not 0 <= i < self.replicas:
             raise IndexError(f"replica {i} of {self.replicas}")
         return self.engine.port + 2 * i
+
+    def replica_devices(self, i: int) -> tuple[str, ...]:
+        """The device nodes replica I's container gets: engine.devices, with /dev/dri narrowed to
+        its own GPUs' render nodes when the GPUs are shared out among replicas (ROCm's visibility
+        variables do not isolate a container; only the device nodes it is given do). GPU G is
+        /dev/dri/renderD(128 + G): amdgpu numbers render nodes in probe order, the order the KFD
+        and amd-smi number the GPUs in (a server's BMC display has no render node)."""
+        if self.replicas == 1:
+            return self.engine.devices
+        narrowed = tuple(f"/dev/dri/renderD{RENDER_MINOR_BASE + g}" for g in self.topology.replica_gpus(i))
+        return tuple(d for device in self.engine.devices for d in (narrowed if device == "/dev/dri" else (device,)))
 
     @property
     def offload_bytes_per_replica(self) -> int:

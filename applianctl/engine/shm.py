@@ -197,19 +197,20 @@ def _unlink_unless_open(dir_fd: int, name: str, seen: os.stat_result, trust_proc
         os.close(fd)
 
 
-def clean(shm_dir: Path, proc: Path = Path("/proc"), dry_run: bool = False) -> tuple[list[dict[str, Any]], int]:
-    """Remove unheld offload files in SHM_DIR; return [{path, bytes, allocated_bytes}] and the bytes
-    freed. An entry it cannot handle (symlink, FIFO, swapped, an error) is reported and kept; every
-    operation is relative to one descriptor of SHM_DIR and never follows a symlink."""
+def clean(shm_dir: Path, proc: Path = Path("/proc"), dry_run: bool = False) -> tuple[list[dict[str, Any]], int, int]:
+    """Remove unheld offload files in SHM_DIR; return [{path, bytes, allocated_bytes}], the bytes
+    freed and the bytes the held ones (live replicas') have allocated. An entry it cannot handle
+    (symlink, FIFO, swapped, an error) is reported and kept; every operation is relative to one
+    descriptor of SHM_DIR and never follows a symlink."""
     dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         # Listed before the scan: a file made later is never a candidate.
         names = sorted(n for n in os.listdir(dir_fd) if fnmatch.fnmatchcase(n, PATTERN))
         if not names:
-            return [], 0
+            return [], 0, 0
         holders = scan_holders(proc)
         removed: list[dict[str, Any]] = []
-        freed = 0
+        freed = held = 0
         for name in names:
             where = f"{shm_dir}/{shown(name)}"
             try:
@@ -225,6 +226,7 @@ def clean(shm_dir: Path, proc: Path = Path("/proc"), dry_run: bool = False) -> t
             size_gb = st.st_size / 1e9
             held_by = holders.pids(shm_dir / name, st)
             if held_by:
+                held += st.st_blocks * 512
                 print(f"kept {where} ({size_gb:.2f} GB): held open by pid {', '.join(map(str, sorted(held_by)))}")
                 continue
             allocated = st.st_blocks * 512
@@ -244,7 +246,7 @@ def clean(shm_dir: Path, proc: Path = Path("/proc"), dry_run: bool = False) -> t
             print(f"{verb} {where} ({size_gb:.2f} GB, {allocated / GIB:.2f} GiB in memory): no process holds it")
             removed.append({"path": str(shm_dir / name), "bytes": st.st_size, "allocated_bytes": allocated})
             freed += allocated
-        return removed, freed
+        return removed, freed, held
     finally:
         os.close(dir_fd)
 
@@ -258,10 +260,12 @@ def check(
     meminfo: Callable[[], str] = read_meminfo,
     dry_run: bool = False,
 ) -> ShmCheck:
-    """Clean SHM_DIR, then check its room and memory for the offload; the result as SHM_CHECK holds it."""
-    required = config.shm_required_bytes
+    """Clean SHM_DIR, then check its room and memory for the offload; the result as SHM_CHECK holds it.
+    What live replicas' files already hold counts as theirs: a replica restarting alone needs room
+    only for its own file and what the others' have yet to fill."""
     mem_before = mem_available_bytes(meminfo())  # read before removal: the freed files add to it
-    removed, freed = clean(shm_dir, proc, dry_run)
+    removed, freed, held = clean(shm_dir, proc, dry_run)
+    required = max(config.shm_required_bytes - held, int(config.engine.shm.margin_gib * GIB))
     usage = statvfs(shm_dir)
     memory = mem_before + freed
     need = f"{required / GIB:.2f} GiB ({config.shm_need})"

@@ -28,8 +28,10 @@ from appliance.host_settings import load_device
 from appliance.schema import dump_record
 from applianctl.records import StartupFigures, StartupReport
 
-JOURNAL_FOLLOW = ["journalctl", "-u", paths.ENGINE_UNIT, "-f", "-o", "cat", "--since", "now"]
-JOURNAL_BOOT = ["journalctl", "-u", paths.ENGINE_UNIT, "-o", "cat", "-b", "--no-pager"]
+# The first replica's start (every replica runs the same engine on the same weights; the others
+# start after it, appliance-engine@.container.j2).
+JOURNAL_FOLLOW = ["journalctl", "-u", paths.engine_unit(0), "-f", "-o", "cat", "--since", "now"]
+JOURNAL_BOOT = ["journalctl", "-u", paths.engine_unit(0), "-o", "cat", "-b", "--no-pager"]
 
 _NUM = r"(\d[\d,]*(?:\.\d+)?)"
 
@@ -235,7 +237,7 @@ def add_parser(subparsers: Any) -> None:
         help="turn the engine's startup lines into figures and compare them with expectations",
         description="Read vLLM's log lines and write the startup report "
         f"({paths.STARTUP_REPORT}): loading, ok, or degraded with a reason. Reads from the journal of "
-        f"{paths.ENGINE_UNIT} unless --from is given. Exit status 0 when the start is ok.",
+        f"{paths.engine_unit(0)} (the first replica) unless --from is given. Exit status 0 when the start is ok.",
     )
     parser.add_argument("--follow", action="store_true",
                         help="keep reading and rewrite the report after every startup line")

@@ -8,9 +8,11 @@ Exit 0 when every GPU passed, 1 when a GPU failed (the report says which and why
 counts of the last run in which they passed (paths.gpu_selftest_baseline_path(), kept on /var),
 writes this boot's report to paths.GPU_SELFTEST for status, and keeps the counts only when no GPU
 the engines use failed (so a rise stays a failure until someone looks). GPUs beyond the topology's
-are "not expected" in the report: idle, not fatal. Exit 1 when a GPU the engines use failed: the engine,
-which requires the unit, does not start; a failed GPU the topology does not use is reported, not
-fatal. Could not run: exit 3 when the profile requires a GPU, else 0.
+are "not expected" in the report: idle, not fatal. A failed GPU takes out only the replicas that run
+on it: each replica's unit runs `--replica I` before it starts, which fails when the boot's report
+names one of replica I's GPUs. Exit 1 when every replica has a failed GPU (no engine can start);
+a failed GPU the topology does not use is reported, not fatal. Could not run: exit 3 when the
+profile requires a GPU, else 0.
 """
 
 from __future__ import annotations
@@ -100,13 +102,52 @@ def at_boot(debug: bool = False) -> int:
     print(render(report) if report is not None else f"could not run: {failure}")
     if report is None or report.could_not_run:
         return EXIT_COULD_NOT_RUN if config.gpu.required else 0
-    if failed_used:
-        print(f"the engines use GPU(s) {', '.join(map(str, failed_used))}, which failed: no engine starts", file=sys.stderr)
+    out = replicas_out(config.topology, failed_used)
+    if out:
+        print(f"GPU(s) {', '.join(map(str, failed_used))} failed: replica(s) {', '.join(map(str, out))} stay stopped", file=sys.stderr)
+    return 1 if len(out) == config.topology.replicas else 0
+
+
+def replicas_out(topology: Any, failed_gpus: list[int]) -> list[int]:
+    """The replicas that run on a failed GPU."""
+    return [i for i in range(topology.replicas) if set(topology.replica_gpus(i)) & set(failed_gpus)]
+
+
+def replica_gate(replica: int, report_path: Path | None = None) -> int:
+    """Before replica REPLICA starts: exit 1 when this boot's self-test failed one of its GPUs. No
+    report is no verdict (the self-test is skipped without /dev/kfd, and a self-test that failed to
+    run already stops every engine through Requires=); a report that cannot be read fails closed."""
+    from appliance.host_settings import load_device
+
+    topology = load_device().topology
+    if not 0 <= replica < topology.replicas:
+        raise UserError(f"no replica {replica}: topology {topology.layout} has {topology.replicas}",
+                        hint=f"pass a replica from 0 to {topology.replicas - 1}")
+    path = report_path or paths.GPU_SELFTEST
+    try:
+        raw = read_capped(path, MAX_RECORD_BYTES, what="the self-test report")
+    except UserError as e:
+        print(f"{e.message}: replica {replica} stays stopped", file=sys.stderr)
+        return 1
+    if raw is None:
+        return 0
+    try:
+        doc = loads_bounded(raw)
+        failed = [int(g) for g in doc.get("failed_used_gpus") or []]
+    except (ValueError, TypeError, AttributeError) as e:
+        print(f"{path}: not a self-test report ({type(e).__name__}): replica {replica} stays stopped", file=sys.stderr)
+        return 1
+    if replica in replicas_out(topology, failed):
+        gpus = sorted(set(topology.replica_gpus(replica)) & set(failed))
+        print(f"replica {replica} runs on GPU(s) {', '.join(map(str, gpus))}, which failed this boot's self-test "
+              "(applianctl status shows why): it stays stopped", file=sys.stderr)
         return 1
     return 0
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.replica is not None:
+        return replica_gate(args.replica)
     if args.at_boot:
         return at_boot(getattr(args, "debug", False))
     previous = previous_counts(args.previous) if args.previous is not None else None
@@ -132,5 +173,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="an earlier --json report: correctable ECC errors must not have risen since")
     p.add_argument("--at-boot", action="store_true",
                    help="(appliance-gpu-selftest.service) the topology's GPUs against the last passing run; "
-                        "the report for status; exit 1 when a GPU the engines use failed")
+                        "the report for status; exit 1 when every replica has a failed GPU")
+    p.add_argument("--replica", type=int, metavar="I",
+                   help="(each engine replica's unit, before it starts) exit 1 when this boot's self-test failed a GPU of replica I")
     p.set_defaults(func=main)

@@ -40,7 +40,7 @@ def probe_table(config: Config, src: Sources) -> dict[str, Callable[[], Part]]:
         "os": lambda: os_slots.probe_os(config, src, read_slots),
         "slots": lambda: os_slots.probe_slots(config, read_slots),
         "sealed": lambda: sealed.probe_sealed(_efivars(src)),
-        "units": lambda: systemd.probe(paths.UNITS, src.bus),
+        "units": lambda: systemd.probe(paths.units(config.replicas), src.bus),
         "engine": lambda: engine.probe_engine(config, src),
         "proxy": lambda: proxy.probe_proxy(config, src),
         "startup": lambda: engine.probe_startup(config, paths.STARTUP_REPORT),
@@ -129,11 +129,13 @@ def summary(name: str, part: Mapping[str, Any]) -> str:
             f"{n.removeprefix('appliance-').removesuffix('.service')} {u['active_state']}" for n, u in units.items()
         )
     if name == "engine":
+        replicas = d.get("replicas") or []
+        serving = f"replicas {sum(r.get('state') == OK for r in replicas)}/{len(replicas)} serving; " if replicas else ""
         if d.get("models") is None and d.get("metrics") is None:
-            return ""
+            return serving.removesuffix("; ")
         m = d.get("metrics") or {}
         models = ", ".join(d.get("models") or []) or "-"
-        return (
+        return serving + (
             f"models {models}; running {_fmt(m.get('requests_running'))}, waiting {_fmt(m.get('requests_waiting'))}, "
             f"KV {_pct(m.get('kv_cache_usage'))}, prefix hits {_pct(m.get('prefix_cache_hit_rate'))}, "
             f"spec accept {_pct(m.get('spec_decode_acceptance_rate'))}, TTFT {_fmt(m.get('mean_ttft_s'), 3)} s"

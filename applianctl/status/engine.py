@@ -21,8 +21,12 @@ from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, S
 FIGURES = ("model_memory_gib", "draft_params", "kv_cache_tokens", "max_concurrency", "offload_mmap_gb")
 
 
-def engine_url(config: Config, src: Sources) -> str:
-    return src.engine_url or f"http://127.0.0.1:{config.engine.port}"
+def engine_url(config: Config, src: Sources, replica: int = 0) -> str:
+    if replica == 0 and src.engine_url:
+        return src.engine_url
+    if 0 < replica <= len(src.replica_urls):
+        return src.replica_urls[replica - 1]
+    return f"http://127.0.0.1:{config.replica_port(replica)}"
 
 
 MAX_BODY = 8 * 1024 * 1024  # /metrics of a large engine is a few hundred KiB
@@ -61,9 +65,40 @@ class _Engine:
 
 
 def probe_engine(config: Config, src: Sources) -> Part:
+    """Every replica, at once: the first one's details (health, models, metrics), and with several
+    replicas each one's state in `replicas`. Down when none serves, degraded while some do not."""
+    urls = [engine_url(config, src, i) for i in range(config.replicas)]
+    if config.replicas == 1:
+        replicas = [probe_replica(config, urls[0])]
+    else:
+        found = probes.run_probes(
+            {str(i): (lambda url=url: probe_replica(config, url)) for i, url in enumerate(urls)},  # type: ignore[misc]
+            probes.ENGINE_BUDGET_S + 0.2,
+        )
+        replicas = [found[str(i)] for i in range(config.replicas)]
+    first = replicas[0]
+    details = dict(first.details)
+    details["replicas"] = [
+        {"replica": i, "url": url, "state": part.state, "reason": part.reason, "gpus": list(config.topology.replica_gpus(i))}
+        for i, (url, part) in enumerate(zip(urls, replicas, strict=True))
+    ]
+    not_ok = [(i, part) for i, part in enumerate(replicas) if part.state != OK]
+    if len(replicas) == 1:
+        return Part(first.state, first.reason, details)
+    if not not_ok:
+        return Part(OK, "", details)
+    reason = "; ".join(f"replica {i}: {part.reason}" for i, part in not_ok)
+    if all(part.state == DOWN for part in replicas):
+        # refused on every port: a start in progress or a dead engine (collect's cross-check tells)
+        details["refused"] = all(part.details.get("refused") for part in replicas)
+        return Part(DOWN, reason, details)
+    return Part(DEGRADED, f"{len(replicas) - len(not_ok)} of {len(replicas)} replicas serve; {reason}", details)
+
+
+def probe_replica(config: Config, base: str) -> Part:
+    """One engine on BASE: /health, then /v1/models and /metrics within the engine budget."""
     from applianctl.status import metrics
 
-    base = engine_url(config, src)
     http_timeout = probes.HTTP_TIMEOUT_S
     engine = _Engine(base, http_timeout, probes.ENGINE_BUDGET_S)
     health_path = config.engine.health.path

@@ -23,6 +23,7 @@ HELP = {
     "appliance_state": "the overall state: 1 for the current one, 0 for the others",
     "appliance_status_seconds": "how long collecting the status took",
     "appliance_part_state": "each part's state: 1 for the current one, 0 for the others",
+    "appliance_replica_state": "each engine replica's state (label gpus: the GPUs it runs on): 1 for the current one, 0 for the others",
     "appliance_slot_info": "each /usr slot: its version, its state (good, on trial, bad, empty) and whether it is booted",
     "appliance_slot_tries_left": "boot tries left of the slot's version (absent when it is not counted)",
     "appliance_running_good": "1 when the running version is judged good",
@@ -66,6 +67,11 @@ def _samples(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, object], floa
     for name, part in parts.items():
         for state in PART_STATES:
             yield "appliance_part_state", {"part": name, "state": state}, int(part.get("state") == state)
+    for replica in (parts.get("engine") or {}).get("replicas") or []:
+        gpus = ",".join(str(g) for g in replica.get("gpus") or [])
+        for state in PART_STATES[:3]:
+            labels = {"replica": replica.get("replica"), "gpus": gpus, "state": state}
+            yield "appliance_replica_state", labels, int(replica.get("state") == state)
     slots = parts.get("slots") or {}
     for slot in slots.get("slots") or []:
         labels = {"slot": slot.get("slot"), "version": slot.get("version") or "", "state": slot.get("state") or "",

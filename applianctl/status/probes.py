@@ -93,7 +93,8 @@ def run_command(argv: Sequence[str], timeout: float) -> tuple[int, str]:
 class Sources:
     """Where the probes look; every field can be pointed elsewhere by tests."""
 
-    engine_url: str | None = None  # default: http://127.0.0.1:{engine.port}
+    engine_url: str | None = None  # replica 0; default: http://127.0.0.1:{engine.port}
+    replica_urls: tuple[str, ...] = ()  # replicas 1, 2, ...; default: http://127.0.0.1:{replica_port(i)}
     proxy_address: str = "127.0.0.1"  # where the proxy probe connects (the public port on loopback)
     os_release: Path = Path("/usr/lib/os-release")
     proc: Path = Path("/proc")

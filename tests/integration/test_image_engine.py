@@ -17,10 +17,15 @@ def test_engine_reaches_healthy_through_the_production_unit(first_boot: dict[str
     engine = first_boot["status"]["parts"]["engine"]
     assert engine["state"] == "ok", engine
     assert engine["models"] == ["standin/tiny-demo"] or "standin/tiny-demo" in str(engine)
+    # the demo's two replicas, each a template instance on its own port, both serving
+    replicas = [(r["replica"], r["url"], r["state"]) for r in engine["replicas"]]
+    assert replicas == [(0, "http://127.0.0.1:8000", "ok"), (1, "http://127.0.0.1:8002", "ok")], engine["replicas"]
+    units = first_boot["status"]["parts"]["units"]["units"]
+    assert [units[f"appliance-engine@{i}.service"]["active_state"] for i in (0, 1)] == ["active", "active"]
 
 
 # What podman itself puts in a container's environment, besides the image's own variables, and
-# what the quadlet sets for every engine (units/appliance-engine.container.j2: weights are never
+# what the quadlet sets for every engine (units/appliance-engine@.container.j2: weights are never
 # fetched at run time).
 PODMAN_ENV = {"PATH", "HOME", "HOSTNAME", "TERM", "container"}
 UNIT_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -78,6 +83,30 @@ def test_crash_is_restarted_and_its_stale_offload_file_removed(faults_boot: dict
     assert stale not in crash["offload_files_after"]
     assert len(crash["offload_files_after"]) == 1  # the new engine's own
     assert f"removed {stale}" in crash["cleaner_log"] or Path(stale).name in crash["cleaner_log"]
+    # the other replica's live file: kept by the cleaner that ran before replica 0's restart
+    (live,) = crash["other_files_before"]
+    assert crash["other_files_after"] == [live] and f"kept {live}" in crash["cleaner_log"], crash
+
+
+def test_a_replica_killed_under_load_fails_only_its_requests_in_flight(faults_boot: dict[str, Any]) -> None:
+    """Four clients streaming completions through the proxy while replica 0's engine is SIGKILLed:
+    only requests sent before the kill (in flight on it) may fail, at most one per client (each
+    client has one request in flight, under the replica's concurrency); none sent afterwards, while
+    replica 0 was down and once it was back."""
+    crash = faults_boot["scenarios"]["crash"]
+    assert "error" not in crash["killed"], crash["killed"]
+    stream = crash["stream"]
+    assert stream["failed_after_kill"] == [], stream
+    assert len(stream["failed_before_kill"]) <= stream["clients"], stream
+    assert stream["sent_after_kill"] >= 20 and stream["ok_after_kill"] == stream["sent_after_kill"], stream
+
+
+def test_a_failing_replica_restarts_alone(faults_boot: dict[str, Any]) -> None:
+    """Replica 0 was restarted, crashed and hung; replica 1 served on, never restarted."""
+    scenarios = faults_boot["scenarios"]
+    before, after = scenarios["others_before"], scenarios["others_after"]
+    assert list(before) == ["appliance-engine@1.service"] and before == after, (before, after)
+    assert after["appliance-engine@1.service"]["active"] == "active"
 
 
 def test_hang_is_detected_and_restarted(faults_boot: dict[str, Any]) -> None:
@@ -94,5 +123,5 @@ def test_tampered_overlay_keeps_the_engine_stopped_and_is_named(tampered_boot: d
     # the first file verify reads from the refused block.
     reason = verify["reason"]
     assert "standin_answers.py" in reason or (reason.startswith("/usr/lib/appliance/") and "Input/output error" in reason), verify
-    engine_unit = tampered_boot["status"]["parts"]["units"]["units"]["appliance-engine.service"]
+    engine_unit = tampered_boot["status"]["parts"]["units"]["units"]["appliance-engine@0.service"]
     assert engine_unit["active_state"] != "active", engine_unit

@@ -77,7 +77,7 @@ def test_a_scraper_gets_the_appliances_metrics_through_the_proxy_and_they_agree_
     assert [s.value for s in families["appliance_gpu_metrics_up"].samples] == [0]
     # the systemd collector sees the appliance's units
     engine = [s for s in families["node_systemd_unit_state"].samples
-              if s.labels["name"] == "appliance-engine.service" and s.labels["state"] == "active"]
+              if s.labels["name"] == "appliance-engine@0.service" and s.labels["state"] == "active"]
     assert engine and engine[0].value == 1
 
 

@@ -13,7 +13,7 @@ from journey import V1, reports_of
 
 pytestmark = pytest.mark.integration
 
-DROPIN = "/etc/systemd/system/appliance-engine.service.d/50-not-signed.conf"
+DROPIN = "/etc/systemd/system/appliance-engine@.service.d/50-not-signed.conf"
 
 
 def test_a_drop_in_in_etc_is_reported_then_gone_after_a_reboot(journey_run1: dict[str, Any], journey_run2: dict[str, Any]) -> None:
@@ -27,7 +27,7 @@ def test_a_drop_in_in_etc_is_reported_then_gone_after_a_reboot(journey_run1: dic
     assert not etc["etc_dropin_present"], etc
     assert DROPIN not in etc["engine_drop_in_paths"] and "APPLIANCE_UNSIGNED_DROPIN" not in etc["engine_environment"], etc
     # the drop-in, or the directory it made (not in the factory /etc either), deleted as a whole
-    assert re.search(r"etc-reset: deleted /etc/systemd/system/appliance-engine\.service\.d(/50-not-signed\.conf)? ",
+    assert re.search(r"etc-reset: deleted /etc/systemd/system/appliance-engine@\.service\.d(/50-not-signed\.conf)? ",
                      etc["reset_log"]), etc["reset_log"]
     assert boot_c["engine_became_healthy"], boot_c["status_text"]
 

@@ -179,7 +179,7 @@ def after_factory_reset() -> dict[str, Any]:
             "journal": run("journalctl", "-b", "-u", "appliance-factory-reset.service", "--no-pager", "-o", "cat")["stdout"],
             "boots": run("journalctl", "--list-boots", "-q", "--no-pager")["stdout"],
             "ca": TLS_CA.read_text() if TLS_CA.exists() else None,
-            "verify": quick, "engine": run("systemctl", "is-active", "appliance-engine.service")["stdout"].strip(),
+            "verify": quick, "engine": run("systemctl", "is-active", "appliance-engine@0.service")["stdout"].strip(),
             "status": status_summary(),
             # /var's seal after the reset: a new recovery key, shown on the console (never in this record)
             "var_seal": json.loads(VAR_SEAL.read_text()) if VAR_SEAL.exists() else None}
@@ -205,7 +205,7 @@ def main() -> int:
     fetch = ("/usr/bin/applianctl", "model", "fetch", url, "--ca", str(ca), "--layout", "plain")
     if stage == "fresh":
         before = {"verify": verify(), "status": weights_status(),
-                  "engine": run("systemctl", "is-active", "appliance-engine.service")["stdout"].strip()}
+                  "engine": run("systemctl", "is-active", "appliance-engine@0.service")["stdout"].strip()}
         STATE.write_text("fetching\n")
         os.sync()
         report("cut", {"before": before})
@@ -219,7 +219,7 @@ def main() -> int:
         flipped = run("rm", "-f", str(snapshot() / "model-00002-of-00003.safetensors"))
         flipped = run(*fetch[:3], url.rstrip("/") + "/flipped/", *fetch[4:])
         restored = run(*fetch)
-        started = run("systemctl", "start", "appliance-engine.service", timeout=900)
+        started = run("systemctl", "start", "appliance-engine@0.service", timeout=900)
         target = snapshot() / FLIP_FILE
         STATE.write_text("flipped\n")
         os.sync()
@@ -239,10 +239,10 @@ def main() -> int:
         quick = verify()
         plain_read = run("sh", "-c", f"cat {target} > /dev/null")
         deep = verify("--deep")
-        restart = run("systemctl", "restart", "appliance-engine.service", timeout=900)
+        restart = run("systemctl", "restart", "appliance-engine@0.service", timeout=900)
         time.sleep(5)
         report("at-rest", {"verify": quick, "plain_read": plain_read, "deep": deep, "engine_restart": restart,
-                           "engine": run("systemctl", "is-active", "appliance-engine.service")["stdout"].strip(),
+                           "engine": run("systemctl", "is-active", "appliance-engine@0.service")["stdout"].strip(),
                            "status": weights_status()})
         STATE.write_text("done\n")
         return 0
