@@ -63,6 +63,12 @@ UPSTREAM_IDLE_S = 2
 # how long a replica that failed a request is passed over.
 REPLICA_TRY_S = 5
 REPLICA_FAIL_S = 10
+# With several replicas, a replica takes traffic only once it has answered a request: its health
+# check reads the engine's /metrics and passes when vLLM's count of finished requests is above
+# zero, which the warm-up request its unit sends before it counts as started (the engine quadlet's
+# HealthStartupCmd) makes it. A restarted replica counts from zero again.
+WARMED_URI = "/metrics"
+WARMED_BODY = r"request_success_total[^ \n]* [1-9]"
 
 # The request body limit: the engine's context (--max-model-len) times BYTES_PER_TOKEN, at least
 # MIN_BODY. A token of prompt is ~4 bytes of JSON text, ~6-12 for escaped non-ASCII or token ids
@@ -245,7 +251,8 @@ def template_values(
         "affinity_header": _header("proxy.affinity_header", proxy.affinity_header) if proxy.affinity_header else "",
         "try_s": REPLICA_TRY_S,
         "fail_s": REPLICA_FAIL_S,
-        "health_uri": _url_path("engine.health.path", config.engine.health.path),
+        "health_uri": WARMED_URI if config.replicas > 1 else _url_path("engine.health.path", config.engine.health.path),
+        "health_body": WARMED_BODY if config.replicas > 1 else "",
         "allowed_cidrs": _cidrs("allowed_cidrs", proxy.allowed_cidrs, allow_empty=False),
         "allowed_paths": paths_,
         "allowed_re": allowed_re(paths_),

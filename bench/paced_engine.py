@@ -7,7 +7,9 @@ chunk and the first token after one token time, then one SSE `data:` chunk every
 the finish chunk and `data: [DONE]`; not streamed, one JSON answer after SERVICE_S. The work is
 sleeping, so the host's 2 cores are left to the proxy and the clients, and both paths meet the
 same fixed latencies. Every answer names the backend's port in X-Paced-Engine (which replica
-answered, for the balancing tests).
+answered, for the balancing tests). GET /metrics has vLLM's count of finished requests, which the
+proxy's health check of replicas reads (a replica is admitted once it has answered one: `start`
+sends that warm-up request, as the engine's unit does, unless told not to).
 """
 
 from __future__ import annotations
@@ -45,9 +47,15 @@ def make_app(token_s: float = TOKEN_S, service_s: float = SERVICE_S, concurrency
 
     batch = asyncio.Semaphore(concurrency)
     counter = iter(range(1 << 62))
+    finished = [0]
 
     async def health(request: Request) -> Response:
         return Response(b"")
+
+    async def metrics(request: Request) -> Response:
+        text = ("# TYPE vllm:request_success_total counter\n"
+                f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{MODEL}"}} {finished[0]:.1f}\n')
+        return Response(text.encode(), media_type="text/plain; version=0.0.4")
 
     async def chat(request: Request) -> Response:
         body: dict[str, Any] = await request.json()
@@ -56,6 +64,7 @@ def make_app(token_s: float = TOKEN_S, service_s: float = SERVICE_S, concurrency
         if not body.get("stream"):
             async with batch:
                 await asyncio.sleep(service_s)
+            finished[0] += 1
             message = {"role": "assistant", "content": " tok" * n}
             usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}
             return JSONResponse({**head, "object": "chat.completion",
@@ -73,10 +82,11 @@ def make_app(token_s: float = TOKEN_S, service_s: float = SERVICE_S, concurrency
                     yield chunk(head, {"content": " tok"})
                 yield chunk(head, {"content": ""}, "stop")
                 yield b"data: [DONE]\n\n"
+                finished[0] += 1
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Paced-Engine": name})
 
-    return Starlette(routes=[Route("/health", health, methods=["GET"]),
+    return Starlette(routes=[Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
                              Route("/v1/chat/completions", chat, methods=["POST"])])
 
 
@@ -94,8 +104,20 @@ def running(ports: list[int], work: Path, concurrency: int = CONCURRENCY, servic
             caddy.stop(proc)
 
 
-def start(port: int, work: Path, concurrency: int = CONCURRENCY, service_s: float = SERVICE_S) -> Any:
-    """One paced backend on PORT (log in WORK/engine-PORT.log), once it connects."""
+def warm(port: int) -> None:
+    """The warm-up request: one completion straight to the backend on PORT."""
+    import urllib.request
+
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        response.read()
+
+
+def start(port: int, work: Path, concurrency: int = CONCURRENCY, service_s: float = SERVICE_S, *, warmed: bool = True) -> Any:
+    """One paced backend on PORT (log in WORK/engine-PORT.log), once it connects; WARMED: once it
+    has answered the warm-up request too."""
     from testkit import caddy
 
     root = Path(__file__).resolve().parents[1]
@@ -104,6 +126,8 @@ def start(port: int, work: Path, concurrency: int = CONCURRENCY, service_s: floa
         proc = subprocess.Popen([sys.executable, "-m", "bench.paced_engine", str(port), str(concurrency), str(service_s)], cwd=root,
                                 env={**os.environ, "PYTHONPATH": str(root)}, stdout=out, stderr=subprocess.STDOUT)
     caddy.wait_ready("the paced backend (needs uvicorn and starlette)", lambda: caddy.connects(port), proc, log)
+    if warmed:
+        warm(port)
     return proc
 
 

@@ -19,7 +19,7 @@ from appliance.bundle import EMPTY_LABEL as EMPTY
 from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from appliance.caddyfile import render_caddyfile
 from appliance.config import Config
-from appliance.config.model import PinnedFile
+from appliance.config.model import SMOKE_PROMPT, PinnedFile
 from appliance.errors import UserError
 from builder import unit_values, weights
 from builder.engine_store import MOUNT_POINT, EngineStore, verity_slot_bytes
@@ -72,6 +72,8 @@ def render_template(name: str, config: Config, store: EngineStore | None = None)
         "overlays": [Mount(device_path("overlays", f), f.target) for f in config.engine.overlays],
         "tuning": [Mount(device_path("tuning", f), f.target) for f in config.engine.tuning],
         "shm_size_mib": shm_size_mib(config),
+        "warmup": WARMUP,
+        "warmup_timeout_s": WARMUP_TIMEOUT_S,
         # the demo profile runs emulated (QEMU under TCG), as the tests' own status calls scale it
         "status_timeout_scale": 20 if config.profile == "demo" else 1,
     }
@@ -99,6 +101,15 @@ def _rendered_name(template: Path) -> Path:
 
 
 ENGINE_TEMPLATE = "appliance-engine@.container"
+# The warm-up request each replica answers before it counts as started (the quadlet's startup
+# check): its body, from the configuration, mounted into the engine's container.
+WARMUP = Mount(f"/{LIB}/engine-warmup.json", "/run/appliance-warmup.json")
+WARMUP_TIMEOUT_S = 120
+
+
+def warmup_body(config: Config) -> str:
+    """A one-token completion of the runbook's smoke prompt for the served model."""
+    return json.dumps({"model": config.served_model, "prompt": SMOKE_PROMPT, "max_tokens": 1, "temperature": 0}) + "\n"
 
 
 def replica_dropin(config: Config, i: int) -> str:
@@ -123,7 +134,8 @@ def replica_dropin(config: Config, i: int) -> str:
 def render_replicas(config: Config, tree: Path) -> list[Path]:
     """One engine per replica: appliance-engine@I.container, a link to the template (quadlet then
     makes appliance-engine@I.service, wanted by multi-user.target), and its drop-in."""
-    written = []
+    _write(tree / WARMUP.source.lstrip("/"), warmup_body(config))
+    written = [tree / WARMUP.source.lstrip("/")]
     for i in range(config.replicas):
         link = tree / QUADLET_DIR / f"appliance-engine@{i}.container"
         link.parent.mkdir(parents=True, exist_ok=True)

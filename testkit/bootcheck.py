@@ -23,6 +23,7 @@ from typing import Any
 
 from appliance import efivars, paths
 from appliance.atomic import write_json_atomic
+from appliance.config.model import SMOKE_PROMPT
 from appliance.host_settings import load_device
 from applianctl import __version__
 
@@ -95,7 +96,6 @@ def wait_for_assessment(deadline_s: float) -> None:
         time.sleep(3)
 
 
-SMOKE_PROMPT = "Calculate 17 * 23. Answer with the number only."
 
 
 def smoke_engine(port: int, model: str) -> dict[str, Any]:
@@ -110,6 +110,18 @@ def smoke_engine(port: int, model: str) -> dict[str, Any]:
             return {"answer": answer, "answers_variant": response.headers.get("X-Standin-Answers")}
     except (OSError, ValueError, KeyError, IndexError) as e:
         return {"answer": "", "error": str(e)}
+
+
+def smoke_proxy(deadline_s: float = 60) -> str:
+    """`applianctl smoke` through the proxy, tried again (up to DEADLINE_S) while the proxy has no
+    replica to send it to: with several replicas, its health check admits one only once it has
+    answered its warm-up request, up to one check interval (10 s) after its unit started."""
+    end = time.monotonic() + deadline_s
+    while True:
+        out = _run(["/usr/bin/applianctl", "smoke"], timeout=120)
+        if "ok: " in out or time.monotonic() > end or "HTTP 503" not in out:
+            return out
+        time.sleep(3)
 
 
 def _ppid(pid: str) -> str | None:
@@ -162,7 +174,7 @@ def collect() -> dict[str, Any]:
     root_disk = _run(["lsblk", "-no", "PKNAME", _run(["findmnt", "-no", "SOURCE", "/"]).strip()]).strip()
     config = load_device()
     smoke = smoke_engine(config.engine.port, config.served_model)
-    proxy_smoke = _run(["/usr/bin/applianctl", "smoke"], timeout=120)
+    proxy_smoke = smoke_proxy()
     status, status_text = _status()
     units = _json(["systemctl", "list-units", "--failed", "--output=json"]) or []
     engine_env = engine_environment()  # before the fault scenarios restart the engine
@@ -299,9 +311,19 @@ def _kill_engine(replica: int) -> dict[str, Any]:
     children = sorted((p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p.name) == init), key=int)
     if not init or init == "0" or not children:
         return {"error": f"no engine process in {paths.engine_container(replica)} (init {init!r})"}
-    at = time.monotonic()
     os.kill(int(children[0]), signal.SIGKILL)
-    return {"pid": int(children[0]), "at": at}
+    # the loss is when it is gone: requests sent before may have reached it
+    end = time.monotonic() + 30
+    while time.monotonic() < end and _proc_state(children[0]) not in ("gone", "Z"):
+        time.sleep(0.05)
+    return {"pid": int(children[0]), "at": time.monotonic()}
+
+
+def _proc_state(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return "gone"
 
 
 class ProxyStream:

@@ -53,6 +53,13 @@ def _env(home: Path) -> dict[str, str]:
     return caddy.caddy_env(home)
 
 
+def _demo() -> Config:
+    """The demo profile with one engine: the live tests run one stand-in behind the proxy (the
+    demo's two replicas are rendered by test_rendered_text and run by tests/test_replicas.py)."""
+    demo = config_mod.load(TOML, "demo")
+    return dataclasses.replace(demo, topology=dataclasses.replace(demo.topology, gpus=1, layout="1x1"))
+
+
 def _variant(config: Config, **proxy: Any) -> Config:
     return dataclasses.replace(config, proxy=dataclasses.replace(config.proxy, **proxy))
 
@@ -125,7 +132,11 @@ def test_every_variant_is_valid_for_caddy(
     assert all(s.get("automatic_https", {}).get("disable_redirects") for s in servers.values())
     https = next(s for s in servers.values() if s["listen"] == [":443"])
     routes = json.dumps(https["routes"])
-    assert '"flush_interval": -1' in routes and '"uri": "/health"' in routes
+    assert '"flush_interval": -1' in routes
+    if config.replicas > 1:  # a replica is admitted once it has answered its warm-up request
+        assert '"uri": "/metrics"' in routes and json.dumps(proxy_mod.WARMED_BODY) in routes
+    else:
+        assert '"uri": "/health"' in routes and "expect_body" not in routes
     assert '"dial": "127.0.0.1:8000"' in routes
     for cidr in config.proxy.allowed_cidrs:
         assert f'"{cidr}"' in routes
@@ -158,7 +169,8 @@ def test_rendered_text(profile: str, mode: str, http: str, metrics: tuple[str, .
     assert re.search(r"log \{\s*output stdout\s*format json\s*\}", text)
     # every replica (the demo runs two): production's one engine, the demo's 8000 and 8002
     upstreams = " ".join(f"127.0.0.1:{config.replica_port(i)}" for i in range(config.replicas))
-    assert f"reverse_proxy {upstreams} {{" in text and "flush_interval -1" in text and "health_uri /health" in text
+    assert f"reverse_proxy {upstreams} {{" in text and "flush_interval -1" in text
+    assert f"health_uri {'/metrics' if config.replicas > 1 else '/health'}\n" in text
     assert ("lb_policy least_conn" in text) == (config.replicas > 1)
     assert f"remote_ip {' '.join(config.proxy.allowed_cidrs)} 127.0.0.1/32 ::1/128\n" in text
     assert f"path {' '.join(config.proxy.allowed_paths)}\n" in text
@@ -175,7 +187,7 @@ def test_rendered_text(profile: str, mode: str, http: str, metrics: tuple[str, .
 
 
 def test_default_certificate_paths_are_the_devices() -> None:
-    config = _variant(config_mod.load(TOML, "demo"), http="close")
+    config = _variant(_demo(), http="close")
     text = render_caddyfile(config)
     assert f"tls {paths.TLS_DIR}/server.crt {paths.TLS_DIR}/server.key" in text
     assert str(paths.TLS_DIR) == "/var/lib/appliance/tls"
@@ -266,7 +278,7 @@ def test_render_refuses_injection_whatever_config_lets_through(key: str, value: 
 )
 def test_render_refuses_bad_parameters(field: str, value: Any) -> None:
     with pytest.raises(ConfigError):
-        render_caddyfile(_variant(config_mod.load(TOML, "demo"), http="redirect"), **{field: value})
+        render_caddyfile(_variant(_demo(), http="redirect"), **{field: value})
 
 
 # ------------------------------------------------------------------------------ live
@@ -363,7 +375,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     try:
         _wait("stand-in", lambda: _plain_get(f"http://127.0.0.1:{engine_port}/health").ok, engine, engine_log)
 
-        config = config_mod.load(TOML, "demo")
+        config = _demo()
         config = dataclasses.replace(
             _variant(
                 config,
@@ -740,7 +752,7 @@ def raw_live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RawLive]:
     thread = threading.Thread(target=backend.serve_forever, daemon=True)
     thread.start()
     try:
-        config = config_mod.load(TOML, "demo")
+        config = _demo()
         assert set(config.proxy.allowed_paths) == set(ALLOWED), "the test's allowlist is the configured one"
         https_port = _free_port()
         config = dataclasses.replace(
@@ -892,7 +904,7 @@ def test_spoofed_forwarding_headers_do_not_pass(raw_live: RawLive, header: bytes
 @pytest.mark.parametrize(("target", "expect"), [pytest.param(t, e, id=repr(t)[2:-1]) for t, e in TARGETS])
 def test_canonical_regexp_without_caddy(target: bytes, expect: str) -> None:
     """The same table against the rendered regexps in Python's re (RE2 agrees on these constructs)."""
-    config = config_mod.load(TOML, "demo")
+    config = _demo()
     text = target.decode("latin-1")
     canonical = re.fullmatch(proxy_mod.CANONICAL_RE, text) is not None
     allowed = re.fullmatch(proxy_mod.allowed_re(list(config.proxy.allowed_paths)), text) is not None
@@ -902,7 +914,7 @@ def test_canonical_regexp_without_caddy(target: bytes, expect: str) -> None:
 
 
 def test_allowed_paths_must_be_canonical() -> None:
-    config = config_mod.load(TOML, "demo")
+    config = _demo()
     for bad in ("/v1//models", "/v1/./models", "/v1/..", "/v1/models/."):
         with pytest.raises(ConfigError):
             render_caddyfile(_variant(config, allowed_paths=(bad,)))
@@ -1010,7 +1022,7 @@ def test_body_limit_is_derived_from_the_context_length() -> None:
     config = config_mod.load(TOML)
     assert proxy_mod.max_model_len(config.engine.args) == 262144
     assert proxy_mod.max_body_bytes(config) == 262144 * proxy_mod.BYTES_PER_TOKEN == 8 << 20
-    demo = config_mod.load(TOML, "demo")
+    demo = _demo()
     assert proxy_mod.max_body_bytes(demo) == proxy_mod.MIN_BODY  # 4096 tokens: the 1 MiB floor
     assert proxy_mod.max_model_len(["--max-model-len=32k"]) == 32000  # vLLM: k = 1000, K = 1024
     assert proxy_mod.max_model_len(["--max-model-len=32K"]) == 32768
@@ -1035,7 +1047,7 @@ def test_proxy_buffers_request_bodies_and_outlives_no_engine_connection() -> Non
     """The guards against the empty/cut 200s (tests/test_proxy_soak.py is the live proof): the request
     body is read whole before it goes upstream, within max_size, and idle upstream connections close
     before the engine's 5 s keep-alive timeout."""
-    text = render_caddyfile(_variant(config_mod.load(TOML, "demo"), http="close"))
+    text = render_caddyfile(_variant(_demo(), http="close"))
     engine = text[text.index("handle @engine {"):]
     engine = engine[:engine.index("\n\t}\n")]
     assert "\t\t\tbuffer_requests\n" in engine
@@ -1048,7 +1060,7 @@ def test_proxy_buffers_request_bodies_and_outlives_no_engine_connection() -> Non
 
 @needs_caddy
 def test_declared_body_over_the_limit_gets_413_json_and_never_reaches_the_engine(raw_live: RawLive) -> None:
-    config = config_mod.load(TOML, "demo")
+    config = _demo()
     limit = proxy_mod.max_body_bytes(config)
     body = b'{"prompt": "' + b"x" * (16 << 20) + b'"}'
     status, headers, payload, probe = _raw_response(
@@ -1065,7 +1077,7 @@ def test_declared_body_over_the_limit_gets_413_json_and_never_reaches_the_engine
 
 @needs_caddy
 def test_chunked_body_over_the_limit_is_refused_with_json(raw_live: RawLive) -> None:
-    limit = proxy_mod.max_body_bytes(config_mod.load(TOML, "demo"))
+    limit = proxy_mod.max_body_bytes(_demo())
     data = b"z" * (limit + 1)
     chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data)
     status, headers, payload, probe = _raw_response(

@@ -3,6 +3,7 @@ every unit's sandbox exposure, and the generated tree."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -130,8 +131,21 @@ def test_engine_container_has_everything_the_compose_service_had(quadlet: dict[s
     assert quadlet["HealthOnFailure"] == ["kill"] and quadlet["Notify"] == ["healthy"]
     # the start period (20 min, not 6) is a startup check bounded by systemd, not podman's
     # HealthStartPeriod, which would ignore a hang for the whole period after a healthy start
-    assert quadlet["HealthStartupCmd"] == quadlet["HealthCmd"] and "HealthStartPeriod" not in quadlet
+    assert "HealthStartPeriod" not in quadlet
+    # the startup check is a warm-up request: a one-token completion of the runbook's prompt, from
+    # a file of the signed image mounted into the container, each try bounded by curl
+    assert quadlet["HealthStartupCmd"] == [
+        f"curl -fsS --max-time {render.WARMUP_TIMEOUT_S} -o /dev/null -H Content-Type:application/json "
+        f"--data-binary @{render.WARMUP.target} http://127.0.0.1:8000/v1/completions"]
+    assert f"{render.WARMUP.source}:{render.WARMUP.target}:ro" in quadlet["Volume"]
+    assert quadlet["HealthStartupTimeout"] == [f"{render.WARMUP_TIMEOUT_S}s"]
     assert quadlet["TimeoutStartSec"] == ["1200"]
+
+
+def test_the_warm_up_body_is_the_smoke_prompt_for_the_served_model(production: config.Config) -> None:
+    body = json.loads(render.warmup_body(production))
+    assert body == {"model": "deepseek-ai/DeepSeek-V4-Flash-0731", "prompt": "Calculate 17 * 23. Answer with the number only.",
+                    "max_tokens": 1, "temperature": 0}
 
 
 def test_engine_mounts(quadlet: dict[str, list[str]], production: config.Config) -> None:
@@ -141,7 +155,8 @@ def test_engine_mounts(quadlet: dict[str, list[str]], production: config.Config)
     assert any(v.endswith(":/var/crash/vllm") for v in volumes)
     for pinned in (*production.engine.overlays, *production.engine.tuning):
         assert any(v.endswith(f":{pinned.target}:ro") for v in volumes), pinned.target
-    assert len(volumes) == 3 + len(production.engine.overlays) + len(production.engine.tuning)
+    # and the warm-up request's body (test_engine_container_has_everything_the_compose_service_had)
+    assert len(volumes) == 3 + len(production.engine.overlays) + len(production.engine.tuning) + 1
 
 
 def test_engine_port_only_on_loopback(quadlet: dict[str, list[str]]) -> None:

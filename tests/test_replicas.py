@@ -11,6 +11,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import os
+import re
 import signal
 import threading
 import time
@@ -30,6 +31,7 @@ from testkit import caddy
 from testkit.standin import free_spaced_ports
 
 ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
 pytestmark = pytest.mark.skipif(not os.access(caddy.CADDY, os.X_OK), reason="needs Debian's caddy (apt install caddy)")
 
 CAP = 4  # requests at once per replica
@@ -78,7 +80,14 @@ def test_two_replicas_are_balanced_by_requests_in_flight_and_retried_only_when_t
     lb = proxy["load_balancing"]
     assert lb["selection_policy"] == {"policy": "least_conn"}
     assert lb["try_duration"] > 0 and "retry_match" not in lb  # Caddy's default: only GET (and refused dials) retried
-    assert proxy["health_checks"]["active"]["uri"] == "/health" and proxy["health_checks"]["passive"]["fail_duration"] > 0
+    assert proxy["health_checks"]["passive"]["fail_duration"] > 0
+    # admitted once warmed up: vLLM's count of finished requests above zero, in its /metrics
+    active = proxy["health_checks"]["active"]
+    assert (active["uri"], active["expect_body"]) == ("/metrics", r"request_success_total[^ \n]* [1-9]")
+    pattern = re.compile(active["expect_body"])
+    recorded = (SHARED / "fixtures/vllm/metrics-v1-ngc-vllm25.09-qwen3-4b.prom").read_text()
+    assert pattern.search(recorded)  # a real vLLM's /metrics after 6 requests
+    assert not pattern.search(re.sub(r"(request_success_total\{[^}]*\}) [0-9.e+]+", r"\1 0.0", recorded))  # and after none
 
 
 def test_eight_replicas_each_with_its_own_metrics_path(tmp_path: Path) -> None:
@@ -189,9 +198,9 @@ def test_a_killed_replica_fails_only_its_requests_in_flight_and_none_sent_after(
         t.start()
     try:
         time.sleep(2)
-        killed_at[0] = time.monotonic()
         two.procs[victim].send_signal(signal.SIGKILL)
         two.procs[victim].wait()
+        killed_at[0] = time.monotonic()  # the loss: from here on it is gone (before, requests reached it)
         time.sleep(4)
         two.procs[victim] = paced_engine.start(victim, two.work, CAP, SERVICE_S)
         restarted_at = time.monotonic()
@@ -212,6 +221,29 @@ def test_a_killed_replica_fails_only_its_requests_in_flight_and_none_sent_after(
     assert failed_after == [], failed_after[:5]
     assert len(after) > 50, len(after)
     assert any(sent > restarted_at and port == str(victim) for sent, _, port in after), "the restarted replica got no request"
+
+
+def test_a_replica_takes_traffic_only_once_it_has_answered_its_warm_up_request(two: Replicas) -> None:
+    """Restarted without its warm-up request, a replica gets nothing through the proxy once a health
+    check has seen it (every 10 s), however long it listens; warmed up, it gets requests from the
+    next health check on."""
+    victim = two.ports[1]
+    two.procs[victim].send_signal(signal.SIGKILL)
+    two.procs[victim].wait()
+    two.procs[victim] = paced_engine.start(victim, two.work, CAP, SERVICE_S, warmed=False)
+    with _session(two) as s:
+        time.sleep(11)  # a health check of the listening, unwarmed replica has run
+        cold = {_ask(s, two) for _ in range(40)}
+        time.sleep(10)  # and another
+        cold |= {_ask(s, two) for _ in range(40)}
+        assert cold == {str(two.ports[0])}, cold
+        paced_engine.warm(victim)
+        deadline = time.monotonic() + 25
+        warmed: set[str] = set()
+        while time.monotonic() < deadline and str(victim) not in warmed:
+            warmed |= {_ask(s, two) for _ in range(8)}
+            time.sleep(0.5)
+    assert str(victim) in warmed, warmed
 
 
 def test_a_replica_that_died_idle_costs_no_request(two: Replicas) -> None:

@@ -105,7 +105,7 @@ def test_the_image_tree_has_one_instance_link_and_drop_in_per_replica(demo: conf
         link = quadlets / f"appliance-engine@{i}.container"
         assert link.is_symlink() and str(link.readlink()) == "appliance-engine@.container"
         assert (quadlets / f"appliance-engine@{i}.container.d/10-replica.conf").read_text() == render.replica_dropin(demo, i)
-    assert len(written) == 4
+    assert len(written) == 5  # and the warm-up body
 
 
 def test_production_shm_is_the_reference_stacks_offload_plus_margin(production: config.Config) -> None:

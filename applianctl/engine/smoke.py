@@ -19,10 +19,11 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from appliance import paths
+from appliance.config.model import SMOKE_PROMPT
 from appliance.errors import UserError
 from appliance.host_settings import load_device
 
-PROMPT = "Calculate 17 * 23. Answer with the number only."
+PROMPT = SMOKE_PROMPT
 EXPECTED = "391"
 
 
