@@ -23,6 +23,7 @@ import pytest
 import requests
 from test_proxy import _adapt
 
+from appliance import caddyfile
 from appliance import config as config_mod
 from appliance.caddyfile import render_caddyfile
 from appliance.errors import ConfigError
@@ -255,3 +256,26 @@ def test_a_replica_that_died_idle_costs_no_request(two: Replicas) -> None:
         statuses = [s.post(two.url + CHAT, json=BODY, timeout=30) for _ in range(12)]
     assert [r.status_code for r in statuses] == [200] * 12, [(r.status_code, r.text[:100]) for r in statuses if r.status_code != 200]
     assert {r.headers["X-Paced-Engine"] for r in statuses} == {str(two.ports[0])}
+
+
+def test_the_warm_up_request_admits_the_stand_in_engine(tmp_path: Path) -> None:
+    """The demo's engine (the stand-in, speaking vLLM's API): its /metrics fails the proxy's
+    admission check until the unit's warm-up body (rendered from the demo's configuration) has
+    been posted to it, as the quadlet's startup check does with curl, and passes after."""
+    from standin_engine import free_port, start_standin, stop
+
+    from builder import render
+
+    demo = config_mod.load(ROOT / "appliance.toml", "demo")
+    pattern = re.compile(caddyfile.WARMED_BODY)
+    port = free_port()
+    proc = start_standin(port, name=demo.served_model)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        assert not pattern.search(requests.get(base + "/metrics", timeout=10).text)
+        answer = requests.post(base + "/v1/completions", data=render.warmup_body(demo),
+                               headers={"Content-Type": "application/json"}, timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert pattern.search(requests.get(base + "/metrics", timeout=10).text)
+    finally:
+        stop(proc)
