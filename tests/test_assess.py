@@ -59,6 +59,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             demo,
             proxy=dataclasses.replace(demo.proxy, https_port=free_port(), http="redirect", tls="internal"),
             engine=dataclasses.replace(demo.engine, port=engine.port),
+            topology=dataclasses.replace(demo.topology, gpus=1, layout="1x1"),  # one stand-in behind the proxy
         )
         assert config.served_model == MODEL
         tls_dir = base / "tls"
