@@ -169,7 +169,7 @@ class HostSettings:
         lays them over the image's configuration (appliance-host.service writes it)."""
         out: dict[str, dict[str, Any]] = {}
         for section, keys in OVERLAY.items():
-            given = getattr(self, section)
+            given = getattr(self, HOST_SECTION.get(section, section))
             values = {k: getattr(given, k) for k in keys if given is not None and getattr(given, k) is not None}
             if values:
                 out[section] = schema.plain(values)
@@ -211,10 +211,12 @@ def cross_checks(where: str, settings: HostSettings) -> None:
 
 # ----------------------------------------------------------------------------------- the overlay
 
-# What of the image's configuration a host's settings replace: the keys of these sections that
-# the host's dataclass of the same name has.
+# What of the image's configuration a host's settings replace: configuration section -> the keys
+# of it that the host's dataclass has (of the same name, but [weights] source: model.source, the
+# default source of `applianctl model fetch`).
 OVERLAY = {section: tuple(f.name for f in dataclasses.fields(cls)) for section, cls in
-           (("proxy", Proxy), ("update", Update), ("metrics", Metrics), ("logs", Logs))}
+           (("proxy", Proxy), ("update", Update), ("metrics", Metrics), ("logs", Logs), ("model", Weights))}
+HOST_SECTION = {"model": "weights"}  # a configuration section the host's settings name otherwise
 SETTINGS_FILE = "host-settings.json"
 HINT = "systemctl restart appliance-host.service renders it again from the signed install plan"
 

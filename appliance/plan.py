@@ -106,7 +106,7 @@ def load_toml(path: Path) -> Plan:
 def to_document(plan: Plan, signer: str) -> dict[str, Any]:
     """The signed form: the plan's settings (silent ones left out) and the signer's key id."""
     doc = {k: v for k, v in schema.plain(plan).items() if v is not None}
-    for section in host_settings.OVERLAY:
+    for section in (host_settings.HOST_SECTION.get(s, s) for s in host_settings.OVERLAY):
         if section in doc:
             doc[section] = {k: v for k, v in doc[section].items() if v is not None}
     doc["signer"] = signer

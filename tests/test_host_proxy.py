@@ -351,6 +351,26 @@ def test_the_plans_update_url_windows_metrics_and_logs_reach_every_reader(machin
     assert result.settings is not None and result.settings.logs_upload_url == COLLECTOR
 
 
+def test_the_plans_weights_source_is_the_fetchs_default_source(machine: Host, appliance_json: Callable[[str], Path],
+                                                              tmp_path: Path) -> None:
+    from applianctl.model.store import HOST_SOURCE, Store
+
+    mirror = "https://weights.example.net/dsv4/"
+    machine.install(plan_model.Plan(weights=host_settings.Weights(source=mirror)))
+    result = machine.apply(_image())
+    assert result.ok, result.reason
+    device = host_settings.load_device(appliance_json("demo"), machine.run_dir / host.HOST_SETTINGS)
+    assert device.model.source == mirror and result.settings is not None and result.settings.weights_source == mirror
+    # `applianctl model fetch` without a SOURCE: a per-host model-source file, else this
+    (tmp_path / "host").mkdir()
+    store = Store(manifest=None, snapshot=tmp_path, partial=tmp_path, host_dir=tmp_path / "host")  # type: ignore[arg-type]
+    assert store.default_source(device) == mirror
+    (store.host_dir / HOST_SOURCE).write_text("/srv/weights\n")
+    assert store.default_source(device) == "/srv/weights"
+    # without a plan the image's own
+    assert host_settings.load_device(appliance_json("demo"), tmp_path / "none.json").model.source == _image().model.source
+
+
 def test_without_a_collector_nothing_is_left_for_the_upload_unit(machine: Host) -> None:
     from plan_values import CA_PEM
 
