@@ -28,7 +28,7 @@ def test_engine_reaches_healthy_through_the_production_unit(first_boot: dict[str
 # what the quadlet sets for every engine (units/appliance-engine@.container.j2: weights are never
 # fetched at run time).
 PODMAN_ENV = {"PATH", "HOME", "HOSTNAME", "TERM", "container"}
-UNIT_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+UNIT_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "APPLIANCE_REPLICA": "0"}  # replica 0's container
 
 
 def test_engine_environment_in_the_running_container_equals_the_configuration(
@@ -48,6 +48,7 @@ def test_engine_environment_in_the_running_container_equals_the_configuration(
     image_names = {v.partition("=")[0] for v in env["image_env"]}
     assert {name: seen[name] for name in set(UNIT_ENV) & set(names)} == {n: UNIT_ENV[n] for n in set(UNIT_ENV) & set(names)}
     assert set(names) - set(expected) <= PODMAN_ENV | image_names | set(UNIT_ENV), env["environ"]
+    assert seen.get("APPLIANCE_REPLICA") == "0", env["environ"]  # the template's %i, expanded by systemd
 
 
 def test_smoke_prompt_answers_391_on_the_engine_port(first_boot: dict[str, Any]) -> None:
