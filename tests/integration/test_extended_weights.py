@@ -50,7 +50,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.extended]
 UNIT = """# test-only (tests/integration/test_extended_weights.py): the weights scenario, before the boot check
 [Unit]
 Description=Test-only: the weights scenario
-After=network-online.target appliance-model-verify.service appliance-engine@0.service
+After=network-online.target appliance-model-verify.service appliance-engine@0.service appliance-engine@1.service
 Wants=network-online.target
 Before=appliance-bootcheck.service
 

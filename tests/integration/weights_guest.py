@@ -219,7 +219,7 @@ def main() -> int:
         flipped = run("rm", "-f", str(snapshot() / "model-00002-of-00003.safetensors"))
         flipped = run(*fetch[:3], url.rstrip("/") + "/flipped/", *fetch[4:])
         restored = run(*fetch)
-        started = run("systemctl", "start", "appliance-engine@0.service", timeout=900)
+        started = run("/usr/bin/applianctl", "start", "engine", timeout=900)  # every replica
         target = snapshot() / FLIP_FILE
         STATE.write_text("flipped\n")
         os.sync()
@@ -239,7 +239,7 @@ def main() -> int:
         quick = verify()
         plain_read = run("sh", "-c", f"cat {target} > /dev/null")
         deep = verify("--deep")
-        restart = run("systemctl", "restart", "appliance-engine@0.service", timeout=900)
+        restart = run("/usr/bin/applianctl", "restart", "engine", timeout=900)  # every replica
         time.sleep(5)
         report("at-rest", {"verify": quick, "plain_read": plain_read, "deep": deep, "engine_restart": restart,
                            "engine": run("systemctl", "is-active", "appliance-engine@0.service")["stdout"].strip(),
