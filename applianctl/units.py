@@ -63,11 +63,20 @@ def logs_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def control_argv(verb: str, part: str) -> list[str]:
+def control_argv(verb: str, part: str, replicas: int | None = None) -> list[str]:
+    """systemctl VERB on PART's units. "engine" names every replica's unit (REPLICAS, else the
+    device's topology): systemctl's own globs match only units in memory, and a replica whose start
+    failed at boot may not be."""
     if part not in RESTART_UNITS and not REPLICA.fullmatch(part):
         raise UserError(
             f"cannot {verb} {part!r}: only {' or '.join(RESTART_UNITS)} (or one replica, engine@I)", hint=f"applianctl {verb} engine"
         )
+    if part == "engine":
+        if replicas is None:
+            from appliance.host_settings import load_device
+
+            replicas = load_device().replicas
+        return ["systemctl", verb, *paths.engine_units(replicas)]
     return ["systemctl", verb, unit_of(part)]
 
 
@@ -84,7 +93,7 @@ def run_control(args: argparse.Namespace) -> int:
     if args.verb in ("start", "restart"):
         # An operator's start is deliberate: it must not be refused because the unit's start limit
         # (five starts an hour, there to stop a crash loop) was used up by earlier failures.
-        call(["systemctl", "reset-failed", argv[-1]])
+        call(["systemctl", "reset-failed", *argv[2:]])
     return _exec(argv)
 
 

@@ -162,7 +162,9 @@ def test_start_stop_restart(verb: str) -> None:
     args = applianctl_main.build_parser().parse_args([verb, "proxy"])
     assert (args.func, args.verb) == (units.run_control, verb)
     # every replica, or one alone
-    assert units.control_argv(verb, "engine") == ["systemctl", verb, "appliance-engine@*.service"]
+    # every replica by name (systemctl's globs match only units in memory)
+    assert units.control_argv(verb, "engine", replicas=2) == ["systemctl", verb, "appliance-engine@0.service",
+                                                               "appliance-engine@1.service"]
     assert units.control_argv(verb, "engine@1") == ["systemctl", verb, "appliance-engine@1.service"]
     for hostile in ("engine@01", "engine@1x", "engine@-1", "engine@*", "engine@1 proxy"):
         with pytest.raises(UserError):
