@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from appliance import paths
-from appliance.config.checks import HEADER_NAME, is_dns_name
+from appliance import balancer, paths
+from appliance.config.checks import is_dns_name
 from appliance.config.model import Config
 from appliance.errors import ConfigError
 
@@ -59,17 +59,6 @@ LOOPBACK = ("127.0.0.1/32", "::1/128")
 # timeout (uvicorn's timeout_keep_alive, 5 s in vLLM), so the proxy always closes first and never
 # sends a request on a connection the engine is closing at that moment.
 UPSTREAM_IDLE_S = 2
-# With several replicas: how long a request may look for a replica that takes its connection, and
-# how long a replica that failed a request is passed over.
-REPLICA_TRY_S = 5
-REPLICA_FAIL_S = 10
-# With several replicas, a replica takes traffic only once it has answered a request: its health
-# check reads the engine's /metrics and passes when vLLM's count of finished requests is above
-# zero, which the warm-up request its unit sends before it counts as started (the engine quadlet's
-# HealthStartupCmd) makes it. A restarted replica counts from zero again.
-WARMED_URI = "/metrics"
-WARMED_BODY = r"request_success_total[^ \n]* [1-9]"
-
 # The request body limit: the engine's context (--max-model-len) times BYTES_PER_TOKEN, at least
 # MIN_BODY. A token of prompt is ~4 bytes of JSON text, ~6-12 for escaped non-ASCII or token ids
 # ("prompt": [123, ...]); 32 leaves margin for chat structure. Without --max-model-len (the model's
@@ -193,12 +182,6 @@ def _port(key: str, value: int) -> int:
     return value
 
 
-def _header(key: str, value: str) -> str:
-    if not HEADER_NAME.fullmatch(value):
-        raise _refuse(key, value, "an HTTP header name such as X-Session-Id")
-    return value
-
-
 def _upstream(key: str, value: str) -> str:
     host, _, port = value.rpartition(":")
     if host != "127.0.0.1" or not port.isdigit():
@@ -246,13 +229,13 @@ def template_values(
         "hostname": _hostname("hostname", proxy.hostname),
         "https_port": _port("https_port", proxy.https_port),
         "http_port": _port("http_port", http_port),
-        # every replica's loopback address (one: the single engine)
-        "upstreams": [f"127.0.0.1:{_port('engine.port', config.replica_port(i))}" for i in range(config.replicas)],
-        "affinity_header": _header("proxy.affinity_header", proxy.affinity_header) if proxy.affinity_header else "",
-        "try_s": REPLICA_TRY_S,
-        "fail_s": REPLICA_FAIL_S,
-        "health_uri": WARMED_URI if config.replicas > 1 else _url_path("engine.health.path", config.engine.health.path),
-        "health_body": WARMED_BODY if config.replicas > 1 else "",
+        # the engine, or with several replicas the balancer in front of them (appliance/balancer.py),
+        # which checks each replica itself
+        "upstream": (f"127.0.0.1:{_port('engine.port', config.balancer_port)}" if balancer.wanted(config)
+                     else f"127.0.0.1:{_port('engine.port', config.engine.port)}"),
+        # each replica's own loopback address, for its metrics on the metrics site
+        "replica_upstreams": [f"127.0.0.1:{_port('engine.port', config.replica_port(i))}" for i in range(config.replicas)],
+        "health_uri": "" if balancer.wanted(config) else _url_path("engine.health.path", config.engine.health.path),
         "allowed_cidrs": _cidrs("allowed_cidrs", proxy.allowed_cidrs, allow_empty=False),
         "allowed_paths": paths_,
         "allowed_re": allowed_re(paths_),

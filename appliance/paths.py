@@ -158,6 +158,8 @@ def engine_units(replicas: int) -> tuple[str, ...]:
 
 # The appliance's units, in the order status shows them (ENGINE stands for every replica's unit).
 ENGINE = "ENGINE"
+# with several replicas, the balancer in front of them (appliance/balancer.py)
+BALANCER = "appliance-balancer.service"
 _UNITS = (
     "appliance-verify.service",
     "appliance-preflight.service",
@@ -166,6 +168,7 @@ _UNITS = (
     "appliance-gpu-selftest.service",  # every GPU checked before an engine starts (none in the demo)
     "appliance-model-fetch.service",  # the weights, when any is missing (a first boot)
     ENGINE,
+    BALANCER,
     "appliance-startup-report.service",
     "appliance-tls.service",
     "appliance-proxy.service",
@@ -177,4 +180,5 @@ _UNITS = (
 
 def units(replicas: int = 1) -> tuple[str, ...]:
     """The appliance's units with REPLICAS engine units, in the order status shows them."""
-    return tuple(u for name in _UNITS for u in (engine_units(replicas) if name == ENGINE else (name,)))
+    return tuple(u for name in _UNITS if name != BALANCER or replicas > 1
+                 for u in (engine_units(replicas) if name == ENGINE else (name,)))

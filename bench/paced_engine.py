@@ -7,15 +7,17 @@ chunk and the first token after one token time, then one SSE `data:` chunk every
 the finish chunk and `data: [DONE]`; not streamed, one JSON answer after SERVICE_S. The work is
 sleeping, so the host's 2 cores are left to the proxy and the clients, and both paths meet the
 same fixed latencies. Every answer names the backend's port in X-Paced-Engine (which replica
-answered, for the balancing tests). GET /metrics has vLLM's count of finished requests, which the
-proxy's health check of replicas reads (a replica is admitted once it has answered one: `start`
-sends that warm-up request, as the engine's unit does, unless told not to).
+answered, for the balancing tests) and the SHA-256 of the body it received in X-Paced-Body.
+GET /metrics has vLLM's count of finished requests, which the balancer's check of replicas reads
+(a replica is admitted once it has answered one: `start` sends that warm-up request, as the
+engine's unit does, unless told not to).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -58,7 +60,10 @@ def make_app(token_s: float = TOKEN_S, service_s: float = SERVICE_S, concurrency
         return Response(text.encode(), media_type="text/plain; version=0.0.4")
 
     async def chat(request: Request) -> Response:
-        body: dict[str, Any] = await request.json()
+        raw = await request.body()
+        body: dict[str, Any] = json.loads(raw)
+        # what this backend received, for the tests that check a request arrives as it was sent
+        sent = {"X-Paced-Engine": name, "X-Paced-Body": hashlib.sha256(raw).hexdigest()}
         n = int(body.get("max_tokens") or tokens)
         head = {"id": f"chatcmpl-{next(counter)}", "object": "chat.completion.chunk", "created": int(time.time()), "model": MODEL}
         if not body.get("stream"):
@@ -69,7 +74,7 @@ def make_app(token_s: float = TOKEN_S, service_s: float = SERVICE_S, concurrency
             usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}
             return JSONResponse({**head, "object": "chat.completion",
                                  "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}],
-                                 "usage": usage}, headers={"X-Paced-Engine": name})
+                                 "usage": usage}, headers=sent)
 
         async def events() -> AsyncIterator[bytes]:
             async with batch:
@@ -84,7 +89,7 @@ def make_app(token_s: float = TOKEN_S, service_s: float = SERVICE_S, concurrency
                 yield b"data: [DONE]\n\n"
                 finished[0] += 1
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Paced-Engine": name})
+        return StreamingResponse(events(), media_type="text/event-stream", headers=sent)
 
     return Starlette(routes=[Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
                              Route("/v1/chat/completions", chat, methods=["POST"])])

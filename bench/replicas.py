@@ -33,9 +33,10 @@ ROUNDS = 3  # per layout
 
 @contextlib.contextmanager
 def fronts() -> Iterator[dict[str, Endpoint]]:
-    """Two paced replicas; Caddy with layout 1x1 (the first only) and Caddy with layout 2x1 (both)."""
+    """Two paced replicas; Caddy with layout 1x1 (the first only) and Caddy with layout 2x1 (both,
+    through the balancer at the port after them)."""
     work = Path(tempfile.mkdtemp(prefix="bench-replicas-"))
-    ports = free_spaced_ports(2)
+    ports = free_spaced_ports(3)[:2]
     try:
         with paced_engine.running(ports, work, CAP, SERVICE_S), \
                 caddy.demo_front(ports[0], work / "one", replicas=1) as one, \

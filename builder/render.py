@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jinja2
 
-from appliance import paths
+from appliance import balancer, paths
 from appliance.bundle import EMPTY_LABEL as EMPTY
 from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from appliance.caddyfile import render_caddyfile
@@ -65,6 +65,8 @@ def _environment() -> jinja2.Environment:
 
 
 def render_template(name: str, config: Config, store: EngineStore | None = None) -> str:
+    if name == balancer.TEMPLATE:
+        return balancer.render_balancer(config)  # values of its own, each checked
     context = {
         "config": config,
         "store": store,
@@ -95,7 +97,7 @@ def _rendered_name(template: Path) -> Path:
         return QUADLET_DIR / name
     if name.endswith(".preset"):
         return Path("usr/lib/systemd/system-preset") / f"10-{name}"
-    if name == "Caddyfile" or name.endswith(".nft"):
+    if name in ("Caddyfile", "haproxy.cfg") or name.endswith(".nft"):
         return LIB / name
     return SYSTEMD_DIR / name
 
@@ -158,6 +160,8 @@ def render_units(config: Config, tree: Path, store: EngineStore) -> list[Path]:
             # and the template: appliance-host.service renders it again with the plan's settings
             _write(tree / LIB / source.name, source.read_text())
             written.append(tree / LIB / source.name)
+        elif source.name == balancer.TEMPLATE and not balancer.wanted(config):
+            continue  # one engine: Caddy sends to it directly
         elif source.suffix == ".j2":
             text = render_template(source.name, config, store)
         else:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 CADDY = shutil.which("caddy") or "/usr/bin/caddy"
+HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
 
 
 class NotReady(RuntimeError):
@@ -73,6 +74,20 @@ def running(caddyfile: Path, home: Path, https_port: int, log: Path) -> Iterator
         stop(caddy)
 
 
+@contextlib.contextmanager
+def balancer_running(cfg: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """The real HAProxy on CFG in the foreground, running until the block ends; ready once PORT connects."""
+    if not os.access(HAPROXY, os.X_OK):
+        raise NotReady(f"{HAPROXY}: no haproxy (apt install haproxy)")
+    with log.open("wb") as out:
+        proc = subprocess.Popen([HAPROXY, "-db", "-f", str(cfg)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_ready("haproxy", lambda: connects(port), proc, log)
+        yield proc
+    finally:
+        stop(proc)
+
+
 @dataclasses.dataclass(frozen=True)
 class Front:
     """The proxy as a client sees it: HTTPS on 127.0.0.1:PORT, trusting CA."""
@@ -90,7 +105,9 @@ class Front:
 def demo_front(engine_port: int, work: Path, *, replicas: int = 1, affinity_header: str = "") -> Iterator[Front]:
     """Caddy on the demo profile's rendered Caddyfile (its own certificates from applianctl.tls),
     forwarding to 127.0.0.1:ENGINE_PORT; loopback admitted, no plain HTTP, no admin API. With
-    REPLICAS, the layout REPLICASx1: the replicas at ENGINE_PORT, +2, +4, ... (Config.replica_port)."""
+    REPLICAS, the layout REPLICASx1: the replicas at ENGINE_PORT, +2, +4, ... (Config.replica_port)
+    behind the real HAProxy on the rendered balancer configuration, at the port after them."""
+    from appliance import balancer
     from appliance import config as config_mod
     from appliance.caddyfile import render_caddyfile
     from applianctl import tls
@@ -112,5 +129,10 @@ def demo_front(engine_port: int, work: Path, *, replicas: int = 1, affinity_head
     caddyfile = work / "Caddyfile"
     caddyfile.write_text(render_caddyfile(config, tls_dir=tls_dir, http_port=free_port(), admin="off"))
     log = work / "caddy.log"
-    with running(caddyfile, work / "home", https_port, log):
+    with contextlib.ExitStack() as stack:
+        if balancer.wanted(config):
+            cfg = work / "haproxy.cfg"
+            cfg.write_text(balancer.render_balancer(config))
+            stack.enter_context(balancer_running(cfg, config.balancer_port, work / "haproxy.log"))
+        stack.enter_context(running(caddyfile, work / "home", https_port, log))
         yield Front(https_port, tls_dir / "ca.crt", log)

@@ -86,6 +86,23 @@ def test_production_tree_is_not_empty(production_tree: Path) -> None:
     assert not (production_tree / "usr/lib/python3/dist-packages/testkit").exists()
 
 
+def test_only_an_image_with_several_replicas_has_the_balancer(production_tree: Path, demo_tree: Path) -> None:
+    """The unit is in both (ConditionPathExists= on the configuration keeps it out of a one-engine
+    image), enabled by the preset, Debian's own haproxy.service disabled; the configuration only
+    where the demo's two replicas need it, HAProxy's own parser accepting it."""
+    for tree in (production_tree, demo_tree):
+        unit = (tree / "usr/lib/systemd/system/appliance-balancer.service").read_text()
+        assert "ConditionPathExists=/usr/lib/appliance/haproxy.cfg" in unit.splitlines()
+        preset = (tree / "usr/lib/systemd/system-preset/10-appliance.preset").read_text().splitlines()
+        assert "enable appliance-balancer.service" in preset and "disable haproxy.service" in preset
+    assert not (production_tree / "usr/lib/appliance/haproxy.cfg").exists()
+    cfg = demo_tree / "usr/lib/appliance/haproxy.cfg"
+    assert "server replica1 127.0.0.1:8002 check" in cfg.read_text()
+    if shutil.which("haproxy"):
+        check = subprocess.run(["haproxy", "-c", "-f", str(cfg)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+
+
 def test_demo_tree_has_the_boot_check(demo_tree: Path) -> None:
     found = _machinery(demo_tree)
     unit = "usr/lib/systemd/system/appliance-bootcheck.service"

@@ -133,11 +133,10 @@ def test_every_variant_is_valid_for_caddy(
     https = next(s for s in servers.values() if s["listen"] == [":443"])
     routes = json.dumps(https["routes"])
     assert '"flush_interval": -1' in routes
-    if config.replicas > 1:  # a replica is admitted once it has answered its warm-up request
-        assert '"uri": "/metrics"' in routes and json.dumps(proxy_mod.WARMED_BODY) in routes
+    if config.replicas > 1:  # the balancer checks each replica; Caddy sends to it
+        assert '"health_checks"' not in routes and f'"dial": "127.0.0.1:{config.balancer_port}"' in routes
     else:
-        assert '"uri": "/health"' in routes and "expect_body" not in routes
-    assert '"dial": "127.0.0.1:8000"' in routes
+        assert '"uri": "/health"' in routes and "expect_body" not in routes and '"dial": "127.0.0.1:8000"' in routes
     for cidr in config.proxy.allowed_cidrs:
         assert f'"{cidr}"' in routes
     assert ('"/metrics"]' in routes and '"not"' in routes) == bool(metrics)
@@ -167,11 +166,10 @@ def test_rendered_text(profile: str, mode: str, http: str, metrics: tuple[str, .
     assert "tls internal" not in text
     assert "admin unix//run/appliance-proxy/admin.sock" in text
     assert re.search(r"log \{\s*output stdout\s*format json\s*\}", text)
-    # every replica (the demo runs two): production's one engine, the demo's 8000 and 8002
-    upstreams = " ".join(f"127.0.0.1:{config.replica_port(i)}" for i in range(config.replicas))
-    assert f"reverse_proxy {upstreams} {{" in text and "flush_interval -1" in text
-    assert f"health_uri {'/metrics' if config.replicas > 1 else '/health'}\n" in text
-    assert ("lb_policy least_conn" in text) == (config.replicas > 1)
+    # production's one engine; the demo's two replicas through the balancer after them
+    upstream = f"127.0.0.1:{config.balancer_port if config.replicas > 1 else config.engine.port}"
+    assert f"reverse_proxy {upstream} {{" in text and "flush_interval -1" in text
+    assert ("health_uri /health\n" in text) == (config.replicas == 1) and "lb_policy" not in text
     assert f"remote_ip {' '.join(config.proxy.allowed_cidrs)} 127.0.0.1/32 ::1/128\n" in text
     assert f"path {' '.join(config.proxy.allowed_paths)}\n" in text
     if mode == "acme":

@@ -1,18 +1,23 @@
-"""The proxy in front of several replicas (issue 23, item 3) on the real Caddy: the rendered
-Caddyfile of a layout RxTP names every replica, picks the one with the fewest requests in flight,
-sends a request that carries proxy.affinity_header to the replica its value hashes to, and loses
-no request sent after a replica is killed (SIGKILL): only the ones in flight on it may fail, at
-most its concurrency. The replicas are bench/paced_engine.py (latency-bound, capped concurrency,
-the answering port in X-Paced-Engine)."""
+"""The proxy in front of several replicas (issue 23, item 3): Caddy (TLS, the allowlist) sends the
+engine's requests to the balancer, the real HAProxy on the rendered configuration of a layout RxTP,
+which names every replica, picks the one with the fewest requests in flight, sends a request that
+carries proxy.affinity_header to the replica its value hashes to, and loses no request sent after a
+replica is killed (SIGKILL): only the ones in flight on it may fail, at most its concurrency; a
+request that found it dead reaches another replica with its own body. The replicas are
+bench/paced_engine.py (latency-bound, capped concurrency, the answering port in X-Paced-Engine, the
+digest of the body received in X-Paced-Body)."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import dataclasses
+import hashlib
+import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +28,7 @@ import pytest
 import requests
 from test_proxy import _adapt
 
-from appliance import caddyfile
+from appliance import balancer
 from appliance import config as config_mod
 from appliance.caddyfile import render_caddyfile
 from appliance.errors import ConfigError
@@ -33,7 +38,8 @@ from testkit.standin import free_spaced_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
-pytestmark = pytest.mark.skipif(not os.access(caddy.CADDY, os.X_OK), reason="needs Debian's caddy (apt install caddy)")
+pytestmark = pytest.mark.skipif(not (os.access(caddy.CADDY, os.X_OK) and os.access(caddy.HAPROXY, os.X_OK)),
+                                reason="needs Debian's caddy and haproxy (make setup)")
 
 CAP = 4  # requests at once per replica
 SERVICE_S = 0.05
@@ -48,12 +54,13 @@ def _layout(replicas: int, affinity_header: str = "") -> config_mod.Config:
 
 
 def _engine_proxies(adapted: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every reverse_proxy handler of the clients' site that forwards to the engine's replicas."""
+    """Every reverse_proxy handler of the clients' site that forwards to the engine (or its balancer):
+    the ones that stream (flush_interval -1)."""
     found = []
 
     def walk(node: Any) -> None:
         if isinstance(node, dict):
-            if node.get("handler") == "reverse_proxy" and node.get("health_checks"):
+            if node.get("handler") == "reverse_proxy" and node.get("flush_interval") == -1:
                 found.append(node)
             for value in node.values():
                 walk(value)
@@ -65,44 +72,77 @@ def _engine_proxies(adapted: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
-# ------------------------------------------------------------------------------ the rendered file
+def _servers(cfg: str, backend: str) -> list[str]:
+    section = cfg.split(f"\nbackend {backend}\n", 1)[1].split("\n\n", 1)[0]
+    return [line.split()[2] for line in section.splitlines() if line.strip().startswith("server ")]
 
 
-def test_one_engine_renders_a_single_upstream_without_balancing(tmp_path: Path) -> None:
-    text = render_caddyfile(_layout(1))
+def _haproxy_check(cfg: str, tmp_path: Path) -> None:
+    """HAProxy's own parser accepts the rendered configuration."""
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(cfg)
+    check = subprocess.run([caddy.HAPROXY, "-c", "-f", str(path)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+# ------------------------------------------------------------------------------ the rendered files
+
+
+def test_one_engine_renders_a_single_upstream_and_no_balancer(tmp_path: Path) -> None:
+    one = _layout(1)
+    text = render_caddyfile(one)
     assert "reverse_proxy 127.0.0.1:8000 {" in text and "lb_policy" not in text and "/engine/0/metrics" not in text
     (proxy,) = _engine_proxies(_adapt(text, tmp_path))
     assert [u["dial"] for u in proxy["upstreams"]] == ["127.0.0.1:8000"]
+    assert proxy["health_checks"]["active"]["uri"] == one.engine.health.path
+    assert not balancer.wanted(one)
 
 
-def test_two_replicas_are_balanced_by_requests_in_flight_and_retried_only_when_they_never_got_the_request(tmp_path: Path) -> None:
-    (proxy,) = _engine_proxies(_adapt(render_caddyfile(_layout(2)), tmp_path))
-    assert [u["dial"] for u in proxy["upstreams"]] == ["127.0.0.1:8000", "127.0.0.1:8002"]
-    lb = proxy["load_balancing"]
-    assert lb["selection_policy"] == {"policy": "least_conn"}
-    assert lb["try_duration"] > 0 and "retry_match" not in lb  # Caddy's default: only GET (and refused dials) retried
-    assert proxy["health_checks"]["passive"]["fail_duration"] > 0
-    # admitted once warmed up: vLLM's count of finished requests above zero, in its /metrics
-    active = proxy["health_checks"]["active"]
-    assert (active["uri"], active["expect_body"]) == ("/metrics", r"request_success_total[^ \n]* [1-9]")
-    pattern = re.compile(active["expect_body"])
+def test_two_replicas_go_through_the_balancer_by_requests_in_flight_and_caddy_never_retries(tmp_path: Path) -> None:
+    two = _layout(2)
+    (proxy,) = _engine_proxies(_adapt(render_caddyfile(two), tmp_path))
+    # Caddy: one upstream, the balancer; no retry of its own (Caddy 2.6.2 resends a buffered body it
+    # has handed back: appliance/balancer.py), no health checks (the balancer checks each replica)
+    assert [u["dial"] for u in proxy["upstreams"]] == [f"127.0.0.1:{two.balancer_port}"] == ["127.0.0.1:8004"]
+    assert "load_balancing" not in proxy and "health_checks" not in proxy
+    cfg = balancer.render_balancer(two)
+    _haproxy_check(cfg, tmp_path)
+    assert "\tbind 127.0.0.1:8004\n" in cfg and "\tbalance leastconn\n" in cfg
+    assert _servers(cfg, "replicas") == ["127.0.0.1:8000", "127.0.0.1:8002"]
+    # a refused connection goes to another replica; a request that reached one is never resent
+    assert "\tretry-on conn-failure\n" in cfg and "\toption redispatch 1\n" in cfg
+    assert "affine" not in cfg
+
+
+def test_a_replica_is_admitted_once_it_has_answered_a_request() -> None:
+    """The balancer's check: vLLM's count of finished requests above zero in its /metrics."""
+    cfg = balancer.render_balancer(_layout(2))
+    assert "\thttp-check send meth GET uri /metrics\n" in cfg
+    assert "\thttp-check expect rstring request_success_total[^\\ \\n]*\\ [1-9]\n" in cfg
+    pattern = re.compile(balancer.WARMED_RE)
     recorded = (SHARED / "fixtures/vllm/metrics-v1-ngc-vllm25.09-qwen3-4b.prom").read_text()
     assert pattern.search(recorded)  # a real vLLM's /metrics after 6 requests
     assert not pattern.search(re.sub(r"(request_success_total\{[^}]*\}) [0-9.e+]+", r"\1 0.0", recorded))  # and after none
 
 
 def test_eight_replicas_each_with_its_own_metrics_path(tmp_path: Path) -> None:
-    text = render_caddyfile(_layout(8))
+    eight = _layout(8)
+    text = render_caddyfile(eight)
     (proxy,) = _engine_proxies(_adapt(text, tmp_path))
-    assert [u["dial"] for u in proxy["upstreams"]] == [f"127.0.0.1:{8000 + 2 * i}" for i in range(8)]
+    assert [u["dial"] for u in proxy["upstreams"]] == ["127.0.0.1:8016"]
+    cfg = balancer.render_balancer(eight)
+    _haproxy_check(cfg, tmp_path)
+    assert _servers(cfg, "replicas") == [f"127.0.0.1:{8000 + 2 * i}" for i in range(8)]
     for i in range(8):
         assert f"`^/engine/{i}/metrics$`" in text and f"reverse_proxy 127.0.0.1:{8000 + 2 * i}\n" in text
 
 
 def test_affinity_by_a_header_goes_first_and_the_rest_by_requests_in_flight(tmp_path: Path) -> None:
-    proxies = _engine_proxies(_adapt(render_caddyfile(_layout(2, "X-Session-Id")), tmp_path))
-    assert [p["load_balancing"]["selection_policy"] for p in proxies] == [{"policy": "header", "field": "X-Session-Id"},
-                                                                         {"policy": "least_conn"}]
+    cfg = balancer.render_balancer(_layout(2, "X-Session-Id"))
+    _haproxy_check(cfg, tmp_path)
+    assert "\tuse_backend affine if { req.hdr(X-Session-Id) -m found }\n\tdefault_backend replicas\n" in cfg
+    assert "\tbalance hdr(X-Session-Id)\n\thash-type consistent\n" in cfg
+    assert _servers(cfg, "affine") == _servers(cfg, "replicas") == ["127.0.0.1:8000", "127.0.0.1:8002"]
 
 
 @pytest.mark.parametrize("hostile", ["X-Session-Id *", "X-Session-Id\n}", "{http.request.uri}", "1abc", "X" * 65])
@@ -116,7 +156,7 @@ def test_an_affinity_header_that_is_not_a_header_name_is_refused_in_one_line(tmp
     assert "affinity_header" in e.value.message and "\n" not in e.value.message and e.value.hint
 
 
-# ------------------------------------------------------------------------------ the real Caddy
+# ------------------------------------------------------------------------- the real Caddy and HAProxy
 
 
 @dataclasses.dataclass
@@ -131,7 +171,7 @@ class Replicas:
 @pytest.fixture
 def two(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Replicas]:
     affinity = getattr(request, "param", "")
-    ports = free_spaced_ports(2)
+    ports = free_spaced_ports(3)[:2]  # and the balancer's, the port after them
     with paced_engine.running(ports, tmp_path, CAP, SERVICE_S) as procs, \
             caddy.demo_front(ports[0], tmp_path / "front", replicas=2, affinity_header=affinity) as front:
         yield Replicas(ports, procs, front.url, front.ca, tmp_path)
@@ -205,7 +245,7 @@ def test_a_killed_replica_fails_only_its_requests_in_flight_and_none_sent_after(
         time.sleep(4)
         two.procs[victim] = paced_engine.start(victim, two.work, CAP, SERVICE_S)
         restarted_at = time.monotonic()
-        # the next active health check (every 10 s) finds it serving
+        # the balancer's next check (every CHECK_INTERVAL_S) finds it serving
         deadline = restarted_at + 30
         while time.monotonic() < deadline and not any(sent > restarted_at and port == str(victim) for sent, _, port in list(outcomes)):
             time.sleep(0.5)
@@ -226,16 +266,16 @@ def test_a_killed_replica_fails_only_its_requests_in_flight_and_none_sent_after(
 
 def test_a_replica_takes_traffic_only_once_it_has_answered_its_warm_up_request(two: Replicas) -> None:
     """Restarted without its warm-up request, a replica gets nothing through the proxy once a health
-    check has seen it (every 10 s), however long it listens; warmed up, it gets requests from the
+    check has seen it (every CHECK_INTERVAL_S), however long it listens; warmed up, it gets requests from the
     next health check on."""
     victim = two.ports[1]
     two.procs[victim].send_signal(signal.SIGKILL)
     two.procs[victim].wait()
     two.procs[victim] = paced_engine.start(victim, two.work, CAP, SERVICE_S, warmed=False)
     with _session(two) as s:
-        time.sleep(11)  # a health check of the listening, unwarmed replica has run
+        time.sleep(balancer.CHECK_INTERVAL_S + 1)  # a check of the listening, unwarmed replica has run
         cold = {_ask(s, two) for _ in range(40)}
-        time.sleep(10)  # and another
+        time.sleep(balancer.CHECK_INTERVAL_S + 1)  # and another
         cold |= {_ask(s, two) for _ in range(40)}
         assert cold == {str(two.ports[0])}, cold
         paced_engine.warm(victim)
@@ -247,15 +287,29 @@ def test_a_replica_takes_traffic_only_once_it_has_answered_its_warm_up_request(t
     assert str(victim) in warmed, warmed
 
 
-def test_a_replica_that_died_idle_costs_no_request(two: Replicas) -> None:
-    """Nothing in flight on it when it died, so nothing told the proxy: the next requests that pick
-    it find its port closed, and go to the other replica (lb_try_duration) instead of failing."""
+def test_a_replica_that_died_idle_costs_no_request_and_each_arrives_with_its_own_body(two: Replicas) -> None:
+    """Nothing in flight on it when it died, so nothing told the balancer: the requests that pick it
+    find its port closed and go to the other replica, each with the body its client sent (Caddy
+    2.6.2's own retry resent a pooled buffer: empty, or another request's), while 8 clients send
+    requests with bodies of their own at once."""
     two.procs[two.ports[1]].send_signal(signal.SIGKILL)
     two.procs[two.ports[1]].wait()
-    with _session(two) as s:
-        statuses = [s.post(two.url + CHAT, json=BODY, timeout=30) for _ in range(12)]
-    assert [r.status_code for r in statuses] == [200] * 12, [(r.status_code, r.text[:100]) for r in statuses if r.status_code != 200]
-    assert {r.headers["X-Paced-Engine"] for r in statuses} == {str(two.ports[0])}
+
+    def client(n: int) -> list[tuple[int, str, str, str]]:
+        out = []
+        with _session(two) as s:
+            for k in range(6):
+                raw = json.dumps({**BODY, "messages": [{"role": "user", "content": f"client {n} turn {k} " + "x" * (n * 97)}]})
+                r = s.post(two.url + CHAT, data=raw, headers={"Content-Type": "application/json"}, timeout=30)
+                out.append((r.status_code, r.headers.get("X-Paced-Engine", ""), r.headers.get("X-Paced-Body", ""),
+                            hashlib.sha256(raw.encode()).hexdigest()))
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = [a for batch in pool.map(client, range(8)) for a in batch]
+    assert [a for a in answers if a[0] != 200] == []
+    assert {a[1] for a in answers} == {str(two.ports[0])}
+    assert [a for a in answers if a[2] != a[3]] == []  # every request arrived as its client sent it
 
 
 def test_the_warm_up_request_admits_the_stand_in_engine(tmp_path: Path) -> None:
@@ -267,7 +321,7 @@ def test_the_warm_up_request_admits_the_stand_in_engine(tmp_path: Path) -> None:
     from builder import render
 
     demo = config_mod.load(ROOT / "appliance.toml", "demo")
-    pattern = re.compile(caddyfile.WARMED_BODY)
+    pattern = re.compile(balancer.WARMED_RE)
     port = free_port()
     proc = start_standin(port, name=demo.served_model)
     try:

@@ -362,6 +362,12 @@ class Config:
             raise IndexError(f"replica {i} of {self.replicas}")
         return self.engine.port + 2 * i
 
+    @property
+    def balancer_port(self) -> int:
+        """With several replicas, the balancer's loopback port (appliance/balancer.py): the next
+        after the replicas'."""
+        return self.engine.port + 2 * self.replicas
+
     def replica_devices(self, i: int) -> tuple[str, ...]:
         """The device nodes replica I's container gets: engine.devices, with /dev/dri narrowed to
         its own GPUs' render nodes when the GPUs are shared out among replicas (ROCm's visibility
