@@ -50,12 +50,14 @@ def load(name: str) -> Any:
 
 
 def kfd_nodes(bdfs: Sequence[str]) -> dict[str, str]:
-    """A KFD topology: the CPU node, then the recorded GPU node's properties once per BDF."""
+    """A KFD topology: the CPU node, then the recorded GPU node's properties once per BDF, each with
+    its own location_id and render node (renderD128 onwards, in probe order)."""
     gpu_props = (FAULTS / "kfd-node-properties-mi300x.txt").read_text()
     nodes = {"0": (FAULTS / "kfd-node-properties-cpu.txt").read_text()}
     for n, bdf in enumerate(bdfs, start=1):
         bus, dev, fn = int(bdf[5:7], 16), int(bdf[8:10], 16), int(bdf[11])
-        nodes[str(n)] = re.sub(r"(?m)^location_id \d+$", f"location_id {bus << 8 | dev << 3 | fn}", gpu_props)
+        props = re.sub(r"(?m)^location_id \d+$", f"location_id {bus << 8 | dev << 3 | fn}", gpu_props)
+        nodes[str(n)] = re.sub(r"(?m)^drm_render_minor \d+$", f"drm_render_minor {127 + n}", props)
     return nodes
 
 
@@ -122,7 +124,7 @@ def test_rocm_smi_vram_and_firmware_are_read_from_the_recordings() -> None:
 
 
 def test_derived_amd_smi_readings_raise_no_alarm_and_every_check_ran() -> None:
-    report = run(healthy())
+    report = run(healthy(), Expectations(render_node_per_gpu=True))
     assert (report.tool, report.failed_gpus, report.exit_status) == ("amd-smi", [], 0)
     assert [(g.index, g.bdf) for g in report.gpus] == list(enumerate(BDFS))
     for g in report.gpus:
@@ -267,6 +269,27 @@ def test_driver_older_than_the_engine_needs_fails_every_gpu() -> None:
     inbox = edited("static", lambda doc: [record.update(driver={"name": "amdgpu", "version": "6.14.4"}) for record in doc])
     assert run(inbox, Expectations(driver_min="6.12")).failed_gpus == []
     assert host(run(inbox, Expectations(driver_min="6.15")), "driver-version")[0] == FAILED
+
+
+def test_render_nodes_in_another_order_than_the_gpus_fail_only_with_several_replicas() -> None:
+    """Each replica is given renderD(128+G) for GPU G; a host whose render nodes are numbered in
+    another order would give a replica another GPU than the one checked for it."""
+    nodes = kfd_nodes(BDFS)
+    assert "drm_render_minor 129\n" in nodes["2"]
+    per_gpu = Expectations(render_node_per_gpu=True)
+    assert run(healthy(), per_gpu).failed_gpus == []
+    assert set(findings(run(healthy(), per_gpu), "render-node").values()) == {(OK, "")}
+    nodes["2"], nodes["3"] = (nodes["2"].replace("drm_render_minor 129", "drm_render_minor 130"),
+                              nodes["3"].replace("drm_render_minor 130", "drm_render_minor 129"))
+    assert failures(run(healthy(kfd_nodes=nodes), per_gpu), "render-node") == {
+        1: "GPU 1: its render node is renderD130, but its replica is given renderD129 (another GPU)",
+        2: "GPU 2: its render node is renderD129, but its replica is given renderD130 (another GPU)",
+    }
+    # one engine is given every render node: the order does not matter
+    assert failures(run(healthy(kfd_nodes=nodes)), "render-node") == {}
+    # a KFD that states none (older kernels): not checked, not failed
+    bare = {k: re.sub(r"(?m)^drm_render_minor \d+\n", "", v) for k, v in kfd_nodes(BDFS).items()}
+    assert {state for state, _ in findings(run(healthy(kfd_nodes=bare), per_gpu), "render-node").values()} == {NOT_CHECKED}
 
 
 def test_kfd_without_the_gpu_or_for_another_target() -> None:

@@ -373,7 +373,8 @@ class Config:
         its own GPUs' render nodes when the GPUs are shared out among replicas (ROCm's visibility
         variables do not isolate a container; only the device nodes it is given do). GPU G is
         /dev/dri/renderD(128 + G): amdgpu numbers render nodes in probe order, the order the KFD
-        and amd-smi number the GPUs in (a server's BMC display has no render node)."""
+        and amd-smi number the GPUs in (a server's BMC display has no render node); the GPU
+        self-test checks it against the KFD's drm_render_minor before any replica starts."""
         if self.replicas == 1:
             return self.engine.devices
         narrowed = tuple(f"/dev/dri/renderD{RENDER_MINOR_BASE + g}" for g in self.topology.replica_gpus(i))

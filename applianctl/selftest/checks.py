@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.config.model import RENDER_MINOR_BASE
 from applianctl.selftest.facts import Facts, GpuFacts, read, version
 from applianctl.selftest.readings import Readings
 
@@ -52,6 +53,10 @@ class Expectations:
     # AMD's MI300X system optimization guide: `iommu=pt` on AMD hosts (`amd_iommu=on` is not a
     # value the kernel knows: admin-guide/kernel-parameters)
     kernel_cmdline: tuple[str, ...] = ("iommu=pt",)
+    # With several replicas each engine is given GPU G as /dev/dri/renderD(128+G) alone
+    # (Config.replica_devices): the render node of the GPU this check calls G must be that one, or
+    # a replica would run on another GPU than the one checked for it.
+    render_node_per_gpu: bool = False
 
 
 @dataclass(frozen=True)
@@ -217,6 +222,18 @@ def _kfd(g: GpuFacts, f: Facts, e: Expectations) -> Finding:
     return Finding("kfd", OK)
 
 
+def _render_node(g: GpuFacts, f: Facts, e: Expectations) -> Finding:
+    if not e.render_node_per_gpu:
+        return Finding("render-node", NOT_CHECKED, "one engine is given every render node")
+    if f.render_minors is None or g.bdf is None or g.bdf not in f.render_minors:
+        return Finding("render-node", NOT_CHECKED, f"{_name(g)}: KFD states no render node for it")
+    minor, expected = f.render_minors[g.bdf], 128 + g.index
+    if minor != expected:
+        return Finding("render-node", FAILED, f"{_name(g)}: its render node is renderD{minor}, but its replica is given "
+                                              f"renderD{expected} (another GPU)")
+    return Finding("render-node", OK)
+
+
 def _pcie_link(g: GpuFacts, f: Facts, e: Expectations) -> Finding:
     width_floor = e.pcie_width if e.pcie_width is not None else g.pcie_max_width
     speed_floor = e.pcie_speed_gts if e.pcie_speed_gts is not None else g.pcie_max_speed_gts
@@ -260,7 +277,7 @@ def _ras_log(g: GpuFacts, f: Facts, e: Expectations) -> Finding:
 
 
 GPU_CHECKS: tuple[Check, ...] = (_device_id, _compute_partition, _memory_partition, _vram, _ecc_uncorrectable, _retired_pages,
-                                 _pending_pages, _firmware, _kfd, _pcie_link, _xgmi, _ras_log)
+                                 _pending_pages, _firmware, _kfd, _render_node, _pcie_link, _xgmi, _ras_log)
 
 
 def gpu_key(g: GpuFacts) -> str:

@@ -87,7 +87,8 @@ def at_boot(debug: bool = False) -> int:
         print(f"applianctl selftest: {e.message}; starting from this run's counts", file=sys.stderr)
         previous = None
     try:
-        report = run(collect(run_command, DEADLINE_S), Expectations(gpu_count=config.topology.gpus), previous)
+        expected = Expectations(gpu_count=config.topology.gpus, render_node_per_gpu=config.replicas > 1)
+        report = run(collect(run_command, DEADLINE_S), expected, previous)
         failure = ""
     except Exception as e:
         if debug:

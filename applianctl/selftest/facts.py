@@ -80,6 +80,7 @@ class Facts:
     cmdline: tuple[str, ...] | None = None
     numa_balancing: int | None = None
     kfd: dict[str, str | None] | None = None  # BDF -> gfx target ("gfx942"), None when it states none
+    render_minors: dict[str, int] | None = None  # BDF -> its DRM render node's minor (renderD<minor>)
     ras_errors: list[RasError] | None = None
     problems: list[str] = field(default_factory=list)
 
@@ -249,7 +250,16 @@ def _from_rocm_smi(output: str) -> list[GpuFacts] | None:
 def _kfd(nodes: Mapping[str, str]) -> dict[str, str | None]:
     """Each GPU node's BDF and gfx target. A node's properties are "name value" lines
     (kfd_topology.c, node_show); CPU nodes have no SIMDs."""
-    found: dict[str, str | None] = {}
+    return {bdf: target for bdf, (target, _) in _kfd_gpus(nodes).items()}
+
+
+def _render_minors(nodes: Mapping[str, str]) -> dict[str, int]:
+    """Each GPU node's BDF and the minor of its render node (node_show's drm_render_minor)."""
+    return {bdf: minor for bdf, (_, minor) in _kfd_gpus(nodes).items() if minor is not None}
+
+
+def _kfd_gpus(nodes: Mapping[str, str]) -> dict[str, tuple[str | None, int | None]]:
+    found: dict[str, tuple[str | None, int | None]] = {}
     for props in nodes.values():
         values = {}
         for line in props.splitlines()[:200]:
@@ -260,8 +270,10 @@ def _kfd(nodes: Mapping[str, str]) -> dict[str, str | None]:
             loc, domain = values["location_id"], values.get("domain", 0)
             bdf = f"{domain:04x}:{loc >> 8 & 0xFF:02x}:{loc >> 3 & 0x1F:02x}.{loc & 7}"
             target = values.get("gfx_target_version", 0)
+            minor = values.get("drm_render_minor")
             # 90402 is gfx942: major, minor and stepping, the last two printed in hex
-            found[bdf] = f"gfx{target // 10000}{target // 100 % 100:x}{target % 100:x}" if target else None
+            found[bdf] = (f"gfx{target // 10000}{target // 100 % 100:x}{target % 100:x}" if target else None,
+                          minor if minor is not None and 128 <= minor < 256 else None)
     return found
 
 
@@ -307,6 +319,7 @@ def read(r: Readings) -> Facts:
         cmdline=tuple(cmdline.split()) if cmdline is not None else None,
         numa_balancing=int(numa) if re.fullmatch(r"[0-9]{1,5}", numa) else None,
         kfd=safely("KFD topology", _kfd, r.kfd_nodes) if isinstance(r.kfd_nodes, Mapping) else None,
+        render_minors=safely("KFD topology", _render_minors, r.kfd_nodes) if isinstance(r.kfd_nodes, Mapping) else None,
         ras_errors=safely("kernel log", _ras_errors, r.kernel_log) if isinstance(r.kernel_log, str) else None,
         problems=problems,
     )
