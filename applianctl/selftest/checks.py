@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from appliance.config.model import RENDER_MINOR_BASE
 from applianctl.selftest.facts import Facts, GpuFacts, read, version
 from applianctl.selftest.readings import Readings
 
