@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.config.model import RENDER_MINOR_BASE
 from applianctl.selftest.facts import Facts, GpuFacts, read, version
 from applianctl.selftest.readings import Readings
 
@@ -226,7 +227,7 @@ def _render_node(g: GpuFacts, f: Facts, e: Expectations) -> Finding:
         return Finding("render-node", NOT_CHECKED, "one engine is given every render node")
     if f.render_minors is None or g.bdf is None or g.bdf not in f.render_minors:
         return Finding("render-node", NOT_CHECKED, f"{_name(g)}: KFD states no render node for it")
-    minor, expected = f.render_minors[g.bdf], 128 + g.index
+    minor, expected = f.render_minors[g.bdf], RENDER_MINOR_BASE + g.index
     if minor != expected:
         return Finding("render-node", FAILED, f"{_name(g)}: its render node is renderD{minor}, but its replica is given "
                                               f"renderD{expected} (another GPU)")
