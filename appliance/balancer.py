@@ -29,9 +29,11 @@ CONFIG_PATH = "/usr/lib/appliance/haproxy.cfg"
 # makes it. A restarted replica counts from zero again.
 WARMED_URI = "/metrics"
 WARMED_RE = r"request_success_total[^ \n]* [1-9]"
-# How often each replica is checked: a replica that died with nothing in flight is out within this
-# (one that had requests in flight is out at once: their failed connections mark it down).
+# How often each replica is checked: a replica that died with nothing in flight is out after two
+# checks, or at once when a request finds its port closed (and goes to another replica).
 CHECK_INTERVAL_S = 2
+# How long a check may take (a busy engine's /metrics under load).
+CHECK_TIMEOUT_S = 5
 # How long a connection to a replica may take before it counts as refused and goes to another.
 CONNECT_TIMEOUT_S = 2
 # A completion takes as long as the engine needs (its own limits apply); an idle client connection
@@ -58,6 +60,7 @@ def template_values(config: Config) -> dict[str, Any]:
         # HAProxy's configuration language: a space inside a word is escaped
         "warmed_re": WARMED_RE.replace(" ", "\\ "),
         "check_interval_s": CHECK_INTERVAL_S,
+        "check_timeout_s": CHECK_TIMEOUT_S,
         "connect_timeout_s": CONNECT_TIMEOUT_S,
         "request_timeout_s": REQUEST_TIMEOUT_S,
         "keepalive_s": KEEPALIVE_S,

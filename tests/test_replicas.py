@@ -273,7 +273,7 @@ def test_a_replica_takes_traffic_only_once_it_has_answered_its_warm_up_request(t
     two.procs[victim].wait()
     two.procs[victim] = paced_engine.start(victim, two.work, CAP, SERVICE_S, warmed=False)
     with _session(two) as s:
-        time.sleep(balancer.CHECK_INTERVAL_S + 1)  # a check of the listening, unwarmed replica has run
+        time.sleep(2 * balancer.CHECK_INTERVAL_S + 1)  # two checks of the listening, unwarmed replica have run
         cold = {_ask(s, two) for _ in range(40)}
         time.sleep(balancer.CHECK_INTERVAL_S + 1)  # and another
         cold |= {_ask(s, two) for _ in range(40)}
