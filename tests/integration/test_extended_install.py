@@ -137,7 +137,11 @@ serial = "TARGET-0001"
             "-device", "usb-storage,drive=medium,serial=MEDIUM-0005,bus=xhci.0",
             *qemu.credential_args(creds),
             "-serial", f"file:{work}/install-console.log", "-serial", f"file:{work}/install-report.log"]
-    proc = subprocess.run(cmd1, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=3600, check=False)
+    # the installed guest's TPM (qemu.Guest keeps its state in DIR/tpm): the installer seals /var to
+    # it and refuses a machine without one
+    with qemu.Tpm(work / "boot2" / "tpm") as tpm:
+        proc = subprocess.run([*cmd1, *tpm.qemu_args()], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=3600, check=False)
     assert proc.returncode == 0, f"QEMU: {proc.stderr[-2000:]}"
     after = {name: _sha256(p) for name, p in disks.items() if name != "target"}
     table = json.loads(subprocess.run(["sfdisk", "-J", str(disks["target"])], capture_output=True, text=True, check=True).stdout)
@@ -210,7 +214,9 @@ def _install_then_boot(work: Path, medium_args: list[str], creds: dict[str, str]
            "-drive", f"if=none,id=t,format=raw,file={target}", "-device", "nvme,drive=t,serial=TARGET-0001",
            *medium_args, *qemu.credential_args(creds),
            "-serial", f"file:{work}/console.log", "-serial", f"file:{work}/output.log"]
-    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=3600, check=False)
+    with qemu.Tpm(work / "boot2" / "tpm") as tpm:  # the installed guest's (see install_run)
+        proc = subprocess.run([*cmd, *tpm.qemu_args()], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=3600, check=False)
     assert proc.returncode == 0, f"QEMU: {proc.stderr[-2000:]}"
     output = (work / "output.log").read_text(errors="replace")
     guest = qemu.Guest(target, work / "boot2")
