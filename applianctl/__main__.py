@@ -40,6 +40,7 @@ COMMAND_MODULES = {
     "support-bundle": "applianctl.status.bundle",
     "var-seal": "applianctl.var.seal",  # hidden: appliance-var-seal.service
     "selftest": "applianctl.selftest.command",
+    "stagger": "applianctl.engine.stagger",  # hidden: each replica's wait for the previous one
 }
 
 

@@ -169,6 +169,19 @@ def sealed() -> dict[str, Any]:
     }
 
 
+def replica_starts(replicas: int) -> dict[str, Any]:
+    """When each replica's unit was started, its engine's container started and the unit became
+    active (healthy), in µs since boot, and what its stagger step said (units/appliance-engine@.container.j2)."""
+    keys = ("InactiveExitTimestampMonotonic", "ExecMainStartTimestampMonotonic", "ActiveEnterTimestampMonotonic")
+    starts: dict[str, Any] = {}
+    for i, unit in enumerate(paths.engine_units(replicas)):
+        values = _run(["systemctl", "show", "-P", ",".join(keys), unit]).split()
+        starts[unit] = dict(zip(("started", "main_started", "active"), map(int, values), strict=False))
+        starts[unit]["stagger"] = [line for line in _run(["journalctl", "-b", "-o", "cat", "--no-pager", "-u", unit]).splitlines()
+                                   if line.startswith(f"replica {i}: ")][-3:]
+    return starts
+
+
 def collect() -> dict[str, Any]:
     usr_source = _run(["findmnt", "-no", "SOURCE,FSTYPE,OPTIONS", "/usr"]).split()
     root_disk = _run(["lsblk", "-no", "PKNAME", _run(["findmnt", "-no", "SOURCE", "/"]).strip()]).strip()
@@ -179,6 +192,7 @@ def collect() -> dict[str, Any]:
     units = _json(["systemctl", "list-units", "--failed", "--output=json"]) or []
     engine_env = engine_environment()  # before the fault scenarios restart the engine
     return {
+        "replica_starts": replica_starts(config.replicas),
         "sealed": sealed(),
         "etc": etc_state(),
         "engine_env": engine_env,

@@ -41,6 +41,7 @@ class MockSystemd:
         obj = dbusmock.DBusTestCase.get_dbus(system_bus=True).get_object(systemd.BUS_NAME, path)
         enter = T0 if active not in ("inactive",) or service.pop("ran", False) else 0
         unmet = service.pop("condition_unmet", False)  # its Condition...= checked and not met
+        job = service.pop("job", 0)  # the id of a job queued for it (0: none)
         obj.UpdateProperties(UNIT_IFACE, {"ActiveState": active}, dbus_interface=dbusmock.MOCK_IFACE)
         obj.AddProperties(
             UNIT_IFACE,
@@ -50,6 +51,7 @@ class MockSystemd:
                 "StateChangeTimestamp": dbus.UInt64(T0 + 5_000_000),
                 "ConditionResult": dbus.Boolean(not unmet),
                 "ConditionTimestamp": dbus.UInt64(T0),
+                "Job": _job(job),
             },
             dbus_interface=dbusmock.MOCK_IFACE,
         )
@@ -60,8 +62,21 @@ class MockSystemd:
                 dbus_interface=dbusmock.MOCK_IFACE,
             )
 
+    def set(self, name: str, active: str, job: int = 0) -> None:
+        """Change NAME's ActiveState and queued job, as systemd does while it starts a unit."""
+        path = self.main.GetUnit(name, dbus_interface=systemd.BUS_NAME + ".Manager")
+        obj = dbusmock.DBusTestCase.get_dbus(system_bus=True).get_object(systemd.BUS_NAME, path)
+        obj.UpdateProperties(UNIT_IFACE, {"ActiveState": active}, dbus_interface=dbusmock.MOCK_IFACE)
+        obj.Set(UNIT_IFACE, "Job", _job(job), dbus_interface="org.freedesktop.DBus.Properties")
+
     def bus(self) -> Any:
         return pydbus.connect(self.address)
+
+
+def _job(job: int) -> Any:
+    """The Unit's Job property as systemd sends it: (id, path), (0, "/") when none is queued."""
+    path = f"/org/freedesktop/systemd1/job/{job}" if job else "/"
+    return dbus.Struct((dbus.UInt32(job), dbus.ObjectPath(path)), signature="uo")
 
 
 def start_mock_systemd() -> tuple[subprocess.Popen[bytes], MockSystemd]:

@@ -47,22 +47,26 @@ def _option(argv: list[str], flag: str) -> list[str]:
     return [argv[i + 1] for i, word in enumerate(argv[:-1]) if word == flag]
 
 
-def test_the_demo_gets_one_service_per_replica_each_on_its_port_after_the_previous(tmp_path: Path) -> None:
+def test_the_demo_gets_one_service_per_replica_each_on_its_port_waiting_for_the_previous(tmp_path: Path) -> None:
     out = _generate(config.load(ROOT / "appliance.toml", "demo"), tmp_path)
     assert sorted(p.name for p in (out / "multi-user.target.wants").iterdir()) == ["appliance-engine@0.service",
                                                                                  "appliance-engine@1.service"]
     first, argv0 = _unit(out, "appliance-engine@0.service")
     second, argv1 = _unit(out, "appliance-engine@1.service")
     assert _option(argv0, "--publish") == ["127.0.0.1:8000:8000"] and _option(argv1, "--publish") == ["127.0.0.1:8002:8000"]
-    assert "appliance-engine@0.service" in " ".join(second["After"]).split()
-    assert not [u for u in " ".join(first["After"]).split() if u.startswith("appliance-engine@")]
+    # staggered by a wait of its own, not an ordering (After= would wait out the whole start period)
+    for keys in (first, second):
+        assert not [u for u in " ".join(keys["After"]).split() if u.startswith("appliance-engine@")]
+    assert first["ExecStartPre"] == ["/usr/bin/applianctl selftest --replica %i"]
+    assert second["ExecStartPre"] == ["/usr/bin/applianctl selftest --replica %i", "/usr/bin/applianctl stagger --replica 1"]
+    # the wait counts on top of the start period (the drop-in's value is the one systemd keeps: the last)
+    assert first["TimeoutStartSec"] == ["300"] and second["TimeoutStartSec"][-1] == str(300 + 300)
     for keys, argv in ((first, argv0), (second, argv1)):
         # %i reaches systemd as a specifier (the container's name, the replica's number); the
         # configured "%" stay escaped, so systemd hands the engine a literal %p
         assert _option(argv, "--name") == ["appliance-engine-%i"]
         assert "APPLIANCE_REPLICA=%i" in _option(argv, "--env")
         assert "HSA_COREDUMP_PATTERN=/var/crash/vllm/gpucore.%%p" in _option(argv, "--env")
-        assert keys["ExecStartPre"] == ["/usr/bin/applianctl selftest --replica %i"]
         assert keys["Type"] == ["notify"] and keys["Restart"] == ["always"]
 
 

@@ -77,11 +77,15 @@ def test_the_demo_runs_two_replicas_each_its_own_instance_port_and_devices(demo:
     assert [demo.replica_port(i) for i in (0, 1)] == [8000, 8002]  # the later two-GPU stack's ports
     assert demo.shm_required_bytes == int((2 * demo.engine.offload_gib + demo.engine.shm.margin_gib) * GIB)
     dropins = [render.replica_dropin(demo, i) for i in (0, 1)]
-    assert "PublishPort=127.0.0.1:8000:8000" in dropins[0].splitlines() and "After=" not in dropins[0]
-    # replica 1 publishes its own port (the engine inside listens where replica 0's does) and starts
-    # only after replica 0 is healthy
+    assert "PublishPort=127.0.0.1:8000:8000" in dropins[0].splitlines() and "stagger" not in dropins[0]
+    # replica 1 publishes its own port (the engine inside listens where replica 0's does) and waits
+    # for replica 0 to be healthy, at most stagger_s, on top of its start period
     assert "PublishPort=127.0.0.1:8002:8000" in dropins[1].splitlines()
-    assert "After=appliance-engine@0.service" in dropins[1].splitlines()
+    assert "ExecStartPre=/usr/bin/applianctl stagger --replica 1" in dropins[1].splitlines()
+    assert f"TimeoutStartSec={demo.engine.health.start_period_s + demo.topology.stagger_s}" in dropins[1].splitlines()
+    # stagger_s = 0: every replica at once
+    at_once = dataclasses.replace(demo, topology=dataclasses.replace(demo.topology, stagger_s=0))
+    assert "stagger" not in render.replica_dropin(at_once, 1) and "TimeoutStartSec" not in render.replica_dropin(at_once, 1)
 
 
 def test_production_replicas_get_only_their_own_gpus_render_nodes(production: config.Config) -> None:
@@ -90,8 +94,10 @@ def test_production_replicas_get_only_their_own_gpus_render_nodes(production: co
     assert [eight.replica_devices(i) for i in (0, 3)] == [("/dev/kfd", "/dev/dri/renderD128", "/dev/dri/renderD129"),
                                                          ("/dev/kfd", "/dev/dri/renderD134", "/dev/dri/renderD135")]
     lines = render.replica_dropin(eight, 3).splitlines()
-    assert [line for line in lines if line.startswith(("AddDevice=", "Environment=", "PublishPort=", "After="))] == [
-        "After=appliance-engine@2.service",
+    keys = ("AddDevice=", "Environment=", "PublishPort=", "ExecStartPre=", "TimeoutStartSec=")
+    assert [line for line in lines if line.startswith(keys)] == [
+        "ExecStartPre=/usr/bin/applianctl stagger --replica 3",
+        f"TimeoutStartSec={production.engine.health.start_period_s + 3 * production.topology.stagger_s}",
         "PublishPort=127.0.0.1:8006:8000",
         "AddDevice=/dev/kfd", "AddDevice=/dev/dri/renderD134", "AddDevice=/dev/dri/renderD135",
         "Environment=ROCR_VISIBLE_DEVICES=0,1",
@@ -304,7 +310,7 @@ def test_check_host_names_a_small_shm_and_small_memory(eight: config.Config) -> 
 
 def test_topology_travels_in_appliance_json(eight: config.Config) -> None:
     data = eight.to_json()
-    assert data["topology"] == {"gpus": 8, "layout": "8x1", "memory_gib": 1536.0, "memory_reserve_gib": 32.0}
+    assert data["topology"] == {"gpus": 8, "layout": "8x1", "memory_gib": 1536.0, "memory_reserve_gib": 32.0, "stagger_s": 300}
     data["topology"]["layout"] = "4x2"
     assert config.from_json(data, Path("appliance.json")).topology.tensor_parallel == 2
     data["topology"]["layout"] = "8x2"

@@ -316,6 +316,10 @@ class Topology:
     # the OS and the engines' own processes. 0: not checked at build, only at boot.
     memory_gib: float = field(default=0.0, metadata=_check(checks.between(0, checks.MAX_GIB)))
     memory_reserve_gib: float = field(default=32.0, metadata=_check(checks.between(0, checks.MAX_GIB)))
+    # Staggered starts, so that the replicas do not all read the weights from the same disk at once:
+    # replica I starts once replica I-1 is healthy (has answered its warm-up request), and at the
+    # latest I x stagger_s after it was started itself (applianctl/engine/stagger.py). 0: all at once.
+    stagger_s: int = field(default=300, metadata=_check(checks.between(0, 3600)))
 
     @property
     def replicas(self) -> int:

@@ -68,7 +68,7 @@ def system_bus() -> Any:
     return pydbus.SystemBus()
 
 
-def _unit_path(bus: Any, manager: Any, name: str) -> str | None:
+def unit_path(bus: Any, manager: Any, name: str) -> str | None:
     from gi.repository import GLib
 
     try:
@@ -84,7 +84,7 @@ def _unit_path(bus: Any, manager: Any, name: str) -> str | None:
 def read_unit(bus: Any, manager: Any, name: str) -> Unit:
     from gi.repository import GLib
 
-    path = _unit_path(bus, manager, name)
+    path = unit_path(bus, manager, name)
     if path is None:
         return Unit(name)
     obj = bus.get(BUS_NAME, path)

@@ -24,6 +24,16 @@ def test_engine_reaches_healthy_through_the_production_unit(first_boot: dict[str
     assert [units[f"appliance-engine@{i}.service"]["active_state"] for i in (0, 1)] == ["active", "active"]
 
 
+def test_the_second_replica_started_once_the_first_was_healthy(first_boot: dict[str, Any], demo_config: config.Config) -> None:
+    """Staggered starts: replica 1's container started only once replica 0 was healthy (or, on a
+    host so loaded that replica 0 took longer, stagger_s after replica 1's unit was started)."""
+    first, second = (first_boot["replica_starts"][f"appliance-engine@{i}.service"] for i in (0, 1))
+    assert second["stagger"] and "appliance-engine@0.service" in second["stagger"][0], second
+    bound = min(first["active"], second["started"] + demo_config.topology.stagger_s * 1_000_000)
+    assert 0 < bound <= second["main_started"], (first, second)
+    assert not first["stagger"]  # replica 0 never waits
+
+
 # What podman itself puts in a container's environment, besides the image's own variables, and
 # what the quadlet sets for every engine (units/appliance-engine@.container.j2: weights are never
 # fetched at run time).
