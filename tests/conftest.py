@@ -75,3 +75,15 @@ def installer_sees_a_tpm(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pyte
     monkeypatch.setattr(install, "TPM", tpm)
     monkeypatch.setattr(install, "KEY_DIR", machine / "installer-run")
     return tpm
+
+
+@pytest.fixture(scope="module")
+def mock_systemd() -> Iterator[object]:
+    """python-dbusmock's systemd on a private system bus (tests/mock_systemd.py), for one module."""
+    from mock_systemd import start_mock_systemd, stop_mock_systemd
+
+    proc, mock = start_mock_systemd()
+    try:
+        yield mock
+    finally:
+        stop_mock_systemd(proc)

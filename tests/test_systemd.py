@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,82 +10,73 @@ dbus = pytest.importorskip("dbus")
 dbusmock = pytest.importorskip("dbusmock")
 pydbus = pytest.importorskip("pydbus")
 
-from mock_systemd import MockSystemd, start_mock_systemd, stop_mock_systemd  # noqa: E402
+from mock_systemd import MockSystemd  # noqa: E402
 
 from applianctl.status import probes, systemd  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def mock() -> Iterator[MockSystemd]:
-    proc, m = start_mock_systemd()
-    try:
-        yield m
-    finally:
-        stop_mock_systemd(proc)
-
-
-def test_running_units_are_ok(mock: MockSystemd) -> None:
-    mock.add("ok0.service", restarts=0, result="success")
-    mock.add("b.service", "active", "exited", restarts=0, result="success")
-    part = systemd.probe(["ok0.service", "b.service"], mock.bus)
+def test_running_units_are_ok(mock_systemd: MockSystemd) -> None:
+    mock_systemd.add("ok0.service", restarts=0, result="success")
+    mock_systemd.add("b.service", "active", "exited", restarts=0, result="success")
+    part = systemd.probe(["ok0.service", "b.service"], mock_systemd.bus)
     assert part.state == probes.OK, part.reason
     a = part.details["units"]["ok0.service"]
     assert (a["active_state"], a["sub_state"], a["restarts"], a["result"]) == ("active", "running", 0, "success")
     assert a["active_since"] == "2026-11-18T11:06:40+00:00"
 
 
-def test_activating_and_restarted_units_are_degraded(mock: MockSystemd) -> None:
-    mock.add("ok1.service", restarts=0, result="success")
-    mock.add("engine.service", "activating", "start", restarts=0, result="success")
-    part = systemd.probe(["ok1.service", "engine.service"], mock.bus)
+def test_activating_and_restarted_units_are_degraded(mock_systemd: MockSystemd) -> None:
+    mock_systemd.add("ok1.service", restarts=0, result="success")
+    mock_systemd.add("engine.service", "activating", "start", restarts=0, result="success")
+    part = systemd.probe(["ok1.service", "engine.service"], mock_systemd.bus)
     assert part.state == probes.DEGRADED
     assert part.reason == "engine.service: activating (start)"
 
-    mock.add("flappy.service", restarts=3, result="success")
-    part = systemd.probe(["ok1.service", "flappy.service"], mock.bus)
+    mock_systemd.add("flappy.service", restarts=3, result="success")
+    part = systemd.probe(["ok1.service", "flappy.service"], mock_systemd.bus)
     assert (part.state, part.reason) == (probes.DEGRADED, "flappy.service: restarted 3 time(s) since boot")
 
 
-def test_failed_unit_is_down(mock: MockSystemd) -> None:
-    mock.add("ok2.service", restarts=0, result="success")
-    mock.add("verify.service", "failed", "failed", restarts=0, result="exit-code")
-    part = systemd.probe(["ok2.service", "verify.service"], mock.bus)
+def test_failed_unit_is_down(mock_systemd: MockSystemd) -> None:
+    mock_systemd.add("ok2.service", restarts=0, result="success")
+    mock_systemd.add("verify.service", "failed", "failed", restarts=0, result="exit-code")
+    part = systemd.probe(["ok2.service", "verify.service"], mock_systemd.bus)
     assert (part.state, part.reason) == (probes.DOWN, "verify.service: failed (exit-code)")
 
 
-def test_oneshot_that_ran_is_ok_one_that_never_ran_is_degraded(mock: MockSystemd) -> None:
-    mock.add("ran.service", "inactive", "dead", restarts=0, result="success", ran=True)
-    assert systemd.probe(["ran.service"], mock.bus).state == probes.OK
-    mock.add("never.service", "inactive", "dead", restarts=0, result="success")
-    part = systemd.probe(["ran.service", "never.service"], mock.bus)
+def test_oneshot_that_ran_is_ok_one_that_never_ran_is_degraded(mock_systemd: MockSystemd) -> None:
+    mock_systemd.add("ran.service", "inactive", "dead", restarts=0, result="success", ran=True)
+    assert systemd.probe(["ran.service"], mock_systemd.bus).state == probes.OK
+    mock_systemd.add("never.service", "inactive", "dead", restarts=0, result="success")
+    part = systemd.probe(["ran.service", "never.service"], mock_systemd.bus)
     assert (part.state, part.reason) == (probes.DEGRADED, "never.service: never started")
 
 
-def test_a_unit_whose_condition_is_not_met_is_not_configured_and_not_missing(mock: MockSystemd) -> None:
+def test_a_unit_whose_condition_is_not_met_is_not_configured_and_not_missing(mock_systemd: MockSystemd) -> None:
     # the journal upload without a log collector: skipped by ConditionPathExists=, nothing wrong
-    mock.add("ok3.service", restarts=0, result="success")
-    mock.add("upload.service", "inactive", "dead", restarts=0, result="success", condition_unmet=True)
-    part = systemd.probe(["ok3.service", "upload.service"], mock.bus)
+    mock_systemd.add("ok3.service", restarts=0, result="success")
+    mock_systemd.add("upload.service", "inactive", "dead", restarts=0, result="success", condition_unmet=True)
+    part = systemd.probe(["ok3.service", "upload.service"], mock_systemd.bus)
     assert part.state == probes.OK, part.reason
     assert part.details["units"]["upload.service"]["state"] == probes.NOT_CONFIGURED
     # the same unit when its condition held and it never ran is a fault, as before
-    mock.add("upload2.service", "inactive", "dead", restarts=0, result="success")
-    assert systemd.probe(["ok3.service", "upload2.service"], mock.bus).state == probes.DEGRADED
+    mock_systemd.add("upload2.service", "inactive", "dead", restarts=0, result="success")
+    assert systemd.probe(["ok3.service", "upload2.service"], mock_systemd.bus).state == probes.DEGRADED
 
 
-def test_units_that_do_not_exist(mock: MockSystemd) -> None:
+def test_units_that_do_not_exist(mock_systemd: MockSystemd) -> None:
     # The template has no LoadUnit: GetUnit fails and the unit is "not installed".
-    part = systemd.probe(["appliance-engine.service"], mock.bus)
+    part = systemd.probe(["appliance-engine.service"], mock_systemd.bus)
     assert part.state == probes.NOT_CONFIGURED
-    mock.add("ok4.service", restarts=0, result="success")
-    part = systemd.probe(["ok4.service", "appliance-engine.service"], mock.bus)
+    mock_systemd.add("ok4.service", restarts=0, result="success")
+    part = systemd.probe(["ok4.service", "appliance-engine.service"], mock_systemd.bus)
     assert (part.state, part.reason) == (probes.DEGRADED, "appliance-engine.service: not installed")
 
 
-def test_load_unit_is_asked_when_get_unit_fails(mock: MockSystemd) -> None:
+def test_load_unit_is_asked_when_get_unit_fails(mock_systemd: MockSystemd) -> None:
     # Real systemd loads an unloaded unit on LoadUnit; give the mock that method too.
-    mock.add("loaded-late.service", restarts=0, result="success")
-    mock.main.AddMethod(
+    mock_systemd.add("loaded-late.service", restarts=0, result="success")
+    mock_systemd.main.AddMethod(
         systemd.BUS_NAME + ".Manager",
         "LoadUnit",
         "s",
@@ -94,7 +84,7 @@ def test_load_unit_is_asked_when_get_unit_fails(mock: MockSystemd) -> None:
         "ret = self.units[args[0].replace('alias-', '')]",
         dbus_interface=dbusmock.MOCK_IFACE,
     )
-    part = systemd.probe(["alias-loaded-late.service"], mock.bus)
+    part = systemd.probe(["alias-loaded-late.service"], mock_systemd.bus)
     assert part.state == probes.OK, part.reason
 
 
