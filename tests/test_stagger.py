@@ -74,3 +74,22 @@ def test_no_wait_with_the_previous_healthy_stopped_or_unknown_for_replica_0_or_s
     for replica, stagger_s in ((0, 300), (11, 0)):
         clock = Clock()
         assert "without waiting" in _wait(mock_systemd, replica, stagger_s, clock) and clock.slept == []
+
+
+def test_a_bus_that_cannot_be_asked_never_keeps_the_replica_down(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+    from pathlib import Path
+
+    from appliance import config
+    from applianctl.status import systemd
+
+    demo = config.load(Path(__file__).resolve().parents[1] / "appliance.toml", "demo")
+    monkeypatch.setattr("appliance.host_settings.load_device", lambda: demo)
+
+    def no_bus() -> object:
+        raise RuntimeError("Could not connect: No such file or directory")
+
+    monkeypatch.setattr(systemd, "system_bus", no_bus)
+    assert stagger.main(argparse.Namespace(replica=1)) == 0
+    assert "cannot ask systemd about the previous replica (Could not connect" in capsys.readouterr().out
