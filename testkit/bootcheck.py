@@ -172,11 +172,14 @@ def sealed() -> dict[str, Any]:
 def replica_starts(replicas: int) -> dict[str, Any]:
     """When each replica's unit was started, its engine's container started and the unit became
     active (healthy), in µs since boot, and what its stagger step said (units/appliance-engine@.container.j2)."""
-    keys = ("InactiveExitTimestampMonotonic", "ExecMainStartTimestampMonotonic", "ActiveEnterTimestampMonotonic")
+    names = {"InactiveExitTimestampMonotonic": "started", "ExecMainStartTimestampMonotonic": "main_started",
+             "ActiveEnterTimestampMonotonic": "active"}
     starts: dict[str, Any] = {}
     for i, unit in enumerate(paths.engine_units(replicas)):
-        values = _run(["systemctl", "show", "-P", ",".join(keys), unit]).split()
-        starts[unit] = dict(zip(("started", "main_started", "active"), map(int, values), strict=False))
+        # KEY=VALUE lines: systemctl prints properties in its own order, not the order asked for
+        shown = _run(["systemctl", "show", *(f"--property={key}" for key in names), unit])
+        starts[unit] = {names[key]: int(value) for key, _, value in (line.partition("=") for line in shown.splitlines())
+                        if key in names and value.isdigit()}
         starts[unit]["stagger"] = [line for line in _run(["journalctl", "-b", "-o", "cat", "--no-pager", "-u", unit]).splitlines()
                                    if line.startswith(f"replica {i}: ")][-3:]
     return starts

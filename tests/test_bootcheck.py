@@ -117,3 +117,25 @@ def test_a_marker_a_power_cut_left_empty_means_the_step_runs_again(guest: dict[s
     _boot(guest, tmp_path, plan)
     assert guest["ran"] == [("netprobe",), ("netprobe",)]
     assert json.loads(marker.read_text())["do"] == "netprobe"
+
+
+def test_replica_starts_reads_systemctls_own_property_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """systemctl show prints the properties asked for in its own order (Service's before Unit's):
+    each value goes by its key, never by position (the journey once compared the wrong timestamps)."""
+    shown = {"appliance-engine@0.service": "ExecMainStartTimestampMonotonic=167190012\nInactiveExitTimestampMonotonic=154540971\n"
+                                           "ActiveEnterTimestampMonotonic=178985427\n",
+             "appliance-engine@1.service": "ExecMainStartTimestampMonotonic=182230003\nInactiveExitTimestampMonotonic=154567611\n"
+                                           "ActiveEnterTimestampMonotonic=196841999\n"}
+
+    said = "replica 1: appliance-engine@0.service is not starting (after 13 s); starting"
+
+    def run(cmd: list[str], timeout: float = 20) -> str:
+        if cmd[0] == "systemctl":
+            return shown[cmd[-1]]
+        return said + "\n" if cmd[-1].endswith("@1.service") else ""
+
+    monkeypatch.setattr(bootcheck, "_run", run)
+    starts = bootcheck.replica_starts(2)
+    assert starts["appliance-engine@1.service"] == {"started": 154567611, "main_started": 182230003, "active": 196841999,
+                                                    "stagger": [said]}
+    assert starts["appliance-engine@1.service"]["main_started"] >= starts["appliance-engine@0.service"]["active"]
