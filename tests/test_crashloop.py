@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from fakeprog import fake_program
 from test_slots import Machine
 
 from appliance import paths
@@ -90,8 +91,19 @@ def test_with_nothing_good_to_go_back_to_it_stays(machine: Machine) -> None:
     reboots: list[str] = []
     for n in range(crashloop.CRASH_LOOP_BOOTS + 1):
         said = _boot(machine, n, reboots)
-    assert "no version to go back to, so it stays" in said and reboots == []
+    assert "no version to go back to (1.0.0 is out of tries), so it stays" in said and reboots == []
     assert (machine.esp / "EFI/Linux/appliance_2.0.0.efi").exists()
+
+
+def test_slots_it_cannot_read_are_named_as_the_reason_it_stays(machine: Machine) -> None:
+    """The extended crashloop group's boot loop: the guard's sandbox kept sfdisk from the disk, so
+    it saw no slots and said only that there was nothing to go back to. Now it says why."""
+    fake_program(machine.bin, "sfdisk", script_body="echo 'sfdisk: cannot open /dev/vda: Operation not permitted' >&2", exit=1)
+    reboots: list[str] = []
+    for n in range(crashloop.CRASH_LOOP_BOOTS + 1):
+        said = _boot(machine, n, reboots)
+    assert "no version to go back to (slots read: none; sfdisk -J /dev/vda failed: sfdisk: cannot open" in said, said
+    assert reboots == []
 
 
 def test_a_damaged_count_starts_from_zero(machine: Machine, capsys: pytest.CaptureFixture[str]) -> None:

@@ -86,13 +86,26 @@ def begin(host: Host | None = None, *, running_version: str | None = None,
     other = view.other
     target = view.entry(other.version) if other is not None and other.version else None
     if other is None or target is None or target.state == BAD:
-        return f"{why}; the other slot has no version to go back to, so it stays"
+        return f"{why}; the other slot has no version to go back to ({_no_way_back(view)}), so it stays"
     from applianctl.slots.rollback import rollback
 
     done = rollback(host, running_version=running_version, reason=why)
     print(f"crashloop: {why}: {done}; rebooting", file=sys.stderr)
     (reboot or _reboot)()
     return f"{why}: {done}"
+
+
+def _no_way_back(view: slots.View) -> str:
+    """Why VIEW offers no version to go back to, in a few words: the operator needs to tell an empty
+    or spent slot from slots the guard could not read."""
+    if view.other is None:
+        found = ", ".join(f"{s.name} {s.version or 'empty'}" for s in view.slots) or "none"
+        return f"slots read: {found}" + (f"; {view.errors[0]}" if view.errors else "")
+    version = view.other.version
+    if not version:
+        return f"slot {view.other.name} is empty"
+    target = view.entry(version)
+    return f"{version} has no boot entry ({view.entries_source})" if target is None else f"{version} is out of tries"
 
 
 def _reboot() -> None:

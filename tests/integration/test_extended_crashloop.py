@@ -47,7 +47,7 @@ def crash_run(demo_config: config.Config, https_root: tuple[Path, str, str],
     release.make_bundle(bad.config, out, root / f"crashloop-{CRASHES}", key, [bad.config.engine.digest], previous_version=BASE)
     plan = {BASE: [{"do": "update", "url": f"{url}/crashloop-{CRASHES}/"}]}
     guest = qemu.Guest(disk, tmp_path_factory.mktemp("crashloop-guest"), enroll_cert=build.secure_boot_certificate(demo_config))
-    run = guest.boot(timeout=4800, credentials={"appliance.plan": json.dumps(plan), "appliance.update_ca": ca})
+    run = guest.boot(timeout=3000, credentials={"appliance.plan": json.dumps(plan), "appliance.update_ca": ca})
     return run, guest.console_log.read_text(errors="replace")
 
 
