@@ -1,8 +1,11 @@
-"""Extended QEMU scenario (make test-extended GROUPS=watchdog): PID 1 stops answering and only the
-hardware watchdog resets the machine; boot counting then judges the version (one try,
-tests/integration/bad_versions.py runs it):
+"""Extended QEMU scenarios (make test-extended GROUPS=watchdog): versions that stop the machine
+so hard that nothing in userspace can reboot it in order, so the machine resets itself (the
+kernel's panic=, the hardware watchdog); boot counting then judges each version (one try,
+tests/integration/bad_versions.py runs them):
 
-    base  1.0.0 first boot (built with update.boot_tries=1): report; install 1.4.0
+    base  1.0.0 first boot (built with update.boot_tries=1): report; install 1.3.0
+    1.3.0 the kernel panics before boot-complete.target: panic= reboots it; no try left
+    base  report (1.3.0 rolled back); install 1.4.0
     1.4.0 PID 1 is frozen before boot-complete.target (held stopped by ptrace): no timer fires,
           not even the boot deadline's; the hardware watchdog (i6300esb, armed by
           systemd.watchdog_sec= on the kernel command line) resets the machine; no try left
@@ -21,8 +24,9 @@ from appliance import config
 
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
-FREEZES = "1.4.0"
-BAD_VERSIONS = ((FREEZES, "freeze-pid1"),)
+PANICS, FREEZES = "1.3.0", "1.4.0"
+# in the order they are installed; the base boots again after each one's only try
+BAD_VERSIONS = ((PANICS, "panic"), (FREEZES, "freeze-pid1"))
 FREEZE_MARK = "appliance: synthetic fault: freezing PID 1"
 
 
@@ -32,7 +36,7 @@ def watchdog_run(demo_config: config.Config, https_root: tuple[Path, str, str],
     return run_bad_versions(demo_config, https_root, tmp_path_factory, BAD_VERSIONS, "watchdog")
 
 
-def test_the_freezing_version_was_installed_and_tried(watchdog_run: tuple[dict[str, Any], str]) -> None:
+def test_each_version_was_installed_and_tried(watchdog_run: tuple[dict[str, Any], str]) -> None:
     each_was_installed_and_tried(*watchdog_run, BAD_VERSIONS)
 
 
@@ -48,3 +52,9 @@ def test_a_version_whose_pid1_freezes_is_reset_by_the_watchdog(watchdog_run: tup
     between = frozen[:next_boot]
     for word in ("Kernel panic", "reboot: Restarting system", "boot-complete.target not reached", "Reached target reboot"):
         assert word not in between, (word, between[-3000:])
+
+
+def test_a_version_that_panics_is_rolled_back_by_itself(watchdog_run: tuple[dict[str, Any], str]) -> None:
+    run, console = watchdog_run
+    after(run, console, BAD_VERSIONS, PANICS)
+    assert "Kernel panic" in console, console[-3000:]
