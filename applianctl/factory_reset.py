@@ -4,9 +4,9 @@ The running system only records the request (update/../factory-reset.json, on /v
 --reboot, reboots; the wipe itself runs early in the next boot (appliance-factory-reset.service:
 after /var is mounted, before anything reads or writes it: tmpfiles, the journal's flush, the
 random seed, the per-host settings), so no service has a file open in what is deleted. The same
-unit runs when the kernel command line carries systemd.factory_reset (systemd's own switch). A boot
-menu entry that sets it (UKI profiles) is not shipped: systemd-boot 257 chose such a profile as the
-default entry on a trial boot (README, "Factory reset").
+unit runs when the kernel command line carries systemd.factory_reset (systemd's own switch), which
+the boot menu's signed "Factory reset" entries (UKI profiles, image/mkosi.uki-profiles) set for an
+appliance that no longer boots far enough to be asked.
 
 What is kept: the per-host settings (the signed install plan and SSH keys in host/, the proxy's
 TLS key and CA in tls/, so clients that pin the CA still connect) unless --all; the model weights
@@ -298,7 +298,12 @@ def _cmd_at_boot() -> int:
     from appliance.config.device import load_image
 
     cmdline_raw = read_capped(paths.PROC_CMDLINE, 64 * 1024, what="the kernel command line")
-    cmdline = cmdline_raw.decode("utf-8", "replace") if cmdline_raw else ""
+    if cmdline_raw is None:
+        # Linux always has it: missing means a sandbox hides it (ProcSubset=pid), and a reset the boot
+        # menu's entry asked for would be skipped without a word. Failing keeps a request file for next boot.
+        raise UserError(f"{paths.PROC_CMDLINE}: cannot be seen, so a reset asked for on the kernel command line would be missed",
+                        hint="run it without ProcSubset=pid (appliance-factory-reset.service), with /proc mounted")
+    cmdline = cmdline_raw.decode("utf-8", "replace")
     done = run_at_boot(paths.VAR_DIR, load_image().model.cache_dir, cmdline)
     if done is None:
         print("factory-reset: none asked for")

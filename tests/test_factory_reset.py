@@ -181,6 +181,8 @@ def test_the_unit_runs_after_var_is_mounted_and_before_anything_uses_it() -> Non
     assert "ConditionPathExists=|/var/lib/appliance/factory-reset.json" in directives
     assert "ConditionKernelCommandLine=|systemd.factory_reset" in directives
     assert "ExecStart=/usr/bin/python3 -m applianctl factory-reset --at-boot" in directives
+    # the boot menu's entries ask on the kernel command line: the sandbox must leave /proc/cmdline visible
+    assert not any(d.startswith("ProcSubset=") and d.split("=", 1)[1] != "all" for d in directives), directives
     assert re.search(r"^enable appliance-factory-reset\.service$", (ROOT / "units/appliance.preset.j2").read_text(), re.M)
 
 
@@ -218,6 +220,13 @@ def test_the_units_command_reads_the_switch_and_the_images_weights_directory(var
     monkeypatch.setenv("APPLIANCE_CONFIG", str(tmp_path / "appliance.json"))
     cmdline = tmp_path / "cmdline"
     monkeypatch.setattr(paths, "PROC_CMDLINE", cmdline)
+    # a command line it cannot see (a sandbox hiding /proc/cmdline) fails the unit rather than skip a reset
+    (var / "lib/appliance").mkdir(parents=True, exist_ok=True)
+    assert main(["factory-reset", "--at-boot"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    said = f"applianctl: {cmdline}: cannot be seen, so a reset asked for on the kernel command line would be missed"
+    assert len(err) == 2 and err[0] == said, err
+    assert err[1].startswith("hint: ") and (var / "log").exists()
     cmdline.write_text("usrhash=abc quiet\n")
     assert main(["factory-reset", "--at-boot"]) == 0 and "none asked for" in capsys.readouterr().out
     assert (var / "log").exists()
