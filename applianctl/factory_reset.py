@@ -4,9 +4,9 @@ The running system only records the request (update/../factory-reset.json, on /v
 --reboot, reboots; the wipe itself runs early in the next boot (appliance-factory-reset.service:
 after /var is mounted, before anything reads or writes it: tmpfiles, the journal's flush, the
 random seed, the per-host settings), so no service has a file open in what is deleted. The same
-unit runs when the kernel command line carries systemd.factory_reset (systemd's own switch), which
-the boot menu's signed "Factory reset" entries (UKI profiles, image/mkosi.uki-profiles) set for an
-appliance that no longer boots far enough to be asked.
+unit runs when the kernel command line carries systemd.factory_reset (systemd's own switch). A boot
+menu entry that sets it (UKI profiles) is not shipped: systemd-boot 257 chose such a profile as the
+default entry on a trial boot (README, "Factory reset").
 
 What is kept: the per-host settings (the signed install plan and SSH keys in host/, the proxy's
 TLS key and CA in tls/, so clients that pin the CA still connect) unless --all; the model weights

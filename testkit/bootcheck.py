@@ -185,13 +185,6 @@ def replica_starts(replicas: int) -> dict[str, Any]:
     return starts
 
 
-def boot_entries() -> list[dict[str, Any]]:
-    """The boot menu as bootctl lists it: each entry's id, title, whether it is the default and the
-    one booted now (the factory reset entries are profiles of each kernel image)."""
-    entries = _json(["bootctl", "--no-pager", "list", "--json=short"]) or []
-    return [{k: e.get(k) for k in ("id", "title", "isDefault", "isSelected")} for e in entries if isinstance(e, dict)]
-
-
 def collect() -> dict[str, Any]:
     usr_source = _run(["findmnt", "-no", "SOURCE,FSTYPE,OPTIONS", "/usr"]).split()
     root_disk = _run(["lsblk", "-no", "PKNAME", _run(["findmnt", "-no", "SOURCE", "/"]).strip()]).strip()
@@ -203,7 +196,6 @@ def collect() -> dict[str, Any]:
     engine_env = engine_environment()  # before the fault scenarios restart the engine
     return {
         "replica_starts": replica_starts(config.replicas),
-        "boot_entries": boot_entries(),
         "sealed": sealed(),
         "etc": etc_state(),
         "engine_env": engine_env,
