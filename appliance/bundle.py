@@ -40,6 +40,11 @@ ENGINE_TYPE = "344E5F5F-F1EA-455D-9D71-C82214F17CF1"
 ENGINE_VERITY_TYPE = "E8587844-5270-4B6E-B69C-E9E0C63B1823"
 EMPTY_LABEL = "_empty"  # a free slot (systemd-sysupdate's convention)
 IMAGE_ID = "appliance"
+# systemd-boot's default entry (loader.conf): the main profile of the newest kernel image with tries
+# left. Each kernel image also carries the factory-reset boot menu entries (UKI profiles, ids
+# "FILE.efi@PROFILE"), and systemd-boot 257 sorts a profile before its image's main entry: without
+# this pattern, which no profile's id matches, a version's plain boot would be a factory reset.
+DEFAULT_ENTRY = f"{IMAGE_ID}_*.efi"
 # the partition images a bundle ships without their trailing zeros (the slot is zeroed first)
 TRIMMED_ROLES = ("usr", "usr-verity", "usr-verity-sig", "engine", "engine-verity")
 # the /usr slot's partitions an update writes, in the order it writes them (sysupdate.d)

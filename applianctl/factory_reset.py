@@ -4,9 +4,11 @@ The running system only records the request (update/../factory-reset.json, on /v
 --reboot, reboots; the wipe itself runs early in the next boot (appliance-factory-reset.service:
 after /var is mounted, before anything reads or writes it: tmpfiles, the journal's flush, the
 random seed, the per-host settings), so no service has a file open in what is deleted. The same
-unit runs when the kernel command line carries systemd.factory_reset (systemd's own switch). A boot
-menu entry that sets it (UKI profiles) is not shipped: systemd-boot 257 chose such a profile as the
-default entry on a trial boot (README, "Factory reset").
+unit runs when the kernel command line carries systemd.factory_reset (systemd's own switch), which
+the boot menu's signed "Factory reset" entries (UKI profiles, image/mkosi.uki-profiles) set for an
+appliance that no longer boots far enough to be asked, and systemd-boot says it booted such an
+entry of a version that has booted well (menu_refusal: systemd-boot 257 once booted a version on
+trial with a reset profile's command line where its main entry was meant).
 
 What is kept: the per-host settings (the signed install plan and SSH keys in host/, the proxy's
 TLS key and CA in tls/, so clients that pin the CA still connect) unless --all; the model weights
@@ -40,7 +42,17 @@ LISTED = 20  # paths named in the record per list
 
 BOOT_SWITCH = "systemd.factory_reset"  # systemd's own factory-reset word (systemd-repart reads it too)
 KEEP_WEIGHTS_SWITCH = "appliance.factory_reset_keep_weights"  # beside it: keep the weights too
+# the boot menu's reset entries are the kernel images' profiles with these IDs (image/mkosi.uki-profiles)
+RESET_PROFILES = ("factory-reset", "factory-reset-keep-weights")
 TRUE_WORDS = ("", "1", "yes", "y", "true", "t", "on")  # as systemd's proc_cmdline_get_bool reads a value
+
+
+@dataclass(frozen=True)
+class BootedEntry:
+    """What systemd-boot says it booted (its EFI variables), the second witness of a menu reset."""
+
+    selected: str | None  # LoaderEntrySelected; None when the machine did not boot through systemd-boot
+    counted: bool  # LoaderBootCountPath is set: a version on trial, judged by this boot
 
 
 @dataclass
@@ -223,8 +235,24 @@ def describe(req: FactoryResetRequest) -> str:
     return "keeps " + " and ".join(kept) if kept else "keeps nothing"
 
 
-def run_at_boot(var: Path, cache_dir: str, cmdline: str) -> LastFactoryReset | None:
-    """Run the pending reset (the request file's, else the command line's); None when none is."""
+def menu_refusal(booted: BootedEntry | None) -> str | None:
+    """Why a reset the kernel command line asks for must not run, None when it may. The command line
+    is signed, but systemd-boot 257 can boot a reset profile where the main entry was meant: the
+    loader must also say it booted a reset entry, and of a blessed version (on a trial boot the loader
+    may not tell a kernel image's profiles apart, and a wipe would erase what judges the trial)."""
+    if booted is None or booted.selected is None:
+        return None  # no boot loader to ask: the signed command line is all there is
+    image, _, profile = booted.selected.partition("@")
+    if profile not in RESET_PROFILES:
+        return f"the boot loader booted {booted.selected}, not a factory reset entry"
+    if booted.counted:
+        return f"{image} is a version on trial; choose the factory reset entry of a version that has booted well"
+    return None
+
+
+def run_at_boot(var: Path, cache_dir: str, cmdline: str, booted: BootedEntry | None = None) -> LastFactoryReset | None:
+    """Run the pending reset (the request file's, else the command line's when the boot loader
+    agrees, see menu_refusal); None when none is."""
     try:
         req = read_request()
     except UserError as e:
@@ -232,7 +260,9 @@ def run_at_boot(var: Path, cache_dir: str, cmdline: str) -> LastFactoryReset | N
         # that cannot be fetched again (settings and weights).
         print(f"factory-reset: {e.message}; resetting with settings and weights kept", file=sys.stderr)
         req = FactoryResetRequest(keep_weights=True, keep_settings=True, requested_at=_now(), by="a damaged request")
-    req = req or boot_request(cmdline)
+    if req is None and (req := boot_request(cmdline)) is not None and (why := menu_refusal(booted)):
+        print(f"factory-reset: the kernel command line asks for a reset, but {why}: nothing deleted", file=sys.stderr)
+        return None
     if req is None:
         return None
     request_path = paths.factory_reset_request_path()
@@ -296,6 +326,7 @@ def cmd_factory_reset(args: argparse.Namespace) -> int:
 
 def _cmd_at_boot() -> int:
     from appliance.config.device import load_image
+    from applianctl.slots.machine import Host, efi_var
 
     cmdline_raw = read_capped(paths.PROC_CMDLINE, 64 * 1024, what="the kernel command line")
     if cmdline_raw is None:
@@ -304,7 +335,9 @@ def _cmd_at_boot() -> int:
         raise UserError(f"{paths.PROC_CMDLINE}: cannot be seen, so a reset asked for on the kernel command line would be missed",
                         hint="run it without ProcSubset=pid (appliance-factory-reset.service), with /proc mounted")
     cmdline = cmdline_raw.decode("utf-8", "replace")
-    done = run_at_boot(paths.VAR_DIR, load_image().model.cache_dir, cmdline)
+    host = Host()
+    booted = BootedEntry(efi_var(host, "LoaderEntrySelected"), efi_var(host, "LoaderBootCountPath") is not None)
+    done = run_at_boot(paths.VAR_DIR, load_image().model.cache_dir, cmdline, booted)
     if done is None:
         print("factory-reset: none asked for")
         return 0

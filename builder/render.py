@@ -15,8 +15,8 @@ from pathlib import Path
 import jinja2
 
 from appliance import balancer, paths
+from appliance.bundle import DEFAULT_ENTRY, ENGINE_TYPE, ENGINE_VERITY_TYPE
 from appliance.bundle import EMPTY_LABEL as EMPTY
-from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from appliance.caddyfile import render_caddyfile
 from appliance.config import Config
 from appliance.config.model import SMOKE_PROMPT, PinnedFile
@@ -220,8 +220,9 @@ def install_os_settings(config: Config, tree: Path) -> None:
         f"AuthorizedKeysFile /{LIB}/ssh/authorized_keys /var/lib/appliance/host/authorized_keys\n"
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n",
     )
-    # No boot menu editor: without Secure Boot anyone at the console could set init=/bin/sh.
-    _write(tree / "efi/loader/loader.conf", "# SPDX-License-Identifier: MIT\neditor no\n")
+    # No boot menu editor: without Secure Boot anyone at the console could set init=/bin/sh. The
+    # default entry is pinned to the kernel images' main profiles (appliance/bundle.py DEFAULT_ENTRY).
+    _write(tree / "efi/loader/loader.conf", f"# SPDX-License-Identifier: MIT\neditor no\ndefault {DEFAULT_ENTRY}\n")
     # Engine logs bounded as the compose stack bounded them: log_max_size x log_max_files.
     size = int(config.engine.log_max_size[:-1]) * config.engine.log_max_files
     _write(

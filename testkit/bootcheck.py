@@ -26,6 +26,7 @@ from appliance.atomic import write_json_atomic
 from appliance.config.model import SMOKE_PROMPT
 from appliance.host_settings import load_device
 from applianctl import __version__
+from applianctl.slots.machine import Host, efi_var
 
 BEGIN, END = "APPLIANCE-REPORT-BEGIN", "APPLIANCE-REPORT-END"
 
@@ -185,6 +186,20 @@ def replica_starts(replicas: int) -> dict[str, Any]:
     return starts
 
 
+def boot_entries() -> list[dict[str, Any]]:
+    """The boot menu as bootctl lists it: each entry's id, title, whether it is the default and the
+    one booted now (the factory reset entries are profiles of each kernel image)."""
+    entries = _json(["bootctl", "--no-pager", "list", "--json=short"]) or []
+    return [{k: e.get(k) for k in ("id", "title", "isDefault", "isSelected")} for e in entries if isinstance(e, dict)]
+
+
+def loader_vars() -> dict[str, str | None]:
+    """What systemd-boot and systemd-stub say of this boot: the entry booted (a reset entry is
+    "FILE.efi@PROFILE"), the counted file of a trial, the UKI profile number systemd-stub ran."""
+    host = Host()
+    return {name: efi_var(host, name) for name in ("LoaderEntrySelected", "LoaderBootCountPath", "StubProfile")}
+
+
 def collect() -> dict[str, Any]:
     usr_source = _run(["findmnt", "-no", "SOURCE,FSTYPE,OPTIONS", "/usr"]).split()
     root_disk = _run(["lsblk", "-no", "PKNAME", _run(["findmnt", "-no", "SOURCE", "/"]).strip()]).strip()
@@ -196,6 +211,8 @@ def collect() -> dict[str, Any]:
     engine_env = engine_environment()  # before the fault scenarios restart the engine
     return {
         "replica_starts": replica_starts(config.replicas),
+        "boot_entries": boot_entries(),
+        "loader": loader_vars(),
         "sealed": sealed(),
         "etc": etc_state(),
         "engine_env": engine_env,

@@ -141,6 +141,31 @@ def test_the_boot_menus_switch_resets_with_the_settings_kept(var: Path, cmdline:
     assert (var / CACHE).exists() == weights_kept and not (var / "lib/containers").exists()
 
 
+@pytest.mark.parametrize(("selected", "counted", "runs"), [
+    (None, False, True),  # not booted through systemd-boot: the signed command line is all there is
+    ("appliance_1.0.0.efi@factory-reset", False, True),
+    ("appliance_1.0.0.efi@factory-reset-keep-weights", False, True),
+    ("appliance_1.0.0.efi", False, False),  # the main entry: the loader and the command line disagree
+    ("appliance_1.1.0.efi", True, False),  # a version on trial whose reset profile was booted for its main entry
+    ("appliance_1.1.0.efi@factory-reset", True, False),  # a wipe would erase what judges the trial
+])
+def test_the_boot_menus_switch_runs_only_when_the_boot_loader_booted_a_reset_entry_of_a_blessed_version(
+        var: Path, selected: str | None, counted: bool, runs: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    before = _tree(var)
+    booted = factory_reset.BootedEntry(selected, counted)
+    done = factory_reset.run_at_boot(var, str(var / CACHE), cmdline="systemd.factory_reset=1", booted=booted)
+    assert (done is not None) == runs and (_tree(var) == before) != runs
+    if not runs:
+        assert "nothing deleted" in capsys.readouterr().err
+
+
+def test_the_boot_menus_reset_entries_are_the_profiles_the_image_ships() -> None:
+    ids = set()
+    for conf in (ROOT / "image/mkosi.uki-profiles").glob("*.conf"):
+        ids |= set(re.findall(r"^Profile=ID=(\S+)", conf.read_text(), re.M))
+    assert ids == set(factory_reset.RESET_PROFILES)
+
+
 def test_a_switch_that_says_no_resets_nothing(var: Path) -> None:
     before = _tree(var)
     assert factory_reset.run_at_boot(var, str(var / CACHE), cmdline="systemd.factory_reset=0 foo.systemd.factory_reset=1") is None
@@ -220,6 +245,9 @@ def test_the_units_command_reads_the_switch_and_the_images_weights_directory(var
     monkeypatch.setenv("APPLIANCE_CONFIG", str(tmp_path / "appliance.json"))
     cmdline = tmp_path / "cmdline"
     monkeypatch.setattr(paths, "PROC_CMDLINE", cmdline)
+    efivars = tmp_path / "efivars"
+    efivars.mkdir()
+    monkeypatch.setenv("APPLIANCE_EFIVARS_DIR", str(efivars))
     # a command line it cannot see (a sandbox hiding /proc/cmdline) fails the unit rather than skip a reset
     (var / "lib/appliance").mkdir(parents=True, exist_ok=True)
     assert main(["factory-reset", "--at-boot"]) == 2
@@ -231,6 +259,12 @@ def test_the_units_command_reads_the_switch_and_the_images_weights_directory(var
     assert main(["factory-reset", "--at-boot"]) == 0 and "none asked for" in capsys.readouterr().out
     assert (var / "log").exists()
     cmdline.write_text("usrhash=abc systemd.factory_reset=1 appliance.factory_reset_keep_weights=1\n")
+    # systemd-boot says it booted the main entry: the switch is not believed
+    selected = efivars / "LoaderEntrySelected-4a67b082-0a4c-41cf-b6c7-440b29bb8c4f"
+    selected.write_bytes(b"\x06\0\0\0" + "appliance_1.0.0.efi\0".encode("utf-16-le"))
+    assert main(["factory-reset", "--at-boot"]) == 0
+    assert "booted appliance_1.0.0.efi, not a factory reset entry" in capsys.readouterr().err and (var / "log").exists()
+    selected.write_bytes(b"\x06\0\0\0" + "appliance_1.0.0.efi@factory-reset-keep-weights\0".encode("utf-16-le"))
     assert main(["factory-reset", "--at-boot"]) == 0
     out = capsys.readouterr().out
     assert "factory-reset: deleted" in out and str(var / CACHE) in out

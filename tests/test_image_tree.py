@@ -190,7 +190,50 @@ def test_boot_deadline_counts_from_the_assessment_deadline(production_tree: Path
 
 
 def test_boot_menu_editor_off(production_tree: Path) -> None:
-    assert (production_tree / "efi/loader/loader.conf").read_text().splitlines()[-1] == "editor no"
+    assert "editor no" in (production_tree / "efi/loader/loader.conf").read_text().splitlines()
+
+
+def _uki_profiles() -> dict[str, tuple[str, str]]:
+    """image/mkosi.uki-profiles: each profile's ID -> (TITLE, Cmdline)."""
+    profiles = {}
+    for conf in sorted((ROOT / "image/mkosi.uki-profiles").glob("*.conf")):
+        text = conf.read_text()
+        fields = dict(re.findall(r"\b(ID|TITLE|Cmdline)=(.*)$", text, re.M))
+        profiles[fields["ID"]] = (fields["TITLE"], fields["Cmdline"])
+    return profiles
+
+
+def test_the_boot_menu_factory_reset_entries_ask_what_their_titles_say() -> None:
+    from applianctl import factory_reset
+
+    profiles = _uki_profiles()
+    assert set(profiles) == {"factory-reset", "factory-reset-keep-weights"}
+    for title, cmdline in profiles.values():
+        req = factory_reset.boot_request("usrhash=ab rw " + cmdline)
+        assert req is not None and req.keep_settings
+        assert req.keep_weights == ("weights" in title), (title, cmdline)
+
+
+def test_the_default_boot_entry_is_a_main_profile_never_a_factory_reset(production_tree: Path) -> None:
+    """systemd-boot picks the first entry its default pattern matches, in its own order: entries
+    with no tries left last, the newest version first, and (257) a kernel image's profiles
+    ("FILE.efi@ID") before its main entry. An upgrade's trial boot, a blessed boot and a fallback
+    must each start a main entry."""
+    import fnmatch
+
+    from appliance.bundle import DEFAULT_ENTRY
+
+    lines = (production_tree / "efi/loader/loader.conf").read_text().splitlines()
+    assert f"default {DEFAULT_ENTRY}" in lines
+    profiles = list(_uki_profiles())
+
+    def menu(*files: str) -> list[str]:
+        return [f"{f}@{p}" for f in files for p in profiles] + list(files)  # per version: profiles first
+
+    for files, booted in ((("appliance_2.0.0+3-0.efi", "appliance_1.0.0.efi"), "appliance_2.0.0+3-0.efi"),  # trial
+                          (("appliance_2.0.0.efi", "appliance_1.0.0.efi"), "appliance_2.0.0.efi"),  # blessed
+                          (("appliance_1.0.0.efi", "appliance_2.0.0+0-3.efi"), "appliance_1.0.0.efi")):  # v2 used up
+        assert next(i for i in menu(*files) if fnmatch.fnmatchcase(i, DEFAULT_ENTRY)) == booted
 
 
 def test_kernel_reboots_on_panic_and_arms_the_watchdog() -> None:

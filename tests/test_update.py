@@ -394,6 +394,24 @@ def test_the_old_version_in_the_inactive_slot_loses_its_entry_before_the_slot_is
     assert ["blkdiscard", "--zeroout", "/dev/vda5"] in calls and ["blkdiscard", "--zeroout", "/dev/vda2"] not in calls
 
 
+def test_a_disk_installed_without_the_boot_menu_pin_gets_it_before_the_slot_is_written(
+    tmp_path: Path, device: Device, signing: Any
+) -> None:
+    """The new version's kernel image carries factory reset profiles, which systemd-boot 257 sorts
+    before its main entry: the update pins loader.conf's default first, keeping the rest."""
+    from appliance.bundle import DEFAULT_ENTRY
+
+    key, trusted = signing
+    conf = device.esp / "loader/loader.conf"
+    conf.parent.mkdir(parents=True)
+    conf.write_text("editor no\ndefault @saved\n")
+    assert run_update(device, str(bundle(tmp_path, key, "2.0.0")), trusted) == 0
+    assert conf.read_text().splitlines() == ["editor no", f"default {DEFAULT_ENTRY}"]
+    from applianctl.update.install import pin_default_entry
+
+    assert pin_default_entry(device.host) is False  # pinned already: not written again
+
+
 def test_the_usr_images_ship_without_their_trailing_zeros(tmp_path: Path, signing: Any) -> None:
     key, trusted = signing
     config = demo_config("2.0.0")

@@ -48,6 +48,7 @@ from applianctl.update.install import (
     link_engine_sources,
     link_sources,
     locked,
+    pin_default_entry,
     prepare_engine_slot,
     prepare_slot,
     sysupdate_commands,
@@ -184,6 +185,8 @@ def install(
             for command in engine_sysupdate_commands(index):
                 hint = "see journalctl -t systemd-sysupdate; run the same command again to start over"
                 run(command, "systemd-sysupdate (engine)", hint, timeout=deadline.left())
+    if pin_default_entry(host):
+        say("boot menu: the default pinned to the main entries (the factory reset entries are never a default)")
     say(f"blanking slot {inactive.name}")
     with progress.step(f"zeroing slot {inactive.name}"):  # blkdiscard --zeroout: no count to show
         prepare_slot(host, inactive, running.version)

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from appliance import atomic, paths
-from appliance.bundle import BundleIndex, engine_short, payload_names, source_names
+from appliance.bundle import DEFAULT_ENTRY, BundleIndex, engine_short, payload_names, source_names
 from appliance.errors import UserError
 from appliance.run import run
 from applianctl.slots.engine import EngineSlot
@@ -55,6 +55,32 @@ def link_sources(index: BundleIndex, staging: Path) -> None:
     for staged, linked in source_names(index).items():
         os.link(staging / staged, directory / linked)
     atomic.fsync_dir(directory)
+
+
+def pin_default_entry(host: Host) -> bool:
+    """Make the boot menu's default the kernel images' main entries (DEFAULT_ENTRY) on a disk
+    installed before the images carried factory reset profiles: systemd-boot 257 sorts those before
+    a version's main entry, so the new version's plain boot would be a reset. True when it wrote."""
+    if host.esp is None:
+        return False
+    conf = host.esp / "loader" / "loader.conf"
+    try:
+        lines = conf.read_text().splitlines()
+    except FileNotFoundError:
+        lines = []
+    pin = f"default {DEFAULT_ENTRY}"
+    if pin in lines:
+        return False
+    kept = [line for line in lines if line.split(None, 1)[:1] != ["default"]]
+    # written beside and renamed into place, without atomic_write's chmod (the ESP is vfat)
+    tmp = conf.with_name(".loader.conf.tmp")
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text("\n".join([*kept, pin]) + "\n")
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, conf)
+    atomic.fsync_dir(conf.parent)
+    return True
 
 
 def remove_entries(host: Host, version: str) -> None:

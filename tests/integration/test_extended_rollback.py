@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from bad_versions import after, each_was_installed_and_tried, run_bad_versions, slots_of
+from journey import reports_of
 
 from appliance import config
 
@@ -57,3 +58,18 @@ def test_a_version_that_hangs_before_boot_complete_is_rolled_back_by_itself(exte
     # the boot deadline rebooted it: boot-complete.target waits for the hung unit, whatever the assessment said
     assert "boot-complete.target not reached before the deadline" in console, console[-3000:]
 
+
+
+
+def test_no_trial_boot_wiped_var(extended_run: tuple[dict[str, Any], str]) -> None:
+    """Each kernel image carries the factory reset entries (UKI profiles); systemd-boot 257 may boot
+    a reset profile's command line for a version on trial (its entries' ids collide once counted).
+    The reset then refuses (applianctl/factory_reset.py menu_refusal): no report, of any boot,
+    records a factory reset, and what the loader booted is shown for whoever reads a failure."""
+    run, console = extended_run
+    reports = reports_of(run)
+    assert reports, console[-3000:]
+    loaders = [(r["status"]["parts"]["os"].get("version"), r.get("loader"), r.get("cmdline", "")[-120:]) for r in reports]
+    for report in reports:
+        reset = report["status"]["parts"]["host"]["details"]["factory_reset"]
+        assert reset["last"] is None and reset["pending"] is None, (reset, loaders)

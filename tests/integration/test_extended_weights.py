@@ -133,6 +133,9 @@ def weights_runs(demo_config: config.Config, mirror: tuple[str, str, type[Mirror
     _flip_on_disk(guest.disk, runs["flipped_at"])
     runs["at_rest"] = guest.boot(timeout=1800, credentials=creds)
     runs["console"] = guest.console_log.read_text(errors="replace")
+    # boot 4: the boot menu's factory reset entry that keeps the weights, chosen at boot 3's end
+    runs["menu_reset"] = guest.boot(timeout=1800, credentials=creds)
+    runs["console_menu"] = guest.console_log.read_text(errors="replace")[len(runs["console"]):]
     shutil.copyfile(guest.console_log, tmp_path_factory.mktemp("weights-console") / "console.log")
     return runs
 
@@ -213,6 +216,9 @@ def test_a_factory_reset_keeps_the_weights_and_settings_and_nothing_else(weights
     refused = asked["refused"]
     assert refused["exit"] == 2 and "hint: run it again with --yes" in refused["stderr"], refused
     assert asked["asked"]["exit"] == 0 and "keeps the per-host settings" in asked["asked"]["stdout"], asked["asked"]
+    # the boot menu's factory reset entries are profiles of each kernel image, listed by bootctl;
+    # applianctl still sees one entry per version
+    assert "Factory reset" in asked["bootctl"], asked["bootctl"][-2000:]
     slots_doc = json.loads(asked["slots"])
     versions = [e["version"] for e in slots_doc.get("entries", [])]
     assert len(versions) == len(set(versions)), slots_doc
@@ -236,6 +242,27 @@ def test_a_factory_reset_keeps_the_weights_and_settings_and_nothing_else(weights
     assert seal is not None and any("a new recovery key after the factory reset" in c for c in seal["changed"]), seal
     assert [m["kind"] for m in seal["methods"]].count("recovery") == 1, seal
     assert weights_runs["console"].count("/var recovery key (shown once") == 1, "the reset's boot shows its new key once"
+
+
+def test_the_boot_menus_factory_reset_entry_resets_with_nobody_but_the_tpm(weights_runs: dict[str, Any]) -> None:
+    """The entry an operator picks at the console when the appliance no longer boots far enough:
+    its signed command line asks for the reset, the TPM opens /var for it (no recovery key typed),
+    the weights are kept as its title says."""
+    asked = _scenario(weights_runs["at_rest"], "menu-asked")
+    assert asked["set_oneshot"]["exit"] == 0, asked
+    after = _scenario(weights_runs["menu_reset"], "after-menu-reset")
+    assert "systemd.factory_reset=1" in after["cmdline"] and "appliance.factory_reset_keep_weights=1" in after["cmdline"], after
+    assert len(after["selected"]) == 1 and after["selected"][0].endswith("@factory-reset-keep-weights"), after["selected"]
+    record = after["record"]
+    assert record is not None and record["by"] == "the kernel command line", after
+    assert any(k.endswith("/huggingface") for k in record["kept"]) and record["left"] == [], record
+    assert after["planted_left"] == [] and "Result=success" in after["unit"], after
+    # the weights are kept as they were, with boot 3's flipped byte and its finding: still refused,
+    # naming the file, so the engine stays stopped until `model fetch` puts the signed file back
+    verified = after["verify"]
+    assert verified["exit"] == 1 and "model-00001-of-00003.safetensors" in verified["stderr"] + verified["stdout"], verified
+    assert after["engine"] != "active", after["engine"]
+    assert "Please enter" not in weights_runs["console_menu"], "the console asked for /var's key"
 
 
 def test_the_power_cut_counts_as_an_unclean_boot_for_the_crash_loop_guard(weights_runs: dict[str, Any]) -> None:

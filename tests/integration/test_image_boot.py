@@ -62,3 +62,15 @@ def test_the_first_boot_fetched_the_demo_weights_and_status_shows_them_verified(
     assert weights["state"] == "ok" and weights["verified"] is True, weights
     assert weights["files"] == 5 and weights["source"].startswith("https://10.0.2.2:"), weights
     assert first_boot["status"]["parts"]["engine"]["state"] == "ok", first_boot["status"]["parts"]["engine"]
+
+
+def test_the_boot_menu_offers_a_factory_reset_and_boots_the_main_entry(first_boot: dict[str, Any]) -> None:
+    """Each kernel image carries the factory reset entries (UKI profiles, signed with it); the default
+    pattern in loader.conf keeps every plain boot on the main entry (the upgrades' trial boots in
+    the journey would otherwise wipe /var)."""
+    entries = first_boot["boot_entries"]
+    titles = [str(e["title"]) for e in entries]
+    assert len([t for t in titles if "Factory reset: wipe /var" in t]) >= 2, titles
+    assert any("keep the host settings and the weights" in t for t in titles), titles
+    selected = [e for e in entries if e["isSelected"]]
+    assert len(selected) == 1 and "@" not in str(selected[0]["id"]), entries

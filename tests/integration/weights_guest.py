@@ -15,7 +15,11 @@ check's report, which follows it).
             scenario's own state are gone, the weights, the TLS CA and the verification kept; then
             the constant-time check still passes (the digest is of the signed contents), a plain
             read gets EIO, `model verify --deep` names the file and records it; the engine
-            restarted is refused by the start check and stays stopped
+            restarted is refused by the start check and stays stopped; files planted again and the
+            boot menu's "Factory reset ... and the weights" entry chosen for the next boot, as an
+            operator at the console would (bootctl set-oneshot)
+    boot 4  that entry's reset ran (its signed command line; the TPM opened /var for it): the
+            planted files gone, the weights kept
 
 Runs as root before the boot check (appliance-test-weights.service, After= the engine's start).
 """
@@ -168,6 +172,10 @@ def ask_factory_reset() -> dict[str, Any]:
 
 
 VAR_SEAL = Path("/run/appliance/var-seal.json")
+# the boot menu's entry that keeps the weights: a profile of the (only) kernel image, by pattern as
+# systemd-boot matches entry ids (FILE.efi@PROFILE-ID, FILE with its boot counter if it has one)
+MENU_RESET_ENTRY = "appliance_*.efi@factory-reset-keep-weights"
+MENU_RESET_BY = "the kernel command line"  # applianctl/factory_reset.py boot_request()
 
 
 def after_factory_reset() -> dict[str, Any]:
@@ -199,7 +207,8 @@ def main() -> int:
     STATE.parent.mkdir(parents=True, exist_ok=True)
     stage = STATE.read_text().strip() if STATE.exists() else "fresh"
     if stage == "fresh" and LAST_RESET.exists():
-        stage = "flipped"  # the reset after boot 2 deleted this scenario's own state too; boot 3
+        # a reset deleted this scenario's own state too: boot 3 after the command's, boot 4 after the menu's
+        stage = "menu-reset" if json.loads(LAST_RESET.read_text()).get("by") == MENU_RESET_BY else "flipped"
     url, ca = credential("appliance.weights_url"), Path("/run/appliance-test-ca.pem")
     ca.write_text(credential("appliance.weights_ca") + "\n")
     fetch = ("/usr/bin/applianctl", "model", "fetch", url, "--ca", str(ca), "--layout", "plain")
@@ -244,6 +253,18 @@ def main() -> int:
         report("at-rest", {"verify": quick, "plain_read": plain_read, "deep": deep, "engine_restart": restart,
                            "engine": run("systemctl", "is-active", "appliance-engine@0.service")["stdout"].strip(),
                            "status": weights_status()})
+        for path in PLANTED:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("planted\n")
+        chosen = run("bootctl", "set-oneshot", MENU_RESET_ENTRY)
+        STATE.write_text("done\n")
+        os.sync()
+        report("menu-asked", {"set_oneshot": chosen})
+        return 0
+    if stage == "menu-reset":
+        entries = json.loads(run("bootctl", "--no-pager", "list", "--json=short", whole=True)["stdout"] or "[]")
+        report("after-menu-reset", {**after_factory_reset(), "cmdline": Path("/proc/cmdline").read_text(),
+                                    "selected": [e.get("id") for e in entries if e.get("isSelected")]})
         STATE.write_text("done\n")
         return 0
     return 0
