@@ -44,6 +44,7 @@ BOOT_SWITCH = "systemd.factory_reset"  # systemd's own factory-reset word (syste
 KEEP_WEIGHTS_SWITCH = "appliance.factory_reset_keep_weights"  # beside it: keep the weights too
 # the boot menu's reset entries are the kernel images' profiles with these IDs (image/mkosi.uki-profiles)
 RESET_PROFILES = ("factory-reset", "factory-reset-keep-weights")
+BY_BOOT_MENU = "the kernel command line"  # the record's `by` of a reset the boot menu's entry asked for
 TRUE_WORDS = ("", "1", "yes", "y", "true", "t", "on")  # as systemd's proc_cmdline_get_bool reads a value
 
 
@@ -218,7 +219,7 @@ def boot_request(cmdline: str) -> FactoryResetRequest | None:
     if words.get(BOOT_SWITCH, "0") not in TRUE_WORDS:
         return None
     keep_weights = words.get(KEEP_WEIGHTS_SWITCH, "0") in TRUE_WORDS
-    return FactoryResetRequest(keep_weights=keep_weights, keep_settings=True, requested_at=_now(), by="the kernel command line")
+    return FactoryResetRequest(keep_weights=keep_weights, keep_settings=True, requested_at=_now(), by=BY_BOOT_MENU)
 
 
 def request(keep_weights: bool, keep_settings: bool) -> FactoryResetRequest:

@@ -217,6 +217,20 @@ def test_a_factory_reset_renews_the_recovery_key_once(tmp_path: Path, device: Pa
     assert shown == [KEY]
 
 
+def test_a_reset_chosen_in_the_boot_menu_keeps_the_operators_recovery_key(tmp_path: Path, device: Path) -> None:
+    """Whoever sits at the console is not known to be the operator: no new key is shown to them."""
+    from applianctl.factory_reset import BY_BOOT_MENU
+
+    fake, shown = FakeLuks([luks.Method("tpm2", 0, (7,), (11,)), luks.Method("recovery", 1)]), []
+    firmware = _firmware(tmp_path, secure_boot=True)
+    paths.last_factory_reset_path().parent.mkdir(parents=True, exist_ok=True)
+    paths.last_factory_reset_path().write_text(json.dumps({"format": 1, "at": "2026-12-02T01:00:00Z", "by": BY_BOOT_MENU,
+                                                           "kept": [], "deleted": 3}))
+    _seal(fake, device, firmware, shown)
+    assert shown == [] and not [c for c in fake.calls if "--recovery-key" in c]
+    assert [m.kind for m in fake.slots.values()] == ["tpm2", "recovery"]
+
+
 def test_a_plain_var_is_reported_and_left_alone(tmp_path: Path, device: Path) -> None:
     fake = FakeLuks([], is_luks=False)
     record = _seal(fake, device, _firmware(tmp_path, secure_boot=True), [])

@@ -11,7 +11,10 @@ header becomes what a sealed appliance needs, and status learns how /var is open
   Boot seals: sealing an unsealed boot's PCR 7 would bind /var to that.
 - **A recovery key.** The installer makes one and shows it in its summary. An image booted as it
   was built (the demo, tests) has none: one is made and shown once on the console, never logged.
-  After a factory reset a new one replaces the old, shown once.
+  After a factory reset asked for with `applianctl factory-reset` (root, so the operator) a new one
+  replaces the old, shown once. A reset chosen in the boot menu keeps the old one: whoever sits at
+  the console is not known to be the operator, and a key shown to them would open the /var that
+  keeps the host's TLS key and plan.
 - **A changed PCR 7** (a firmware or dbx update, other Secure Boot keys) leaves the TPM2 slot
   unable to open /var: that boot asked for the recovery key at the console. The PCR 7 value /var
   was sealed to is kept on /var; a boot that finds another one says so in status, and
@@ -35,6 +38,7 @@ from appliance.atomic import atomic_write
 from appliance.errors import UserError
 from appliance.run import call, run
 from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
+from applianctl.factory_reset import BY_BOOT_MENU
 
 DEVICE = f"/dev/disk/by-partlabel/{luks.VAR_LABEL}"
 PCR_PUBLIC_KEY = Path("/run/systemd/tpm2-pcr-public-key.pem")  # systemd-stub's .pcrpkey, through the initrd
@@ -84,14 +88,15 @@ def show_once(key: str, consoles: Sequence[Path] | None = None) -> list[str]:
     return reached
 
 
-def _factory_reset_at() -> str | None:
-    """When the last factory reset ran (its record's `at`), if one ever did."""
+def _last_factory_reset() -> tuple[str | None, str | None]:
+    """When the last factory reset ran and who asked (its record's `at` and `by`), if one ever did."""
     data = read_capped(paths.last_factory_reset_path(), MAX_RECORD_BYTES, what="the last factory reset's record")
     try:
-        at = loads_bounded(data)["at"] if data is not None else None
-    except (ValueError, KeyError, TypeError):
-        return None
-    return at if isinstance(at, str) else None
+        record = loads_bounded(data) if data is not None else {}
+        at, by = record.get("at"), record.get("by")
+    except (ValueError, AttributeError):
+        return None, None
+    return (at if isinstance(at, str) else None), (by if isinstance(by, str) else None)
 
 
 def _kept() -> dict[str, str]:
@@ -155,7 +160,9 @@ def seal(runner: Callable[[Sequence[str]], str] | None = None, device: str = DEV
             record["problems"].append("PCR 7 changed since /var was sealed (a firmware or Secure Boot key change): the TPM "
                                       "no longer opens /var, so this boot needed the recovery key; seal it again with "
                                       "`applianctl var-seal --reseal` (it asks for the recovery key once more)")
-    reset_at = _factory_reset_at()
+    reset_at, reset_by = _last_factory_reset()
+    if reset_by == BY_BOOT_MENU:
+        reset_at = None  # the console's reset keeps the operator's key (module docstring)
     old_recovery = [m.keyslot for m in methods if m.kind == "recovery"]
     renew = bool(reset_at) and reset_at != _kept().get("recovery_renewed_for_reset") and bool(old_recovery)
     if not old_recovery or renew:

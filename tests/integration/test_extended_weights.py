@@ -247,7 +247,7 @@ def test_a_factory_reset_keeps_the_weights_and_settings_and_nothing_else(weights
 def test_the_boot_menus_factory_reset_entry_resets_with_nobody_but_the_tpm(weights_runs: dict[str, Any]) -> None:
     """The entry an operator picks at the console when the appliance no longer boots far enough:
     its signed command line asks for the reset, the TPM opens /var for it (no recovery key typed),
-    the weights are kept as its title says."""
+    the weights are kept as its title says, and no new recovery key is shown."""
     asked = _scenario(weights_runs["at_rest"], "menu-asked")
     assert asked["set_oneshot"]["exit"] == 0, asked
     after = _scenario(weights_runs["menu_reset"], "after-menu-reset")
@@ -263,6 +263,11 @@ def test_the_boot_menus_factory_reset_entry_resets_with_nobody_but_the_tpm(weigh
     assert verified["exit"] == 1 and "model-00001-of-00003.safetensors" in verified["stderr"] + verified["stdout"], verified
     assert after["engine"] != "active", after["engine"]
     assert "Please enter" not in weights_runs["console_menu"], "the console asked for /var's key"
+    # whoever chose the entry at the console is not known to be the operator: the recovery key stays
+    seal = after["var_seal"]
+    assert seal is not None and not any("recovery key" in c for c in seal["changed"]), seal
+    assert [m["kind"] for m in seal["methods"]].count("recovery") == 1, seal
+    assert "/var recovery key (shown once" not in weights_runs["console_menu"], "a key was shown to the console"
 
 
 def test_the_power_cut_counts_as_an_unclean_boot_for_the_crash_loop_guard(weights_runs: dict[str, Any]) -> None:
