@@ -268,6 +268,8 @@ def test_the_boot_menus_factory_reset_entry_resets_with_nobody_but_the_tpm(weigh
     assert seal is not None and not any("recovery key" in c for c in seal["changed"]), seal
     assert [m["kind"] for m in seal["methods"]].count("recovery") == 1, seal
     assert "/var recovery key (shown once" not in weights_runs["console_menu"], "a key was shown to the console"
+    # whoever chose the entry sees what it did (appliance-factory-reset.service writes to the console too)
+    assert "factory-reset: deleted" in weights_runs["console_menu"], weights_runs["console_menu"][-3000:]
 
 
 def test_the_power_cut_counts_as_an_unclean_boot_for_the_crash_loop_guard(weights_runs: dict[str, Any]) -> None:
