@@ -340,7 +340,8 @@ def _cmd_at_boot() -> int:
     booted = BootedEntry(efi_var(host, "LoaderEntrySelected"), efi_var(host, "LoaderBootCountPath") is not None)
     done = run_at_boot(paths.VAR_DIR, load_image().model.cache_dir, cmdline, booted)
     if done is None:
-        print("factory-reset: none asked for")
+        if boot_request(cmdline) is None:  # else run_at_boot said why it refused
+            print("factory-reset: none asked for")
         return 0
     print(f"factory-reset: deleted {done.deleted} entries on /var; kept: {', '.join(done.kept) or 'nothing'}")
     for line in done.left:
