@@ -135,7 +135,7 @@ def weights_runs(demo_config: config.Config, mirror: tuple[str, str, type[Mirror
     runs["console"] = guest.console_log.read_text(errors="replace")
     # boot 4: the boot menu's factory reset entry that keeps the weights, chosen at boot 3's end
     runs["menu_reset"] = guest.boot(timeout=1800, credentials=creds)
-    runs["console_menu"] = guest.console_log.read_text(errors="replace")[len(runs["console"]):]
+    runs["console_menu"] = guest.console_log.read_text(errors="replace")  # boot() starts each call's log afresh
     shutil.copyfile(guest.console_log, tmp_path_factory.mktemp("weights-console") / "console.log")
     return runs
 
