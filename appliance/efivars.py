@@ -43,6 +43,20 @@ def read_var(name: str, guid: str, efivars: Path = EFIVARS) -> bytes | None:
     return raw[4:]
 
 
+def read_string(name: str, guid: str, efivars: Path = EFIVARS) -> str | None:
+    """Variable NAME holding a string as systemd-boot sets them (UTF-16LE, up to its first NUL),
+    None when there is none. UserError when read_var refuses it or its data is not UTF-16LE."""
+    data = read_var(name, guid, efivars)
+    if data is None:
+        return None
+    try:
+        text = data.decode("utf-16-le")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{var_path(name, guid, efivars)}: not UTF-16 text ({e.reason} at byte {e.start + 4})",
+                        hint=HINT) from None
+    return text.split("\0", 1)[0]
+
+
 @dataclass(frozen=True)
 class SecureBootState:
     efi: bool  # the efivars directory exists: booted through UEFI

@@ -7,8 +7,9 @@ random seed, the per-host settings), so no service has a file open in what is de
 unit runs when the kernel command line carries systemd.factory_reset (systemd's own switch), which
 the boot menu's signed "Factory reset" entries (UKI profiles, image/mkosi.uki-profiles) set for an
 appliance that no longer boots far enough to be asked, and systemd-boot says it booted such an
-entry of a version that has booted well (menu_refusal: systemd-boot 257 once booted a version on
-trial with a reset profile's command line where its main entry was meant).
+entry of a version that has booted well (menu_refusal: systemd-boot 257 can boot a version on
+trial with a reset profile's command line where its main entry was meant). When the boot loader's
+variables are missing or unreadable the command line alone is not believed: nothing is deleted.
 
 What is kept: the per-host settings (the signed install plan and SSH keys in host/, the proxy's
 TLS key and CA in tls/, so clients that pin the CA still connect) unless --all; the model weights
@@ -31,9 +32,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from appliance import paths
-from appliance.atomic import fsync_dir, write_record
+from appliance.atomic import write_record
 from appliance.errors import UserError
-from appliance.safe_read import read_capped
+from appliance.safe_read import file_kind, read_capped
 from appliance.schema import load_record
 from applianctl.records import FactoryResetRequest, LastFactoryReset
 
@@ -52,8 +53,25 @@ TRUE_WORDS = ("", "1", "yes", "y", "true", "t", "on")  # as systemd's proc_cmdli
 class BootedEntry:
     """What systemd-boot says it booted (its EFI variables), the second witness of a menu reset."""
 
-    selected: str | None  # LoaderEntrySelected; None when the machine did not boot through systemd-boot
+    selected: str | None  # LoaderEntrySelected; None when the boot loader did not set it
     counted: bool  # LoaderBootCountPath is set: a version on trial, judged by this boot
+    unreadable: str | None = None  # why the variables could not be read (one line): then neither is believed
+
+
+def read_booted(efivars: Path) -> BootedEntry:
+    """What systemd-boot's variables in EFIVARS say of this boot; what cannot be read is said in
+    `unreadable`, never taken for "not counted" or "no boot loader"."""
+    from appliance.efivars import read_string
+    from applianctl.slots.machine import EFI_LOADER_GUID
+
+    if not efivars.is_dir():
+        return BootedEntry(None, False, f"the boot loader's variables cannot be seen ({efivars} is not there)")
+    try:
+        selected = read_string("LoaderEntrySelected", EFI_LOADER_GUID, efivars)
+        count_path = read_string("LoaderBootCountPath", EFI_LOADER_GUID, efivars)
+    except UserError as e:
+        return BootedEntry(None, False, f"the boot loader's variables cannot be read ({e.message})")
+    return BootedEntry(selected, count_path is not None)
 
 
 @dataclass
@@ -202,6 +220,39 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
+def remove_entry(path: Path) -> list[str]:
+    """Remove PATH whatever it is, never following it (a symlink itself goes, a directory's tree
+    as the wipe deletes one); what could not be removed ("PATH: why"), [] when all went."""
+    out = Outcome(path.parent)
+    parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        st = os.stat(path.name, dir_fd=parent, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(path.name, dir_fd=parent)
+        elif st.st_dev != os.fstat(parent).st_dev:
+            out.left.append(f"{path}: another file system is mounted there")
+        else:
+            _delete_tree(parent, path.name, PurePosixPath(path.name), st.st_dev, out)
+        os.fsync(parent)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        out.left.append(f"{path}: {e.strerror or e}")
+    finally:
+        os.close(parent)
+    return out.left
+
+
+def not_a_request(path: Path) -> str | None:
+    """What PATH is when something other than a regular file sits where the request belongs ("a
+    directory", "a FIFO", "a symbolic link"...); None when it is a file or nothing."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None  # nothing there, or unreadable: read_request says which
+    return None if stat.S_ISREG(mode) else file_kind(mode)
+
+
 def read_request() -> FactoryResetRequest | None:
     """The pending request, None when there is none. A damaged one is not ignored (the operator
     asked for a reset): the caller decides."""
@@ -225,6 +276,9 @@ def boot_request(cmdline: str) -> FactoryResetRequest | None:
 def request(keep_weights: bool, keep_settings: bool) -> FactoryResetRequest:
     """Record a reset for the next boot (replacing one that is pending)."""
     req = FactoryResetRequest(keep_weights=keep_weights, keep_settings=keep_settings, requested_at=_now(), by="applianctl factory-reset")
+    if kind := not_a_request(paths.factory_reset_request_path()):
+        raise UserError(f"{paths.factory_reset_request_path()}: is {kind}, not a factory reset request",
+                        hint="applianctl factory-reset --cancel removes it; then ask again")
     write_record(paths.factory_reset_request_path(), req)
     os.chmod(paths.factory_reset_request_path(), 0o600)
     return req
@@ -240,9 +294,14 @@ def menu_refusal(booted: BootedEntry | None) -> str | None:
     """Why a reset the kernel command line asks for must not run, None when it may. The command line
     is signed, but systemd-boot 257 can boot a reset profile where the main entry was meant: the
     loader must also say it booted a reset entry, and of a blessed version (on a trial boot the loader
-    may not tell a kernel image's profiles apart, and a wipe would erase what judges the trial)."""
-    if booted is None or booted.selected is None:
-        return None  # no boot loader to ask: the signed command line is all there is
+    may not tell a kernel image's profiles apart, and a wipe would erase what judges the trial).
+    Fails closed: a loader that was not asked, or whose variables are missing or unreadable, refuses."""
+    if booted is None:
+        return "the boot loader was not asked which entry it booted"
+    if booted.unreadable:
+        return booted.unreadable
+    if not booted.selected:
+        return "the boot loader did not say which entry it booted (no LoaderEntrySelected)"
     image, _, profile = booted.selected.partition("@")
     if profile not in RESET_PROFILES:
         return f"the boot loader booted {booted.selected}, not a factory reset entry"
@@ -254,25 +313,35 @@ def menu_refusal(booted: BootedEntry | None) -> str | None:
 def run_at_boot(var: Path, cache_dir: str, cmdline: str, booted: BootedEntry | None = None) -> LastFactoryReset | None:
     """Run the pending reset (the request file's, else the command line's when the boot loader
     agrees, see menu_refusal); None when none is."""
-    try:
-        req = read_request()
-    except UserError as e:
-        # Damaged: the operator did ask for a reset, so do the safest one, which keeps everything
-        # that cannot be fetched again (settings and weights).
-        print(f"factory-reset: {e.message}; resetting with settings and weights kept", file=sys.stderr)
-        req = FactoryResetRequest(keep_weights=True, keep_settings=True, requested_at=_now(), by="a damaged request")
+    request_path = paths.factory_reset_request_path()
+    req: FactoryResetRequest | None = None
+    if kind := not_a_request(request_path):
+        # Not something `applianctl factory-reset` writes, so no operator asked for a wipe with it;
+        # removed, else it would stay and be seen again at every boot.
+        left = remove_entry(request_path)
+        also = f"; could not remove {'; '.join(left[:3])}" if left else ""
+        print(f"factory-reset: {request_path} is {kind}, not a request: removed without a reset{also}", file=sys.stderr)
+    else:
+        try:
+            req = read_request()
+        except UserError as e:
+            # Damaged: the operator did ask for a reset, so do the safest one, which keeps everything
+            # that cannot be fetched again (settings and weights).
+            print(f"factory-reset: {e.message}; resetting with settings and weights kept", file=sys.stderr)
+            req = FactoryResetRequest(keep_weights=True, keep_settings=True, requested_at=_now(), by="a damaged request")
     if req is None and (req := boot_request(cmdline)) is not None and (why := menu_refusal(booted)):
         print(f"factory-reset: the kernel command line asks for a reset, but {why}: nothing deleted", file=sys.stderr)
         return None
     if req is None:
+        if not kind:  # else the line above said what there was
+            print("factory-reset: none asked for")
         return None
-    request_path = paths.factory_reset_request_path()
     out = wipe(var, kept_paths(req, cache_dir), spare=(request_path, *kept_files(req)))
     done = LastFactoryReset(at=_now(), by=req.by, kept=tuple(out.kept), deleted=out.deleted, left=tuple(out.left[:LISTED]))
     write_record(paths.last_factory_reset_path(), done)
     # Removed last: a power cut before this line runs the (idempotent) reset again next boot.
-    request_path.unlink(missing_ok=True)
-    fsync_dir(request_path.parent)
+    for line in remove_entry(request_path):  # it stays: the next boot runs the reset again
+        print(f"factory-reset: cannot remove the request: {line}", file=sys.stderr)
     return done
 
 
@@ -298,12 +367,7 @@ def cmd_factory_reset(args: argparse.Namespace) -> int:
     if args.at_boot:
         return _cmd_at_boot()
     if args.cancel:
-        if paths.factory_reset_request_path().exists():
-            paths.factory_reset_request_path().unlink()
-            print("factory reset withdrawn: nothing will be deleted")
-        else:
-            print("no factory reset was asked for")
-        return 0
+        return _cancel(paths.factory_reset_request_path())
     keep_settings = not args.all
     preview = FactoryResetRequest(keep_weights=args.keep_weights, keep_settings=keep_settings, requested_at="", by="")
     if not args.yes:
@@ -325,9 +389,27 @@ def cmd_factory_reset(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cancel(path: Path) -> int:
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        print("no factory reset was asked for")
+        return 0
+    except PermissionError:
+        raise UserError(f"cannot read {path}: permission denied", hint="run it as root") from None
+    left = remove_entry(path)
+    if left:
+        raise UserError(f"cannot remove {left[0]}", hint="run it as root, or remove it by hand")
+    if stat.S_ISREG(mode):
+        print("factory reset withdrawn: nothing will be deleted")
+    else:
+        print(f"{path} was {file_kind(mode)}, not a request: removed; nothing will be deleted")
+    return 0
+
+
 def _cmd_at_boot() -> int:
     from appliance.config.device import load_image
-    from applianctl.slots.machine import Host, efi_var
+    from applianctl.slots.machine import Host
 
     cmdline_raw = read_capped(paths.PROC_CMDLINE, 64 * 1024, what="the kernel command line")
     if cmdline_raw is None:
@@ -336,12 +418,9 @@ def _cmd_at_boot() -> int:
         raise UserError(f"{paths.PROC_CMDLINE}: cannot be seen, so a reset asked for on the kernel command line would be missed",
                         hint="run it without ProcSubset=pid (appliance-factory-reset.service), with /proc mounted")
     cmdline = cmdline_raw.decode("utf-8", "replace")
-    host = Host()
-    booted = BootedEntry(efi_var(host, "LoaderEntrySelected"), efi_var(host, "LoaderBootCountPath") is not None)
+    booted = read_booted(Host().efivars)
     done = run_at_boot(paths.VAR_DIR, load_image().model.cache_dir, cmdline, booted)
-    if done is None:
-        if boot_request(cmdline) is None:  # else run_at_boot said why it refused
-            print("factory-reset: none asked for")
+    if done is None:  # run_at_boot said why
         return 0
     print(f"factory-reset: deleted {done.deleted} entries on /var; kept: {', '.join(done.kept) or 'nothing'}")
     for line in done.left:

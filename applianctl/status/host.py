@@ -37,6 +37,14 @@ def factory_reset() -> tuple[dict[str, Any], str | None]:
     is pending."""
     out: dict[str, Any] = {"pending": None, "last": None}
     why = None
+    from applianctl.factory_reset import not_a_request
+
+    odd = not_a_request(paths.factory_reset_request_path())
+    if odd is not None:
+        # Not a request: the boot's reset removes it without a wipe (applianctl/factory_reset.py).
+        why = (f"{paths.factory_reset_request_path()} is {odd}, not a factory reset request: the next boot removes it "
+               f"without a reset (applianctl factory-reset --cancel removes it now)")
+        return out, why
     try:
         pending = load_record(FactoryResetRequest, paths.factory_reset_request_path(), lenient=True)
     except UserError as e:
