@@ -4,9 +4,10 @@ an expiry, and is signed (timestamp.json.sig, detached Ed25519) by a key of its 
 release key, so it can be re-signed often on a host that holds no release key.
 
 Shared by the builder (`builder release` writes one, `builder timestamp` signs it again) and the
-updater (which refuses an expired timestamp, one for another bundle.json, and one older than the
-last it accepted). Canonical JSON, as appliance.manifest writes it; nothing in it is trusted
-before its signature is checked against the timestamp keys of the running version.
+updater (which refuses an expired timestamp, one signed later than its clock allows, one for
+another bundle.json, and one older than the last it accepted). Canonical JSON, as
+appliance.manifest writes it; nothing in it is trusted before its signature is checked against the
+timestamp keys of the running version.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ MAX_TIMESTAMP_BYTES = 4096  # a few hundred bytes as written; read before anythi
 DEFAULT_DAYS = 7
 MAX_DAYS = 366  # a longer validity is no freshness
 MAX_SEQUENCE = schema.MAX_INT
+# how far a signing host's clock may run ahead of the appliance's: more, and a signature "from the
+# future" would stretch its validity by as much (one signed for 2099 would never expire)
+MAX_CLOCK_SKEW_S = 300
 
 _TIME = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z\Z")
 _TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
@@ -175,15 +179,24 @@ def check_names(ts: Timestamp, index_data: bytes, version: str) -> None:
 
 def check_clock(ts: Timestamp, now: float, build_time: str) -> None:
     """The system clock is the one the device trusts. One earlier than the running release's build
-    time is known wrong (refused on its own: every expiry judged by it would mean nothing); past
-    TS's expiry, the index is expired."""
+    time is known wrong (refused on its own: every expiry judged by it would mean nothing); TS signed
+    later than the clock (beyond MAX_CLOCK_SKEW_S) is refused, else its validity would count from a
+    date to come; past TS's expiry, the index is expired."""
     built = parse_utc(build_time)
     if now < built:
         raise UserError(f"the clock says {utc(now)}, earlier than this release's build time {build_time}: it is wrong",
                         hint="set the clock (timedatectl set-ntp true, or timedatectl set-time), then run the same command again")
+    check_signed_at(TIMESTAMP, ts.signed_at, now, RESIGN)
     if now >= ts.expires_s:
         raise Refused(f"the index expired at {ts.expires}; the clock says {utc(now)}",
                       hint=f"{RESIGN}; or, if the index is new, check the clock (timedatectl)")
+
+
+def check_signed_at(what: str, signed_at: str, now: float, hint: str) -> None:
+    """WHAT (a signed document) was signed at SIGNED_AT, no later than NOW plus MAX_CLOCK_SKEW_S."""
+    if parse_utc(signed_at) > now + MAX_CLOCK_SKEW_S:
+        raise Refused(f"{what} was signed at {signed_at}, later than the clock says ({utc(now)}) by more than "
+                      f"{MAX_CLOCK_SKEW_S // 60} minutes", hint=f"check the clock (timedatectl); if it is right, {hint}")
 
 
 def check_sequence(ts: Timestamp, last: int | None) -> None:

@@ -1,15 +1,17 @@
 """Phased rollouts from a static update server, as Fedora CoreOS phases them from static metadata.
 
-A channel index (channel.json, canonical JSON, signed by the release key like bundle.json) lists
-the releases of a channel: where each bundle lies (a path beside the index), whether it is a
-barrier (every appliance passes through it: it is never skipped), and its rollout (a start, a
-duration, and a state an operator changes by signing the index again: active, paused, stopped).
+A channel index (channel.json, canonical JSON, signed by the release key like bundle.json, with
+a sequence that only goes up and an expiry) lists the releases of a channel: where each bundle
+lies (a path beside the index), whether it is a barrier (every appliance passes through it: it is
+never skipped), and its rollout (a start, a duration, and a state an operator changes by signing
+the index again: active, paused, stopped).
 
 Each appliance computes its own place in a release's rollout from a hash of its machine id and the
 version, uniform over [0, 1) across a fleet and different for each release (the same appliances are
 not always first). The share of a rollout grows linearly from 0 at its start to 1 at its end; an
 appliance is admitted once the share passes its place. Paused: the share stays where it was when
-paused. Stopped: the share is 0 (appliances that took it keep it; nobody else does). A release
+paused (a pause is signed when it takes effect: paused_at later than the index's signed_at is
+refused). Stopped: the share is 0 (appliances that took it keep it; nobody else does). A release
 without a rollout is open to all. The update server stays a plain file tree: no appliance tells
 anyone anything.
 
@@ -26,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from appliance import manifest, schema
+from appliance import freshness, manifest, schema
 from appliance.config.model import DAYS, MaintenanceWindow
 from appliance.errors import Refused, UserError
 from appliance.freshness import parse_utc, utc
@@ -35,7 +37,7 @@ from appliance.schema import optional
 
 CHANNEL = "channel.json"
 CHANNEL_SIG = "channel.json.sig"
-CHANNEL_FORMAT = 1
+CHANNEL_FORMAT = 2  # 2: expires_at (an index of format 1 never expired: refused)
 MAX_CHANNEL_BYTES = 256 << 10
 MAX_RELEASES = 256
 MAX_DURATION_S = 366 * 86400
@@ -70,7 +72,8 @@ class Rollout:
         """The part of the fleet admitted at NOW, 0..1."""
         if self.state == "stopped":
             return 0.0
-        at = now if self.state == "active" else parse_utc(self.paused_at or self.start)
+        # paused: never more than now, even when paused_at is later (within the clock skew allowed)
+        at = now if self.state == "active" else min(now, parse_utc(self.paused_at or self.start))
         start = parse_utc(self.start)
         if at < start:
             return 0.0
@@ -100,6 +103,7 @@ class Channel:
     channel: str = field(metadata=_string(_CHANNEL_NAME, "a lower-case name such as stable"))
     sequence: int = field(metadata=schema.check(lambda v: None if 1 <= v <= schema.MAX_INT else f"1 to {schema.MAX_INT}"))
     signed_at: str = field(metadata=schema.check(_time_check))
+    expires_at: str = field(metadata=schema.check(_time_check))  # past it, the index is stale: a freeze ends there
     releases: tuple[Release, ...]
     signer: str = field(metadata=_string(manifest.KEY_ID, "a key id of 16 hex digits"))
 
@@ -123,9 +127,18 @@ def load(value: Any) -> Channel:
     versions = [manifest.version_tuple(r.version) for r in model.releases]
     if len(set(versions)) != len(versions):
         raise Refused(f"{CHANNEL}: a version is listed twice", hint=RESIGN)
+    signed = parse_utc(model.signed_at)
+    days = (parse_utc(model.expires_at) - signed) / 86400
+    if not 0 < days <= freshness.MAX_DAYS:
+        raise Refused(f"{CHANNEL}: valid for {days:g} days from {model.signed_at}: expected more than 0 and at most "
+                      f"{freshness.MAX_DAYS}", hint=RESIGN)
     for r in model.releases:
         if r.rollout is not None and (r.rollout.state == "paused") != (r.rollout.paused_at is not None):
             raise Refused(f"{CHANNEL}: release {r.version}: paused_at goes with state paused, and only with it", hint=RESIGN)
+        # a pause to come would admit more and more until then: a pause takes effect when it is signed
+        if r.rollout is not None and r.rollout.paused_at is not None and parse_utc(r.rollout.paused_at) > signed:
+            raise Refused(f"{CHANNEL}: release {r.version}: paused_at {r.rollout.paused_at} is later than the index's "
+                          f"signed_at {model.signed_at}", hint=f"set paused_at to the time of signing or earlier; {RESIGN}")
     return model
 
 
@@ -152,6 +165,16 @@ def verify(data: bytes, sig: bytes, keys: dict[str, Any]) -> Channel:
     if model.signer != signed_by:
         raise Refused(f"{CHANNEL} names signer {model.signer} but was signed by {signed_by}", hint="the index is inconsistent")
     return model
+
+
+def check_clock(channel: Channel, now: float) -> None:
+    """CHANNEL was signed no later than NOW (within the clock skew allowed) and has not expired: an
+    index kept from long ago (one that hides the releases since) is stale, not "nothing newer"."""
+    freshness.check_signed_at(CHANNEL, channel.signed_at, now, RESIGN)
+    if now >= parse_utc(channel.expires_at):
+        raise Refused(f"{CHANNEL} expired at {channel.expires_at}; the clock says {utc(now)}",
+                      hint=f"{RESIGN} (it signs for --days, default {freshness.DEFAULT_DAYS}); or, if the index is new, "
+                           "check the clock (timedatectl)")
 
 
 def check_sequence(channel: Channel, last: int | None) -> None:

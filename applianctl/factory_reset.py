@@ -278,7 +278,7 @@ def request(keep_weights: bool, keep_settings: bool) -> FactoryResetRequest:
     req = FactoryResetRequest(keep_weights=keep_weights, keep_settings=keep_settings, requested_at=_now(), by="applianctl factory-reset")
     if kind := not_a_request(paths.factory_reset_request_path()):
         raise UserError(f"{paths.factory_reset_request_path()}: is {kind}, not a factory reset request",
-                        hint="applianctl factory-reset --cancel removes it; then ask again")
+                        hint="remove it with `applianctl factory-reset --cancel`, then ask again")
     write_record(paths.factory_reset_request_path(), req)
     os.chmod(paths.factory_reset_request_path(), 0o600)
     return req

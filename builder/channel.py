@@ -1,10 +1,11 @@
 """`python3 -m builder channel`: sign a channel index (appliance/rollout.py) for a static update
 server. The operator keeps a small TOML file (the channel's name and its releases: bundle
 directory, barrier, rollout start, duration and state); each run signs it again with the release
-key into the server's directory, one sequence number higher than the index there, so that a
-newly signed index can start, pause, resume or stop a rollout and the appliances never take an
-older one again. Each release's bundle directory must already be beside the index, holding that
-version.
+key into the server's directory, one sequence number higher than the index there and valid for
+--days (7 by default), so that a newly signed index can start, pause, resume or stop a rollout,
+the appliances never take an older one again, and one kept from long ago is refused as stale: sign
+it again well inside its validity, changed or not. Each release's bundle directory must already be
+beside the index, holding that version.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle, freshness, manifest, rollout
+from appliance import bundle, freshness, manifest, rollout, schema
 from appliance.atomic import atomic_write
 from appliance.errors import Refused, UserError
 from appliance.safe_read import read_capped
@@ -23,20 +24,32 @@ HINT = "see docs/fleet.md for the channel file's form"
 
 
 def _previous_sequence(out: Path) -> int:
-    try:
-        data = read_capped(out / rollout.CHANNEL, rollout.MAX_CHANNEL_BYTES, what="the channel index there")
-    except UserError:
-        return 0
+    """The sequence of the index in OUT (0: none there). Read from any format, so that the count
+    goes on across a format change; an index there whose sequence cannot be read is refused, never
+    counted from 0 again (appliances would refuse every index below the one they accepted)."""
+    path = out / rollout.CHANNEL
+    hint = (f"put the last index signed back into {path}; or remove it to count from 1 again "
+            "(appliances that accepted a higher sequence then refuse the new index)")
+    data = read_capped(path, rollout.MAX_CHANNEL_BYTES, what="the channel index there", hint=hint)
     if data is None:
         return 0
     try:
-        return rollout.load(manifest.parse_canonical(data)).sequence
-    except (Refused, manifest.ManifestError):
-        return 0
+        doc = manifest.parse_canonical(data)
+    except manifest.ManifestError as e:
+        raise UserError(f"{path}: {e.message}: its sequence cannot be read", hint=hint) from None
+    sequence = doc.get("sequence") if isinstance(doc, dict) else None
+    if not isinstance(sequence, int) or isinstance(sequence, bool) or not 1 <= sequence < schema.MAX_INT:
+        raise UserError(f"{path}: sequence = {schema.shown(sequence, 40)}: expected a number from 1 to {schema.MAX_INT - 1}",
+                        hint=hint)
+    return sequence
 
 
-def make(source: Path, out: Path, key: Path, *, now: float) -> rollout.Channel:
-    """Sign SOURCE (the operator's TOML) into OUT/channel.json and .sig; return what was signed."""
+def make(source: Path, out: Path, key: Path, *, now: float, days: int = freshness.DEFAULT_DAYS) -> rollout.Channel:
+    """Sign SOURCE (the operator's TOML) into OUT/channel.json and .sig, valid DAYS from NOW;
+    return what was signed."""
+    if isinstance(days, bool) or not 1 <= days <= freshness.MAX_DAYS:
+        raise UserError(f"--days {days}: expected a number of days from 1 to {freshness.MAX_DAYS}",
+                        hint=f"the index expires that many days after it is signed (default {freshness.DEFAULT_DAYS}); sign again before")
     try:
         doc: dict[str, Any] = tomllib.loads(source.read_text())
     except OSError as e:
@@ -45,7 +58,7 @@ def make(source: Path, out: Path, key: Path, *, now: float) -> rollout.Channel:
         raise UserError(f"{source}: not TOML ({e})", hint=HINT) from None
     private = manifest.load_private_key(key)
     body = {"format": rollout.CHANNEL_FORMAT, "channel": doc.get("channel"), "sequence": _previous_sequence(out) + 1,
-            "signed_at": freshness.utc(now), "releases": doc.get("releases", []),
+            "signed_at": freshness.utc(now), "expires_at": freshness.utc(now + days * 86400), "releases": doc.get("releases", []),
             "signer": manifest.key_id(private.public_key())}
     unknown = sorted(set(doc) - {"channel", "releases"})
     if unknown:
@@ -80,9 +93,9 @@ def cmd_channel(args: argparse.Namespace) -> int:
 
     config = config_model.load(Path(args.config), args.profile)
     key = build.signing_key_for(config, Path(args.signing_key) if args.signing_key else None)
-    channel = make(Path(args.channel_file), Path(args.output), key, now=freshness.system_clock())
+    channel = make(Path(args.channel_file), Path(args.output), key, now=freshness.system_clock(), days=args.days)
     print(f"signed {args.output}/{rollout.CHANNEL}: channel {channel.channel}, sequence {channel.sequence}, "
-          f"{len(channel.releases)} release(s)")
+          f"{len(channel.releases)} release(s), expires {channel.expires_at}")
     return 0
 
 
@@ -91,5 +104,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("channel_file", metavar="CHANNEL_TOML", help="the channel: its name and [[releases]] (version, path, barrier, rollout)")
     p.add_argument("--output", required=True, help="the update server's directory for this channel (bundles beside the index)")
     p.add_argument("--signing-key", help="the release signing key (default: as for build)")
+    p.add_argument("--days", type=int, default=freshness.DEFAULT_DAYS,
+                   help=f"days until the index expires (1 to {freshness.MAX_DAYS}, default {freshness.DEFAULT_DAYS}); "
+                        "appliances refuse it after that: sign it again before")
     p.set_defaults(func=cmd_channel)
     return p

@@ -252,6 +252,23 @@ def test_the_clock_and_the_sequence_rules(tmp_path: Path, signing: Any) -> None:
         freshness.check_sequence(ts, 2)
 
 
+def test_a_timestamp_signed_later_than_the_clock_allows_is_refused(tmp_path: Path, signing: Any) -> None:
+    """Signed for 2099 with 7 days' validity, it would be fresh until 2099: refused beyond the clock
+    skew a signing host may have; the build-time check still comes first."""
+    built = "2026-01-01T00:00:00Z"
+    data, sig, keys_dir = _signed(tmp_path, signing)
+    ts = freshness.verify(data, sig, keys_dir)
+    signed = freshness.parse_utc(ts.signed_at)
+    freshness.check_clock(ts, signed - freshness.MAX_CLOCK_SKEW_S, built)  # a signing host a little ahead
+    with pytest.raises(Refused, match=rf"timestamp\.json was signed at {ts.signed_at}, later than the clock says "
+                                      r"\(.*\) by more than 5 minutes") as e:
+        freshness.check_clock(ts, signed - freshness.MAX_CLOCK_SKEW_S - 1, built)
+    assert "timedatectl" in e.value.hint and "builder timestamp" in e.value.hint and "\n" not in e.value.message
+    data, sig, keys_dir = _signed(tmp_path, signing, signed_at="2099-01-01T00:00:00Z", expires="2099-01-08T00:00:00Z")
+    with pytest.raises(Refused, match="signed at 2099-01-01T00:00:00Z"):
+        freshness.check_clock(freshness.verify(data, sig, keys_dir), signed, built)
+
+
 def test_the_counter_is_counted_under_the_key_files_lock(tmp_path: Path, signing: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two runs at once cannot read the same counter: while one reads and writes it, the key file
     is locked (a second taker would wait; LOCK_NB shows it)."""

@@ -4,6 +4,7 @@ signed channel index, and maintenance windows across midnight."""
 from __future__ import annotations
 
 import calendar
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,10 @@ def _release(version: str, *, barrier: bool = False, **ro: Any) -> dict[str, Any
     return doc
 
 
-def _channel(*releases: dict[str, Any], sequence: int = 1, signer: str = "0" * 16) -> dict[str, Any]:
-    return {"format": 1, "channel": "stable", "sequence": sequence, "signed_at": START, "releases": list(releases),
-            "signer": signer}
+def _channel(*releases: dict[str, Any], sequence: int = 1, signer: str = "0" * 16, signed_at: str = START,
+             expires_at: str = "2026-12-31T00:00:00Z") -> dict[str, Any]:
+    return {"format": 2, "channel": "stable", "sequence": sequence, "signed_at": signed_at, "expires_at": expires_at,
+            "releases": list(releases), "signer": signer}
 
 
 def test_places_are_uniform_within_two_percent_per_tenth_over_ten_thousand_machines() -> None:
@@ -64,7 +66,8 @@ def test_the_share_grows_from_start_to_end_and_admits_about_that_part_of_the_fle
 
 def test_pause_freezes_the_share_and_stop_admits_nobody() -> None:
     ids = _ids(4000)
-    paused = rollout.load(_channel(_release("1.1.0", state="paused", paused_at="2026-12-03T00:00:00Z"), sequence=2))
+    paused = rollout.load(_channel(_release("1.1.0", state="paused", paused_at="2026-12-03T00:00:00Z"), sequence=2,
+                                   signed_at="2026-12-03T00:00:00Z"))
     later = T0 + 9 * DAY
     admitted = [m for m in ids if rollout.decide(paused, "1.0.0", m, later).target is not None]
     assert abs(len(admitted) / len(ids) - 0.2) <= 0.02  # as on day 2, not day 9
@@ -269,19 +272,16 @@ def test_an_appliance_outside_the_share_does_not_update_and_a_newly_signed_index
     builder_channel.make(_channel_file(tmp_path, ROLLING.format(state="active", paused="")), server, key, now=T0)
     early = resolve(T0 + DAY)
     assert early.bundle is None and "installs: at 2026-12-0" in early.describe(T0 + DAY)
-    channel.accept(early.channel)
     # the operator pauses it on day 2: this appliance (place 0.5-0.6) is not reached on day 8 either
     paused = ROLLING.format(state="paused", paused="paused_at = \"2026-12-03T00:00:00Z\"\n")
     builder_channel.make(_channel_file(tmp_path, paused), server, key, now=T0 + 2 * DAY)
     stays = resolve(T0 + 8 * DAY)
     assert stays.bundle is None and "waits until a newly signed index resumes it" in stays.describe(T0 + 8 * DAY)
-    channel.accept(stays.channel)
     # resumed with a start that reaches it at once: installs the bundle beside the index
     resumed = ROLLING.format(state="active", paused="").replace("864000", "60")
     builder_channel.make(_channel_file(tmp_path, resumed), server, key, now=T0 + 8 * DAY)
     now = resolve(T0 + 8 * DAY)
     assert now.bundle == str(server) + "/2.0.0/" and now.installs_at is not None and now.installs_at <= T0 + 8 * DAY
-    channel.accept(now.channel)
     assert channel.accepted_sequence("stable") == 3
     # the first index, served again, is refused
     replayed = {**manifest.parse_canonical((server / "channel.json").read_bytes()), "sequence": 1}
@@ -290,3 +290,269 @@ def test_an_appliance_outside_the_share_does_not_update_and_a_newly_signed_index
     (server / "channel.json.sig").write_bytes(manifest.encode_signature(key_.sign((server / "channel.json").read_bytes())))
     with pytest.raises(Refused, match="lower than the 3 this appliance accepted before"):
         resolve(T0 + 9 * DAY)
+
+
+# ----------------------------------------------------------------------------------- replays, staleness, the record
+
+
+class _Server:
+    """A channel directory whose index this test signs by hand (no bundles: resolving reads only the index)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        from fake_release import make_signing
+
+        self.key, self.trusted = make_signing(tmp_path)
+        self.private = manifest.load_private_key(self.key)
+        self.kid = manifest.key_id(self.private.public_key())
+        self.dir = tmp_path / "server"
+        self.dir.mkdir()
+
+    def sign(self, doc: dict[str, Any], *, raw: bool = False) -> None:
+        data = manifest.canonical(doc) if raw else rollout.dumps(doc)
+        (self.dir / rollout.CHANNEL).write_bytes(data)
+        (self.dir / rollout.CHANNEL_SIG).write_bytes(manifest.encode_signature(self.private.sign(data)))
+
+    def index(self, *releases: dict[str, Any], sequence: int, signed: int = T0, days: int = 7) -> dict[str, Any]:
+        return _channel(*releases, sequence=sequence, signer=self.kid, signed_at=rollout.utc(signed),
+                        expires_at=rollout.utc(signed + days * DAY))
+
+    def resolve(self, now: float, running: str = "1.0.0", machine: str = "0" * 32) -> Any:
+        from appliance.fetch import Deadline
+        from applianctl.update import channel
+
+        return channel.resolve(str(self.dir / rollout.CHANNEL), ca=None, deadline=Deadline(60), keys_dir=self.trusted,
+                               running_version=running, machine=machine, now=now, windows=())
+
+
+@pytest.fixture(name="server")
+def server_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> _Server:
+    monkeypatch.setattr(paths, "STATE_DIR", tmp_path / "state")
+    return _Server(tmp_path)
+
+
+OPEN = _release("2.0.0")  # no rollout: open to every appliance
+
+
+@pytest.mark.parametrize("supersedes", [
+    _release("2.0.0", state="paused", paused_at=START),
+    _release("2.0.0", state="stopped"),
+    _release("1.0.0"),  # nothing newer than the running 1.0.0
+])
+def test_an_index_that_installs_nothing_is_recorded_and_the_older_one_it_supersedes_refused(
+        server: _Server, supersedes: dict[str, Any]) -> None:
+    """Recorded only on install, a pause (or stop) of sequence 5 would let sequence 4, which still
+    rolls the release out, install it when served again."""
+    from applianctl.update import channel
+
+    rolling = server.index(OPEN, sequence=4)
+    server.sign(server.index(supersedes, sequence=5))
+    assert server.resolve(T0 + DAY).bundle is None
+    assert channel.accepted_sequence("stable") == 5
+    server.sign(rolling)  # the older index, replayed
+    with pytest.raises(Refused, match="sequence 4, lower than the 5 this appliance accepted before"):
+        server.resolve(T0 + DAY)
+
+
+def test_check_records_the_index_it_accepted(server: _Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`update --check` takes the verified path too: what it saw supersedes every older index."""
+    import argparse
+    import types
+
+    from applianctl.update import channel, command
+
+    monkeypatch.setattr(paths, "TRUSTED_KEYS_DIR", server.trusted)
+    monkeypatch.setattr(command.release, "running_manifest", lambda: types.SimpleNamespace(version="1.0.0"))
+    monkeypatch.setattr(channel, "machine_id", lambda: "0" * 32)
+    monkeypatch.setattr(channel, "maintenance_windows", lambda: ())
+    monkeypatch.setattr(channel, "system_clock", lambda: float(T0 + DAY))
+    server.sign(server.index(_release("2.0.0", state="stopped"), sequence=7))
+    args = argparse.Namespace(check=True, ca=None, deadline=None, from_config=False)
+    assert command._resolve_channel(str(server.dir / rollout.CHANNEL), args) is None
+    assert channel.accepted_sequence("stable") == 7
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(("damage", "says"), [
+    (b"{not json", "not JSON"),
+    (b'"stable"', "is not an object"),
+    (b"true", "is not an object"),
+    (b"-1", "is not an object"),
+    (b"[3]", "is not an object"),
+    (b'{"stable": -1}', "is not a sequence"),
+    (b'{"stable": true}', "is not a sequence"),
+    (b'{"stable": "9"}', "is not a sequence"),
+    (b'{"other": [1]}', "is not a sequence"),
+    ("directory", "is a directory"),
+    ("fifo", "is a FIFO"),
+    ("link", "is a symbolic link"),
+    ("dev-zero", "is a symbolic link"),
+])
+def test_a_damaged_channel_record_refuses_every_index(server: _Server, damage: bytes | str, says: str) -> None:
+    """Taken as no record, a damaged one would let any older index in: fail closed, and say how to repair."""
+    from appliance.errors import UserError
+    from applianctl.update import channel
+
+    record = paths.channel_path()
+    record.parent.mkdir(parents=True)
+    if damage == "directory":
+        record.mkdir()
+    elif damage == "fifo":
+        os.mkfifo(record)
+    elif damage == "link":
+        good = record.with_name("elsewhere.json")
+        good.write_text('{"stable": 1}')
+        record.symlink_to(good)
+    elif damage == "dev-zero":
+        record.symlink_to("/dev/zero")
+    else:
+        assert isinstance(damage, bytes)
+        record.write_bytes(damage)
+    server.sign(server.index(OPEN, sequence=2))
+    with pytest.raises(UserError, match=says) as e:
+        server.resolve(T0 + DAY)
+    assert str(record) in e.value.message and "every channel index is refused" in e.value.message
+    assert "\n" not in e.value.message and f"remove {record}" in e.value.hint
+    assert type(e.value) is UserError, "the appliance's own state, not the index: exit 2"
+    with pytest.raises(UserError):
+        channel.accept(rollout.load(server.index(OPEN, sequence=3)))  # nor is it written over
+    if damage in ("directory", "fifo", "link", "dev-zero"):
+        return
+    assert record.read_bytes() == damage
+    record.unlink()  # the repair the hint names: the next index is trusted and recorded
+    assert server.resolve(T0 + DAY).bundle is not None and channel.accepted_sequence("stable") == 2
+
+
+def test_an_index_past_its_expiry_is_refused_as_stale(server: _Server) -> None:
+    """A year-old signed index that hides the releases since is a freeze, not "nothing newer"."""
+    server.sign(server.index(_release("1.0.0"), sequence=1, days=7))
+    assert "next: nothing (this is the newest release" in server.resolve(T0 + 7 * DAY - 1).describe(T0)
+    with pytest.raises(Refused, match=r"channel\.json expired at 2026-12-08T00:00:00Z; the clock says 2026-12-08T00:00:00Z") as e:
+        server.resolve(T0 + 7 * DAY)
+    assert "python3 -m builder channel" in e.value.hint
+    with pytest.raises(Refused, match="expired at"):
+        server.resolve(T0 + 366 * DAY)
+
+
+def test_an_index_without_an_expiry_or_valid_too_long_is_refused() -> None:
+    old = {k: v for k, v in _channel(OPEN).items() if k != "expires_at"}
+    with pytest.raises(Refused, match=r"format = 1: expected 2") as e:
+        rollout.load({**old, "format": 1})
+    assert "python3 -m builder channel" in e.value.hint
+    with pytest.raises(Refused, match="missing field 'expires_at'"):
+        rollout.load(old)
+    for expires, says in (("2027-12-03T00:00:00Z", "valid for 367 days"), (START, "valid for 0 days"),
+                          ("2026-11-30T00:00:00Z", "valid for -1 days")):
+        with pytest.raises(Refused, match=f"{says} from {START}: expected more than 0 and at most 366"):
+            rollout.load(_channel(OPEN, expires_at=expires))
+    rollout.load(_channel(OPEN, expires_at="2027-12-02T00:00:00Z"))  # 366 days, the longest
+
+
+def test_an_index_signed_later_than_the_clock_allows_is_refused(server: _Server) -> None:
+    """Signed "in 2099", its validity would count from then: refused beyond the clock skew allowed."""
+    from appliance import freshness
+
+    server.sign(server.index(OPEN, sequence=1, signed=T0 + freshness.MAX_CLOCK_SKEW_S))
+    assert server.resolve(T0).bundle is not None  # a signing host a little ahead: within the skew
+    server.sign(server.index(OPEN, sequence=2, signed=T0 + freshness.MAX_CLOCK_SKEW_S + 1))
+    with pytest.raises(Refused, match=r"channel\.json was signed at 2026-12-01T00:05:01Z, later than the clock says "
+                                      r"\(2026-12-01T00:00:00Z\) by more than 5 minutes") as e:
+        server.resolve(T0)
+    assert "timedatectl" in e.value.hint and "\n" not in e.value.message
+    far = calendar.timegm((2099, 1, 1, 0, 0, 0))
+    server.sign(server.index(OPEN, sequence=3, signed=far))
+    with pytest.raises(Refused, match="signed at 2099-01-01T00:00:00Z"):
+        server.resolve(T0)
+
+
+def test_a_pause_is_signed_when_it_takes_effect_and_never_admits_more_than_now() -> None:
+    """A pause "at" a time to come would admit more and more of the fleet until then."""
+    later = "2026-12-09T00:00:00Z"
+    with pytest.raises(Refused, match=f"paused_at {later} is later than the index's signed_at {START}") as e:
+        rollout.load(_channel(_release("1.1.0", state="paused", paused_at=later)))
+    assert "set paused_at to the time of signing or earlier" in e.value.hint
+    rollout.load(_channel(_release("1.1.0", state="paused", paused_at=START)))  # paused as it is signed
+    # an appliance whose clock lags the signing host (within the skew): paused at its own now
+    paused = rollout.Rollout(start=START, duration_s=10 * DAY, state="paused", paused_at=later)
+    assert paused.share(T0 + DAY) == pytest.approx(0.1)
+    assert paused.share(T0 + 20 * DAY) == pytest.approx(0.8)
+
+
+def test_the_index_must_name_the_key_that_signed_it(server: _Server) -> None:
+    """Signed by a trusted key but naming another: the index is inconsistent, refused."""
+    doc = {**server.index(OPEN, sequence=1), "signer": "0123456789abcdef"}
+    server.sign(doc)
+    with pytest.raises(Refused, match=f"names signer 0123456789abcdef but was signed by {server.kid}"):
+        server.resolve(T0)
+
+
+# ----------------------------------------------------------------------------------- the machine id
+
+
+def test_the_machine_id_is_read_as_a_file_someone_else_could_have_written(tmp_path: Path) -> None:
+    import threading
+
+    from appliance.errors import UserError
+    from applianctl.update import channel
+
+    good = tmp_path / "machine-id"
+    good.write_text("0123456789abcdef0123456789abcdef\n")
+    assert channel.machine_id(good) == "0123456789abcdef0123456789abcdef"
+    link = tmp_path / "link"
+    link.symlink_to(good)
+    zero = tmp_path / "zero"
+    zero.symlink_to("/dev/zero")
+    big = tmp_path / "big"
+    big.write_text("0" * 100_000)
+    latin = tmp_path / "latin"
+    latin.write_bytes(b"0123456789abcdef0123456789abcd\xe9\xe9\n")
+    for path, says in ((link, "is a symbolic link"), (zero, "is a symbolic link"), (big, "100000 bytes, more than 64"),
+                       (latin, "is not UTF-8 text"), (tmp_path / "none", "no such file")):
+        with pytest.raises(UserError, match=says) as e:
+            channel.machine_id(path)
+        assert "\n" not in e.value.message and "systemd-machine-id-setup" in e.value.hint
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    outcome: list[BaseException | str] = []
+
+    def read() -> None:
+        try:
+            outcome.append(channel.machine_id(fifo))
+        except BaseException as e:  # handed to the test's thread
+            outcome.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(5)
+    assert not reader.is_alive(), "a FIFO with no writer: read without blocking, and refused"
+    assert isinstance(outcome[0], UserError) and "is a FIFO" in outcome[0].message
+
+
+# ----------------------------------------------------------------------------------- the builder's expiry and count
+
+
+def test_the_builder_signs_an_expiry_and_counts_on_from_any_index_there(tmp_path: Path) -> None:
+    from fake_release import make_signing
+
+    from appliance.errors import UserError
+    from builder import channel as builder_channel
+
+    key, _ = make_signing(tmp_path)
+    server = _server(tmp_path, key, ("2.0.0",))
+    source = _channel_file(tmp_path, ROLLING.format(state="active", paused=""))
+    first = builder_channel.make(source, server, key, now=T0)
+    assert (first.signed_at, first.expires_at) == (START, "2026-12-08T00:00:00Z")  # 7 days by default
+    assert builder_channel.make(source, server, key, now=T0, days=30).expires_at == "2026-12-31T00:00:00Z"
+    for days in (0, 367, -1):
+        with pytest.raises(UserError, match=f"--days {days}: expected a number of days from 1 to 366"):
+            builder_channel.make(source, server, key, now=T0, days=days)
+    # an index of the format before expiries: the count goes on from it, not from 1
+    index = server / rollout.CHANNEL
+    older = {k: v for k, v in manifest.parse_canonical(index.read_bytes()).items() if k != "expires_at"}
+    index.write_bytes(manifest.canonical({**older, "format": 1, "sequence": 41}))
+    assert builder_channel.make(source, server, key, now=T0).sequence == 42
+    # one whose sequence cannot be read is refused: counted from 1 again, appliances would refuse it
+    for damaged in (b"{not json", manifest.canonical({**older, "sequence": "41"})):
+        index.write_bytes(damaged)
+        with pytest.raises(UserError, match=r"channel\.json") as e:
+            builder_channel.make(source, server, key, now=T0)
+        assert "put the last index signed back" in e.value.hint and index.read_bytes() == damaged

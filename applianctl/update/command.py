@@ -411,8 +411,9 @@ def cmd_update(args: argparse.Namespace) -> int:
 def _resolve_channel(spec: str, args: argparse.Namespace) -> str | None:
     """SPEC names a channel index: say where this appliance stands in each rollout and when it
     installs; the bundle to go on with, or None when there is nothing to install now (for the timer,
-    also outside a maintenance window). --check records nothing; acting on an index records its
-    sequence, so that an older one (which could undo a pause or a stop) is refused from then on."""
+    also outside a maintenance window). Every index accepted has its sequence recorded (by
+    channel.resolve, --check included), so that an older one (which could undo a pause or a stop)
+    is refused from then on."""
     now = channel.system_clock()
     running = release.running_manifest()
     res = channel.resolve(spec, ca=args.ca, deadline=Deadline(args.deadline or 300.0), keys_dir=paths.TRUSTED_KEYS_DIR,
@@ -424,8 +425,6 @@ def _resolve_channel(spec: str, args: argparse.Namespace) -> str | None:
     if args.from_config and not res.in_window:
         print("outside the maintenance window: nothing installed now", flush=True)
         return None
-    if not args.check:
-        channel.accept(res.channel)
     return res.bundle
 
 
@@ -438,7 +437,9 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("source", nargs="?", default="",
                    help="a bundle directory or an https:// URL of one, or of a channel index (.../channel.json: phased rollouts)")
-    p.add_argument("--check", action="store_true", help="say what would be installed and whether it would be refused now; write nothing")
+    p.add_argument("--check", action="store_true",
+                   help="say what would be installed and whether it would be refused now; write nothing "
+                        "(but a channel index's sequence, recorded as accepted)")
     p.add_argument("--json", action="store_true", help="with --check: print the plan as JSON")
     p.add_argument("--download-only", action="store_true",
                    help="fetch and verify the bundle into /var (replacing what was staged before); write no slot or boot entry")
