@@ -3,6 +3,7 @@ the device's records, staged bundle files on /var): a regular file, opened witho
 symbolic link and without blocking (a FIFO, /dev/zero or a directory is refused at once), its size
 capped before one byte is read; and JSON parsed with its nesting depth and its numbers bounded
 (Python's json has neither limit: 10 000 brackets are a RecursionError, 5 000 digits a slow int).
+`set_aside` moves what is no regular file out of a record's place, so its writer can write again.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -73,6 +75,32 @@ def read_capped(path: Path, max_bytes: int, *, what: str, hint: str = "") -> byt
         raise UserError(f"{path}: cannot read ({e.strerror})", hint=hint) from None
     finally:
         os.close(fd)
+
+
+def set_aside(path: Path) -> str | None:
+    """When PATH is there and is no regular file (a directory, a FIFO, a symbolic link...), rename it
+    to PATH.damaged (removing what an earlier call left there), so that a file can be renamed into
+    its place again: a rename never follows a link, and the rename onto PATH fails on a directory.
+    Returns what PATH was ("a directory"), or None when it was a regular file or absent. OSError
+    when it cannot be moved."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    aside = path.with_name(path.name + ".damaged")
+    try:
+        old = os.lstat(aside).st_mode
+    except FileNotFoundError:
+        pass
+    else:
+        if stat.S_ISDIR(old):
+            shutil.rmtree(aside)  # never follows a link inside it
+        else:
+            aside.unlink()
+    os.rename(path, aside)
+    return file_kind(mode)
 
 
 class JSONBoundError(ValueError):

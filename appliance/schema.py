@@ -2,8 +2,8 @@
 
 `Loader.load` checks parsed data against the tree: unknown keys refused, missing ones named, types
 exact (a bool is not a number, floats finite), each field's metadata check ("check", "each",
-"keys"). A fault is one line naming document, key and value, with a hint, worded per document
-by overriding `invalid`, `unknown`, `missing`.
+"keys") and lower bound ("min": `at_least`). A fault is one line naming document, key and value,
+with a hint, worded per document by overriding `invalid`, `unknown`, `missing`.
 
 The device's records are read `lenient`ly (unknown keys skipped, known ones type-checked) because
 after a rollback one release reads what another wrote; outside input is strict. Records on /var
@@ -45,6 +45,12 @@ def each(fn: Check) -> dict[str, Any]:
 def multiline(fn: Check) -> dict[str, Any]:
     """Field metadata: check the value, which may span lines (a printable document allows it "\\n")."""
     return {"check": fn, "multiline": True}
+
+
+def at_least(bound: int | float) -> dict[str, Any]:
+    """Field metadata: a number, or each number of a list or table, is BOUND or more (a count read
+    back as -1000 would switch off whatever it counts)."""
+    return {"min": bound}
 
 
 def optional(**kw: Any) -> Any:
@@ -165,6 +171,8 @@ class Loader:
         if dataclasses.is_dataclass(tp):
             return self._load(typing.cast(type, tp), value, key)
         element = {"check": meta["each"]} if "each" in meta else {}
+        if "min" in meta:
+            element["min"] = meta["min"]
         if origin is tuple:
             if not isinstance(value, list):
                 raise self.invalid(key, value, type_name(tp))
@@ -190,6 +198,8 @@ class Loader:
             ok = -MAX_INT <= value <= 10**15
         if not ok:
             raise self.invalid(key, value, type_name(tp) + (" (finite, at most 15 digits)" if tp in (int, float) else ""))
+        if tp in (int, float) and "min" in meta and value < meta["min"]:
+            raise self.invalid(key, value, f"{type_name(tp)} of at least {meta['min']}")
         # a `multiline` field (PEM certificates) may hold line feeds, and no other control character
         if self.printable and tp is str and CONTROL.search(value.replace("\n", "") if meta.get("multiline") else value):
             raise self.invalid(key, value, "text without control characters (C0, DEL, C1)")

@@ -2,7 +2,8 @@
 with appliance.schema.load_record (another release may have written it), written with
 appliance.atomic.write_record. /var records carry FORMAT 1 (none: an older release's, loads the
 same); /run ones none, as only this boot's release reads them. tests/fixtures/state/ holds one of
-each as the release before these classes wrote it.
+each as the release before these classes wrote it. Counts, sizes and durations are `at_least(0)`:
+a guard reads its own records, and a negative count must read as damaged, not switch it off.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.hashing import SHA256
-from appliance.schema import Record, each, optional
+from appliance.schema import Record, at_least, each, optional
 
 
 def _empty() -> Mapping[str, Any]:
@@ -51,14 +52,14 @@ class PreflightResult(CheckResult):
     """paths.PREFLIGHT_RESULT (applianctl preflight)."""
 
     gpu: str | None = optional()  # "not required"
-    vram_total_bytes: int | None = optional()
+    vram_total_bytes: int | None = optional(**at_least(0))
 
 
 @dataclass(frozen=True)
 class ShmRemoved:
     path: str
-    bytes: int
-    allocated_bytes: int
+    bytes: int = field(metadata=at_least(0))
+    allocated_bytes: int = field(metadata=at_least(0))
 
 
 @dataclass(frozen=True)
@@ -66,21 +67,21 @@ class ShmCheck(CheckResult):
     """paths.SHM_CHECK (applianctl shm-clean). The figures are there whenever the command wrote it."""
 
     removed: tuple[ShmRemoved, ...] = ()
-    shm_size_bytes: int | None = None
-    shm_used_bytes: int | None = None
-    required_bytes: int | None = None
-    mem_available_bytes: int | None = None
+    shm_size_bytes: int | None = field(default=None, metadata=at_least(0))
+    shm_used_bytes: int | None = field(default=None, metadata=at_least(0))
+    required_bytes: int | None = field(default=None, metadata=at_least(0))
+    mem_available_bytes: int | None = field(default=None, metadata=at_least(0))
 
 
 @dataclass(frozen=True)
 class StartupFigures:
     """What the engine's startup lines showed (absent: not seen); also the expected values."""
 
-    model_memory_gib: float | None = optional()
-    draft_params: int | None = optional()
-    kv_cache_tokens: int | None = optional()
-    max_concurrency: float | None = optional()
-    offload_mmap_gb: float | None = optional()
+    model_memory_gib: float | None = optional(**at_least(0))
+    draft_params: int | None = optional(**at_least(0))
+    kv_cache_tokens: int | None = optional(**at_least(0))
+    max_concurrency: float | None = optional(**at_least(0))
+    offload_mmap_gb: float | None = optional(**at_least(0))
     cuda_graphs: bool | str | None = optional()
     ready: bool | None = optional()
 
@@ -93,7 +94,7 @@ class StartupReport(Record):
     ok: bool = False
     reason: str = ""
     figures: StartupFigures = StartupFigures()
-    reached_s: Mapping[str, float] = field(default_factory=_empty)
+    reached_s: Mapping[str, float] = field(default_factory=_empty, metadata=at_least(0))
     expected: StartupFigures | None = field(default=None, metadata={"omit": True})  # as optional()
 
 
@@ -102,8 +103,8 @@ class ModelVerifyResult(CheckResult):
     """applianctl.model.store.verify_result() (applianctl model verify); `checked` false: no weights pinned."""
 
     revision: str | None = optional()
-    files: int | None = optional()
-    bytes: int | None = optional()
+    files: int | None = optional(**at_least(0))
+    bytes: int | None = optional(**at_least(0))
     deep: bool | None = optional()
     file: str | None = optional()  # the first file at fault
     checked: bool | None = optional()
@@ -144,7 +145,7 @@ class WeightsVerity(Record):
 
 @dataclass(frozen=True)
 class CorruptFile:
-    inode: int
+    inode: int = field(metadata=at_least(0))
     reason: str
 
 
@@ -163,9 +164,9 @@ class FetchJournal(Record):
 
     FORMAT = 1
     sha256: str
-    size: int
-    length: int
-    chunks: tuple[int, ...]
+    size: int = field(metadata=at_least(0))
+    length: int = field(metadata=at_least(0))
+    chunks: tuple[int, ...] = field(metadata=at_least(0))  # CRC-32s
 
 
 @dataclass(frozen=True)
@@ -199,8 +200,8 @@ class LastAssessment(Record):
     ok: bool
     reason: str = ""
     entry: str | None = None  # null when boot counting names none
-    tries_left: int | None = None
-    deadline_s: float | None = optional()
+    tries_left: int | None = field(default=None, metadata=at_least(0))
+    deadline_s: float | None = optional(**at_least(0))
     through: str | None = optional()
     at: str | None = optional()
     demoted: tuple[str, ...] | None = optional()  # entries marked out of tries after a downgrade
@@ -224,8 +225,8 @@ class Staged(Record):
     FORMAT = 1
     version: str
     directory: str
-    bytes: int
-    files: int
+    bytes: int = field(metadata=at_least(0))
+    files: int = field(metadata=at_least(0))
     signer: str
     source: str
     staged_at: str
@@ -238,7 +239,7 @@ class Freshness(Record):
     download accepted; a timestamp of that key with a lower one is refused (an index replayed)."""
 
     FORMAT = 1
-    sequences: Mapping[str, int] = field(default_factory=_empty)
+    sequences: Mapping[str, int] = field(default_factory=_empty, metadata=at_least(0))
     version: str | None = optional()  # of the bundle last accepted, and when
     accepted_at: str | None = optional()
 
@@ -255,7 +256,7 @@ class EffectiveSettings:
     proxy_acme_email: str
     update_url: str
     weights_source: str
-    metrics_allowed_cidrs: tuple[str, ...] | None = optional()  # from release 1.x of issue 22 on
+    metrics_allowed_cidrs: tuple[str, ...] | None = optional()  # absent in older releases' records
     logs_upload_url: str | None = optional()
 
 
@@ -287,7 +288,7 @@ class LastFactoryReset(Record):
     at: str
     by: str
     kept: tuple[str, ...]
-    deleted: int
+    deleted: int = field(metadata=at_least(0))
     left: tuple[str, ...] = ()
 
 
@@ -299,7 +300,29 @@ class BootRecord(Record):
     FORMAT = 1
     version: str
     boot_id: str
-    unclean_in_a_row: int
+    unclean_in_a_row: int = field(metadata=at_least(0))
     started_at: str
     clean: bool = False  # an orderly shutdown or reboot ended it
     stable: bool = False  # it served for crashloop.STABLE_AFTER_S
+
+
+def _pcr_value(value: str) -> str | None:
+    return None if SHA256.match(value) else "a PCR 7 value (64 lower-case hex digits)"
+
+
+@dataclass(frozen=True)
+class VarSealState(Record):
+    """var-seal.json on /var (applianctl var-seal): the PCR 7 /var was sealed to, and the factory
+    reset (its record's `at`) the recovery key was last renewed for."""
+
+    FORMAT = 1
+    sealed_pcr7: str | None = optional(check=_pcr_value)
+    recovery_renewed_for_reset: str | None = optional()
+
+
+@dataclass(frozen=True)
+class SelftestBaseline(Record):
+    """The GPU self-test's baseline (paths.gpu_selftest_baseline_path()), or an earlier report
+    `selftest --json` printed: the correctable ECC counts by GPU (checks.gpu_key)."""
+
+    correctable_counts: Mapping[str, int] = field(metadata=at_least(0))

@@ -223,3 +223,45 @@ def test_a_downgrade_judged_good_marks_newer_entries_out_of_tries(tmp_path: Path
     assert assess.assess(_version(live.config), host=host, deadline_s=20, poll_s=0.2, say=lambda s: None) == 0
     assert sorted(p.name for p in linux.iterdir()) == ["appliance_2.0.0+2-1.efi", "appliance_3.0.0+0.efi"]
     assert _record()["demoted"] == ["appliance_3.0.0+0.efi"]
+
+
+def test_a_damaged_record_never_keeps_a_failed_version_from_rebooting(tmp_path: Path, host: Host, live: Live,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A directory where last-assessment.json goes made the write fail before the reboot: the bad
+    version kept running. Now it is moved aside, the verdict recorded, the machine rebooted."""
+    _on_trial(host)
+    paths.last_assessment_path().mkdir(parents=True)
+    silent = dataclasses.replace(live.config, proxy=dataclasses.replace(live.config.proxy, https_port=free_port()))
+    assert assess.assess(_version(silent), host=host, deadline_s=0.5, poll_s=0.2, say=lambda s: None) == 1
+    assert _calls(tmp_path) == [["systemctl", "reboot"]]
+    assert _record()["ok"] is False and paths.last_assessment_path().with_name("last-assessment.json.damaged").is_dir()
+    err = capsys.readouterr().err
+    assert "last-assessment.json: was a directory, not a record" in err
+
+
+def test_a_record_that_cannot_be_written_never_changes_the_verdict(tmp_path: Path, host: Host, live: Live,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from appliance.errors import UserError
+    from applianctl.slots import history
+
+    def refuse(path: Path, record: object) -> None:
+        raise UserError(f"{path}: cannot write (Read-only file system)", hint="")
+
+    monkeypatch.setattr(history, "write", refuse)
+    _on_trial(host)
+    assert assess.assess(_version(live.config), host=host, deadline_s=20, poll_s=0.2, say=lambda s: None) == 0
+    silent = dataclasses.replace(live.config, proxy=dataclasses.replace(live.config.proxy, https_port=free_port()))
+    assert assess.assess(_version(silent), host=host, deadline_s=0.5, poll_s=0.2, say=lambda s: None) == 1
+    assert _calls(tmp_path) == [["systemctl", "reboot"]]
+    assert capsys.readouterr().err.count("the verdict stands, unrecorded") == 2
+
+
+def test_a_damaged_update_record_is_one_line_and_the_version_still_judged(tmp_path: Path, host: Host, live: Live,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    _on_trial(host)
+    paths.last_update_path().parent.mkdir(parents=True)
+    os.mkfifo(paths.last_update_path())  # a plain read would wait here
+    assert assess.assess(_version(live.config), host=host, deadline_s=20, poll_s=0.2, say=lambda s: None) == 0
+    assert _record()["ok"] is True
+    assert "last-update.json: is a FIFO, not a regular file; taken as no record" in capsys.readouterr().err

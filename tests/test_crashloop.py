@@ -6,6 +6,7 @@ versions on trial are left to systemd-boot."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -106,11 +107,122 @@ def test_slots_it_cannot_read_are_named_as_the_reason_it_stays(machine: Machine)
     assert reboots == []
 
 
-def test_a_damaged_count_starts_from_zero(machine: Machine, capsys: pytest.CaptureFixture[str]) -> None:
+def _previous_boot(**record: object) -> None:
+    """The record the previous boot of 2.0.0 left (its count as given)."""
     paths.boots_record_path().parent.mkdir(parents=True, exist_ok=True)
-    paths.boots_record_path().write_text("{damaged")
+    doc = {"format": 1, "version": "2.0.0", "boot_id": "boot-prev", "unclean_in_a_row": 0, "started_at": "x", **record}
+    paths.boots_record_path().write_text(json.dumps(doc))
+
+
+def _damage(kind: str, tmp_path: Path) -> None:
+    where = paths.boots_record_path()
+    where.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "not JSON":
+        where.write_text("{damaged")
+    elif kind == "a negative count":
+        _previous_boot(unclean_in_a_row=-1000)
+    elif kind == "a count that is a string":
+        _previous_boot(unclean_in_a_row="2")
+    elif kind == "a directory":
+        where.mkdir()
+        (where / "inside").write_text("x")
+    elif kind == "a FIFO":
+        os.mkfifo(where)
+    elif kind == "a link":
+        target = tmp_path / "elsewhere.json"
+        target.write_text(json.dumps({"format": 1, "version": "2.0.0", "boot_id": "boot-prev", "unclean_in_a_row": 0,
+                                      "started_at": "x"}))
+        where.symlink_to(target)
+
+
+DAMAGE = ["not JSON", "a negative count", "a count that is a string", "a directory", "a FIFO", "a link"]
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_damaged_record_counts_as_one_unclean_boot_and_is_replaced(machine: Machine, tmp_path: Path, kind: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Counting from zero would let a crash that damages the record reset the count every boot."""
+    _damage(kind, tmp_path)
+    said = _boot(machine, 0, [])
+    err = capsys.readouterr().err
+    assert "counted as 1 unclean boot(s) of 2.0.0" in err and len(err.splitlines()) <= 2, err
+    assert paths.boots_record_path().is_file() and not paths.boots_record_path().is_symlink()
+    assert _record()["unclean_in_a_row"] == 1 and _record()["boot_id"] == "boot-0", said
+    if kind == "a link":
+        assert json.loads((tmp_path / "elsewhere.json").read_text())["boot_id"] == "boot-prev"  # never written through
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_damaged_record_never_switches_the_guard_off(machine: Machine, tmp_path: Path, kind: str) -> None:
+    """At unclean_in_a_row = -1000, or with a directory in the record's place (the write crashed), no
+    rollback came within ten unclean boots: now the version goes back within CRASH_LOOP_BOOTS."""
+    _damage(kind, tmp_path)
+    reboots: list[str] = []
+    for n in range(crashloop.CRASH_LOOP_BOOTS):
+        _boot(machine, n, reboots)
+    assert reboots == [f"boot-{crashloop.CRASH_LOOP_BOOTS - 1}"]
+    assert (machine.esp / "EFI/Linux/appliance_2.0.0+0.efi").exists()
+
+
+def test_a_directory_in_the_records_place_is_moved_aside(machine: Machine) -> None:
+    where = paths.boots_record_path()
+    where.parent.mkdir(parents=True, exist_ok=True)
+    (where.with_name("boots.json.damaged") / "older").mkdir(parents=True)  # what an earlier damage left
+    where.mkdir()
+    (where / "inside").write_text("kept for a look")
     _boot(machine, 0, [])
-    assert _record()["unclean_in_a_row"] == 0 and "counting from zero" in capsys.readouterr().err
+    assert (where.with_name("boots.json.damaged") / "inside").read_text() == "kept for a look"
+    assert _record()["unclean_in_a_row"] == 1
+
+
+def test_a_record_that_cannot_be_written_still_rolls_back(machine: Machine, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from appliance.errors import UserError
+    from applianctl.slots import history
+
+    _previous_boot(unclean_in_a_row=crashloop.CRASH_LOOP_BOOTS - 1)
+
+    def refuse(path: Path, record: object) -> None:
+        raise UserError(f"{path}: cannot write (No space left on device)", hint="")
+
+    monkeypatch.setattr(history, "write", refuse)
+    reboots: list[str] = []
+    _boot(machine, 0, reboots)
+    assert reboots == ["boot-0"] and "this boot is not counted" in capsys.readouterr().err
+
+
+def test_a_directory_where_the_rollback_is_recorded_never_stops_the_rollback(machine: Machine) -> None:
+    paths.last_rollback_path().mkdir(parents=True)
+    _previous_boot(unclean_in_a_row=crashloop.CRASH_LOOP_BOOTS - 1)
+    reboots: list[str] = []
+    _boot(machine, 0, reboots)
+    assert reboots == ["boot-0"] and (machine.esp / "EFI/Linux/appliance_2.0.0+0.efi").exists()
+    assert json.loads(paths.last_rollback_path().read_text())["to_version"] == "1.0.0"
+
+
+def test_a_damaged_record_marks_nothing_and_says_so(machine: Machine, capsys: pytest.CaptureFixture[str]) -> None:
+    paths.boots_record_path().parent.mkdir(parents=True, exist_ok=True)
+    paths.boots_record_path().mkdir()
+    paths.BOOT_ID.write_text("boot-0\n")
+    assert "nothing to mark" in crashloop.end()
+    assert "boots.json: is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["a link", "a FIFO", "no id"])
+def test_the_boot_id_is_read_as_a_file_someone_else_could_have_written(machine: Machine, tmp_path: Path, kind: str) -> None:
+    from appliance.errors import UserError
+
+    if kind == "a link":
+        real = tmp_path / "real-boot-id"
+        real.write_text("boot-0\n")
+        paths.BOOT_ID.symlink_to(real)
+    elif kind == "a FIFO":
+        os.mkfifo(paths.BOOT_ID)  # a plain read would wait here for ever
+    else:
+        paths.BOOT_ID.write_text("\n\n")
+    with pytest.raises(UserError, match="boot_id: "):
+        crashloop.begin(machine.host, running_version="2.0.0", reboot=lambda: None)
+    assert not paths.boots_record_path().exists()
 
 
 def test_the_units_count_before_the_engine_and_mark_clean_on_stop() -> None:

@@ -253,3 +253,66 @@ def test_this_release_reads_what_a_newer_one_wrote(tmp_path: Path, monkeypatch: 
     with pytest.raises(UserError, match=r"last-rollback\.json: at = 5: invalid"):
         load_record(records.LastRollback, paths.last_rollback_path(), lenient=True)
     assert history.read().rollback is None  # the readers take a damaged record as none, as read_json did
+
+
+# ------------------------------------------------------------------------- lower bounds
+
+
+def _numbers(cls: type, where: str = "") -> list[tuple[str, dataclasses.Field[Any]]]:
+    """Every field of CLS (and the tables in it) that holds numbers: (where, field)."""
+    import typing
+
+    found = []
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        args = typing.get_args(tp) or (tp,)
+        inner = [a for arg in args for a in (typing.get_args(arg) or (arg,))]
+        if any(a in (int, float) for a in inner) and not any(a is bool for a in inner):
+            found.append((f"{where}{cls.__name__}.{f.name}", f))
+        found += [hit for a in inner if dataclasses.is_dataclass(a) for hit in _numbers(typing.cast(type, a), where)]
+    return found
+
+
+def test_every_number_in_a_device_record_has_a_lower_bound() -> None:
+    """Counts, sizes and durations a guard reads back: a negative one reads as damaged."""
+    classes = [c for c in vars(records).values() if isinstance(c, type) and issubclass(c, Record) and c is not Record]
+    fields = [hit for cls in classes for hit in _numbers(cls)]
+    assert len(fields) > 20 and "BootRecord.unclean_in_a_row" in {name for name, _ in fields}
+    unbounded = [name for name, f in fields if f.metadata.get("min") != 0]
+    assert unbounded == []
+
+
+@pytest.mark.parametrize(("cls", "doc", "key"), [
+    (records.BootRecord, {"version": "1", "boot_id": "b", "unclean_in_a_row": -1000, "started_at": "x"}, "unclean_in_a_row"),
+    (records.LastAssessment, {"version": "1", "ok": False, "tries_left": -1}, "tries_left"),
+    (records.Freshness, {"sequences": {"key": -5}}, "sequences.key"),
+    (records.FetchJournal, {"sha256": "0" * 64, "size": 1, "length": 0, "chunks": [1, -2]}, r"chunks\[1\]"),
+    (records.StartupReport, {"state": "ok", "reached_s": {"ready": -0.5}}, "reached_s.ready"),
+    (records.SelftestBaseline, {"correctable_counts": {"gpu:0": -1}}, "correctable_counts.gpu:0"),
+])
+def test_a_number_below_its_bound_is_a_damaged_record(cls: type[Record], doc: dict[str, Any], key: str) -> None:
+    with pytest.raises(UserError, match=rf"x: {key} = -[0-9.]+: invalid") as e:
+        from_json(cls, doc, "x", lenient=True)
+    assert "of at least 0" in e.value.hint
+    from_json(cls, json.loads(json.dumps(doc).replace("-", "")), "x", lenient=True)  # 0 and up are fine
+
+
+def test_the_guards_records_damaged_are_one_line_and_written_anew(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """history's readers take a damaged record as none, with a line in the journal; its writer
+    moves a directory in the record's place aside (else every write onto it fails)."""
+    from appliance import paths
+    from applianctl.slots import history
+
+    monkeypatch.setattr(paths, "STATE_DIR", tmp_path / "state")
+    paths.last_rollback_path().mkdir(parents=True)
+    paths.last_assessment_path().write_text(json.dumps({**_sample("last-assessment.json"), "tries_left": -3}))
+    last = history.read()
+    assert last.rollback is None and last.assessment is None
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.endswith("taken as no record") for line in err), err
+    assert any("last-rollback.json: is a directory" in line for line in err)
+    history.write(paths.last_rollback_path(), records.LastRollback("2.0.0", "1.0.0", "operator rollback", "now"))
+    assert history.read().rollback == records.LastRollback("2.0.0", "1.0.0", "operator rollback", "now")
+    assert paths.last_rollback_path().with_name("last-rollback.json.damaged").is_dir()
+    assert "moved to last-rollback.json.damaged" in capsys.readouterr().err

@@ -242,3 +242,36 @@ def test_a_hostile_staged_release_manifest_is_refused_in_one_line(tmp_path: Path
     with pytest.raises(Refused, match=re.escape(words)) as e:
         check_staged(index, tmp_path, tmp_path)
     _one_line(e.value)
+
+
+# ------------------------------------------------------------------------- a record's place made free
+
+
+def test_what_is_no_regular_file_in_a_records_place_is_moved_aside(tmp_path: Path) -> None:
+    """A directory in a record's place fails every atomic write onto it (rename onto a directory):
+    it is renamed aside so the record's writer can write again; a regular file or nothing stays."""
+    record = tmp_path / "boots.json"
+    assert safe_read.set_aside(record) is None
+    record.write_text("{damaged")
+    assert safe_read.set_aside(record) is None and record.read_text() == "{damaged"  # a write replaces it
+    record.unlink()
+    aside = tmp_path / "boots.json.damaged"
+    (aside / "older").mkdir(parents=True)  # what an earlier damage left
+    record.mkdir()
+    (record / "inside").write_text("x")
+    assert safe_read.set_aside(record) == "a directory"
+    assert not record.exists() and (aside / "inside").read_text() == "x" and not (aside / "older").exists()
+    os.mkfifo(record)
+    assert safe_read.set_aside(record) == "a FIFO" and not record.exists() and not (aside / "inside").exists()
+
+
+def test_a_link_in_a_records_place_is_moved_never_followed(tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "precious").write_text("keep")
+    record = tmp_path / "boots.json"
+    (tmp_path / "boots.json.damaged").symlink_to(target)  # an earlier aside that is a link: the link goes
+    record.symlink_to(target)
+    assert safe_read.set_aside(record) == "a symbolic link"
+    assert (tmp_path / "boots.json.damaged").is_symlink() and (target / "precious").read_text() == "keep"
+    assert not os.path.lexists(record)

@@ -641,3 +641,37 @@ def test_at_boot_could_not_run_blocks_only_where_a_gpu_is_required(device: Any, 
     assert not paths.gpu_selftest_baseline_path().exists()
     device(False)
     assert _boot(monkeypatch, nothing) == 0
+
+
+def test_a_previous_report_with_counts_that_are_not_counts_is_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A negative count would make every later count a rise; a string one is no count."""
+    bad = tmp_path / "selftest.json"
+    for counts, shown in (({"gpu:0": -5}, "-5"), ({"gpu:0": "3"}, "'3'"), ([1], r"\[...\]")):
+        bad.write_text(json.dumps({"ok": True, "correctable_counts": counts}))
+        assert applianctl_main.main(["selftest", "--previous", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert re.match(rf"applianctl: {re.escape(str(bad))}: correctable_counts(\.gpu:0)? = {shown}: invalid\n", err), err
+        assert "hint: pass a report `applianctl selftest --json` printed" in err
+
+
+@pytest.mark.parametrize("damage", ["a negative count", "a directory", "a link"])
+def test_at_boot_a_damaged_baseline_is_one_line_and_kept_anew(device: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                              damage: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from appliance import paths
+
+    baseline = paths.gpu_selftest_baseline_path()
+    baseline.parent.mkdir(parents=True, exist_ok=True)
+    if damage == "a negative count":
+        baseline.write_text(json.dumps({"correctable_counts": {"bdf:0000:26:00.0": -1000}}))
+    elif damage == "a directory":
+        baseline.mkdir()
+    else:
+        (tmp_path / "elsewhere.json").write_text(json.dumps({"correctable_counts": {}}))
+        baseline.symlink_to(tmp_path / "elsewhere.json")
+    assert _boot(monkeypatch, healthy()) == 0
+    err = capsys.readouterr().err
+    assert "starting from this run's counts" in err, err
+    kept = json.loads(baseline.read_text())["correctable_counts"]
+    assert kept and all(type(v) is int and v >= 0 for v in kept.values()) and not baseline.is_symlink()
+    if damage == "a link":
+        assert json.loads((tmp_path / "elsewhere.json").read_text()) == {"correctable_counts": {}}  # never written through

@@ -312,3 +312,64 @@ def test_var_is_made_encrypted_and_opened_through_the_tpm_in_the_image() -> None
     assert crypttab == [["appliance-var", "PARTLABEL=appliance-var", "none", "tpm2-device=auto,x-systemd.device-timeout=5min"]]
     fstab = [line.split() for line in (root / "etc/fstab").read_text().splitlines() if line and not line.startswith("#")]
     assert [f[:2] for f in fstab] == [["/dev/mapper/appliance-var", "/var"]]
+
+
+# ------------------------------------------------------------------------- its records damaged
+
+
+def _reset_by_operator() -> None:
+    paths.last_factory_reset_path().parent.mkdir(parents=True, exist_ok=True)
+    paths.last_factory_reset_path().write_text(json.dumps({"format": 1, "at": "2026-12-02T01:00:00Z", "by": "operator",
+                                                           "kept": [], "deleted": 3}))
+
+
+@pytest.mark.parametrize("damage", ["a directory", "a negative count", "a link"])
+def test_a_damaged_factory_reset_record_renews_no_key_and_var_seal_still_runs(tmp_path: Path, device: Path, damage: str,
+                                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    where = paths.last_factory_reset_path()
+    where.parent.mkdir(parents=True, exist_ok=True)
+    if damage == "a directory":
+        where.mkdir()
+    elif damage == "a negative count":
+        where.write_text(json.dumps({"format": 1, "at": "2026-12-02T01:00:00Z", "by": "operator", "kept": [], "deleted": -1}))
+    else:
+        (tmp_path / "elsewhere.json").write_text(json.dumps({"format": 1, "at": "2026-12-02T01:00:00Z", "by": "operator",
+                                                             "kept": [], "deleted": 3}))
+        where.symlink_to(tmp_path / "elsewhere.json")
+    fake, shown = FakeLuks([luks.Method("tpm2", 0, (7,), (11,)), luks.Method("recovery", 1)]), []
+    record = _seal(fake, device, _firmware(tmp_path, secure_boot=True), shown)
+    assert shown == [] and record["recovery"] is True
+    assert "no recovery key is renewed for it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["a PCR 7 that is a number", "not JSON", "a directory"])
+def test_a_damaged_seal_record_never_renews_the_operators_key_again(tmp_path: Path, device: Path, damage: str,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Taken as none, the record would renew the key once more after the last reset: the one the
+    operator wrote down wiped, a new one shown on a console nobody may be watching."""
+    pcr7 = tmp_path / "pcr-sha256-7"
+    monkeypatch.setattr(var_seal, "PCR7", pcr7)
+    pcr7.write_text("ab" * 32 + "\n")
+    fake, shown = FakeLuks([luks.Method("tpm2", 0, (7,), (11,)), luks.Method("recovery", 1)]), []
+    firmware = _firmware(tmp_path, secure_boot=True)
+    _reset_by_operator()
+    _seal(fake, device, firmware, shown)
+    assert shown == [KEY]  # renewed once for that reset
+    where = var_seal.renewed_path()
+    where.unlink()
+    if damage == "a directory":
+        where.mkdir()
+    elif damage == "not JSON":
+        where.write_text("{")
+    else:
+        where.write_text(json.dumps({"sealed_pcr7": 7, "recovery_renewed_for_reset": "2026-12-02T01:00:00Z"}))
+    capsys.readouterr()
+    record = _seal(fake, device, firmware, shown)
+    assert shown == [KEY] and not [c for c in fake.calls[-3:] if "--recovery-key" in c]
+    assert "var-seal.json was damaged" in str(record["problems"])
+    assert "var-seal.json" in capsys.readouterr().err
+    kept = json.loads(where.read_text())  # written anew, a regular file again
+    assert kept == {"format": 1, "recovery_renewed_for_reset": "2026-12-02T01:00:00Z", "sealed_pcr7": "ab" * 32}
+    assert oct(where.stat().st_mode & 0o777) == "0o600"
+    assert _seal(fake, device, firmware, shown)["problems"] == [] and shown == [KEY]  # the next boot: nothing to say

@@ -28,7 +28,9 @@ from typing import Any
 from appliance import paths
 from appliance.atomic import atomic_write
 from appliance.errors import UserError
-from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
+from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped, set_aside
+from appliance.schema import from_json
+from applianctl.records import SelftestBaseline
 from applianctl.selftest.checks import EXIT_COULD_NOT_RUN, FAILED, NOT_CHECKED, Expectations, Report, run
 from applianctl.selftest.readings import DEADLINE_S, collect
 from applianctl.status.probes import run_command
@@ -37,7 +39,9 @@ _HINT = "pass a report `applianctl selftest --json` printed, or leave --previous
 
 
 def previous_counts(path: Path) -> Mapping[str, Any] | None:
-    """The correctable ECC counts of the report at PATH (None when there is no file yet)."""
+    """The correctable ECC counts of the report at PATH (None when there is no file yet); UserError
+    (one line) when it is no regular file, not JSON, or its counts are not counts (a negative one
+    would make every later count a rise)."""
     data = read_capped(path, MAX_RECORD_BYTES, what="an earlier self-test report", hint=_HINT)
     if data is None:
         return None
@@ -45,10 +49,12 @@ def previous_counts(path: Path) -> Mapping[str, Any] | None:
         doc = loads_bounded(data)
     except ValueError as e:
         raise UserError(f"{path}: not JSON ({e})".splitlines()[0], hint=_HINT) from None
-    counts = doc.get("correctable_counts") if isinstance(doc, Mapping) else None
-    if not isinstance(counts, Mapping):
+    if not isinstance(doc, Mapping) or "correctable_counts" not in doc:
         raise UserError(f"{path}: not a self-test report (no correctable_counts)", hint=_HINT)
-    return counts
+    try:
+        return from_json(SelftestBaseline, doc, str(path), lenient=True).correctable_counts
+    except UserError as e:
+        raise UserError(e.message, hint=_HINT) from None
 
 
 def render(report: Report) -> str:
@@ -99,7 +105,7 @@ def at_boot(debug: bool = False) -> int:
     doc.update({"used_gpus": used, "failed_used_gpus": failed_used, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     atomic_write(paths.GPU_SELFTEST, (json.dumps(doc, sort_keys=True) + "\n").encode(), 0o644)
     if report is not None and not report.could_not_run and not failed_used:
-        atomic_write(baseline, (json.dumps({"correctable_counts": dict(report.correctable_counts)}, sort_keys=True) + "\n").encode(), 0o644)
+        _keep_baseline(baseline, report.correctable_counts)
     print(render(report) if report is not None else f"could not run: {failure}")
     if report is None or report.could_not_run:
         return EXIT_COULD_NOT_RUN if config.gpu.required else 0
@@ -107,6 +113,19 @@ def at_boot(debug: bool = False) -> int:
     if out:
         print(f"GPU(s) {', '.join(map(str, failed_used))} failed: replica(s) {', '.join(map(str, out))} stay stopped", file=sys.stderr)
     return 1 if len(out) == config.topology.replicas else 0
+
+
+def _keep_baseline(path: Path, counts: Mapping[str, int]) -> None:
+    """COUNTS as the next boot's baseline; what is no regular file in its place is renamed aside (a
+    directory there would fail every boot's self-test), and a baseline that cannot be written is
+    one line: this boot's verdict stands."""
+    try:
+        if (kind := set_aside(path)) is not None:
+            print(f"applianctl selftest: {path} was {kind}: moved to {path.name}.damaged", file=sys.stderr)
+        atomic_write(path, (json.dumps({"correctable_counts": dict(counts)}, sort_keys=True) + "\n").encode(), 0o644)
+    except OSError as e:
+        print(f"applianctl selftest: {path}: cannot write ({e.strerror or e}); the next boot compares with the last kept counts",
+              file=sys.stderr)
 
 
 def replicas_out(topology: Any, failed_gpus: list[int]) -> list[int]:

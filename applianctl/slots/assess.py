@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,13 +132,21 @@ def assess(
         last = history.last_update()
         if last is not None and last.downgrade and last.version == version:
             record = dataclasses.replace(record, demoted=tuple(demote_newer(host, version)))
-        state.write_record(paths.last_assessment_path(), record)
+        _keep(record)
         say(f"{version} serves its clients: judged good")
         return 0
-    state.write_record(paths.last_assessment_path(), record)
+    _keep(record)
     say(f"{version} failed its assessment ({why}); rebooting (tries left: {tries_left})")
     (reboot or _reboot)()
     return 1
+
+
+def _keep(record: LastAssessment) -> None:
+    """Record the verdict; a record that cannot be written never changes what the verdict does."""
+    try:
+        history.write(paths.last_assessment_path(), record)
+    except UserError as e:
+        print(f"{e.message}; the verdict stands, unrecorded", file=sys.stderr)
 
 
 def _reboot() -> None:

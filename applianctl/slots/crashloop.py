@@ -18,23 +18,31 @@ counts its boots any more. So every boot of a version judged good is counted her
 Boots on trial are not counted here: systemd-boot counts them. A version that crashes before
 /var is mounted cannot be counted by anything that writes to /var; the count then stays where it
 was (docs/upgrades.md).
+
+A damaged record (not JSON, wrong types, a negative count, a directory, a FIFO or a link in its
+place) counts as one unclean boot of the running version: what it counted is lost, and counting
+from zero instead would let a crash that damages the record reset the count, boot after boot. One
+damaged record alone never rolls a version back (that takes CRASH_LOOP_BOOTS - 1 unclean boots
+more). The damage is one line in the journal; a record that is no regular file is renamed to
+boots.json.damaged (never through a link), so the new count can be written in its place.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from appliance import atomic as state
 from appliance import paths
 from appliance.errors import UserError
+from appliance.safe_read import read_capped
 from appliance.schema import load_record
 from applianctl.records import BootRecord
-from applianctl.slots import release
+from applianctl.slots import history, release
 from applianctl.slots import view as slots
 from applianctl.slots.entries import BAD, GOOD
 from applianctl.slots.machine import Host
@@ -44,20 +52,36 @@ STABLE_AFTER_S = 15 * 60  # served this long on one boot: that boot counts as go
 SMOKE_DEADLINE_S = 120.0
 
 
+_BOOT_ID = re.compile(r"[0-9A-Za-z-]{1,64}")  # the kernel's is a UUID
+
+
 def _boot_id() -> str:
-    return paths.BOOT_ID.read_text().strip()
+    hint = "the kernel gives every boot an id there: check that /proc is mounted as usual"
+    raw = read_capped(paths.BOOT_ID, 128, what="the kernel's boot id", hint=hint)
+    text = raw.decode("ascii", "replace").strip() if raw is not None else ""
+    if not _BOOT_ID.fullmatch(text):
+        raise UserError(f"{paths.BOOT_ID}: no boot id in it", hint=hint)
+    return text
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def read() -> BootRecord | None:
+def _load() -> tuple[BootRecord | None, str | None]:
+    """The boot record (None when there is none or it is damaged), and what is wrong with it."""
     try:
-        return load_record(BootRecord, paths.boots_record_path(), lenient=True)
+        return load_record(BootRecord, paths.boots_record_path(), lenient=True), None
     except UserError as e:
-        print(f"crashloop: {e.message}; counting from zero", file=sys.stderr)
-        return None
+        return None, e.message
+
+
+def read() -> BootRecord | None:
+    """The boot record; None when there is none or it is damaged (one line on stderr)."""
+    record, damage = _load()
+    if damage is not None:
+        print(f"crashloop: {damage}", file=sys.stderr)
+    return record
 
 
 def begin(host: Host | None = None, *, running_version: str | None = None,
@@ -70,13 +94,20 @@ def begin(host: Host | None = None, *, running_version: str | None = None,
     view = slots.read(host, running_version)
     entry = view.entry(running_version)
     judged_good = entry is not None and entry.state == GOOD
-    prev = read()
+    prev, damage = _load()
     if prev is not None and prev.boot_id == boot_id:
         return f"this boot is counted already ({prev.unclean_in_a_row} unclean boots of {prev.version} before it)"
-    ended_badly = prev is not None and prev.version == running_version and not (prev.clean or prev.stable)
-    count = prev.unclean_in_a_row + 1 if judged_good and ended_badly and prev is not None else 0
-    state.write_record(paths.boots_record_path(), BootRecord(version=running_version, boot_id=boot_id,
-                                                             unclean_in_a_row=count, started_at=_now()))
+    if damage is not None:
+        count = 1 if judged_good else 0  # one unclean boot, never zero (module docstring)
+        print(f"crashloop: {damage}; counted as {count} unclean boot(s) of {running_version}", file=sys.stderr)
+    else:
+        ended_badly = prev is not None and prev.version == running_version and not (prev.clean or prev.stable)
+        count = prev.unclean_in_a_row + 1 if judged_good and ended_badly and prev is not None else 0
+    try:
+        history.write(paths.boots_record_path(), BootRecord(version=running_version, boot_id=boot_id,
+                                                            unclean_in_a_row=count, started_at=_now()))
+    except UserError as e:  # this boot goes uncounted, and the count so far still decides
+        print(f"crashloop: {e.message}; this boot is not counted", file=sys.stderr)
     if not judged_good:
         return f"{running_version} is not judged good yet: systemd-boot counts its tries"
     if count < CRASH_LOOP_BOOTS:
@@ -118,7 +149,7 @@ def _mark(**change: Any) -> str:
     prev = read()
     if prev is None or prev.boot_id != _boot_id():
         return "this boot was not counted (appliance-crashloop.service did not run): nothing to mark"
-    state.write_record(paths.boots_record_path(), dataclasses.replace(prev, **change))
+    history.write(paths.boots_record_path(), dataclasses.replace(prev, **change))
     return f"{prev.version}: this boot is marked " + ", ".join(change)
 
 

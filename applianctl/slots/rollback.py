@@ -11,6 +11,7 @@ tries (a version that failed its assessment) unless --force, which then marks it
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -19,7 +20,7 @@ from appliance import paths
 from appliance.errors import Refused, UserError
 from appliance.run import run
 from applianctl.records import LastRollback
-from applianctl.slots import release
+from applianctl.slots import history, release
 from applianctl.slots import view as slots
 from applianctl.slots.entries import BAD
 from applianctl.slots.machine import Host
@@ -57,7 +58,10 @@ def rollback(host: Host | None = None, *, force: bool = False, running_version: 
         current.path.rename(current.renamed(0))
     state.fsync_dir(current.path.parent)
     at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    state.write_record(paths.last_rollback_path(), LastRollback(running_version, other.version, reason, at))
+    try:
+        history.write(paths.last_rollback_path(), LastRollback(running_version, other.version, reason, at))
+    except UserError as e:  # the entries decide what boots; the record only says why
+        print(f"{e.message}; the rollback is done, unrecorded", file=sys.stderr)
     return f"slot {other.name} ({other.version}) boots next; {running_version} is marked as out of tries"
 
 

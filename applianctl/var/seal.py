@@ -21,13 +21,21 @@ header becomes what a sealed appliance needs, and status learns how /var is open
   `applianctl var-seal --reseal` (the recovery key typed once more) seals /var to the new value.
 Records /run/appliance/var-seal.json for status; STATE_DIR/var-seal.json keeps the sealed PCR 7 and
 which factory reset the recovery key was last renewed for.
+
+A damaged record (either of the two it reads) is one line in the journal and a problem in status,
+never a var-seal that does not run. A damaged last-factory-reset record renews no key. A damaged
+var-seal.json is taken as renewed for the last reset: renewing again would wipe the key the operator
+wrote down and show a new one on a console nobody may be watching. It is written anew (what is no
+regular file in its place renamed aside), with this boot's PCR 7 as the one sealed to.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,8 +45,10 @@ from appliance import efivars, luks, paths
 from appliance.atomic import atomic_write
 from appliance.errors import UserError
 from appliance.run import call, run
-from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
+from appliance.safe_read import set_aside
+from appliance.schema import dump_record, load_record
 from applianctl.factory_reset import BY_BOOT_MENU
+from applianctl.records import LastFactoryReset, VarSealState
 
 DEVICE = f"/dev/disk/by-partlabel/{luks.VAR_LABEL}"
 PCR_PUBLIC_KEY = Path("/run/systemd/tpm2-pcr-public-key.pem")  # systemd-stub's .pcrpkey, through the initrd
@@ -89,28 +99,38 @@ def show_once(key: str, consoles: Sequence[Path] | None = None) -> list[str]:
 
 
 def _last_factory_reset() -> tuple[str | None, str | None]:
-    """When the last factory reset ran and who asked (its record's `at` and `by`), if one ever did."""
-    data = read_capped(paths.last_factory_reset_path(), MAX_RECORD_BYTES, what="the last factory reset's record")
+    """When the last factory reset ran and who asked (its record's `at` and `by`), if one ever did;
+    (None, None) when its record is damaged (one line on stderr): no key is renewed for it."""
     try:
-        record = loads_bounded(data) if data is not None else {}
-        at, by = record.get("at"), record.get("by")
-    except (ValueError, AttributeError):
+        record = load_record(LastFactoryReset, paths.last_factory_reset_path(), lenient=True)
+    except UserError as e:
+        print(f"var-seal: {e.message}; no recovery key is renewed for it", file=sys.stderr)
         return None, None
-    return (at if isinstance(at, str) else None), (by if isinstance(by, str) else None)
+    return (record.at, record.by) if record is not None else (None, None)
 
 
-def _kept() -> dict[str, str]:
-    """What STATE_DIR/var-seal.json keeps: sealed_pcr7, recovery_renewed_for_reset."""
-    data = read_capped(renewed_path(), MAX_RECORD_BYTES, what="/var's seal record")
+def _kept(quiet: bool = False) -> VarSealState | None:
+    """What STATE_DIR/var-seal.json keeps (nothing when there is none); None when it is damaged
+    (one line on stderr unless QUIET)."""
     try:
-        doc = loads_bounded(data) if data is not None else {}
-    except ValueError:
-        return {}
-    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(doc, dict) else {}
+        return load_record(VarSealState, renewed_path(), lenient=True) or VarSealState()
+    except UserError as e:
+        if not quiet:
+            print(f"var-seal: {e.message}", file=sys.stderr)
+        return None
 
 
 def _keep(**values: str) -> None:
-    atomic_write(renewed_path(), json.dumps({**_kept(), **values}, sort_keys=True).encode() + b"\n", mode=0o600)
+    """VALUES kept in STATE_DIR/var-seal.json with what it keeps already; one line on stderr when
+    it cannot be written (the next boot tries again)."""
+    path = renewed_path()
+    try:
+        if (kind := set_aside(path)) is not None:
+            print(f"var-seal: {path} was {kind}: moved to {path.name}.damaged", file=sys.stderr)
+        kept = dataclasses.replace(_kept(quiet=True) or VarSealState(), **values)
+        atomic_write(path, json.dumps(dump_record(kept), sort_keys=True).encode() + b"\n", mode=0o600)
+    except OSError as e:
+        print(f"var-seal: {path}: cannot write ({e.strerror or e})", file=sys.stderr)
 
 
 def _pcr7() -> str | None:
@@ -135,6 +155,13 @@ def seal(runner: Callable[[Sequence[str]], str] | None = None, device: str = DEV
         record["problems"].append("/var is not encrypted (a disk installed before encrypted /var): re-install to seal it")
         return record
     methods = luks.read_header(runner, device)
+    reset_at, reset_by = _last_factory_reset()
+    kept = _kept()
+    if kept is None:  # taken as renewed for the last reset, sealed to this boot's PCR 7 (module docstring)
+        kept = VarSealState(recovery_renewed_for_reset=reset_at)
+        _keep(**({"recovery_renewed_for_reset": reset_at} if reset_at else {}))
+        record["problems"].append(f"{renewed_path()} was damaged: a PCR 7 change before this boot cannot be told, and the "
+                                  "recovery key is not renewed for the last factory reset; it is written anew")
     if not any(m.sealed for m in methods):
         state = efivars.secure_boot_state(efivars_dir)
         if not (state.secure_boot and not state.setup_mode):
@@ -153,18 +180,17 @@ def seal(runner: Callable[[Sequence[str]], str] | None = None, device: str = DEV
             if (now := _pcr7()) is not None:
                 _keep(sealed_pcr7=now)
     elif (now := _pcr7()) is not None:
-        sealed_to = _kept().get("sealed_pcr7")
+        sealed_to = kept.sealed_pcr7
         if sealed_to is None:  # sealed by systemd-repart on this image's first boot
             _keep(sealed_pcr7=now)
         elif sealed_to != now:
             record["problems"].append("PCR 7 changed since /var was sealed (a firmware or Secure Boot key change): the TPM "
                                       "no longer opens /var, so this boot needed the recovery key; seal it again with "
                                       "`applianctl var-seal --reseal` (it asks for the recovery key once more)")
-    reset_at, reset_by = _last_factory_reset()
     if reset_by == BY_BOOT_MENU:
         reset_at = None  # the console's reset keeps the operator's key (module docstring)
     old_recovery = [m.keyslot for m in methods if m.kind == "recovery"]
-    renew = bool(reset_at) and reset_at != _kept().get("recovery_renewed_for_reset") and bool(old_recovery)
+    renew = bool(reset_at) and reset_at != kept.recovery_renewed_for_reset and bool(old_recovery)
     if not old_recovery or renew:
         # the slot it adds opens with the TPM's key; the old recovery slots go only after that
         key = luks.recovery_key(runner(["systemd-cryptenroll", "--unlock-tpm2-device=auto", "--recovery-key",
