@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import balancer, paths
-from appliance.config.checks import is_dns_name
+from appliance.config.checks import EMAIL, is_dns_name
 from appliance.config.model import Config
 from appliance.errors import ConfigError
 
@@ -37,7 +37,6 @@ def template_dir() -> Path:
 # tokens, braces open blocks and placeholders ({$ENV}, {env.X}), quotes and backticks quote, '#'
 # starts a comment, '\' escapes, '%' and '$' are refused too (scoped IPv6, env expansion).
 _CADDY_SYNTAX = re.compile(r"[\s\x00-\x1f\x7f{}\"'`#\\$%;<>|*]")
-_EMAIL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*@[a-z0-9-]+(\.[a-z0-9-]+)+")
 _URL_PATH = re.compile(r"/[A-Za-z0-9._~/-]*")
 _ABS_PATH = re.compile(r"(/[A-Za-z0-9._-]+)+")
 _ADMIN = re.compile(r"off|unix/" + _ABS_PATH.pattern + r"|localhost:[0-9]{1,5}")
@@ -145,7 +144,7 @@ def _hostname(key: str, value: str) -> str:
 
 def _email(key: str, value: str) -> str:
     _plain(key, value)
-    if not _EMAIL.fullmatch(value):
+    if not EMAIL.fullmatch(value):  # the configuration's and the plan's check too
         raise _refuse(key, value, "an e-mail address such as ops@example.net (letters, digits, '.', '_', '+', '-')")
     return value
 

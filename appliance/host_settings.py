@@ -102,10 +102,7 @@ class Proxy:
 
     hostname: str | None = field(default=None, metadata=schema.check(checks.is_dns_name))
     allowed_cidrs: tuple[str, ...] | None = field(default=None, metadata=schema.each(checks.is_cidr))
-    acme_email: str | None = field(
-        default=None,
-        metadata=schema.check(lambda v: None if checks.EMAIL.fullmatch(v) else "an e-mail address such as ops@example.net"),
-    )
+    acme_email: str | None = field(default=None, metadata=schema.check(checks.is_email))
 
 
 @dataclass(frozen=True)
@@ -139,7 +136,7 @@ class Weights:
 class HostSettings:
     """A host's settings; one left out (None) keeps the image's (appliance.toml at build)."""
 
-    hostname: str | None = field(default=None, metadata=schema.check(checks.is_dns_name))
+    hostname: str | None = field(default=None, metadata=schema.check(checks.is_host_name))
     network: Network | None = None
     ssh: Ssh | None = None
     proxy: Proxy | None = None
@@ -181,7 +178,12 @@ def _given(value: Any, default: Any) -> Any:
 
 
 def cross_checks(where: str, settings: HostSettings) -> None:
-    """Rules that tie a host's settings together (the uplink's links, addresses and gateways)."""
+    """Rules that tie a host's settings together (the uplink's links, addresses and gateways), and
+    what a list must hold that the schema checks element by element only."""
+    if settings.proxy is not None and settings.proxy.allowed_cidrs == ():
+        # An empty allowlist would admit no client: the Caddyfile refuses it (caddyfile._cidrs).
+        raise ConfigError(f"{where}: proxy.allowed_cidrs is empty",
+                          hint="list the networks that may reach the engine, or leave allowed_cidrs out to keep the image's")
     net = settings.network
     if net is None:
         return
@@ -248,6 +250,14 @@ def overlay(config: Config, settings: Any, where: str) -> Config:
     except ConfigError as e:
         raise ConfigError(f"{where}: {e.message}", hint=e.hint) from None
     return merged
+
+
+def laid_over(config: Config, settings: HostSettings, where: str) -> Config:
+    """CONFIG with a host's SETTINGS laid over it, by every check the device makes when it renders
+    them (appliance-host.service) and reads them back (load_device): `builder plan` calls it before
+    it signs, so that a plan that signs is a plan that renders on the image it was signed for."""
+    cross_checks(where, settings)
+    return overlay(config, settings.overlay_values(), where)
 
 
 def load_device(path: Path | None = None, settings: Path | None = None) -> Config:

@@ -134,6 +134,13 @@ class PlanRefused(UserError):
 
 def verify(data: bytes, sig: bytes, trusted_keys_dir: Path, where: str = PLAN_JSON) -> Plan:
     """The plan in DATA, only if SIG is a trusted key's signature over exactly these bytes."""
+    return from_plain(verify_document(data, sig, trusted_keys_dir, where), where)
+
+
+def verify_document(data: bytes, sig: bytes, trusted_keys_dir: Path, where: str = PLAN_JSON) -> dict[str, Any]:
+    """The document in DATA (its signer taken out), only if SIG is a trusted key's signature over
+    exactly these bytes and the document names that key; its values are not checked yet (from_plain):
+    a signed plan whose values this version refuses is not the same fault as a forged one."""
     if len(data) > MAX_PLAN_BYTES:
         raise PlanRefused(f"{where}: {len(data)} bytes, more than {MAX_PLAN_BYTES}", hint="this is not an install plan")
     try:
@@ -151,12 +158,18 @@ def verify(data: bytes, sig: bytes, trusted_keys_dir: Path, where: str = PLAN_JS
         raise PlanRefused(f"{where}: {e.message}", hint="the plan was changed after it was signed") from None
     if not isinstance(doc, dict) or doc.pop("signer", None) != signed_by:
         raise PlanRefused(f"{where}: names another signer than the key that signed it", hint="the plan is inconsistent")
-    return from_plain(doc, where)
+    return doc
 
 
 def load_signed(directory: Path, trusted_keys_dir: Path) -> Plan | None:
     """The verified plan in DIRECTORY (plan.json + plan.json.sig); None when there is no plan.
     A plan without its signature, or with a bad one, is refused: nothing unsigned is used."""
+    doc = load_signed_document(directory, trusted_keys_dir)
+    return None if doc is None else from_plain(doc, str(directory / PLAN_JSON))
+
+
+def load_signed_document(directory: Path, trusted_keys_dir: Path) -> dict[str, Any] | None:
+    """As load_signed, the signed document before its values are checked (verify_document)."""
     data_path, sig_path = directory / PLAN_JSON, directory / PLAN_SIG
     # Regular files only, capped before reading: a FIFO or a link to /dev/zero must not hang the boot.
     hint = "put the signed plan there: python3 -m builder plan PLAN.toml writes plan.json and plan.json.sig"
@@ -170,4 +183,4 @@ def load_signed(directory: Path, trusted_keys_dir: Path) -> Plan | None:
     if data is None or sig is None:
         raise PlanRefused(f"{data_path if data is None else sig_path}: missing (a plan needs plan.json and plan.json.sig)",
                           hint="sign the plan: python3 -m builder plan PLAN.toml")
-    return verify(data, sig, trusted_keys_dir, str(data_path))
+    return verify_document(data, sig, trusted_keys_dir, str(data_path))

@@ -3,14 +3,16 @@ install plan in /var/lib/appliance/host rendered into /run, so each version rend
 own code and no older rendering lingers. Rendered: systemd-networkd files, the host name, SSH keys
 (a file sshd reads besides the image's), and for the proxy's settings a Caddyfile plus
 host-settings.json, which load_device() lays over the image's configuration. An absent plan, or
-one not signed by a trusted key, leaves the image's defaults (DHCP, its host name and keys); proxy
-values the Caddyfile's checks refuse leave the image's Caddyfile. Status shows the result.
+one not signed by a trusted key, leaves the image's defaults (DHCP, its host name and keys). A
+signed plan whose values this version refuses (its own checks, or laid over the image's
+configuration: the Caddyfile's) fails the unit in one line: its network, host name and SSH keys
+still apply when they pass on their own, so that the host can be reached and fixed; its proxy,
+metrics, update, log and weights settings do not. Status shows the result.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import socket
@@ -35,6 +37,8 @@ BOND = "bond0"
 CADDYFILE = "Caddyfile"
 PROXY_ENV = "proxy.env"
 HOST_SETTINGS = host_settings.SETTINGS_FILE
+FIX_HINT = ("put a plan that `python3 -m builder plan` signs for this release into /var/lib/appliance/host and "
+            "restart appliance-host.service, or go back to the version that applied it (applianctl rollback)")
 
 
 def _match(interface: str) -> str:
@@ -103,8 +107,9 @@ def render(plan: plan_model.Plan, config: Config) -> dict[str, str]:
         out["authorized_keys"] = "".join(k + "\n" for k in plan.ssh.authorized_keys)
     settings = plan.overlay_values()
     if settings:
-        # Checked as every reader will check it, then rendered through the image's own template.
-        effective = host_settings.overlay(config, settings, "install plan")
+        # Checked as every reader will check it (and as `builder plan` did), then rendered through
+        # the image's own template.
+        effective = host_settings.laid_over(config, plan, "install plan")
         out[HOST_SETTINGS] = json.dumps(settings, indent=2, sort_keys=True) + "\n"
         if plan.proxy is not None or plan.metrics is not None:
             out[CADDYFILE] = caddyfile.render_caddyfile(effective)
@@ -167,21 +172,28 @@ def apply(config: Config, host_dir: Path = HOST_DIR, network_dir: Path = NETWORK
     _clear_proxy(run_dir)
     (host_dir / "proxy.json").unlink(missing_ok=True)  # written by earlier versions, read by none
     try:
-        plan = plan_model.load_signed(host_dir, trusted_keys)
-    except UserError as e:
+        doc = plan_model.load_signed_document(host_dir, trusted_keys)
+    except plan_model.PlanRefused as e:
         write_service_files(run_dir, config)
         return _result(result, HostResult(False, f"plan refused: {e.message}", "image defaults"))
-    if plan is None:
+    if doc is None:
         write_service_files(run_dir, config)
         return _result(result, HostResult(True, "", "image defaults", _shown(_defaults(config))))
-    proxy_refused = ""
+    where = str(host_dir / plan_model.PLAN_JSON)
+    refused = ""
     try:
+        plan = plan_model.from_plain(doc, where)
         files = render(plan, config)
     except ConfigError as e:
-        # The rest of the plan still applies; the image's values stand for what was refused.
-        proxy_refused = f"the plan's settings refused ({e.message}; {e.hint}): the image's proxy, metrics, update and log settings apply"
-        plan = dataclasses.replace(plan, proxy=None, metrics=None, update=None, logs=None)
-        files = render(plan, config)
+        # Signed, so not silently: the unit fails (privileged(), the last step) and status says why.
+        rest = _rest_of(doc, where, config)
+        refused = f"the signed install plan does not apply on this version: {e.message} ({e.hint}); " + (
+            "its network, host name and SSH keys apply, its proxy, metrics, update, log and weights settings do not"
+            if rest else "nothing of it applies")
+        if rest is None:
+            write_service_files(run_dir, config)
+            return _result(result, HostResult(False, refused, "plan"))
+        plan, files = rest
     for name, text in files.items():
         if name.startswith("network/"):
             atomic_write(network_dir / name.removeprefix("network/"), text.encode())
@@ -202,7 +214,18 @@ def apply(config: Config, host_dir: Path = HOST_DIR, network_dir: Path = NETWORK
             return _result(result, HostResult(False, f"cannot set the host name: {e.strerror}", "plan"))
     settings = plan.effective(config)
     rendered = tuple(sorted(n.removeprefix("network/") for n in files if n.startswith("network/")))
-    return _result(result, HostResult(not proxy_refused, proxy_refused, "plan", _shown(settings), rendered))
+    return _result(result, HostResult(not refused, refused, "plan", _shown(settings), rendered))
+
+
+def _rest_of(doc: dict[str, Any], where: str, config: Config) -> tuple[plan_model.Plan, dict[str, str]] | None:
+    """The plan in DOC without the settings laid over the image's configuration, and its files;
+    None when even that is refused."""
+    overlaid = {host_settings.HOST_SECTION.get(s, s) for s in host_settings.OVERLAY}
+    try:
+        plan = plan_model.from_plain({k: v for k, v in doc.items() if k not in overlaid}, where)
+        return plan, render(plan, config)
+    except ConfigError:
+        return None
 
 
 def _defaults(config: Config) -> dict[str, Any]:
@@ -236,19 +259,22 @@ def privileged(result: Path = RESULT, runner: Any = call) -> list[str]:
         doc = load_record(HostResult, result, lenient=True)
     except UserError:
         return []
-    # Also when only the plan's proxy settings were refused (ok false, settings there): the host
-    # name and keys are the plan's all the same.
-    if doc is None or doc.source != "plan" or doc.settings is None:
+    if doc is None or doc.source != "plan":
         return []
     done = []
+    # Also when part of a signed plan was refused: its host name and keys, when they passed, make
+    # the host reachable to be fixed.
     settings = doc.settings
-    if settings.hostname:
+    if settings is not None and settings.hostname:
         socket.sethostname(settings.hostname)
         done.append(f"host name {settings.hostname}")
-    if settings.ssh_authorized_keys:
+    if settings is not None and settings.ssh_authorized_keys:
         runner(["nft", "add", "rule", "inet", "appliance", "input", "tcp", "dport", "22", "accept"])
         runner(["systemctl", "--no-block", "start", "ssh.service"])
         done.append("SSH opened for the plan's keys")
+    if not doc.ok:
+        # The last step of appliance-host.service: failing here fails the unit, after the above.
+        raise UserError(doc.reason or "the signed install plan was not applied", hint=FIX_HINT)
     return done
 
 
@@ -264,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "apply":
         doc = apply(config, set_hostname=False)
         print(doc.reason or f"host settings from the {doc.source}")
-        # A refused plan leaves the image's defaults: the boot goes on, status reports it.
+        # A plan not signed by a trusted key leaves the image's defaults: the boot goes on, status
+        # reports it. A signed one this version refuses fails the unit in the privileged step,
+        # which runs only after this one succeeded and still applies its host name and SSH keys.
         return 0
     shown = load_record(HostResult, RESULT, lenient=True)
     print(json.dumps(dump_record(shown) if shown is not None else {}, indent=2, sort_keys=True))

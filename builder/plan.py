@@ -1,7 +1,8 @@
 """`python3 -m builder plan PLAN.toml`: check an install plan and sign it with the release key.
 
 Writes plan.json (canonical JSON) and plan.json.sig into a new directory renamed into place. The
-installer and the appliance accept only a plan signed by a key the release trusts (appliance/plan.py).
+installer and the appliance accept only a plan signed by a key the release trusts (appliance/plan.py);
+every value is checked first as the appliance will render it over the profile's configuration.
 """
 
 from __future__ import annotations
@@ -13,12 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from appliance import config as config_model
+from appliance import host_settings
 from appliance import plan as plan_model
 from appliance.atomic import atomic_write, replace_dir
+from appliance.config import Config
 
 
-def write(plan_toml: Path, key: Path, output: Path) -> plan_model.Plan:
+def write(plan_toml: Path, key: Path, output: Path, config: Config) -> plan_model.Plan:
+    """Check the plan at PLAN_TOML as the device will (laid over CONFIG, the image's configuration),
+    then sign it with KEY into OUTPUT."""
     plan = plan_model.load_toml(plan_toml)
+    host_settings.laid_over(config, plan, str(plan_toml))  # the device's checks, before anything is signed
     data, sig = plan_model.sign(plan, key, str(plan_toml))  # refuses what the device would (MAX_PLAN_BYTES)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
@@ -35,7 +41,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     key = build.signing_key_for(config, Path(args.signing_key) if args.signing_key else None)
     source = Path(args.plan)
     output = Path(args.output) if args.output else source.with_suffix("")
-    plan = write(source, key, output)
+    plan = write(source, key, output, config)
     print(f"signed install plan in {output}/ ({plan_model.PLAN_JSON}, {plan_model.PLAN_SIG})")
     if args.show:
         print(json.dumps(plan.effective(config), indent=2))

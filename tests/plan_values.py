@@ -25,6 +25,8 @@ def _label(n: int) -> str:
 
 LONGEST_DNS = ".".join([_label(63)] * 3 + [_label(61)])  # 253 characters
 assert len(LONGEST_DNS) == 253 and all(len(x) <= 63 for x in LONGEST_DNS.split("."))
+LONGEST_HOST_NAME = _label(31) + "." + _label(32)  # the kernel's limit for the host's own name
+assert len(LONGEST_HOST_NAME) == 64
 
 # made by ssh-keygen -t ed25519 / -t ecdsa -b 521 / -t rsa -b 1024
 ED25519 = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE50UnEzKriRoz0D1nsw3cmLy+5ttE9+lpa4CiQoTVX1"
@@ -69,7 +71,7 @@ COMMENTS = [
 ]
 
 HOSTILE: dict[str, Any] = {
-    "hostname": LONGEST_DNS,
+    "hostname": LONGEST_HOST_NAME,
     "network": {
         "interfaces": ["x_.-9_.-9_.-9zz", "52:54:00:12:34:57"],
         "dhcp": True,

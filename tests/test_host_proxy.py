@@ -1,8 +1,9 @@
-"""The proxy takes the signed install plan's per-host settings (issue 13, item 4): appliance-host's
-apply renders the Caddyfile with the plan's name, allowlist and ACME e-mail (checked by the real
-Caddy), refuses hostile values before any file is written, and every reader of the configuration
-(appliance.config load_device: certificate names, assessment, console, status) sees the plan's
-values; without a plan everything is the image's."""
+"""The proxy takes the signed install plan's per-host settings: appliance-host's apply renders the
+Caddyfile with the plan's name, allowlist and ACME e-mail (checked by the real Caddy), refuses
+hostile values before any file is written and fails its unit for them, and every reader of the
+configuration (appliance.config load_device: certificate names, assessment, console, status) sees
+the plan's values; without a plan everything is the image's. `builder plan` checks each value as
+the device renders it: a plan that signs is a plan that renders."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from cryptography import x509
 from appliance import caddyfile, host_settings, paths
 from appliance import config as config_mod
 from appliance import plan as plan_model
-from appliance.errors import ConfigError
+from appliance.errors import ConfigError, UserError
 from applianctl import host, tls
 from applianctl.records import HostResult
 from applianctl.slots import assess
@@ -190,19 +191,24 @@ def test_a_hostile_signed_plan_is_refused_and_no_caddyfile_is_written(machine: H
         (machine.run_dir / name).write_text("stale")
     machine.install(_plan(**proxy))
     doc = machine.apply(_image("acme"))
-    assert doc.ok is False and doc.source == "image defaults" and message in doc.reason, doc
+    assert doc.ok is False and doc.source == "plan" and message in doc.reason, doc
     assert machine.proxy_files() == []
     assert json.loads(machine.result.read_text())["reason"] == doc.reason
+    # signed: not a quiet fallback to the image's proxy; the unit's last step fails in one line
+    with pytest.raises(UserError) as e:
+        host.privileged(machine.result, runner=lambda argv: None)
+    assert e.value.message == doc.reason and "\n" not in e.value.message and "builder plan" in (e.value.hint or "")
 
 
-def test_proxy_values_only_the_caddyfile_refuses_leave_the_image_proxy_and_the_rest_of_the_plan(
+def test_a_signed_plan_whose_proxy_values_do_not_render_fails_the_unit_and_keeps_the_rest(
         machine: Host, monkeypatch: pytest.MonkeyPatch) -> None:
-    # An empty allowlist passes the plan's schema; the Caddyfile needs at least one network.
+    # Signed before `builder plan` checked as the device does: an empty allowlist admits no client.
     machine.install(_plan(hostname=PLAN_NAME, allowed_cidrs=()))
     image = _image()
     doc = machine.apply(image)
     assert doc.ok is False and doc.source == "plan"
-    assert "settings refused" in doc.reason and "allowed_cidrs" in doc.reason, doc.reason
+    assert doc.reason.startswith("the signed install plan does not apply on this version: "), doc.reason
+    assert "proxy.allowed_cidrs is empty" in doc.reason and "its network, host name and SSH keys apply" in doc.reason
     assert machine.proxy_files() == []
     # status shows what applies: the plan's host name, the image's proxy
     assert doc.settings.hostname == "gpu-07"
@@ -212,7 +218,35 @@ def test_proxy_values_only_the_caddyfile_refuses_leave_the_image_proxy_and_the_r
     # to leave the host misnamed); the test records it instead of renaming the machine it runs on.
     named: list[str] = []
     monkeypatch.setattr(host.socket, "sethostname", named.append)
-    assert host.privileged(machine.result, runner=lambda argv: None) == ["host name gpu-07"] and named == ["gpu-07"]
+    with pytest.raises(UserError, match=r"proxy\.allowed_cidrs is empty"):
+        host.privileged(machine.result, runner=lambda argv: None)
+    assert named == ["gpu-07"]
+    # status shows it: part host degraded, with the reason
+    from applianctl.status import host as status_host
+    from applianctl.status import probes
+
+    part = status_host.probe_host(image, probes.Sources(run=lambda argv, timeout: (1, "")), machine.result)
+    assert part.state == probes.DEGRADED and part.reason == doc.reason and part.details["source"] == "plan"
+
+
+def test_a_signed_plan_this_version_refuses_outright_applies_nothing_and_fails_the_unit(machine: Host) -> None:
+    machine.install(plan_model.Plan(hostname="a" * 65))  # signed unchecked: no host may take this name
+    doc = machine.apply(_image())
+    assert doc.ok is False and doc.source == "plan" and doc.settings is None
+    assert "hostname" in doc.reason and doc.reason.endswith("nothing of it applies"), doc.reason
+    with pytest.raises(UserError, match="the signed install plan does not apply"):
+        host.privileged(machine.result, runner=lambda argv: None)
+
+
+def test_a_plan_not_signed_by_a_trusted_key_leaves_the_defaults_without_failing_the_unit(machine: Host, tmp_path: Path) -> None:
+    other, _ = keys.generate(tmp_path / "other")
+    data, sig = plan_model.sign(_plan(hostname=PLAN_NAME), other)
+    machine.host_dir.mkdir(parents=True)
+    (machine.host_dir / plan_model.PLAN_JSON).write_bytes(data)
+    (machine.host_dir / plan_model.PLAN_SIG).write_bytes(sig)
+    doc = machine.apply(_image())
+    assert doc.ok is False and doc.source == "image defaults"
+    assert host.privileged(machine.result, runner=lambda argv: None) == []
 
 
 @pytest.mark.parametrize(
@@ -410,3 +444,75 @@ def test_per_host_values_the_device_could_not_use_are_refused_by_the_plan(sectio
     with pytest.raises(ConfigError) as e:
         plan_model.from_plain({section: {key: value}}, "plan.toml")
     assert f"{section}." in e.value.message and e.value.hint
+
+
+# ------------------------------------------------------------------------------ signs == renders
+
+_LONGEST = ".".join(["a" * 63] * 3 + ["a" * 61])  # 253 characters: the longest DNS name
+
+
+def _toml(doc: dict[str, Any]) -> str:
+    """DOC as TOML: top-level values, then one table per section (JSON's strings and lists are TOML's)."""
+    top = [f"{k} = {json.dumps(v, ensure_ascii=False)}" for k, v in doc.items() if not isinstance(v, dict)]
+    tables = [f"[{k}]\n" + "".join(f"{n} = {json.dumps(x, ensure_ascii=False)}\n" for n, x in v.items())
+              for k, v in doc.items() if isinstance(v, dict)]
+    return "\n".join(top) + "\n" + "\n".join(tables)
+
+
+@pytest.mark.parametrize(("doc", "renders"), [
+    ({"proxy": {"allowed_cidrs": []}}, False),
+    ({"proxy": {"allowed_cidrs": ["10.0.0.1/8"]}}, False),
+    ({"proxy": {"allowed_cidrs": ["10.0.0.0/8 "]}}, False),
+    ({"proxy": {"allowed_cidrs": ["10.0.0.0/8\n"]}}, False),
+    ({"proxy": {"allowed_cidrs": ["١٠.0.0.0/8"]}}, False),
+    ({"proxy": {"allowed_cidrs": ["fe80::/10%eth0"]}}, False),
+    ({"proxy": {"allowed_cidrs": ["10.0.0.0/8", "2001:db8::/32"]}}, True),
+    ({"proxy": {"acme_email": "ops@Example.NET"}}, False),
+    ({"proxy": {"acme_email": "OPS@example.net"}}, True),
+    ({"proxy": {"acme_email": " ops@example.net"}}, False),
+    ({"proxy": {"acme_email": "ops@example.net\n"}}, False),
+    ({"proxy": {"acme_email": "ops@exämple.net"}}, False),
+    ({"proxy": {"acme_email": ""}}, False),
+    ({"proxy": {"acme_email": "o" * 4000 + "@example.net"}}, True),
+    ({"proxy": {"hostname": "GPU-07.example.net"}}, False),
+    ({"proxy": {"hostname": "gpü-07.example.net"}}, False),
+    ({"proxy": {"hostname": "gpu-07.example.net "}}, False),
+    ({"proxy": {"hostname": _LONGEST}}, True),
+    ({"proxy": {"hostname": _LONGEST + "a"}}, False),
+    ({"hostname": "a" * 63 + ".b"}, False),  # 65 characters: sethostname() refuses it
+    ({"hostname": "a" * 62 + ".b"}, True),
+    ({"hostname": "Gpu-07"}, False),
+    ({"metrics": {"allowed_cidrs": []}}, True),  # no scraper from the network: the default
+    ({"metrics": {"allowed_cidrs": ["10.0.0.0/8 "]}}, False),
+    ({"logs": {"upload_url": "https://logs.example.net:19532"}}, False),  # no CA, and the image has none
+    ({"update": {"url": "https://updates.example.net/appliance/"}}, True),
+    ({"update": {"url": "https://updates.example.net/a b"}}, False),
+    ({"weights": {"source": "/srv/weights dir"}}, False),
+    ({"weights": {"source": "/srv/weights"}}, True),
+])
+def test_builder_plan_signs_exactly_what_the_device_renders(machine: Host, tmp_path: Path, doc: dict[str, Any], renders: bool) -> None:
+    from builder import plan as builder_plan
+
+    image = _image()
+    doc = {"hostname": "gpu-07", **doc} if "hostname" not in doc else doc
+    # the device: the same values signed without any check, as an older builder could have
+    signer = plan_model.manifest.key_id(plan_model.manifest.load_private_key(machine.private_key).public_key())
+    data = plan_model.manifest.canonical({**doc, "signer": signer})
+    machine.host_dir.mkdir(parents=True)
+    (machine.host_dir / plan_model.PLAN_JSON).write_bytes(data)
+    (machine.host_dir / plan_model.PLAN_SIG).write_bytes(
+        plan_model.manifest.encode_signature(plan_model.manifest.load_private_key(machine.private_key).sign(data)))
+    applied = machine.apply(image)
+    assert applied.source == "plan" and applied.ok is renders, applied.reason
+    # `builder plan`: signs it only if the device renders it
+    source = tmp_path / "plan.toml"
+    source.write_text(_toml(doc))
+    out = tmp_path / "signed"
+    if renders:
+        builder_plan.write(source, machine.private_key, out, image)
+        assert (out / plan_model.PLAN_JSON).exists()
+    else:
+        with pytest.raises(ConfigError) as e:
+            builder_plan.write(source, machine.private_key, out, image)
+        assert "\n" not in e.value.message and e.value.hint and e.value.exit_status == 2
+        assert not out.exists()

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fake_release import bundle, make_signing
+from fake_release import bundle, demo_config, make_signing
 from test_fetch import Server, body, make_ca, make_server_cert
 
 from appliance import bundle as bundle_format
@@ -129,7 +129,7 @@ def test_without_a_medium_the_verified_plans_update_url_is_used(tmp_path: Path, 
     url = serve(server, bundle(tmp_path, key, with_install_image=True))
     toml = tmp_path / "plan.toml"
     toml.write_text(f'hostname = "gpu-09"\n[update]\nurl = "{url}"\n[target]\nserial = "S1"\n')
-    builder_plan.write(toml, key, tmp_path / "plan")
+    builder_plan.write(toml, key, tmp_path / "plan", demo_config("1.0.0"))
     creds = tmp_path / "creds"
     creds.mkdir()
     (creds / "appliance.install-plan").write_bytes((tmp_path / "plan" / "plan.json").read_bytes())
@@ -159,7 +159,7 @@ def test_without_a_medium_or_a_url_nothing_is_written(tmp_path: Path, signing: t
     key, trusted = signing
     toml = tmp_path / "plan.toml"
     toml.write_text('[target]\nserial = "S1"\n')
-    builder_plan.write(toml, key, tmp_path / "plan")
+    builder_plan.write(toml, key, tmp_path / "plan", demo_config("1.0.0"))
     monkeypatch.setattr(installer_main, "find_medium", lambda: None)
     monkeypatch.setattr(installer_main.paths, "TRUSTED_KEYS_DIR", trusted)
     assert installer_main.main(["--plan", str(tmp_path / "plan")]) == 2

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from fake_release import bundle, make_signing
+from fake_release import bundle, demo_config, make_signing
 
 from appliance import plan as plan_model
 from appliance.errors import UserError
@@ -50,7 +50,7 @@ def _plan(tmp_path: Path) -> Path:
     private, _ = keys.generate(tmp_path / "keys")
     toml = tmp_path / "gpu-07.toml"
     toml.write_text('hostname = "gpu-07"\n[target]\nserial = "S1"\n')
-    builder_plan.write(toml, private, tmp_path / "gpu-07")
+    builder_plan.write(toml, private, tmp_path / "gpu-07", demo_config("1.0.0"))
     return tmp_path / "gpu-07"
 
 

@@ -18,9 +18,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
-from fake_release import bundle, make_pe, sign_pe
+from fake_release import bundle, make_pe, sign_pe, usrhash_for
 from test_secureboot_enroll import _firmware
-from test_update import Device, run_update
+from test_update import Device, listed, resign_index, run_update
 from test_update import device as device
 from test_update import signing_fixture as signing_fixture
 
@@ -170,3 +170,19 @@ def test_without_secure_boot_enforcing_the_signer_is_not_checked(tmp_path: Path,
     key, trusted = signing
     _secure_boot(device, [pki["appliance_cert"]], **state)
     assert run_update(device, str(bundle(tmp_path, key, "2.0.0", uki_signer=pki["foreign"])), trusted) == 0
+
+
+def test_a_kernel_image_that_boots_another_usrhash_than_the_index_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
+    """The kernel image must boot the /usr the index signs: here one whose command line names
+    another root hash, listed in an index the release key signed, beside a signature partition
+    that signs the index's usrhash."""
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    uki = b / "appliance_2.0.0.efi"
+    make_pe(uki, {".osrel": b'ID=debian\nIMAGE_ID="appliance"\nIMAGE_VERSION="2.0.0"\n',
+                  ".cmdline": f"usrhash={usrhash_for('2.0.1')} rw".encode()})
+    resign_index(b, key, lambda doc: listed(doc, uki))
+    with pytest.raises(Refused, match=r"appliance_2\.0\.0\.efi boots usrhash [0-9a-f]{64}, not bundle\.json's") as e:
+        run_update(device, str(b), trusted)
+    assert "\n" not in e.value.message
+    assert device.sysupdate_calls() == [] and device.writes() == []

@@ -154,6 +154,27 @@ def test_signed_plan_round_trips_and_every_change_is_refused(tmp_path: Path, rel
         plan_model.verify(data2, sig2, trusted)
 
 
+@pytest.mark.parametrize("signer", ["0123456789abcdef", None], ids=["another-key", "none"])
+def test_a_plan_must_name_the_key_that_signed_it(tmp_path: Path, release_keys: tuple[Path, Path], signer: str | None) -> None:
+    """Signed by a trusted key, but naming another signer (or none): refused, as the release
+    manifest and the bundle index are."""
+    private, trusted = release_keys
+    doc = plan_model.to_document(_plan(tmp_path, STATIC), signer or "")
+    if signer is None:
+        del doc["signer"]
+    data = manifest.canonical(doc)
+    sig = manifest.encode_signature(manifest.load_private_key(private).sign(data))
+    with pytest.raises(plan_model.PlanRefused, match="names another signer than the key that signed it") as e:
+        plan_model.verify(data, sig, trusted)
+    assert "\n" not in e.value.message and e.value.hint
+    host_dir = tmp_path / "host"
+    host_dir.mkdir()
+    (host_dir / plan_model.PLAN_JSON).write_bytes(data)
+    (host_dir / plan_model.PLAN_SIG).write_bytes(sig)
+    with pytest.raises(plan_model.PlanRefused, match="names another signer"):
+        plan_model.load_signed(host_dir, trusted)
+
+
 def test_an_unsigned_plan_is_refused_and_the_defaults_stay(tmp_path: Path, release_keys: tuple[Path, Path]) -> None:
     _, trusted = release_keys
     host_dir = tmp_path / "host"
@@ -379,13 +400,13 @@ def test_builder_plan_signs_the_largest_plan_the_device_reads_and_no_larger(
 
     exact = plan_model.MAX_PLAN_BYTES - len(plan_model.dumps(plan_model.load_toml(toml(1)), signer)) + 1
     out = tmp_path / "signed"
-    plan = builder_plan.write(toml(exact), private, out)
+    plan = builder_plan.write(toml(exact), private, out, _config())
     assert len((out / plan_model.PLAN_JSON).read_bytes()) == plan_model.MAX_PLAN_BYTES
     assert plan_model.load_signed(out, trusted) == plan  # the device reads the largest plan builder signs
 
     # a byte more: `builder plan` refuses it, writing nothing (it was signed, then refused by the device)
     with pytest.raises(ConfigError, match=f"more than the {plan_model.MAX_PLAN_BYTES} the appliance reads") as e:
-        builder_plan.write(toml(exact + 1), private, tmp_path / "too-large")
+        builder_plan.write(toml(exact + 1), private, tmp_path / "too-large", _config())
     assert "\n" not in e.value.message and e.value.hint and e.value.exit_status == 2
     assert not (tmp_path / "too-large").exists()
     # and the device refuses a plan that large even when a trusted key signed it
@@ -401,7 +422,24 @@ def test_builder_plan_signs_the_largest_plan_the_device_reads_and_no_larger(
     # one constant: lowered, both sides follow
     monkeypatch.setattr(plan_model, "MAX_PLAN_BYTES", plan_model.MAX_PLAN_BYTES - 1)
     with pytest.raises(ConfigError, match="more than"):
-        builder_plan.write(toml(exact), private, tmp_path / "lowered")
+        builder_plan.write(toml(exact), private, tmp_path / "lowered", _config())
     data = plan_model.dumps(plan, signer)
     with pytest.raises(plan_model.PlanRefused, match="more than"):
         plan_model.verify(data, manifest.encode_signature(key.sign(data)), trusted)
+
+
+# ------------------------------------------------------------------------------ what the plan itself refuses
+
+
+@pytest.mark.parametrize(("doc", "key"), [
+    ({"proxy": {"allowed_cidrs": []}}, "proxy.allowed_cidrs is empty"),
+    ({"proxy": {"acme_email": "ops@Example.net"}}, "proxy.acme_email"),
+    ({"hostname": "a" * 61 + ".net"}, "hostname"),
+])
+def test_values_no_image_could_render_are_refused_by_the_plan_itself(doc: dict[str, Any], key: str) -> None:
+    """Checked without any image's configuration (the installer checks a plan so): an empty
+    allowlist, an e-mail domain in upper case (the Caddyfile's form is lower case), a host name
+    longer than the kernel takes."""
+    with pytest.raises(ConfigError) as e:
+        plan_model.from_plain(doc, "plan.toml")
+    assert key in e.value.message and "\n" not in e.value.message and e.value.hint

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import configparser
 import dataclasses
+import hashlib
 import http.server
 import json
 import os
@@ -1101,3 +1102,38 @@ def test_the_engine_components_transfers_match_the_bundle_and_the_slots() -> Non
         names["engine"]: (bundle_format.ENGINE_TYPE, "engine_abababababab"),
         names["engine-verity"]: (bundle_format.ENGINE_VERITY_TYPE, "engine_abababababab-verity"),
     }
+
+
+# ----------------------------------------------------------------------------------- an index that contradicts its files
+
+
+def resign_index(b: Path, release_key: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """B's bundle.json changed by CHANGE and signed again with the release key (a new timestamp for
+    it too): an index the release key vouches for that says something else than its files."""
+    doc = json.loads((b / "bundle.json").read_bytes())
+    change(doc)
+    data = manifest.canonical(doc)
+    (b / "bundle.json").write_bytes(data)
+    (b / "bundle.json.sig").write_bytes(manifest.encode_signature(manifest.load_private_key(release_key).sign(data)))
+    _timestamp(b, release_key)
+
+
+def listed(doc: dict[str, Any], path: Path) -> None:
+    """DOC's file entry for PATH made to match the file as it is now."""
+    entry = next(f for f in doc["files"] if f["name"] == path.name)
+    entry["sha256"], entry["size"] = hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_size
+
+
+def test_a_manifest_other_than_the_one_the_index_names_is_refused_though_signed(tmp_path: Path, device: Device, signing: Any) -> None:
+    """manifest.json is bound to bundle.json's manifest_sha256, not only to its file entry: here a
+    manifest the release key signed, of the same version, profile and engine, but another build."""
+    key, trusted = signing
+    b = bundle(tmp_path, key, "2.0.0")
+    named = hashlib.sha256((b / "manifest.json").read_bytes()).hexdigest()
+    body = json.loads((b / "manifest.json").read_bytes())
+    body["build_time"] = "2026-02-02T00:00:00Z"
+    (b / "manifest.json").write_bytes(manifest.dumps(body))
+    (b / "manifest.json.sig").write_bytes(manifest.sign(body, key))
+    resign_index(b, key, lambda doc: (listed(doc, b / "manifest.json"), listed(doc, b / "manifest.json.sig")))
+    assert json.loads((b / "bundle.json").read_bytes())["manifest_sha256"] == named  # still the first build's
+    _refused(device, str(b), trusted, "manifest.json does not match bundle.json's manifest_sha256")

@@ -15,7 +15,8 @@ from appliance.schema import Check
 
 _DNS_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)\Z")
 IMAGE_NAME = re.compile(r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*\Z")
-EMAIL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+")
+# The domain in lower case, as is_dns_name: the form the Caddyfile takes (caddyfile.py checks with this).
+EMAIL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*@[a-z0-9-]+(\.[a-z0-9-]+)+")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 CAPABILITY = re.compile(r"^[A-Z_]+\Z")
 SIZE = re.compile(r"^[0-9]+[kmg]\Z")
@@ -32,6 +33,21 @@ def is_dns_name(value: str) -> str | None:
     if len(value) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in labels):
         return "a DNS name: lower-case letters, digits and '-', labels joined by '.', e.g. appliance.example.net"
     return None
+
+
+# The kernel's HOST_NAME_MAX: sethostname() refuses a longer name (appliance-host sets the plan's).
+HOST_NAME_MAX = 64
+
+
+def is_host_name(value: str) -> str | None:
+    """A name the host itself can take: a DNS name of at most HOST_NAME_MAX characters."""
+    if is_dns_name(value) is not None or len(value) > HOST_NAME_MAX:
+        return f"a DNS name of at most {HOST_NAME_MAX} characters (the kernel's limit for a host name), e.g. gpu-07.example.net"
+    return None
+
+
+def is_email(value: str) -> str | None:
+    return None if EMAIL.fullmatch(value) else "an e-mail address such as ops@example.net (its domain in lower case)"
 
 
 def pattern(regex: re.Pattern[str], hint: str) -> Check:

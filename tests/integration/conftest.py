@@ -277,7 +277,7 @@ def installed(demo_config: config.Config, demo_image: Path, bundles: dict[str, s
     ssh_line = _openssh_line(ssh_pub)
     (work / "plan.toml").write_text(INSTALL_PLAN.format(key=ssh_line, collector_url=log_collector["url"],
                                                         collector_ca=log_collector["ca"].strip()))
-    builder_plan.write(work / "plan.toml", key, work / "plan")
+    builder_plan.write(work / "plan.toml", key, work / "plan", demo_config)
     media = installer_media.make(demo_image.parent, demo_config.appliance.version, uki, work / "plan", work / "media", ["usb"],
                                  https_root[0] / "v1")
     disk, vars_fd = work / "disk.raw", work / "OVMF_VARS.fd"

@@ -73,7 +73,7 @@ def _sha256(path: Path) -> str:
 def _sign(tmp: Path, name: str, text: str, key: Path) -> Path:
     toml = tmp / f"{name}.toml"
     toml.write_text(text)
-    builder_plan.write(toml, key, tmp / name)
+    builder_plan.write(toml, key, tmp / name, config.load(ROOT / "appliance.toml", "demo"))
     return tmp / name
 
 
