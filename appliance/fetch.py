@@ -9,7 +9,9 @@ caller use more memory, disk or time than it decided beforehand:
   ones stop at the size the signed index gives.
 - One deadline: each socket operation gets the time left, and a watchdog shuts the socket at it,
   so a body trickled a byte at a time ends too.
-- A bundle directory's files: no symbolic links followed, regular files only.
+- A directory source's files: beneath its root only (each name opened relative to its parent's
+  descriptor, no symbolic link followed, no '..' or absolute path), regular files only.
+- A partial file (NAME.part) is created mode 0600; it gets its final mode only once proven.
 - Every download keeps RESERVE_BYTES free on its file system (/var), checked before it starts and
   before each write; one that stops there keeps its partial file, for the next run to resume.
 """
@@ -33,6 +35,7 @@ from typing import IO, BinaryIO, Protocol
 from appliance import atomic, progress
 from appliance.errors import Refused, UserError
 from appliance.hashing import sha256_file
+from appliance.safe_read import file_kind
 
 CHUNK = 1 << 16  # one read: small, so the deadline is checked often
 CONNECT_TIMEOUT_S = 15.0
@@ -144,7 +147,8 @@ def _resumable(fetch_once: Callable[[Path, int, int, progress.Progress], None], 
                deadline: Deadline) -> None:
     """Call FETCH_ONCE until PART holds SIZE bytes; a dropped connection is retried (resumed) a
     few times within the run. Refusals and the deadline are not retried."""
-    have = part.stat().st_size if part.exists() else 0
+    open_part(part).close()  # there even when SIZE is 0: the caller hashes and renames it
+    have = part.stat().st_size
     if have == size:
         return
     bar = progress.Progress(f"downloading {name}", total=size, unit="B")
@@ -200,34 +204,123 @@ class FileSource:
         return Body(offset, chunks(), f.close)
 
 
+PART_MODE = 0o600  # a partial file: unproven bytes, readable by root only until proven
+FINAL_MODE = 0o644  # a proven file (the signed release's own bytes)
+
+
+def open_part(part: Path, *, truncate: bool = False) -> IO[bytes]:
+    """PART for appending (emptied first when TRUNCATE), created mode 0600 from the start (not
+    chmod'ed after: nobody else ever opens it); one left by an older run is made 0600 too. A link
+    at PART is refused, not followed."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
+    try:
+        fd = os.open(part, flags, PART_MODE)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise Refused(f"{part}: is a symbolic link (not followed)", hint=f"remove it: rm {part}; then {RESUME}") from None
+        raise
+    if stat.S_IMODE(os.fstat(fd).st_mode) != PART_MODE:
+        os.fchmod(fd, PART_MODE)
+    return os.fdopen(fd, "ab")
+
+
+def _set_mode(path: Path, mode: int) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # O_NONBLOCK: a FIFO does not block the open
+
+
+class NotBeneath(Exception):
+    """A name a directory source does not open: PART (NAME or a leading part of it) is WHAT."""
+
+    def __init__(self, part: str, what: str) -> None:
+        super().__init__(f"{part}: {what}")
+        self.part, self.what = part, what
+
+
+def open_beneath(root_fd: int, name: str) -> int:
+    """A descriptor of NAME ("/"-separated) beneath the directory ROOT_FD, one name at a time
+    relative to its parent's descriptor, none followed when it is a symbolic link: nothing outside
+    the root is reached, whatever is linked where. FileNotFoundError when a part is missing;
+    NotBeneath for an absolute path, an empty name, "." or "..", a link on the way or at the
+    end, or anything but a directory on the way. The caller checks what the file is (fstat)."""
+    parts = name.split("/")
+    if "\0" in name or any(p in ("", ".", "..") for p in parts):
+        raise NotBeneath(name, "not a relative path without '..'")
+    fd = os.dup(root_fd)
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            try:
+                child = os.open(part, _FILE_FLAGS if last else _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                raise
+            except OSError as e:
+                try:
+                    mode = os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode
+                except OSError:
+                    raise e from None
+                if stat.S_ISLNK(mode):
+                    raise NotBeneath("/".join(parts[: i + 1]), "a symbolic link") from None
+                if not last and not stat.S_ISDIR(mode):
+                    raise NotBeneath("/".join(parts[: i + 1]), f"{file_kind(mode)}, not a directory") from None
+                raise
+            if last:
+                return child
+            os.close(fd)
+            fd = child
+        raise AssertionError("unreachable: a name has at least one part")
+    finally:
+        os.close(fd)
+
+
 class DirSource(FileSource):
-    """A bundle directory. No symbolic link is followed (the directory itself or a file in it):
-    the signed index names the files, and a link could make it read a device or /proc."""
+    """A directory (a bundle's here; the model fetch's subclass words its messages for a snapshot).
+    It is never left: the root is opened without following a link, every file beneath it through
+    open_beneath (no link followed anywhere on the way, no '..'), regular files only. The signed
+    index names the files, and a link could make it read a device, /proc or a file of another size."""
+
+    SOURCE_HINT = "SOURCE is a bundle directory or an https:// URL of one"
 
     def __init__(self, spec: str, deadline: Deadline) -> None:
         self.spec, self.deadline = spec, deadline
         try:
-            self.fd = os.open(spec, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            self.fd = os.open(spec, _DIR_FLAGS)
         except FileNotFoundError:
-            raise UserError(f"{spec}: no such directory", hint="SOURCE is a bundle directory or an https:// URL of one") from None
+            raise UserError(f"{spec}: no such directory", hint=self.SOURCE_HINT) from None
         except OSError as e:
             if Path(spec).is_symlink():
-                raise UserError(f"{spec}: is a symbolic link", hint="give the bundle directory itself") from None
-            raise UserError(f"{spec}: {e.strerror}", hint="SOURCE is a bundle directory or an https:// URL of one") from None
+                raise UserError(f"{spec}: is a symbolic link", hint="give the directory itself") from None
+            raise UserError(f"{spec}: {e.strerror}", hint=self.SOURCE_HINT) from None
+
+    def missing(self, name: str) -> UserError:
+        return Refused(f"{self.spec}/{name}: missing from the bundle", hint="copy the whole bundle directory")
+
+    def refused(self, name: str, part: str, what: str) -> UserError:
+        """NAME is not read: PART of it is WHAT (a symbolic link, not a regular file...)."""
+        if what == "a symbolic link":
+            return Refused(f"{self.spec}/{part}: is a symbolic link",
+                           hint="a bundle directory holds regular files only (copy it with cp -L)")
+        return Refused(f"{self.spec}/{part}: {what}", hint="a bundle directory holds regular files only")
 
     def open_file(self, name: str) -> BinaryIO:
-        try:  # O_NONBLOCK: a FIFO does not block the open
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        try:
+            fd = open_beneath(self.fd, name)
         except FileNotFoundError:
-            raise Refused(f"{self.spec}/{name}: missing from the bundle", hint="copy the whole bundle directory") from None
+            raise self.missing(name) from None
+        except NotBeneath as e:
+            raise self.refused(name, e.part, e.what) from None
         except OSError as e:
-            if e.errno == errno.ELOOP:
-                hint = "a bundle directory holds regular files only (copy it with cp -L)"
-                raise Refused(f"{self.spec}/{name}: is a symbolic link", hint=hint) from None
-            raise UserError(f"{self.spec}/{name}: {e.strerror}", hint="check the bundle directory") from None
+            raise UserError(f"{self.spec}/{name}: {e.strerror}", hint="check the source directory") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise Refused(f"{self.spec}/{name}: not a regular file", hint="a bundle directory holds regular files only")
+            raise self.refused(name, name, "not a regular file")
         return os.fdopen(fd, "rb")
 
     def read_small(self, name: str, limit: int) -> bytes:
@@ -239,7 +332,7 @@ class DirSource(FileSource):
 
     def fetch(self, name: str, part: Path, size: int, claim: Claim = _no_claim) -> None:
         def once(part: Path, have: int, size: int, bar: progress.Progress) -> None:
-            with self.open(name, have) as body, open(part, "ab") as fout:
+            with self.open(name, have) as body, open_part(part) as fout:
                 have = _write_until(body, fout, have, size, name, bar, claim)
             if have < size:
                 raise Refused(f"{self.spec}/{name} is smaller than bundle.json says ({size} bytes)", hint="copy the whole bundle again")
@@ -407,7 +500,7 @@ class HttpsSource:
                 if e.status == 404:
                     raise Refused(f"{e.url}: HTTP 404", hint="the bundle on the server is incomplete") from None
                 raise
-            with body, open(part, "ab" if body.offset == have else "wb") as fout:  # no range support: from the start
+            with body, open_part(part, truncate=body.offset != have) as fout:  # no range support: from the start
                 have = _write_until(body, fout, body.offset, size, name, bar, claim)
             if have < size:
                 raise OSError(f"the connection ended after {have} of {size} bytes")
@@ -539,6 +632,7 @@ def fetch_proven(source: Source, name: str, size: int, sha256: str, directory: P
         part.unlink()
         raise Refused(f"{name}: SHA-256 {digest[:16]}... does not match bundle.json",
                       hint="the file was changed or damaged; nothing was written")
+    _set_mode(part, FINAL_MODE)  # proven: readable as any file of the release
     part.rename(final)
     atomic.fsync_dir(directory)
     return final

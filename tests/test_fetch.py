@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import http.server
 import ipaddress
 import os
 import ssl
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -377,3 +379,126 @@ def test_a_ranged_read_of_a_directory_file(tmp_path: Path) -> None:
         assert b.offset == 995 and list(b) == [b"567", b"89"]
     with pytest.raises(Refused, match="missing from the bundle"):
         src.open("none.raw")
+
+
+# ----------------------------------------------------------------------------------- beneath the root
+
+
+@pytest.fixture
+def umask0() -> Iterator[None]:
+    """No umask: a file's mode is exactly the one it was created with."""
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_a_directory_source_never_leaves_its_root(tmp_path: Path) -> None:
+    bundle, outside = tmp_path / "bundle", tmp_path / "outside"
+    bundle.mkdir()
+    outside.mkdir()
+    (outside / "f.raw").write_bytes(b"outside")
+    (bundle / "real").mkdir()
+    (bundle / "real/f.raw").write_bytes(b"inside!")
+    os.symlink(outside, bundle / "sub")  # a link on the way, not at the file
+    src = uf.DirSource(str(bundle), uf.Deadline(10))
+    assert src.read_small("real/f.raw", LIMIT) == b"inside!"  # beneath the root, a real directory: read
+    with pytest.raises(Refused) as e:
+        src.read_small("sub/f.raw", LIMIT)
+    assert e.value.message == f"{bundle}/sub: is a symbolic link" and e.value.hint
+    for name in ("../outside/f.raw", "real/../../outside/f.raw", f"{outside}/f.raw", "real//f.raw", "./real/f.raw"):
+        with pytest.raises(Refused, match=r"not a relative path without '\.\.'"):
+            src.read_small(name, LIMIT)
+    (bundle / "file").write_bytes(b"x")
+    with pytest.raises(Refused, match=r"/bundle/file: a regular file, not a directory"):
+        src.read_small("file/f.raw", LIMIT)
+
+
+def test_a_link_to_a_shorter_file_leaves_none_of_its_bytes_in_a_partial_file(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (tmp_path / "secret").write_bytes(b"secret bytes")
+    os.symlink(tmp_path / "secret", bundle / "usr.raw")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    src = uf.DirSource(str(bundle), uf.Deadline(10))
+    with pytest.raises(Refused, match="is a symbolic link"):
+        uf.fetch_proven(src, "usr.raw", 1000, "0" * 64, staging)
+    assert [p.read_bytes() for p in staging.iterdir()] in ([], [b""])
+
+
+def fchmods(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the files fchmod'ed from now on (each call still made)."""
+    names: list[str] = []
+    real = os.fchmod
+
+    def spy(fd: int, mode: int) -> None:
+        names.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd, mode)
+
+    monkeypatch.setattr(os, "fchmod", spy)
+    return names
+
+
+def test_a_partial_file_is_0600_until_proven_then_0644(tmp_path: Path, umask0: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    chmodded = fchmods(monkeypatch)
+    bundle, staging = tmp_path / "bundle", tmp_path / "staging"
+    bundle.mkdir()
+    staging.mkdir()
+    data = b"r" * 5000
+    (bundle / "f.raw").write_bytes(data[:3000])  # cut short: the partial file stays, for a resume
+    src = uf.DirSource(str(bundle), uf.Deadline(10))
+    with pytest.raises(Refused, match="smaller than"):
+        uf.fetch_proven(src, "f.raw", len(data), hashlib.sha256(data).hexdigest(), staging)
+    part = staging / "f.raw.part"
+    assert part.read_bytes() == data[:3000] and stat.S_IMODE(part.stat().st_mode) == 0o600
+    assert chmodded == []  # created 0600, not made so after: nobody could open it in between
+    part.chmod(0o644)  # as an older release left it: made root's only again on resume
+    with pytest.raises(Refused, match="smaller than"):
+        uf.fetch_proven(src, "f.raw", len(data), hashlib.sha256(data).hexdigest(), staging)
+    assert stat.S_IMODE(part.stat().st_mode) == 0o600
+    (bundle / "f.raw").write_bytes(data)
+    done = uf.fetch_proven(src, "f.raw", len(data), hashlib.sha256(data).hexdigest(), staging)
+    assert done.read_bytes() == data and stat.S_IMODE(done.stat().st_mode) == 0o644 and not part.exists()
+
+
+def test_a_partial_file_is_created_0600_over_https_too(https: Server, pki: dict[str, Path], tmp_path: Path,
+                                                       umask0: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    chmodded = fchmods(monkeypatch)
+    https.routes["/bundle/f.raw"] = body(b"s" * 10)
+    part = tmp_path / "f.raw.part"
+    with pytest.raises(UserError, match="download failed"):
+        source(https, pki["ca"]).fetch("f.raw", part, 20)  # the server sends half of it
+    assert part.read_bytes() == b"s" * 10 and stat.S_IMODE(part.stat().st_mode) == 0o600 and chmodded == []
+
+
+def test_a_link_at_the_partial_file_is_refused_not_followed(tmp_path: Path) -> None:
+    (tmp_path / "f.raw").write_bytes(b"abc")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    os.symlink(victim, tmp_path / "f.raw.part")
+    with pytest.raises(Refused, match=r"f\.raw\.part: is a symbolic link \(not followed\)"):
+        uf.DirSource(str(tmp_path), uf.Deadline(10)).fetch("f.raw", tmp_path / "f.raw.part", 3)
+    assert victim.read_bytes() == b"precious"
+
+
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+def test_a_zero_size_file_in_the_index_is_fetched_as_an_empty_file(https: Server, pki: dict[str, Path],
+                                                                   tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "empty.raw").write_bytes(b"")
+    for i, src in enumerate((uf.DirSource(str(bundle), uf.Deadline(10)), source(https, pki["ca"]))):
+        staging = tmp_path / f"staging{i}"
+        staging.mkdir()
+        assert uf.missing_bytes("empty.raw", 0, staging) == 0
+        done = uf.fetch_proven(src, "empty.raw", 0, EMPTY_SHA256, staging)
+        assert done == staging / "empty.raw" and done.read_bytes() == b"" and sorted(staging.iterdir()) == [done]
+        assert uf.fetch_proven(src, "empty.raw", 0, EMPTY_SHA256, staging) == done  # again: proven in place
+        with pytest.raises(Refused, match=r"does not match bundle\.json"):  # an index whose hash is not the empty one's
+            uf.fetch_proven(src, "other.raw", 0, "0" * 64, staging)
+        assert not (staging / "other.raw").exists() and not (staging / "other.raw.part").exists()
+    assert https.requests == []  # nothing to ask the server for

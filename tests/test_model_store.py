@@ -21,6 +21,7 @@ from appliance.manifest import ManifestError
 from applianctl.model import fetch as model_fetch
 from applianctl.model import store as model_store
 from applianctl.model import verify as model_verify
+from applianctl.records import WeightsFetch
 
 PRECIOUS = b"not the store's\n"
 
@@ -240,3 +241,150 @@ def test_a_store_file_is_opened_without_following_a_link_and_only_when_regular(t
         with pytest.raises(UserError, match=r"/cache/fifo: is a FIFO, not a regular file"):
             fs.open_file("fifo", os.O_RDWR)
     assert (tmp_path / "victim").read_bytes() == PRECIOUS
+
+
+# ----------------------------------------------------------------------------------- a directory source never leaves its root
+
+
+def _store_bytes(store: model_store.Store) -> list[bytes]:
+    return [p.read_bytes() for p in store.root.rglob("*") if p.is_file() and not p.is_symlink()]
+
+
+@pytest.mark.parametrize("where", ["the file", "a directory on the way"])
+def test_a_directory_source_with_a_link_in_the_path_is_refused_and_none_of_its_bytes_stay(tmp_path: Path, where: str) -> None:
+    src, manifest = _snapshot(tmp_path, SIZES)
+    store = _store(tmp_path, manifest)
+    secret = b"a file outside the source, shorter than the signed size\n"
+    outside = _outside(tmp_path)
+    if where == "the file":
+        (outside / "secret").write_bytes(secret)
+        (src / "a.safetensors").unlink()
+        _link(src / "a.safetensors", outside / "secret")
+        linked = f"{src}/a.safetensors"
+    else:
+        (outside / "b.safetensors").write_bytes(secret)
+        shutil.rmtree(src / "sub")
+        _link(src / "sub", outside)
+        linked = f"{src}/sub"
+    name = "a.safetensors" if where == "the file" else "sub/b.safetensors"
+    with pytest.raises(UserError) as e:
+        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity(), workers=1)
+    assert e.value.message == f"{name}: {linked} is a symbolic link (a source directory is read without following links)"
+    assert e.value.hint == f"copy the snapshot with its links resolved (cp -rL {src} DIR), then fetch from DIR"
+    assert not any(secret in data for data in _store_bytes(store))
+
+
+def test_a_directory_source_opens_nothing_but_names_beneath_it(tmp_path: Path) -> None:
+    src, _ = _snapshot(tmp_path, SIZES)
+    (tmp_path / "secret").write_bytes(PRECIOUS)
+    source = model_fetch.DirSource(str(src))
+    for name in ("../secret", f"{tmp_path}/secret", "sub/../../secret"):
+        with pytest.raises(UserError, match=r"is not a relative path without '\.\.'"):
+            source.open(name)
+    assert b"".join(source.open("sub/b.safetensors")) == (src / "sub/b.safetensors").read_bytes()
+
+
+# ----------------------------------------------------------------------------------- partial files are root's only
+
+
+@pytest.fixture
+def umask0() -> Any:
+    """No umask: a file's mode is exactly the one it was created with."""
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_partial_files_are_0600_until_proven_and_sealed_then_0644(tmp_path: Path, umask0: None,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_weights import CutSource, PowerCut
+
+    chmodded: list[str] = []  # the files fchmod'ed (each call still made)
+    real = os.fchmod
+
+    def spy(fd: int, mode: int) -> None:
+        chmodded.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd, mode)
+
+    monkeypatch.setattr(os, "fchmod", spy)
+
+    src, manifest = _snapshot(tmp_path, SIZES)
+    store, verity = _store(tmp_path, manifest), FakeVerity()
+    source = CutSource(model_fetch.DirSource(str(src)), "a.safetensors", model_fetch.CHUNK_BYTES + 5)
+    with pytest.raises(PowerCut):
+        model_fetch.fetch(store, source, verity, workers=1)
+    part = store.partial / "a.safetensors.part"
+    journal = store.partial / "a.safetensors.part.journal"
+    assert part.stat().st_size > 0 and journal.exists()
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in (part, journal)} == {p.name: "0o600" for p in (part, journal)}
+    assert [name for name in chmodded if name.endswith(".part")] == []  # created 0600, not made so after
+    part.chmod(0o644)  # as an older release left it: root's only again once resumed
+    source.cut = 1 << 62
+    model_fetch.fetch(store, source, verity, workers=1)
+    assert {oct(p.stat().st_mode & 0o777) for p in store.snapshot.rglob("*") if p.is_file()} == {"0o644"}
+    assert model_verify.check(store, verity).ok
+
+
+def test_a_partial_file_left_0644_by_an_older_release_is_made_0600_when_resumed(tmp_path: Path) -> None:
+    from test_weights import CutSource, PowerCut
+
+    src, manifest = _snapshot(tmp_path, SIZES)
+    store, verity = _store(tmp_path, manifest), FakeVerity()
+    source = CutSource(model_fetch.DirSource(str(src)), "a.safetensors", model_fetch.CHUNK_BYTES + 5)
+    with pytest.raises(PowerCut):
+        model_fetch.fetch(store, source, verity, workers=1)
+    part = store.partial / "a.safetensors.part"
+    part.chmod(0o644)
+    with pytest.raises(PowerCut):  # cut again, at once: what the resume did to the partial file shows
+        model_fetch.fetch(store, source, verity, workers=1)
+    assert part.stat().st_mode & 0o777 == 0o600
+
+
+# ----------------------------------------------------------------------------------- records on /var, through real directories
+
+
+@pytest.mark.parametrize("linked", ["the host directory", "a directory above it"])
+def test_a_record_is_not_written_through_a_linked_host_directory(tmp_path: Path, linked: str) -> None:
+    src, manifest = _snapshot(tmp_path, SIZES, with_fsverity=False)  # no digests: the fetch records the measured ones
+    store = _store(tmp_path, manifest)
+    elsewhere = _outside(tmp_path)  # e.g. /etc: what a link on /var must not turn the root-run fetch's writes to
+    store = model_store.Store(manifest, store.snapshot, store.partial, tmp_path / "state/lib/host")
+    at = store.host_dir if linked == "the host directory" else store.host_dir.parent
+    _link(at, elsewhere)
+    with pytest.raises(UserError) as e:
+        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity(), workers=1)
+    assert e.value.message == f"{at}: is a symbolic link, not a directory (nothing in the model store is followed or replaced)"
+    assert e.value.hint == f"remove it: rm {at}; then run applianctl model fetch again"
+    assert list(elsewhere.rglob("*")) == [] and not store.snapshot.exists()  # refused before the download
+    with pytest.raises(UserError, match="is a symbolic link, not a directory"):  # the fetch command's own record too
+        model_store.write_host_record(store.host_dir, model_store.FETCH_STATE, WeightsFetch("/src", REV, "2000-01-01T00:00:00Z"))
+    assert list(elsewhere.rglob("*")) == []
+    at.unlink()  # as the hint says
+    model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity(), workers=1)
+    assert set(store.recorded()) == set(SIZES) and (store.host_dir / model_store.RECORDED).stat().st_mode & 0o777 == 0o644
+
+
+def test_the_store_is_not_reached_through_a_linked_directory_above_it(tmp_path: Path) -> None:
+    src, manifest = _snapshot(tmp_path, SIZES)
+    cache = _store(tmp_path, manifest)
+    store = model_store.Store(manifest, cache.snapshot, cache.partial, tmp_path / "state/host")  # a real host directory
+    outside = _outside(tmp_path)
+    _link(store.root.parent, outside)  # .../var -> outside: the cache would land outside /var
+    with pytest.raises(UserError, match=rf"^{tmp_path}/var: is a symbolic link, not a directory"):
+        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity(), workers=1)
+    assert list(outside.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------- empty files
+
+
+def test_a_zero_size_file_in_the_weights_manifest_is_fetched_as_an_empty_file(tmp_path: Path) -> None:
+    src, manifest = _snapshot(tmp_path, {**SIZES, "empty.txt": 0, "sub/__init__.py": 0})
+    store, verity = _store(tmp_path, manifest), FakeVerity()
+    summary = model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity, workers=2)
+    assert summary["fetched_files"] == len(SIZES) + 2
+    assert (store.snapshot / "empty.txt").read_bytes() == b"" and (store.snapshot / "sub/__init__.py").read_bytes() == b""
+    assert model_verify.check(store, verity).ok
+    assert model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)["fetched_files"] == 0

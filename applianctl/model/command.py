@@ -88,8 +88,8 @@ def cmd_fetch(args: argparse.Namespace, verity: Verity | None = None) -> int:
         spec = args.source or store.default_source(config)
     source = model_fetch.open_source(spec, ca, args.layout, store.manifest.model, store.manifest.revision)
     summary = model_fetch.fetch(store, source, verity or Kernel(), workers=args.jobs)
-    write_record(store.host_dir / model_store.FETCH_STATE,
-                 WeightsFetch(spec, store.manifest.revision, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
+    model_store.write_host_record(store.host_dir, model_store.FETCH_STATE,
+                                  WeightsFetch(spec, store.manifest.revision, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
     if args.json:
         print(json.dumps({"source": spec, **summary}, sort_keys=True))
     else:

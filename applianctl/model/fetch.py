@@ -1,8 +1,9 @@
 """`applianctl model fetch [SOURCE]`: the pinned weights onto /var, every byte checked, resumable.
 
 SOURCE: an https:// mirror in the Hub's layout (BASE/resolve/REVISION/PATH) or a plain one
-(BASE/PATH), or a local directory (e.g. a Hugging Face snapshot), read by range through
-appliance.fetch's bounded sources. Here: files in parallel, and resume across power cuts.
+(BASE/PATH), or a local directory holding the snapshot's files (never left: no link followed),
+read by range through appliance.fetch's bounded sources. Here: files in parallel, and resume
+across power cuts.
 
 Each file goes to .partial/ in CHUNK_BYTES chunks, fsync'd at each boundary, with a journal of the
 durable length and each chunk's CRC-32. A resume cuts the file back to the journal's length and,
@@ -28,7 +29,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 
 from appliance import fetch as bounded
 from appliance import progress
@@ -37,7 +38,7 @@ from appliance.errors import Refused, UserError
 from appliance.safe_read import loads_bounded
 from appliance.schema import dump_record, from_json
 from applianctl.model.seal import Verity
-from applianctl.model.store import JOURNAL_SUFFIX, PART_SUFFIX, Store, StoreDir
+from applianctl.model.store import FILE_MODE, JOURNAL_SUFFIX, PART_MODE, PART_SUFFIX, Store, StoreDir, open_real_dir
 from applianctl.records import FetchJournal
 
 CHUNK_BYTES = 8 << 20  # fsync + journal granularity: the most a resume fetches twice per file
@@ -62,27 +63,24 @@ class Source(Protocol):
 # ----------------------------------------------------------------------------------- sources
 
 
-class DirSource(bounded.FileSource):
-    """A local directory: links are followed (a Hugging Face snapshot links into its blobs), but
-    only a regular file is read; whatever it holds is checked against the manifest."""
+class DirSource(bounded.DirSource):
+    """A local directory holding the snapshot's files, never left: the core's directory source
+    (no symbolic link followed anywhere beneath it, no '..', regular files only). A Hugging Face
+    cache's snapshot links into its blobs: it is copied with the links resolved first (cp -rL)."""
+
+    SOURCE_HINT = "SOURCE is an https:// mirror or a directory holding the snapshot's files"
 
     def __init__(self, spec: str, deadline: bounded.Deadline | None = None) -> None:
-        self.spec, self.deadline = spec, deadline or bounded.Deadline(DEADLINE_S)
-        if not Path(spec).is_dir():
-            raise UserError(f"{spec}: no such directory", hint="SOURCE is an https:// mirror or a directory holding the snapshot's files")
+        super().__init__(spec, deadline or bounded.Deadline(DEADLINE_S))
 
-    def open_file(self, name: str) -> BinaryIO:
-        full = Path(self.spec) / name
-        try:
-            fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except FileNotFoundError:
-            raise Refused(f"{name}: missing from {self.spec}", hint="copy the whole snapshot") from None
-        except OSError as e:
-            raise UserError(f"{name}: cannot read {full} ({e.strerror})", hint="check the source directory") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise Refused(f"{name}: {full} is not a regular file", hint="the source holds the snapshot's files")
-        return os.fdopen(fd, "rb")
+    def missing(self, name: str) -> UserError:
+        return Refused(f"{name}: missing from {self.spec}", hint="copy the whole snapshot")
+
+    def refused(self, name: str, part: str, what: str) -> UserError:
+        if what == "a symbolic link":
+            return Refused(f"{name}: {self.spec}/{part} is a symbolic link (a source directory is read without following links)",
+                           hint=f"copy the snapshot with its links resolved (cp -rL {self.spec} DIR), then fetch from DIR")
+        return Refused(f"{name}: {self.spec}/{part} is {what}", hint="the source holds the snapshot's files only")
 
 
 class HttpsSource:
@@ -182,6 +180,8 @@ class FileFetch:
         journal = read_journal(self.fs, self.part, self.entry)
         digest = hashlib.sha256()
         with os.fdopen(self.fs.open_file(self.part, os.O_RDWR | os.O_CREAT), "r+b") as f:
+            if stat.S_IMODE(os.fstat(f.fileno()).st_mode) != PART_MODE:
+                os.fchmod(f.fileno(), PART_MODE)  # left by an older release, 0644: root's only until proven
             if os.fstat(f.fileno()).st_size < journal.length:
                 journal = Journal(0, [])
             f.truncate(journal.length)
@@ -296,6 +296,7 @@ class FileFetch:
                 parent, _, _ = self.part.rpartition("/")
                 with self.fs.directory(parent) as d:
                     self.verity.enable(self.fs.show(self.part), dir_fd=d)
+            self.fs.chmod(self.part, FILE_MODE)  # proven and sealed: now the engine may read it
             self.fs.replace(self.part, self.target)
             self.fs.unlink(self.part + JOURNAL_SUFFIX)
 
@@ -340,6 +341,8 @@ def fetch(store: Store, source: Source, verity: Verity, workers: int = WORKERS, 
     it starts, and stopped while it writes, when /var would keep less than the reserve free
     (bounded.RESERVE_BYTES; FREE measures a file system's free bytes)."""
     free = free_bytes if free is None else free
+    # where the digests will be recorded: a link on the way is refused now, not after the download
+    os.close(open_real_dir(store.host_dir, create=True))
     with store.open_dir() as fs:
         return _fetch(store, fs, source, verity, workers, out, free)
 

@@ -31,12 +31,11 @@ from typing import Any
 
 from appliance import paths
 from appliance import weights as wm
-from appliance.atomic import write_record
 from appliance.config import Config
 from appliance.errors import UserError
 from appliance.manifest import ManifestError
 from appliance.safe_read import file_kind, read_capped
-from appliance.schema import load_record
+from appliance.schema import dump_record, load_record
 from appliance.schema import shown as schema_shown
 from applianctl.records import CorruptFile, WeightsCorrupt, WeightsVerity
 
@@ -46,6 +45,8 @@ HOST_SOURCE = "model-source"  # one line: the per-host default SOURCE for `appli
 FETCH_STATE = "weights-fetch.json"  # the last fetch: source, time (per-host state)
 MAX_HOST_SOURCE_BYTES = 4096  # a URL or a directory, one line
 PART_SUFFIX, JOURNAL_SUFFIX = ".part", ".journal"  # a partial file and its chunk journal, in .partial/REVISION/
+PART_MODE = 0o600  # a partial file and its journal: unproven bytes, root's only
+FILE_MODE = 0o644  # a weight file once proven and sealed: the engine reads it
 NAME_MAX, PATH_MAX = wm.NAME_MAX, wm.PATH_MAX
 
 
@@ -95,7 +96,8 @@ class Store:
         return dict(data.files)
 
     def record(self, digests: dict[str, str]) -> None:
-        write_record(self.host_dir / RECORDED, WeightsVerity(self.manifest.model, self.manifest.revision, dict(sorted(digests.items()))))
+        write_host_record(self.host_dir, RECORDED, WeightsVerity(self.manifest.model, self.manifest.revision,
+                                                                  dict(sorted(digests.items()))))
 
     def corrupt(self) -> dict[str, CorruptFile]:
         """Files a read through fs-verity refused, by path. They stay refused by the check before
@@ -108,12 +110,12 @@ class Store:
 
     def mark_corrupt(self, path: str, inode: int, reason: str) -> None:
         files = {**self.corrupt(), path: CorruptFile(inode, reason)}
-        write_record(self.host_dir / CORRUPT, WeightsCorrupt(self.manifest.revision, files))
+        write_host_record(self.host_dir, CORRUPT, WeightsCorrupt(self.manifest.revision, files))
 
     def clear_corrupt(self, path: str) -> None:
         files = self.corrupt()
         if files.pop(path, None) is not None:
-            write_record(self.host_dir / CORRUPT, WeightsCorrupt(self.manifest.revision, files))
+            write_host_record(self.host_dir, CORRUPT, WeightsCorrupt(self.manifest.revision, files))
 
     def default_source(self, config: Config) -> str:
         """The per-host setting if there is one, else the configuration's model.source."""
@@ -177,6 +179,65 @@ def check_names(manifest: wm.WeightsManifest, snapshot: Path, partial: Path) -> 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def _not_followed(path: Path, mode: int, want: str) -> UserError:
+    rm = "rm -r" if stat.S_ISDIR(mode) else "rm"
+    return UserError(f"{path}: is {file_kind(mode)}, not {want} (nothing in the model store is followed or replaced)",
+                     hint=f"remove it: {rm} {path}; then run applianctl model fetch again")
+
+
+def open_real_dir(path: Path, *, create: bool) -> int:
+    """A descriptor of the directory PATH, reached from / one name at a time, each opened relative
+    to its parent's descriptor without following a symbolic link (made, 0755, when missing and
+    CREATE): what is written there lands in that directory on /var, not where a link points. A
+    link, or anything else than a directory, anywhere on the way is refused in one line naming it;
+    FileNotFoundError when a part is missing and not CREATE."""
+    path = Path(os.path.abspath(path))
+    fd = os.open("/", _DIR)
+    try:
+        done = Path("/")
+        for name in path.parts[1:]:
+            done = done / name
+            try:
+                child = os.open(name, _DIR, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                child = _open_real_child(fd, name, done)
+            except OSError:
+                child = _open_real_child(fd, name, done)
+            os.close(fd)
+            fd = child
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_real_child(fd: int, name: str, shown: Path) -> int:
+    """The directory NAME in FD (O_NOFOLLOW), or why not: what it is when not a directory."""
+    try:
+        return os.open(name, _DIR, dir_fd=fd)
+    except OSError as e:
+        try:
+            mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+        except OSError:
+            raise e from None
+        if stat.S_ISDIR(mode):
+            raise
+        raise _not_followed(shown, mode, "a directory") from None
+
+
+def write_host_record(directory: Path, name: str, record: Any) -> None:
+    """DIRECTORY/NAME holds RECORD (as appliance.atomic.write_record writes it), written through
+    a directory descriptor reached without following a link (open_real_dir): the per-host state
+    stays on /var, whatever link someone put on the way; a link or a directory at NAME is refused."""
+    data = (json.dumps(dump_record(record), indent=2, sort_keys=True) + "\n").encode("utf-8")
+    with StoreDir(directory) as d:
+        d.write_atomic(name, data, mode=0o644)
+
+
 def _split(rel: str) -> tuple[str, str]:
     parent, _, name = rel.rpartition("/")
     return parent, name
@@ -191,11 +252,7 @@ class StoreDir:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        root.mkdir(parents=True, exist_ok=True)
-        try:
-            self.fd = os.open(root, _DIR)
-        except OSError:
-            raise self.refusal("", os.lstat(root).st_mode, "a directory") from None
+        self.fd = open_real_dir(root, create=True)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -210,10 +267,7 @@ class StoreDir:
         return self.root / rel if rel else self.root
 
     def refusal(self, rel: str, mode: int, want: str) -> UserError:
-        path = self.show(rel)
-        rm = "rm -r" if stat.S_ISDIR(mode) else "rm"
-        return UserError(f"{path}: is {file_kind(mode)}, not {want} (nothing in the model store is followed or replaced)",
-                         hint=f"remove it: {rm} {path}; then run applianctl model fetch again")
+        return _not_followed(self.show(rel), mode, want)
 
     def _refuse_at(self, dir_fd: int, rel: str, want: str, error: OSError) -> Exception:
         try:
@@ -269,14 +323,14 @@ class StoreDir:
         return st
 
     def open_file(self, rel: str, flags: int) -> int:
-        """A descriptor of the regular file REL (os.O_CREAT in FLAGS creates it and its directories).
-        FileNotFoundError when it is missing."""
+        """A descriptor of the regular file REL (os.O_CREAT in FLAGS creates it, mode 0600, and its
+        directories). FileNotFoundError when it is missing."""
         parent, name = _split(rel)
         with self.directory(parent, create=bool(flags & os.O_CREAT)) as d:
             if d is None:
                 raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(self.show(rel)))
             try:  # O_NONBLOCK: a FIFO does not block the open (and is refused below)
-                fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644, dir_fd=d)
+                fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, PART_MODE, dir_fd=d)
             except FileNotFoundError:
                 raise
             except OSError as e:
@@ -296,13 +350,15 @@ class StoreDir:
         with os.fdopen(fd, "rb") as f:
             return f.read(limit + 1)
 
-    def write_atomic(self, rel: str, data: bytes) -> None:
-        """REL holds DATA, whole or not at all: a temporary file beside it, synced, renamed over it."""
+    def write_atomic(self, rel: str, data: bytes, mode: int = PART_MODE) -> None:
+        """REL holds DATA, whole or not at all, with MODE from the start: a temporary file beside it,
+        synced, renamed over it."""
         parent, name = _split(rel)
         with self.directory(parent, create=True) as d:
             assert d is not None
             tmp = f".tmp-{secrets.token_hex(8)}"  # a short name: REL may be near NAME_MAX already
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=d)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=d)
+            os.fchmod(fd, mode)  # as asked, whatever the umask
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
@@ -315,6 +371,15 @@ class StoreDir:
                     os.unlink(tmp, dir_fd=d)
                 raise
             os.fsync(d)
+
+    def chmod(self, rel: str, mode: int) -> None:
+        """Set the regular file REL's mode (through its descriptor: no link followed)."""
+        fd = self.open_file(rel, os.O_RDONLY)
+        try:
+            if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
+                os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
 
     def unlink(self, rel: str) -> None:
         """Remove the regular file REL (nothing when it is missing)."""
