@@ -172,7 +172,7 @@ _UNITS = (
     "appliance-startup-report.service",
     "appliance-tls.service",
     "appliance-proxy.service",
-    # seen from outside: the metrics scrapers reach, the journal sent to the collector (issue 22)
+    # seen from outside: the metrics scrapers reach, the journal sent to the collector
     "appliance-node-exporter.service",
     "appliance-journal-upload.service",
 )

@@ -1,4 +1,4 @@
-"""`make bench`, the metrics (issue 22): one scrape as Prometheus makes it (HTTPS GET /metrics on
+"""`make bench`, the metrics: one scrape as Prometheus makes it (HTTPS GET /metrics on
 the proxy's metrics site: the real Caddy on the rendered demo Caddyfile, Debian's real
 node_exporter behind it serving the textfile that `applianctl status --prometheus --output`
 wrote, as appliance-metrics.service writes it) against `applianctl status --json` alone, both

@@ -1,4 +1,4 @@
-"""`make bench`, replicas (issue 23): answers per second through the real Caddy on the rendered
+"""`make bench`, replicas: answers per second through the real Caddy on the rendered
 Caddyfile with two replicas (layout 2x1: least outstanding requests across both) against the same
 proxy with one. Each replica is the latency-bound paced backend (bench/paced_engine.py) with its
 concurrency capped at CAP and SERVICE_S an answer, so one replica serves at most CAP / SERVICE_S

@@ -22,7 +22,7 @@ from appliance.hashing import DIGEST, SHA256
 from appliance.patterns import MODEL_ID, REVISION, VERSION, VERSION_FORM
 
 PROFILES = ("production", "demo")
-# The runbook's smoke prompt (../shared/REFERENCE-STACK.md): applianctl smoke sends it, and each
+# The runbook's smoke prompt (docs/reference-stack.md): applianctl smoke sends it, and each
 # engine replica's warm-up request (builder/render.py) is a one-token completion of it.
 SMOKE_PROMPT = "Calculate 17 * 23. Answer with the number only."
 # The first DRM render node's minor number (/dev/dri/renderD128).

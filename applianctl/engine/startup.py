@@ -1,6 +1,6 @@
 """The startup report (`applianctl startup-report`): vLLM's startup lines turned into figures.
 
-A healthy start shows, in order (REFERENCE-STACK runbook): `Model loading took 156.67 GiB`,
+A healthy start shows, in order (docs/reference-stack.md, the runbook): `Model loading took 156.67 GiB`,
 `DSpark draft model loaded: 96 params`, `GPU KV cache size: 1,927,444 tokens`, `Maximum
 concurrency for 262,144 tokens per request: 7.35x`, `Created mmap file ... (103.08 GB)`,
 `Capturing CUDA graphs`, `Application startup complete`. A figure below the configuration's

@@ -41,7 +41,7 @@ class Expectations:
     compute_partition: str = "SPX"
     memory_partition: str = "NPS1"
     vram_mib: float = 196592  # an MI300X's 192 GB as amd-smi reports it (its "MB" are MiB)
-    correctable_rise_max: int = 0  # the rule: correctable ECC errors do not rise between runs
+    correctable_rise_max: int = 0  # correctable ECC errors must not rise between runs
     # A policy figure, half the driver's own RMA threshold in AMD's amd-smi example (ROCm 7.0.2:
     # BAD_PAGE_THRESHOLD 128): a GPU whose HBM keeps losing pages leaves service before it fails requests.
     retired_pages_max: int = 64

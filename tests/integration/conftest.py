@@ -205,7 +205,7 @@ def bundles(demo_config: config.Config, demo_image: Path, https_root: tuple[Path
 
 
 def rollout_channels(root: Path, key: Path, work: Path) -> list[str]:
-    """Two signed channel indexes of v3 (issue 22, item 3), each beside a copy of v3's bundle: in
+    """Two signed channel indexes of v3 (a phased rollout), each beside a copy of v3's bundle: in
     "channel-held" v3's rollout began as it was signed and takes 366 days to reach the whole fleet
     (the journey's appliance is admitted when its place, uniform over 0..1, is under the share: at
     boot time about 1/9000, so it stays out); "channel-reached" is the same index signed again,
@@ -334,10 +334,11 @@ def opens_with(header: Path, passphrase: str) -> bool:
                           capture_output=True, text=True).returncode == 0
 
 
-# The installer's kernel oopsed in early boot under TCG on a loaded host twice in ten sessions
-# (int3 in sched_clock_cpu while the kernel patches its own code, before any userspace): an
-# emulator fault, not the installer's. Such a run wrote nothing (the disk has no partition table),
-# so it is run once more from scratch; any other failure is the installer's and is not retried.
+# Under TCG on a loaded host the installer's kernel can oops in early boot, before any userspace:
+# the int3 the kernel plants while it patches its own code (text poking) traps in sched_clock_cpu.
+# It is an emulator fault, not the installer's, intermittent and not reproducible on demand. Such
+# a run wrote nothing (the disk has no partition table), so it is run once more from scratch; any
+# other failure is the installer's and is not retried.
 INSTALL_ATTEMPTS = 2
 
 
@@ -349,9 +350,10 @@ def _emulator_oops_before_install(console: str, output: str, table: dict[str, An
 
 @pytest.fixture(scope="session")
 def journey_guest(demo_image: Path, installed: dict[str, Any]) -> qemu.Guest:
-    # An installer that stopped before its summary (seen once: its kernel oopsed at 1.5 s under TCG
-    # on a loaded host) leaves a blank disk; booting that would wait at the firmware's shell until
-    # the journey's timeout, so every journey test errors now, with the installer's console.
+    # An installer that stopped before its summary (e.g. its kernel oopsed in early boot under TCG
+    # on every attempt, see INSTALL_ATTEMPTS) leaves a blank disk; booting that would wait at the
+    # firmware's shell until the journey's timeout, so every journey test errors now, with the
+    # installer's console.
     if not re.search(r"Appliance \S+ (re-)?installed", installed["output"]):
         pytest.fail(f"the installer printed no summary; its console ends:\n{installed['console'][-3000:]}")
     return qemu.Guest(demo_image, installed["dir"])  # the installed disk and firmware variables, as they are

@@ -6,7 +6,7 @@ One run (tests/integration/bad_versions.py), the base built with update.boot_tri
            whose bundle the release key signed but whose kernel image another Secure Boot key
            signed, the updater proves every file and refuses it in one line before anything is
            written (`update` and `--download-only` alike): the firmware would refuse to start it,
-           and its boot manager would then stay in its own menu (seen before the check existed).
+           and its boot manager would then stay in its own menu (seen in QEMU with OVMF).
            Then it installs 1.6.0, whose /usr root hash signature another key made (the root hash
            itself is right, so the updater takes it)
     1.6.0  the initrd hands the signature to dm-verity; the kernel checks it against db and

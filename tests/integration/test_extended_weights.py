@@ -202,7 +202,7 @@ def test_a_byte_flipped_at_rest_is_refused_and_keeps_the_engine_stopped(weights_
 
 
 def test_read_throughput_sealed_against_unsealed(weights_runs: dict[str, Any]) -> None:
-    """Reported, not held to the issue's 1.15x here: under TCG the guest kernel's SHA-256 is emulated."""
+    """Reported, not held to the 1.15x goal for sealed reads here: under TCG the guest kernel's SHA-256 is emulated."""
     read = _scenario(weights_runs["resume"], "resume")["read"]
     ratio = read["sealed_s"] / read["unsealed_s"]
     print(f"sealed read {read['bytes'] / read['sealed_s'] / 2**20:.0f} MiB/s, unsealed {read['bytes'] / read['unsealed_s'] / 2**20:.0f} "

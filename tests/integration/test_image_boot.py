@@ -55,7 +55,7 @@ def test_applianctl_installed_as_a_command(first_boot: dict[str, Any]) -> None:
 
 
 def test_the_first_boot_fetched_the_demo_weights_and_status_shows_them_verified(first_boot: dict[str, Any]) -> None:
-    """Issue 22, item 6: the demo pins generated weights; the guest fetched them from the build
+    """The demo pins generated weights; the guest fetched them from the build
     host's mirror at its first boot (appliance-model-fetch.service) and the start check found
     every file sealed with its signed digest before the engine started."""
     weights = first_boot["status"]["parts"]["weights"]

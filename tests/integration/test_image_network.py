@@ -1,4 +1,4 @@
-"""Only the proxy is reachable from the appliance's network (issue 12, item 5): probed in boot A
+"""Only the proxy is reachable from the appliance's network: probed in boot A
 from a network namespace on the host joined to the guest's second NIC by a tap device, with a
 route to the container bridge via the guest (conftest.journey_run1, netprobe.py)."""
 
@@ -49,7 +49,7 @@ def test_the_container_bridge_is_not_reachable_through_the_appliance(probe: tupl
     assert guest["inside_before"] == 200 and guest["inside_after"] == 200, guest
 
 
-# ------------------------------------------------------------------ the appliance's metrics (issue 22, item 1)
+# ------------------------------------------------------------------ the appliance's metrics
 
 def _families(text: str) -> dict[str, Any]:
     from prometheus_client.parser import text_string_to_metric_families
