@@ -4,7 +4,7 @@ PY := .venv/bin/python
 BUILDER := $(PY) -m builder
 .DEFAULT_GOAL := help
 
-.PHONY: help setup demo build-demo qemu test test-extended lint unit integration bench clean
+.PHONY: help setup setup-dev check demo build-demo qemu test test-extended lint unit integration bench clean
 
 help:
 	@echo "make demo   build the demo image, boot it in QEMU, print the guest's applianctl status"
@@ -14,9 +14,15 @@ help:
 	@echo "                    GROUPS='install rollback weights' picks named groups (default: all)"
 	@echo "make bench  build-time and status-latency figures against baselines run alongside"
 	@echo "make setup  install what the host needs (run by demo and test)"
+	@echo "make check  the fast loop, no root: ruff, mypy and the unit tests that start no real program"
+	@echo "            (those marked programs run in make test's unit tier)"
+	@echo "make setup-dev  the venv alone, no root, no apt (run by check and lint)"
 
 setup:
 	@bash tools/setup-host
+
+setup-dev:
+	@tools/setup-venv
 
 build-demo: setup
 	$(BUILDER) --profile demo validate
@@ -28,12 +34,17 @@ demo: build-demo
 qemu: setup
 	$(BUILDER) --profile demo boot --interactive
 
-lint: setup
+lint: setup-dev
 	$(PY) -m ruff check appliance builder applianctl installer standin testkit bench tests
 	$(PY) -m mypy
 
 unit: setup
 	$(PY) -m pytest -q -m "not integration"
+
+# The fast tier: no root, nothing but the venv; a test that starts a real program is refused there
+# (tests/program_guard.py) and must be marked programs, which make unit runs.
+check: lint
+	APPLIANCE_FAST_TIER=1 $(PY) -m pytest -q -m "not integration and not programs"
 
 integration: setup
 	@tools/check-space 22 "the integration tests"
@@ -48,7 +59,7 @@ test-extended: setup
 	@tools/extended-groups $(GROUPS) >/dev/null
 	$(PY) -m pytest -q -m extended --durations=0 $$(tools/extended-groups $(GROUPS))
 
-test: lint unit integration
+test: setup lint unit integration
 
 bench: setup
 	$(PY) -m bench

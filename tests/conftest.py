@@ -7,17 +7,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from fixture_paths import FIXTURES
 
 # ---- BEGIN standin / shm / startup fixtures ------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_FIXTURES = REPO.parent / "shared" / "fixtures"
 
 
 @pytest.fixture
-def shared_fixtures() -> Path:
-    """../shared/fixtures: the recorded real tool outputs (read in place, never copied)."""
-    return SHARED_FIXTURES
+def fixtures_dir() -> Path:
+    """tests/fixtures/: the recorded real tool outputs and the other test inputs (its README.md)."""
+    return FIXTURES
 
 
 @pytest.fixture
@@ -87,3 +87,26 @@ def mock_systemd() -> Iterator[object]:
         yield mock
     finally:
         stop_mock_systemd(proc)
+
+
+# ---- the two unit tiers: `programs` and the fast tier's guard ----------------------------------------
+
+# Fixtures that start real programs or daemons: every test using one is marked `programs` (it runs
+# in make unit, not in make check). A test that runs a program itself carries the marker directly.
+PROGRAM_FIXTURES = frozenset({
+    "mock_systemd",  # python-dbusmock's systemd on a private D-Bus daemon
+})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROGRAM_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.programs)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import program_guard
+
+    if program_guard.active():
+        config.pluginmanager.register(program_guard.Plugin(), "program_guard")

@@ -11,6 +11,7 @@ import json
 import struct
 import subprocess
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +79,30 @@ def demo_config(version: str, min_version: str = "0", digest: str | None = None)
     return dataclasses.replace(config, appliance=appliance, engine=engine)
 
 
-def verity_format(data: Path, tree: Path) -> str:
-    """`veritysetup format DATA TREE` (a superblock, the tool's defaults, a fixed salt and UUID so
-    that a build is repeatable); the root hash it printed."""
-    out = subprocess.run(["veritysetup", "format", "--salt=" + "5a" * 32, "--uuid=00000000-0000-4000-8000-000000000001",
-                          str(data), str(tree)], capture_output=True, text=True, check=True).stdout
-    return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Root hash:"))
+VERITY_SALT = b"\x5a" * 32
+VERITY_UUID = "00000000-0000-4000-8000-000000000001"
+
+
+def verity_format(data: Path, tree: Path, block: int = 4096) -> str:
+    """What `veritysetup format --salt=5a.. --uuid=VERITY_UUID DATA TREE` writes, byte for byte,
+    computed here (no program runs; test_engine_checks.py compares it with the real tool's): a
+    superblock in the first hash block, then the levels of the SHA-256 hash tree, the root's first.
+    The root hash."""
+    salt, per_block = VERITY_SALT, block // 32
+    digests = []
+    with open(data, "rb") as f:
+        while chunk := f.read(block):
+            digests.append(hashlib.sha256(salt + chunk.ljust(block, b"\0")).digest())
+    data_blocks = len(digests)
+    levels: list[bytes] = []
+    while len(digests) > 1:
+        level = b"".join(b"".join(digests[i:i + per_block]).ljust(block, b"\0") for i in range(0, len(digests), per_block))
+        levels.append(level)
+        digests = [hashlib.sha256(salt + level[i:i + block]).digest() for i in range(0, len(level), block)]
+    superblock = struct.pack("<8sII16s32sIIQH6s256s168s", b"verity", 1, 1, uuid.UUID(VERITY_UUID).bytes, b"sha256",
+                             block, block, data_blocks, len(salt), b"", salt, b"")
+    tree.write_bytes(superblock.ljust(block, b"\0") + b"".join(reversed(levels)))
+    return digests[0].hex()
 
 
 def fake_engine_store(data: Path, tree: Path, digest: str) -> str:

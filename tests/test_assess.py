@@ -28,6 +28,8 @@ from applianctl.slots import assess
 from applianctl.slots.machine import EFI_LOADER_GUID, Host
 from testkit.standin import StandinProcess, free_port, port_open
 
+pytestmark = pytest.mark.programs  # starts real programs (make unit, not make check)
+
 ROOT = Path(__file__).resolve().parents[1]
 CADDY = shutil.which("caddy") or "/usr/bin/caddy"
 MODEL = "standin/tiny-demo"

@@ -297,6 +297,7 @@ def test_the_proxy_stream_row_prints_each_figure_with_its_goal(backend: _Backend
     assert all("(goal <= 1.05x: " in f for f in figures)
 
 
+@pytest.mark.programs
 def test_the_proxy_rows_fail_the_run_without_caddy(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("uvicorn")
     from bench import proxy

@@ -42,11 +42,13 @@ def _run_deadline(tmp_path: Path, boot_complete_active: bool) -> list[list[str]]
     return calls(bin_dir / "calls.log")
 
 
+@pytest.mark.programs
 def test_boot_deadline_reboots_a_boot_that_did_not_complete(tmp_path: Path) -> None:
     got = _run_deadline(tmp_path, boot_complete_active=False)
     assert got[-1] == ["systemctl", "reboot", "--force"], got
 
 
+@pytest.mark.programs
 def test_boot_deadline_leaves_a_completed_boot_alone(tmp_path: Path) -> None:
     got = _run_deadline(tmp_path, boot_complete_active=True)
     assert got == [["systemctl", "--quiet", "is-active", "boot-complete.target"]], got

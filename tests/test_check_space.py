@@ -17,6 +17,7 @@ from applianctl.update import download
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.programs
 def test_too_little_space_is_two_lines_and_exit_2() -> None:
     proc = subprocess.run([ROOT / "tools/check-space", "1000000", "the integration tests"], capture_output=True, text=True, check=False)
     assert proc.returncode == 2 and proc.stdout == ""
@@ -25,6 +26,7 @@ def test_too_little_space_is_two_lines_and_exit_2() -> None:
     assert hint.startswith("hint: free space there")
 
 
+@pytest.mark.programs
 def test_enough_space_says_nothing() -> None:
     proc = subprocess.run([ROOT / "tools/check-space", "0", "the integration tests"], capture_output=True, text=True, check=False)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")

@@ -15,7 +15,7 @@ from appliance.errors import ConfigError, UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 APPLIANCE_TOML = ROOT / "appliance.toml"
-REFERENCE = ROOT.parent / "shared" / "REFERENCE-STACK.md"
+REFERENCE = ROOT / "docs" / "reference-stack.md"
 
 
 def test_production_profile_carries_the_reference_stack() -> None:

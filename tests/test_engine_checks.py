@@ -1,4 +1,4 @@
-"""Engine images count only once checked (issue 20): a bundle's engine image and hash tree are
+"""Engine images count only once checked: a bundle's engine image and hash tree are
 hashed with the real `veritysetup verify` against the root hash its signed release manifest pins,
 and its label checked, before any slot is blanked; engine slots are compared by their full
 digest, not the 12 hex digits of their label. The device is test_update's fake (sfdisk, bootctl,
@@ -29,6 +29,8 @@ from applianctl.update import checks
 from applianctl.update import command as up
 from applianctl.update import staged as update_staged
 from builder import release as rel
+
+pytestmark = pytest.mark.programs  # starts real programs (make unit, not make check)
 
 NEW = "sha256:" + "ab" * 32
 RUNNING_DIGEST = RUNNING.engine_image.digest
@@ -266,3 +268,20 @@ def test_the_same_engine_pinned_at_another_root_hash_is_refused_before_any_write
     b = engine_bundle(tmp_path, key, digest=RUNNING_DIGEST, store_roothash="f" * 64)
     refused_before_any_write(device, b, trusted, r"the running one \(which it would open, unwritten\) has .*: "
                                                  r"the new version could not open its engine$")
+
+
+@pytest.mark.programs
+@pytest.mark.parametrize("blocks", [1, 4, 129])
+def test_the_fake_builds_verity_tree_is_veritysetups(tmp_path: Path, blocks: int) -> None:
+    """fake_release.verity_format writes what the real `veritysetup format` writes, byte for byte."""
+    import subprocess
+
+    from fake_release import VERITY_UUID
+
+    data = tmp_path / "data.raw"
+    data.write_bytes(b"".join(i.to_bytes(4, "little") * 1024 for i in range(blocks)))
+    out = subprocess.run(["veritysetup", "format", "--salt=" + "5a" * 32, f"--uuid={VERITY_UUID}", data, tmp_path / "real.verity"],
+                         capture_output=True, text=True, check=True).stdout
+    real_root = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Root hash:"))
+    assert verity_format(data, tmp_path / "fake.verity") == real_root
+    assert (tmp_path / "fake.verity").read_bytes() == (tmp_path / "real.verity").read_bytes()

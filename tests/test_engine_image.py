@@ -101,6 +101,7 @@ def test_a_registry_fetch_says_when_it_starts_and_how_long_it_took(
     ]
 
 
+@pytest.mark.programs
 @pytest.mark.skipif(
     os.geteuid() != 0 or not all(shutil.which(t) for t in ("skopeo", "mkfs.erofs", "veritysetup")),
     reason="the engine store is written as root with skopeo, mkfs.erofs and veritysetup (make setup)",

@@ -1,4 +1,4 @@
-"""Engine slots on the disk (issue 15): the setting engine.slot_size_gib, the partitions the build
+"""Engine slots on the disk: the setting engine.slot_size_gib, the partitions the build
 and the first boot make for both slots (rendered, then laid out by the real systemd-repart on a
 plain image file), the fit of the engine store, and how the engine-store unit finds the slot it
 opens, against `lsblk --json -O -b` outputs recorded in QEMU guests (tests/fixtures/disks/)."""
@@ -58,6 +58,7 @@ def test_the_profiles_size_their_slots() -> None:
     assert config.load(ROOT / "appliance.toml", "demo").engine.slot_bytes == 64 * MIB
 
 
+@pytest.mark.programs
 @pytest.mark.parametrize("value", ["0.1", "0", "-1", "0.0078125", "2000000", '"40"', "inf", "nan"])
 def test_a_bad_slot_size_is_one_line_exit_2(tmp_path: Path, value: str) -> None:
     path = tmp_path / "appliance.toml"
@@ -82,6 +83,7 @@ def test_a_slot_size_of_whole_mib_is_taken(tmp_path: Path, value: str) -> None:
 # ----------------------------------------------------------------------------------- the store must fit
 
 
+@pytest.mark.programs
 @pytest.mark.parametrize("mib", [1, 16, 64, 513])
 def test_the_hash_tree_size_is_what_veritysetup_writes(tmp_path: Path, mib: int) -> None:
     if shutil.which("veritysetup") is None:
@@ -181,7 +183,7 @@ def _image(tmp: Path, c: config.Config, old_types: bool = False) -> Path:
     definitions = tmp / "build"
     _build_stand_ins(definitions)
     render.repart_definitions(store, definitions)
-    if old_types:  # what images before issue 15 wrote
+    if old_types:  # what older images wrote (slots typed linux-generic)
         for conf in definitions.glob("1[56]-engine-store*.conf"):
             text = conf.read_text().replace(ENGINE_TYPE, "linux-generic").replace(ENGINE_VERITY_TYPE, "linux-generic")
             conf.write_text("".join(line + "\n" for line in text.splitlines() if not line.startswith("Size")))
@@ -200,6 +202,7 @@ def _first_boot(tmp: Path, c: config.Config, image: Path, size: str | None = "12
     return _repart(f"--definitions={definitions}", "--dry-run=yes", *grow, "--json=short", image)
 
 
+@pytest.mark.programs
 @needs_repart
 def test_first_boot_lays_out_both_engine_slots(profile: config.Config, tmp_path: Path) -> None:
     image = _image(tmp_path, profile)  # a sparse file: the production one's 40 GiB slot costs nothing
@@ -234,6 +237,7 @@ def test_first_boot_lays_out_both_engine_slots(profile: config.Config, tmp_path:
     assert types["16-engine-a-verity.conf"] == types["26-engine-b-verity.conf"] == ENGINE_VERITY_TYPE
 
 
+@pytest.mark.programs
 @needs_repart
 def test_a_disk_from_before_engine_types_still_boots(tmp_path: Path) -> None:
     """Its /var holds the rest of the disk: the engine definitions are dropped (Priority=1), the

@@ -216,6 +216,7 @@ def test_the_unit_runs_after_var_is_mounted_and_before_anything_uses_it() -> Non
     assert re.search(r"^enable appliance-factory-reset\.service$", (ROOT / "units/appliance.preset.j2").read_text(), re.M)
 
 
+@pytest.mark.programs
 def test_status_shows_a_pending_reset_as_degraded_and_the_last_one(var: Path, tmp_path: Path) -> None:
     from appliance.config import load
     from applianctl.status import host
@@ -235,6 +236,7 @@ def test_status_shows_a_pending_reset_as_degraded_and_the_last_one(var: Path, tm
     assert part.state != DEGRADED and part.details["factory_reset"]["last"]["by"] == "applianctl factory-reset"
 
 
+@pytest.mark.programs
 def test_status_does_not_call_a_directory_where_the_request_belongs_a_pending_wipe(var: Path, tmp_path: Path) -> None:
     """The boot removes such a thing without a wipe: status must not promise one."""
     from appliance.config import load

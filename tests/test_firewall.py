@@ -25,6 +25,8 @@ from appliance import config as config_mod
 from appliance.config import Config
 from builder import engine_store, render
 
+pytestmark = pytest.mark.programs  # starts real programs (make unit, not make check)
+
 ROOT = Path(__file__).resolve().parents[1]
 TOML = ROOT / "appliance.toml"
 NFT = shutil.which("nft") or "/usr/sbin/nft"

@@ -94,6 +94,7 @@ def test_modinfo_parser(cls: int, order: str) -> None:
     assert ("license", "GPL and additional rights") in firmware.modinfo(elf)
 
 
+@pytest.mark.programs
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
 def test_modinfo_of_a_real_compiler_object(tmp_path: Path) -> None:
     """The way the kernel's MODULE_FIRMWARE() lays out .modinfo, compiled by gcc."""
@@ -112,6 +113,7 @@ def test_mi300x_filter() -> None:
     assert picked == [*MI300X, "amdgpu/mmhub_9_4_3.bin"]
 
 
+@pytest.mark.programs
 @pytest.mark.parametrize(
     "compress",
     ["", ".xz", pytest.param(".zst", marks=pytest.mark.skipif(shutil.which("zstd") is None, reason="no zstd"))],

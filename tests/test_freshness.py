@@ -293,6 +293,7 @@ def test_the_counter_is_counted_under_the_key_files_lock(tmp_path: Path, signing
     assert held == [True]
 
 
+@pytest.mark.programs
 def test_the_image_carries_the_timestamp_key_in_a_directory_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """build.prepare, its expensive steps stubbed: the release key's .pub among the trusted keys,
     the timestamp key's (made on the fly for the demo) in timestamp-keys/, where the updater looks."""

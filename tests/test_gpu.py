@@ -1,4 +1,4 @@
-"""GPU readings from the recorded outputs of the real tools (../shared/fixtures/gpu/).
+"""GPU readings from the recorded outputs of the real tools (tests/fixtures/gpu/).
 
 No full `amd-smi metric --json` from an MI300X exists (fixtures/README.md, "Not found"), so the
 amd-smi inputs here are the real fragments, put into the document shape the tools produce; each
@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 from fakeprog import calls, fake_program
+from fixture_paths import FIXTURES as ALL_FIXTURES
 
 from appliance import config as config_model
 from appliance.config import Config
 from appliance.config.model import Gpu
 from applianctl.status import gpu, probes
 
-FIXTURES = Path(__file__).parents[1].parent / "shared" / "fixtures" / "gpu"
+FIXTURES = ALL_FIXTURES / "gpu"
 STATIC_VRAM = json.loads((FIXTURES / "amd-smi-static-json-vram-fragment-rocm6-mi300x.json").read_text())
 METRIC_P = json.loads((FIXTURES / "amd-smi-metric-p-json-rocm61-changelog-example.json").read_text())
 ROCM_SMI_FILE = FIXTURES / "rocm-smi-concise-and-showmeminfo-vram-mi300x-x8-spx-rocm633.txt"

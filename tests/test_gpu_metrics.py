@@ -1,5 +1,5 @@
 """GPU metrics (applianctl/status/gpu_metrics.py) from the recorded outputs of the real tools
-(../shared/fixtures/gpu/), read back with prometheus_client's parser.
+(tests/fixtures/gpu/), read back with prometheus_client's parser.
 
 No full `amd-smi static|metric --json` from an MI300X is recorded (fixtures/README.md, "Not
 found"), so the JSON here is derived, each test saying from what:
@@ -31,13 +31,14 @@ from typing import Any
 
 import pytest
 from fakeprog import fake_program
+from fixture_paths import FIXTURES as ALL_FIXTURES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from applianctl.status import gpu_metrics, probes
 
-FIXTURES = Path(__file__).parents[1].parent / "shared" / "fixtures" / "gpu"
+FIXTURES = ALL_FIXTURES / "gpu"
 STATIC_TEXT = (FIXTURES / "amd-smi-static-text-mi300x-truncated.txt").read_text()
 METRIC_TEXT = (FIXTURES / "amd-smi-metric-text-mi300x-truncated.txt").read_text()
 STATIC_VRAM = json.loads((FIXTURES / "amd-smi-static-json-vram-fragment-rocm6-mi300x.json").read_text())

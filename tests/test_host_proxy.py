@@ -121,6 +121,7 @@ def _remote_ips(adapted: dict[str, Any]) -> list[list[str]]:
 # ------------------------------------------------------------------------------ the Caddyfile
 
 
+@pytest.mark.programs
 @needs_caddy
 def test_apply_renders_the_plans_caddyfile_and_caddy_accepts_it(machine: Host, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -156,6 +157,7 @@ def test_apply_renders_the_plans_caddyfile_and_caddy_accepts_it(machine: Host, t
     assert not any(cidr in r for r in engine_ranges for cidr in image.proxy.allowed_cidrs if cidr not in caddyfile.LOOPBACK)
 
 
+@pytest.mark.programs
 @needs_caddy
 def test_the_plans_acme_email_and_name_reach_the_acme_issuer(machine: Host, tmp_path: Path) -> None:
     machine.install(_plan(hostname=PLAN_NAME, acme_email=PLAN_EMAIL))
@@ -273,6 +275,7 @@ def test_the_device_checks_the_settings_file_again(appliance_json: Callable[[str
 # ------------------------------------------------------------------------------ the readers
 
 
+@pytest.mark.programs
 def test_readers_see_the_plans_values(machine: Host, appliance_json: Callable[[str], Path], tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     image_json = appliance_json("demo")
@@ -355,7 +358,7 @@ def test_the_image_carries_the_template_and_the_device_renders_with_it(tmp_path:
     assert text == (lib / "Caddyfile").read_text()
 
 
-# ------------------------------------------------------------------ update, metrics and logs per host (issue 22)
+# ------------------------------------------------------------------ update, metrics and logs per host
 
 COLLECTOR = "https://logs.example.net:19532"
 

@@ -86,6 +86,7 @@ def test_production_tree_is_not_empty(production_tree: Path) -> None:
     assert not (production_tree / "usr/lib/python3/dist-packages/testkit").exists()
 
 
+@pytest.mark.programs
 def test_only_an_image_with_several_replicas_has_the_balancer(production_tree: Path, demo_tree: Path) -> None:
     """The unit is in both (ConditionPathExists= on the configuration keeps it out of a one-engine
     image), enabled by the preset, Debian's own haproxy.service disabled; the configuration only
@@ -166,6 +167,7 @@ def _exposure(unit: Path) -> float:
     return float(found[0])
 
 
+@pytest.mark.programs
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
 @pytest.mark.parametrize("profile", ["production", "demo"])
 def test_every_service_within_exposure_limit(profile: str, production_tree: Path, demo_tree: Path) -> None:

@@ -437,6 +437,7 @@ def _run_medium(medium: Path, plan_dir: Path, trusted: Path, monkeypatch: pytest
     return installer_main.main(["--medium", str(medium), "--plan", str(plan_dir), "--no-reboot"]), rec
 
 
+@pytest.mark.programs
 def test_the_mediums_image_and_block_map_are_checked_before_the_first_write(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     medium, plan_dir, trusted = _medium(tmp_path)
@@ -456,6 +457,7 @@ def test_the_mediums_image_and_block_map_are_checked_before_the_first_write(
         changed.write_bytes(original)
 
 
+@pytest.mark.programs
 def test_the_mediums_small_files_are_read_with_their_size_capped(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     medium, plan_dir, trusted = _medium(tmp_path)

@@ -22,6 +22,8 @@ from builder import plan as builder_plan
 from installer import __main__ as installer_main
 from installer import install, remote
 
+pytestmark = pytest.mark.programs  # starts real programs (make unit, not make check)
+
 
 @pytest.fixture(autouse=True)
 def no_wait_online(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ from appliance.errors import UserError
 from builder import installer_media, keys
 from builder import plan as builder_plan
 
+pytestmark = pytest.mark.programs  # starts real programs (make unit, not make check)
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "disks"
 needs = pytest.mark.skipif(
     any(shutil.which(t) is None for t in ("mkfs.vfat", "mcopy", "mkfs.ext4", "sfdisk", "xorriso", "bmaptool", "debugfs")),

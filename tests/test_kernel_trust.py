@@ -27,6 +27,8 @@ from test_update import signing_fixture as signing_fixture
 from appliance import authenticode, paths
 from appliance.errors import Refused
 
+pytestmark = pytest.mark.programs  # starts real programs (make unit, not make check)
+
 Pair = tuple[Path, Path]  # (key, certificate) as PEM files
 
 

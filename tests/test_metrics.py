@@ -1,15 +1,14 @@
-"""The Prometheus parser, against a real vLLM /metrics scrape (../shared/fixtures/vllm/)."""
+"""The Prometheus parser, against a real vLLM /metrics scrape (tests/fixtures/vllm/)."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
+from fixture_paths import FIXTURES
 
 from applianctl.status import metrics
 
-FIXTURES = Path(__file__).parents[1].parent / "shared" / "fixtures"
 PROM = FIXTURES / "vllm" / "metrics-v1-ngc-vllm25.09-qwen3-4b.prom"
 
 

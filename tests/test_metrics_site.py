@@ -1,4 +1,4 @@
-"""The proxy's metrics site (issue 22, item 1) on the real Caddy: scrapers in metrics.allowed_cidrs
+"""The proxy's metrics site on the real Caddy: scrapers in metrics.allowed_cidrs
 (and the appliance itself) get node_exporter's /metrics and the engine's /engine/metrics; clients,
 who are not scrapers, get 403; exactly those two targets by GET; with metrics.client_ca, a scraper
 without a certificate signed by it gets no TLS session at all."""
@@ -144,6 +144,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     yield from _site(tmp_path_factory.mktemp("metrics-site"))
 
 
+@pytest.mark.programs
 def test_a_scraper_gets_node_exporters_metrics_and_the_engines(site: Site) -> None:
     node = _get(site, "/metrics")
     assert node.status_code == 200 and node.text == NODE_TEXT
@@ -152,10 +153,12 @@ def test_a_scraper_gets_node_exporters_metrics_and_the_engines(site: Site) -> No
     assert site.engine_seen[-1] == "/metrics"  # the engine's own path, nothing else
 
 
+@pytest.mark.programs
 def test_the_appliance_itself_may_scrape(site: Site) -> None:
     assert _get(site, "/metrics", source="127.0.0.1").status_code == 200
 
 
+@pytest.mark.programs
 def test_a_client_that_is_not_a_scraper_gets_403_and_reaches_nothing(site: Site) -> None:
     before = len(site.node_seen), len(site.engine_seen)
     for path in ("/metrics", "/engine/metrics"):
@@ -164,6 +167,7 @@ def test_a_client_that_is_not_a_scraper_gets_403_and_reaches_nothing(site: Site)
     assert (len(site.node_seen), len(site.engine_seen)) == before
 
 
+@pytest.mark.programs
 @pytest.mark.parametrize("path", ["/", "/metrics/", "/Metrics", "/metrics?collect[]=cpu", "/engine/metrics/..",
                                   "/engine/v1/models", "/v1/models", "//metrics"])
 def test_only_the_two_targets_exactly(site: Site, path: str) -> None:
@@ -172,6 +176,7 @@ def test_only_the_two_targets_exactly(site: Site, path: str) -> None:
     assert (len(site.node_seen), len(site.engine_seen)) == before
 
 
+@pytest.mark.programs
 def test_only_get(site: Site) -> None:
     assert _get(site, "/metrics", method="POST").status_code == 404
 
@@ -188,6 +193,7 @@ def mtls_site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
                                   stranger_cert=_client(stranger_key, stranger, tmp / "other"))
 
 
+@pytest.mark.programs
 def test_with_a_client_ca_a_scraper_needs_a_certificate_it_signed(mtls_site: Site) -> None:
     assert _get(mtls_site, "/metrics", cert=mtls_site.scraper_cert).status_code == 200
     for cert in (None, mtls_site.stranger_cert):

@@ -16,13 +16,15 @@ import yaml
 
 from applianctl.status import exposition, gpu_metrics
 
+pytestmark = pytest.mark.programs  # starts real programs (make unit, not make check)
+
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "monitoring"
 # where tools/setup-host unpacks it (APPLIANCE_HOST_CACHE moves the cache there too)
 PROMTOOL = Path(os.environ.get("APPLIANCE_HOST_CACHE", "/var/cache/appliance-host")) / "prometheus/usr/bin/promtool"
 # what else a fleet's Prometheus scrapes from an appliance's metrics site: the GPUs' series
 # (applianctl/status/gpu_metrics.py, AMD device-metrics-exporter's names), the engine's
-# /engine/metrics (vLLM's names, ../shared/PLATFORM.md), node_exporter's textfile freshness, and
+# /engine/metrics (vLLM's names, as in tests/fixtures/vllm/'s recorded scrape), node_exporter's textfile freshness, and
 # Prometheus itself (up)
 OTHER_METRICS = {"up", "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "node_textfile_mtime_seconds", *gpu_metrics.HELP}

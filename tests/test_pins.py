@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from fixture_paths import FIXTURES
 
 from appliance import sums
 from appliance.config import Config, load
@@ -94,6 +95,7 @@ def test_duplicate_name_is_refused() -> None:
         sums.parse_sums(f"{H1}  a.py\n{H2}  b.py\n{H2}  a.py\n".encode())
 
 
+@pytest.mark.programs
 @pytest.mark.skipif(shutil.which("sha256sum") is None, reason="GNU sha256sum not installed")
 def test_agrees_with_gnu_sha256sum(tmp_path: Path) -> None:
     names = ["plain.txt", "with space.txt", "back\\slash.txt", "new\nline.txt", "star*.bin"]
@@ -299,9 +301,7 @@ def test_pin_refuses_a_file_that_disagrees_with_appliance_toml(repo: Path) -> No
 
 
 def test_production_passes_with_the_real_tables(repo: Path) -> None:
-    fixtures = REPO.parent / "shared" / "fixtures" / "tuning"
-    if not fixtures.is_dir():
-        pytest.skip("shared/fixtures not present")
+    fixtures = FIXTURES / "tuning"
     prod = load(repo / "appliance.toml", "production")
     for f in prod.engine.tuning:
         (repo / f.file).parent.mkdir(parents=True, exist_ok=True)

@@ -278,6 +278,7 @@ networkd = pytest.mark.skipif(
 DHCP_AND_V6 = '[network]\ninterfaces = ["eth0"]\ndhcp = true\nmtu = 1500\naddresses = ["2001:db8::5/64"]'
 
 
+@pytest.mark.programs
 @networkd
 @pytest.mark.parametrize("text", [STATIC, BOND_VLAN, DHCP_AND_V6])
 def test_real_networkd_reads_the_rendered_files_without_a_complaint(tmp_path: Path, text: str) -> None:
@@ -289,6 +290,7 @@ def test_real_networkd_reads_the_rendered_files_without_a_complaint(tmp_path: Pa
         assert 'bond0: loaded "bond"' in out and 'vlan120: loaded "vlan"' in out, out[-2000:]
 
 
+@pytest.mark.programs
 @networkd
 def test_the_networkd_check_can_fail(tmp_path: Path) -> None:
     complaints, _ = _networkd_complaints({"05-bad.network": "[Match]\nName=x\n[Network]\nAdress=192.0.2.1/24\nVLAN=\n"}, tmp_path)

@@ -40,6 +40,8 @@ from appliance.errors import ConfigError
 from applianctl import tls
 from testkit import caddy
 
+pytestmark = pytest.mark.programs  # starts real programs (make unit, not make check)
+
 ROOT = Path(__file__).resolve().parents[1]
 TOML = ROOT / "appliance.toml"
 CADDY = caddy.CADDY

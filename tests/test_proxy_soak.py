@@ -154,6 +154,7 @@ def _client(proxy: Proxy, index: int, counts: Counter[str], failures: list[str],
         client.close()
 
 
+@pytest.mark.programs
 @pytest.mark.parametrize("_", [None], ids=["soak"])
 def test_every_streamed_and_plain_answer_arrives_whole(proxy: Proxy, _: None) -> None:
     counts: Counter[str] = Counter()

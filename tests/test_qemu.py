@@ -10,6 +10,8 @@ import pytest
 
 from builder import qemu
 
+pytestmark = pytest.mark.programs  # starts real programs (make unit, not make check)
+
 
 def test_questions_are_read_in_order_and_half_written_lines_wait() -> None:
     text = (
@@ -44,7 +46,7 @@ def test_probe_network_namespace_has_the_tap_address_and_routes_and_is_removed()
 
 
 def test_every_boot_hands_over_the_demo_weights_mirror_unless_told_otherwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Demo images fetch their weights at first boot from the source handed over (issue 22, item 6):
+    """Demo images fetch their weights at first boot from the source handed over:
     by default the build host's mirror of the demo weights, which answers while the guest runs."""
     import requests
     import urllib3

@@ -15,6 +15,8 @@ from appliance import config
 from builder import engine_store, render
 from builder.run import HOST_CACHE
 
+pytestmark = pytest.mark.programs  # starts real programs (make unit, not make check)
+
 ROOT = Path(__file__).resolve().parents[1]
 QUADLET = HOST_CACHE / "podman/usr/libexec/podman/quadlet"
 

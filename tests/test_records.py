@@ -128,7 +128,7 @@ def test_optional_fields_are_absent_when_unset_and_nulls_stay_where_they_were() 
 
 # ----------------------------------------------------------------------------------- across releases
 # The previous release's readers of the updater's, the assessment's, the rollback's, the staged
-# update's and appliance-host's records, as they were (0c8769f: slots/records.py read_json,
+# update's and appliance-host's records, in the shapes earlier releases wrote them (slots/records.py read_json,
 # status/os_slots.py slots_summary, slots/assess.py assess, update/staged.py read, update/command.py
 # apply, host.py privileged, status/host.py probe_host), cut to what each took from the file.
 

@@ -219,6 +219,7 @@ def test_a_bundle_carries_the_package_manifest_bound_by_the_signed_index(tmp_pat
     assert (packages[0].name, packages[0].architecture) == ("systemd", "amd64") and len(packages) == 3
 
 
+@pytest.mark.programs
 def test_the_updater_never_sees_the_package_manifest(tmp_path: Path, signing: tuple[Path, Path]) -> None:
     """Informational: not in the index's file list (an updater of today refuses a list that differs
     from payload_names, and fetches every file listed), so neither fetched nor staged."""

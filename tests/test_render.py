@@ -16,7 +16,7 @@ from appliance.errors import ConfigError
 from builder import engine_store, render
 
 ROOT = Path(__file__).resolve().parents[1]
-REFERENCE = (ROOT.parent / "shared" / "REFERENCE-STACK.md").read_text()
+REFERENCE = (ROOT / "docs" / "reference-stack.md").read_text()
 
 
 def _store(c: config.Config) -> engine_store.EngineStore:
@@ -163,6 +163,7 @@ def test_engine_port_only_on_loopback(quadlet: dict[str, list[str]]) -> None:
     assert quadlet["PublishPort"] == ["127.0.0.1:8000:8000"]
 
 
+@pytest.mark.programs
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
 def test_every_service_is_sandboxed(tmp_path: Path, production: config.Config) -> None:
     render.render_units(production, tmp_path, _store(production))
@@ -187,13 +188,14 @@ def _with_engine(c: config.Config, **changes: object) -> config.Config:
     return dataclasses.replace(c, engine=dataclasses.replace(c.engine, **changes))
 
 
+@pytest.mark.programs
 def test_environment_values_with_percent_and_spaces_round_trip(production: config.Config, tmp_path: Path) -> None:
     env = {"HSA_COREDUMP_PATTERN": "/var/crash/vllm/gpucore.%p", "SPACED": "b  c", "PCT": "100%", "EMPTY": "", "LEAD": " x"}
     c = _with_engine(production, env=env, args=(*production.engine.args, "--note", "a b %h"))
     text = render.render_template("appliance-engine@.container.j2", c, _store(c))
     unit = parse_unit(text)
-    # the engine always runs offline on the verified snapshot (issue 14), whatever engine.env says
-    # and every engine with PYTHONHASHSEED=0 (issue 23)
+    # the engine always runs offline on the verified snapshot (the engine never fetches weights itself), whatever engine.env says
+    # and every engine with PYTHONHASHSEED=0 (so every replica hashes prompt prefix blocks alike)
     # APPLIANCE_REPLICA=%i: the specifier reaches systemd as one, not escaped as the configured "%" are
     assert environment(unit) == {**env, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                                  "APPLIANCE_REPLICA": "<%i>"}

@@ -1,4 +1,4 @@
-"""The proxy in front of several replicas (issue 23, item 3): Caddy (TLS, the allowlist) sends the
+"""The proxy in front of several replicas: Caddy (TLS, the allowlist) sends the
 engine's requests to the balancer, the real HAProxy on the rendered configuration of a layout RxTP,
 which names every replica, picks the one with the fewest requests in flight, sends a request that
 carries proxy.affinity_header to the replica its value hashes to, and loses no request sent after a
@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import requests
+from fixture_paths import FIXTURES
 from test_proxy import _adapt
 
 from appliance import balancer
@@ -37,7 +38,6 @@ from testkit import caddy
 from testkit.standin import free_spaced_ports
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
 pytestmark = pytest.mark.skipif(not (os.access(caddy.CADDY, os.X_OK) and os.access(caddy.HAPROXY, os.X_OK)),
                                 reason="needs Debian's caddy and haproxy (make setup)")
 
@@ -88,6 +88,7 @@ def _haproxy_check(cfg: str, tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ the rendered files
 
 
+@pytest.mark.programs
 def test_one_engine_renders_a_single_upstream_and_no_balancer(tmp_path: Path) -> None:
     one = _layout(1)
     text = render_caddyfile(one)
@@ -98,6 +99,7 @@ def test_one_engine_renders_a_single_upstream_and_no_balancer(tmp_path: Path) ->
     assert not balancer.wanted(one)
 
 
+@pytest.mark.programs
 def test_two_replicas_go_through_the_balancer_by_requests_in_flight_and_caddy_never_retries(tmp_path: Path) -> None:
     two = _layout(2)
     (proxy,) = _engine_proxies(_adapt(render_caddyfile(two), tmp_path))
@@ -120,11 +122,12 @@ def test_a_replica_is_admitted_once_it_has_answered_a_request() -> None:
     assert "\thttp-check send meth GET uri /metrics\n" in cfg
     assert "\thttp-check expect rstring request_success_total[^\\ \\n]*\\ [1-9]\n" in cfg
     pattern = re.compile(balancer.WARMED_RE)
-    recorded = (SHARED / "fixtures/vllm/metrics-v1-ngc-vllm25.09-qwen3-4b.prom").read_text()
+    recorded = (FIXTURES / "vllm" / "metrics-v1-ngc-vllm25.09-qwen3-4b.prom").read_text()
     assert pattern.search(recorded)  # a real vLLM's /metrics after 6 requests
     assert not pattern.search(re.sub(r"(request_success_total\{[^}]*\}) [0-9.e+]+", r"\1 0.0", recorded))  # and after none
 
 
+@pytest.mark.programs
 def test_eight_replicas_each_with_its_own_metrics_path(tmp_path: Path) -> None:
     eight = _layout(8)
     text = render_caddyfile(eight)
@@ -137,6 +140,7 @@ def test_eight_replicas_each_with_its_own_metrics_path(tmp_path: Path) -> None:
         assert f"`^/engine/{i}/metrics$`" in text and f"reverse_proxy 127.0.0.1:{8000 + 2 * i}\n" in text
 
 
+@pytest.mark.programs
 def test_affinity_by_a_header_goes_first_and_the_rest_by_requests_in_flight(tmp_path: Path) -> None:
     cfg = balancer.render_balancer(_layout(2, "X-Session-Id"))
     _haproxy_check(cfg, tmp_path)
@@ -191,6 +195,7 @@ def _ask(s: requests.Session, r: Replicas, headers: dict[str, str] | None = None
     return resp.headers["X-Paced-Engine"]
 
 
+@pytest.mark.programs
 def test_requests_are_spread_over_both_replicas(two: Replicas) -> None:
     def client(_: int) -> list[str]:
         with _session(two) as s:
@@ -202,6 +207,7 @@ def test_requests_are_spread_over_both_replicas(two: Replicas) -> None:
     assert set(answered) == {str(p) for p in two.ports} and min(answered.values()) >= 12, answered
 
 
+@pytest.mark.programs
 @pytest.mark.parametrize("two", ["X-Session-Id"], indirect=True)
 def test_a_session_header_keeps_a_conversation_on_one_replica(two: Replicas) -> None:
     with _session(two) as s:
@@ -213,6 +219,7 @@ def test_a_session_header_keeps_a_conversation_on_one_replica(two: Replicas) -> 
     assert without == {str(p) for p in two.ports}
 
 
+@pytest.mark.programs
 def test_a_killed_replica_fails_only_its_requests_in_flight_and_none_sent_after(two: Replicas) -> None:
     """SIGKILL one replica while 6 clients send a steady stream of non-streaming requests: what was
     in flight on it may fail (at most its concurrency), nothing sent after; started again, it
@@ -264,6 +271,7 @@ def test_a_killed_replica_fails_only_its_requests_in_flight_and_none_sent_after(
     assert any(sent > restarted_at and port == str(victim) for sent, _, port in after), "the restarted replica got no request"
 
 
+@pytest.mark.programs
 def test_a_replica_takes_traffic_only_once_it_has_answered_its_warm_up_request(two: Replicas) -> None:
     """Restarted without its warm-up request, a replica gets nothing through the proxy once a health
     check has seen it (every CHECK_INTERVAL_S), however long it listens; warmed up, it gets requests from the
@@ -287,6 +295,7 @@ def test_a_replica_takes_traffic_only_once_it_has_answered_its_warm_up_request(t
     assert str(victim) in warmed, warmed
 
 
+@pytest.mark.programs
 def test_a_replica_that_died_idle_costs_no_request_and_each_arrives_with_its_own_body(two: Replicas) -> None:
     """Nothing in flight on it when it died, so nothing told the balancer: the requests that pick it
     find its port closed and go to the other replica, each with the body its client sent (Caddy

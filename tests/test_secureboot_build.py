@@ -20,6 +20,8 @@ from appliance import config
 from appliance.errors import UserError
 from builder import keys, qemu, secureboot
 
+pytestmark = pytest.mark.programs  # starts real programs (make unit, not make check)
+
 needs_sbvarsign = pytest.mark.skipif(shutil.which("sbvarsign") is None, reason="sbsigntool is not installed (make setup)")
 
 

@@ -1,6 +1,6 @@
 """The GPU self-test (applianctl/selftest/) on recorded tool output.
 
-The healthy readings are the real recordings in ../shared/fixtures/gpu/ (rocm-smi; read in place)
+The healthy readings are the real recordings in fixtures/gpu/ (rocm-smi)
 and the eight-MI300X amd-smi documents derived from real fragments in fixtures/gpu-faults/ (its
 README says where each value and key comes from): none gives a false alarm. Each fault class is then
 shown by changing one healthy reading, and only the GPU changed fails. A hostile reading never
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixture_paths import FIXTURES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,10 +30,10 @@ from applianctl.selftest.facts import read
 from applianctl.selftest.readings import Readings, collect
 from applianctl.status.probes import ToolMissing
 
-SHARED = Path(__file__).parents[1].parent / "shared" / "fixtures" / "gpu"
-FAULTS = Path(__file__).parent / "fixtures" / "gpu-faults"
-ROCM_SMI_A = (SHARED / "rocm-smi-a-mi300x-x4-sriov.txt").read_text()
-ROCM_SMI_X8_VRAM = (SHARED / "rocm-smi-concise-and-showmeminfo-vram-mi300x-x8-spx-rocm633.txt").read_text()
+RECORDED = FIXTURES / "gpu"
+FAULTS = FIXTURES / "gpu-faults"
+ROCM_SMI_A = (RECORDED / "rocm-smi-a-mi300x-x4-sriov.txt").read_text()
+ROCM_SMI_X8_VRAM = (RECORDED / "rocm-smi-concise-and-showmeminfo-vram-mi300x-x8-spx-rocm633.txt").read_text()
 RECORDINGS = [  # (rocm-smi recording, GPUs in it)
     ("rocm-smi-a-mi300x-x4-sriov.txt", 4),
     ("rocm-smi-concise-mi300x-x4-sriov.txt", 4),
@@ -105,7 +106,7 @@ def host(report: Report, check: str) -> tuple[str, str]:
 
 @pytest.mark.parametrize(("name", "gpus"), RECORDINGS)
 def test_rocm_smi_recordings_raise_no_alarm(name: str, gpus: int) -> None:
-    report = run(Readings(rocm_smi=(SHARED / name).read_text()), Expectations(gpu_count=gpus))
+    report = run(Readings(rocm_smi=(RECORDED / name).read_text()), Expectations(gpu_count=gpus))
     assert (report.tool, report.failed_gpus, report.exit_status) == ("rocm-smi", [], 0)
     assert [g.index for g in report.gpus] == list(range(gpus))
     for check in ("device-id", "compute-partition", "memory-partition"):

@@ -182,6 +182,7 @@ def _cases(generated: dict[str, tuple[str, bytes]]) -> list[tuple[str, str]]:
     return cases
 
 
+@pytest.mark.programs
 def test_the_keys_ssh_keygen_takes_pass_and_the_keys_it_refuses_are_refused(generated: dict[str, tuple[str, bytes]],
                                                                               tmp_path: Path) -> None:
     verdicts = {"pass": 0, "refused": 0}
@@ -195,6 +196,7 @@ def test_the_keys_ssh_keygen_takes_pass_and_the_keys_it_refuses_are_refused(gene
     assert verdicts["pass"] >= 20 and verdicts["refused"] >= 80, verdicts
 
 
+@pytest.mark.programs
 @pytest.mark.parametrize("char", ["\x00", "\x0b", "\x1b", "\t", "\x7f", "\x85", "\x9b"])
 def test_a_comment_with_a_control_character_is_refused_though_ssh_keygen_takes_it(
         generated: dict[str, tuple[str, bytes]], tmp_path: Path, char: str) -> None:
@@ -205,6 +207,7 @@ def test_a_comment_with_a_control_character_is_refused_though_ssh_keygen_takes_i
     assert hint is not None and "control characters" in hint
 
 
+@pytest.mark.programs
 def test_a_bad_key_in_a_plan_is_one_line_with_a_hint_before_anything_is_signed(generated: dict[str, tuple[str, bytes]],
                                                                                tmp_path: Path) -> None:
     kind, blob = generated["ed25519"]

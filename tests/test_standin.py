@@ -94,6 +94,7 @@ def test_production_arguments_are_accepted(shm_dir: Path) -> None:
 # ------------------------------------------------------------------------------------------- API
 
 
+@pytest.mark.programs
 def test_openai_smoke_completion_and_models(engine: StandinProcess) -> None:
     client = openai.OpenAI(base_url=engine.url + "/v1", api_key="none", max_retries=0)
     models = client.models.list()

@@ -13,16 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixture_paths import FIXTURES as ALL_FIXTURES
 
 from applianctl.engine.startup import Report, parse
 from testkit.standin import ROOT, StandinProcess
 
 pytestmark = pytest.mark.timeout(60)
 
-FIXTURES = Path(__file__).parents[1].parent / "shared" / "fixtures" / "vllm"
+FIXTURES = ALL_FIXTURES / "vllm"
 PRODUCTION = tomllib.loads((ROOT / "appliance.toml").read_text())["expected"]
 E = "(EngineCore_DP0 pid=278) INFO 08-04"
-RUNBOOK = [  # REFERENCE-STACK.md runbook: a healthy production start, in order
+RUNBOOK = [  # docs/reference-stack.md, the runbook: a healthy production start, in order
     f"{E} 10:00:00 [gpu_model_runner.py:2598] Model loading took 156.67 GiB and 240.1 seconds",
     f"{E} 10:00:05 [speculator.py:112] DSpark draft model loaded: 96 params",
     f"{E} 10:02:00 [kv_cache_utils.py:1087] GPU KV cache size: 1,927,444 tokens",

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from fakeprog import fake_program
+from fixture_paths import FIXTURES
 from mock_systemd import MockSystemd, start_mock_systemd, stop_mock_systemd
 from standin_engine import MODEL, free_port, start_standin, stop
 
@@ -42,7 +43,6 @@ from applianctl.status import shm as probes_shm
 from applianctl.status import tls as probes_tls
 
 ROOT = Path(__file__).parents[1]
-FIXTURES = ROOT.parent / "shared" / "fixtures"
 ROCM_SMI_TEXT = (FIXTURES / "gpu" / "rocm-smi-concise-and-showmeminfo-vram-mi300x-x8-spx-rocm633.txt").read_text()
 
 
@@ -271,6 +271,7 @@ def behind(config: Config, proxy: LiveProxy, monkeypatch: pytest.MonkeyPatch) ->
 # ----------------------------------------------------------------------------------- whole command
 
 
+@pytest.mark.programs
 def test_healthy_appliance_is_ok(
     tree: Path,
     config: Config,
@@ -301,6 +302,7 @@ def test_healthy_appliance_is_ok(
     assert json.loads(out.getvalue())["schema"] == 1
 
 
+@pytest.mark.programs
 def test_hung_engine_answers_within_2_seconds_and_is_down(
     tree: Path, config: Config, hung_engine: str, systemd_mock: MockSystemd, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -357,6 +359,7 @@ def test_overall_state_and_exit_status(states: list[str], overall: str, code: in
     assert status.EXIT_STATUS[overall] == code
 
 
+@pytest.mark.programs
 def test_degraded_exit_status_and_colour(
     tree: Path,
     config: Config,
@@ -606,6 +609,7 @@ def test_the_slots_line_names_versions_the_booted_slot_and_trials() -> None:
 # ----------------------------------------------------------------------------------- proxy
 
 
+@pytest.mark.programs
 def test_proxy_through_the_real_caddy(tree: Path, config: Config, live_proxy: LiveProxy, monkeypatch: pytest.MonkeyPatch) -> None:
     config = behind(config, live_proxy, monkeypatch)
     src = sources(tree, "http://127.0.0.1:1")
@@ -624,6 +628,7 @@ def test_proxy_through_the_real_caddy(tree: Path, config: Config, live_proxy: Li
     assert soon.state == probes.DEGRADED and "expires on" in soon.reason
 
 
+@pytest.mark.programs
 def test_proxy_not_listening_untrusted_or_wrong_name(
     tree: Path, config: Config, live_proxy: LiveProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -642,6 +647,7 @@ def test_proxy_not_listening_untrusted_or_wrong_name(
     assert part.state == probes.DOWN and "certificate not trusted" in part.reason
 
 
+@pytest.mark.programs
 def test_proxy_that_cannot_reach_the_engine_is_degraded(
     tree: Path, config: Config, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -696,6 +702,7 @@ def key_names(value: Any, out: set[str]) -> set[str]:
     return out
 
 
+@pytest.mark.programs
 def test_the_schema_doc_matches_what_status_prints_both_ways(
     tree: Path, config: Config, engine: str, live_proxy: LiveProxy, systemd_mock: MockSystemd, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -752,6 +759,7 @@ def test_the_schema_doc_matches_what_status_prints_both_ways(
     assert never_printed == {}
 
 
+@pytest.mark.programs
 def test_the_prometheus_output_says_what_the_json_says(
     tree: Path, config: Config, engine: str, live_proxy: LiveProxy, systemd_mock: MockSystemd, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -781,6 +789,7 @@ def test_the_prometheus_output_says_what_the_json_says(
     assert figures == {k: v["value"] for k, v in doc["parts"]["startup"]["figures"].items() if v.get("value") is not None}
 
 
+@pytest.mark.programs
 def test_the_textfile_for_node_exporter_is_the_same_text_written_whole(
     tree: Path, config: Config, engine: str, live_proxy: LiveProxy, systemd_mock: MockSystemd, monkeypatch: pytest.MonkeyPatch
 ) -> None:

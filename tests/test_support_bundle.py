@@ -146,6 +146,7 @@ def test_a_link_a_fifo_and_a_directory_are_skipped_and_named(tools: Path, tmp_pa
     assert sources["dir.json"]["why"] == "a directory, not a regular file: skipped"
 
 
+@pytest.mark.programs
 def test_a_file_larger_than_the_limit_is_cut_at_a_whole_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(support, "MAX_SOURCE_BYTES", 20)
     big = tmp_path / "big.json"

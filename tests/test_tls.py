@@ -84,6 +84,7 @@ def test_first_run_creates_ca_and_server_certificate(tmp_path: Path) -> None:
     assert not [p.name for p in files.dir.iterdir() if p.name.startswith(".")], "temporary files left behind"
 
 
+@pytest.mark.programs
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 def test_chain_verifies_with_openssl(tmp_path: Path) -> None:
     tls.generate(tmp_path, HOST, ADDRS, now=datetime.datetime.now(datetime.UTC), group=NO_GROUP)
@@ -161,6 +162,7 @@ def test_a_new_hostname_gets_a_new_ca(tmp_path: Path) -> None:
     assert tls.san_names(_cert(tmp_path / "server.crt"))[0] == ["other.local"]
 
 
+@pytest.mark.programs
 def test_an_address_outside_the_cas_networks_is_left_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The CA clients trust is never replaced because DHCP handed out another address."""
     tls.generate(tmp_path, HOST, ADDRS, networks=NETS, now=NOW, group=NO_GROUP)
@@ -248,6 +250,7 @@ def _openssl_verify(tmp_path: Path, leaf: Path, *, expect_ok: bool) -> str:
     return out.stdout + out.stderr
 
 
+@pytest.mark.programs
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 @pytest.mark.parametrize(
     ("dns", "ips"),
@@ -286,6 +289,7 @@ def test_renews_when_key_does_not_match_or_ca_replaced(tmp_path: Path) -> None:
     assert _cert(tmp_path / "server.crt").issuer == _cert(tmp_path / "ca.crt").subject
 
 
+@pytest.mark.programs
 def test_host_addresses_include_loopback() -> None:
     found = tls.host_addresses()
     assert ipaddress.ip_address("127.0.0.1") in found and ipaddress.ip_address("::1") in found
@@ -307,6 +311,7 @@ def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tls_dir
 
 
+@pytest.mark.programs
 def test_cli_generate_then_show_prints_openssl_fingerprint(device: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["tls", "generate", "--no-reload"]) == 0
     assert "created a new appliance CA" in capsys.readouterr().out
@@ -340,6 +345,7 @@ def test_cli_show_before_generate_says_what_to_do(device: Path, capsys: pytest.C
     assert "no appliance CA" in err and "appliance-tls.service" in err
 
 
+@pytest.mark.programs
 def test_cli_generate_reloads_the_proxy_only_after_a_renewal(device: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     monkeypatch.setattr(tls, "reload_proxy", lambda: calls.append(1))
@@ -359,7 +365,7 @@ def test_cli_acme_mode_is_a_no_op(tmp_path: Path, device: Path, capsys: pytest.C
     assert json.loads(capsys.readouterr().out) == {"mode": "acme", "hostname": "dsv4.example.net"}
 
 
-# ------------------------------------------------------------------ the journal upload's client identity (issue 22)
+# ------------------------------------------------------------------ the journal upload's client identity
 
 
 def test_the_client_certificate_is_made_once_for_client_auth_and_renewed_for_another_host(tmp_path: Path) -> None:

@@ -6,13 +6,13 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from fixture_paths import FIXTURES
 
 from appliance.config import load
 from appliance.errors import UserError
 from builder import tuning
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(__file__).parents[1].parent / "shared" / "fixtures"
 HEADER = "gfx,cu_num,M,N,K,libtype,kernelId,splitK,us,kernelName,tflops,bw,errRatio"
 ROW = "gfx942,304,16,1536,4096,ck,7,0,10.4047,a8w8_blockscale_bpreshuffle_1x128x128_256x16x64x256,19.35,615.7,0.0"
 
@@ -23,8 +23,6 @@ def table(*rows: str, header: str = HEADER) -> bytes:
 
 def production_tables() -> list[tuple[Path, str]]:
     """(fixture path, appliance.toml pin) for the production profile's tables."""
-    if not (FIXTURES / "tuning").is_dir():
-        pytest.skip("shared/fixtures not present")
     config = load(REPO / "appliance.toml", "production")
     return [(FIXTURES / "tuning" / Path(f.file).name, f.sha256) for f in config.engine.tuning]
 
@@ -41,8 +39,6 @@ def test_real_production_tables_pass_and_match_their_pins() -> None:
 
 def test_real_table_with_gfx950_rows() -> None:
     path = FIXTURES / "tuning" / "dsv4-a8w8-blockscale-tuned-gemm.mi300x.prefill-m2688.csv"
-    if not path.exists():
-        pytest.skip("shared/fixtures not present")
     result = tuning.validate(path)
     assert result.gfx == ("gfx942", "gfx950")
     assert result.cu_nums == (256, 304)

@@ -221,6 +221,7 @@ def test_a_new_engine_on_a_disk_with_one_engine_slot_is_refused_before_any_downl
     assert not paths.update_staging_dir().exists() or not any(paths.update_staging_dir().rglob("*.raw*"))
 
 
+@pytest.mark.programs
 def test_a_new_engine_goes_into_the_free_engine_slot_first_then_usr(tmp_path: Path, device: Device, signing: Any) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0", engine=True, digest="sha256:" + "ab" * 32)
@@ -413,6 +414,7 @@ def test_a_disk_installed_without_the_boot_menu_pin_gets_it_before_the_slot_is_w
     assert pin_default_entry(device.host) is False  # pinned already: not written again
 
 
+@pytest.mark.programs  # a sparse GiB image: only cp --sparse copies it quickly
 def test_the_usr_images_ship_without_their_trailing_zeros(tmp_path: Path, signing: Any) -> None:
     key, trusted = signing
     config = demo_config("2.0.0")
@@ -1040,6 +1042,7 @@ def test_the_update_unit_runs_only_after_the_boot_was_judged() -> None:
     assert "Unit" not in timer["Timer"], "the timer starts appliance-update.service, whose ordering applies"
 
 
+@pytest.mark.programs
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
 @pytest.mark.parametrize("name", ["appliance-update.service", "appliance-assess.service"])
 def test_the_units_are_sandboxed_to_at_most_3(name: str) -> None:

@@ -53,6 +53,7 @@ def test_mkosi_signs_the_root_hash_with_the_secure_boot_key_and_the_initrd_reads
     assert f"--initrd-volatile-package={initrd_package.NAME}" in args
 
 
+@pytest.mark.programs
 def test_the_initrd_package_holds_the_reader_and_requires_it_for_usr(tmp_path: Path) -> None:
     deb = initrd_package.make(tmp_path / "pkgs")
     listing = subprocess.run(["dpkg-deb", "-c", str(deb)], check=True, capture_output=True, text=True).stdout
@@ -171,6 +172,7 @@ def _calls(log: Path) -> list[list[str]]:
     return fakeprog.calls(log) if log.exists() else []
 
 
+@pytest.mark.programs
 def test_the_reader_hands_the_signature_of_the_booted_root_hash_to_dm_verity(tmp_path: Path) -> None:
     import base64
     import json as json_module
@@ -186,6 +188,7 @@ def test_the_reader_hands_the_signature_of_the_booted_root_hash_to_dm_verity(tmp
     assert target.read_bytes() == signature and "from " + str(tmp_path / "disk/vda11") in proc.stderr
 
 
+@pytest.mark.programs
 @pytest.mark.parametrize("case", ["missing", "empty-signature"])
 def test_without_a_signature_for_the_booted_root_hash_the_reader_fails(tmp_path: Path, case: str) -> None:
     """Fail closed: systemd-veritysetup@usr requires the reader, so /usr is not opened."""
@@ -199,6 +202,7 @@ def test_without_a_signature_for_the_booted_root_hash_the_reader_fails(tmp_path:
     assert not target.exists()
 
 
+@pytest.mark.programs
 def test_a_command_line_that_asks_for_no_signature_is_not_the_signed_one_and_is_left_alone(tmp_path: Path) -> None:
     proc, log = _initrd(tmp_path, f"usrhash={ROOT_HASH} init=/usr/bin/bash", {})
     assert proc.returncode == 0 and "not checked" in proc.stderr

@@ -55,6 +55,7 @@ def _header(tmp_path: Path, slots: int, tokens: list[dict[str, object]]) -> str:
                           text=True).stdout
 
 
+@pytest.mark.programs
 @needs_cryptsetup
 def test_each_slot_of_a_real_header_is_read_with_its_binding(tmp_path: Path) -> None:
     text = _header(tmp_path, 4, [

@@ -41,6 +41,7 @@ MODEL, REV = "org/model", "a" * 40
 # ----------------------------------------------------------------------------------- fs-verity digest
 
 
+@pytest.mark.programs
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 128 * 4096, 128 * 4096 + 1, 3 * 1024 * 1024 + 17])
 def test_fsverity_digest_matches_the_tool(tmp_path: Path, size: int) -> None:
     data = hashlib.sha256(str(size).encode()).digest() * (size // 32 + 1)
@@ -393,6 +394,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.programs
 def test_a_full_disk_is_one_line_naming_the_file(tmp_path: Path, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src, manifest = _snapshot(tmp_path, SIZES)
     store = model_store.Store(manifest, small_tmpfs / "snapshot", small_tmpfs / ".partial" / REV, tmp_path / "host")
