@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # The two commands a fresh Debian 12 or 13 machine needs (as root): `make demo`, `make test`.
 # Each runs `make setup` first, which is idempotent.
 PY := .venv/bin/python

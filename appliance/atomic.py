@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Writing the appliance's files: each lands whole or not at all, and survives a power cut.
 
 The one place for atomic, durable writes on the device and on the build host (the builder uses it

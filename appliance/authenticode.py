@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Who signed a PE image (a unified kernel image, systemd-boot) for Secure Boot, and whether a
 firmware's db trusts that signer: the updater refuses, before it writes anything, a kernel image
 the firmware would refuse to start (the firmware's boot manager then stays in its own menu and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The balancer across the engine's replicas: Debian's HAProxy, on loopback, between the TLS proxy
 and the replicas (units/haproxy.cfg.j2, rendered at build; topology and proxy.affinity_header are
 image settings, never a host's). With one engine there is none: Caddy sends to the engine itself.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The release bundle's format, shared by the builder (which writes it) and the updater (which
 checks it): the signed index bundle.json, the payload file names, and the partition names and
 types the payloads are written to.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The Caddyfile: the [proxy] settings through the template Caddyfile.j2, at build
 (builder/render.py) and on the device with a plan's per-host settings (appliance-host.service).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """X.509 certificates of the appliance CA and the servers it signs: made here, used by the
 device (applianctl.tls keeps the proxy's) and by the build host (builder.weights_mirror's own CA
 for the demo's weights mirror)."""

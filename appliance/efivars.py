@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """EFI variables as Linux shows them in efivarfs (a file NAME-GUID: 4 bytes of little-endian
 attributes, then the data), and the Secure Boot facts read from them: whether Secure Boot is on,
 whether the firmware is in setup mode, and which X.509 certificates its signature database (db)

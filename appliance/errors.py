@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Errors an operator sees: one line that says what is wrong, one that says what to do.
 
 One error type for the builder and applianctl, so a fault raised by shared code (the manifest,

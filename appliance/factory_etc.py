@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The factory /etc: what the signed image's /etc was at build, and what on a device differs from it
 where a difference changes what the appliance runs.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The one download stack (updater, installer, weights fetch): files from a directory or an
 https:// URL by ranged read (open(name, offset) -> Body); fetch() resumes into NAME.part,
 fetch_proven() checks against the signed index. Nothing a server or a directory sends can make a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The freshness of a bundle's index, as TUF's timestamp role gives it for a static file tree:
 timestamp.json names the one bundle.json it vouches for (SHA-256 and size), a sequence number and
 an expiry, and is signed (timestamp.json.sig, detached Ed25519) by a key of its own, never the

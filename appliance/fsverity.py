@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The fs-verity file digest, computed in user space (the kernel's Documentation/filesystems/fsverity.rst).
 
 The builder records it per weight file (`builder weights pin --from DIR`); the device compares it

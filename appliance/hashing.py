@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """SHA-256 of files and the forms a digest is written in: defined once for host and device."""
 
 from __future__ import annotations

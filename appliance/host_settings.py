@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """What a signed install plan may set for one host, how each setting is checked, and `load_device`:
 the image's configuration with the proxy settings appliance-host.service left in
 /run/appliance/host-settings.json laid over it, for every reader on the device.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """/var's LUKS2 header as systemd's tools leave it: which key slots open it and how.
 
 One model for the installer (which makes the header), the device's `applianctl var-seal` (which

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The signed release manifest: what a release contains and who vouched for it.
 
 Canonical JSON (sorted keys, no whitespace, UTF-8, no floats or NaN, no duplicate keys), and the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Where things are on the device: one place for every path and unit name.
 
 Each can be moved for tests with an environment variable of the same name prefixed APPLIANCE_

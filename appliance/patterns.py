@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The forms of the names the configuration, the manifest and the bundle index share (defined once)."""
 
 from __future__ import annotations

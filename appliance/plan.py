@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The install plan: one host's settings (appliance/host_settings.py) and the disk that receives
 the appliance. The operator writes TOML (`python3 -m builder plan` checks and signs it); the device
 keeps it in /var/lib/appliance/host, outside the A/B slots so it survives upgrades and rollbacks,

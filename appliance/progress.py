@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Progress of a long step: a bar on a terminal, a line every few seconds anywhere else.
 
     with progress.Progress("downloading usr.raw", total=size, unit="B") as p:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Phased rollouts from a static update server, as Fedora CoreOS phases them from static metadata.
 
 A channel index (channel.json, canonical JSON, signed by the release key like bundle.json, with

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """One way to run a command, on the device and on the build host: `call` runs it (by default no
 stdin, output captured as text, a timeout); `checked` is `call` for commands whose failure is an
 error, reported once as a one-line UserError naming what failed; `run` is `checked`'s output.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Reading a small file that someone else could have written (the install plan and its signature,
 the device's records, staged bundle files on /var): a regular file, opened without following a
 symbolic link and without blocking (a FIFO, /dev/zero or a directory is refused at once), its size

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The one validation mechanism: frozen dataclasses describe a document, one loader walks them.
 
 `Loader.load` checks parsed data against the tree: unknown keys refused, missing ones named, types

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """SHA256SUMS as GNU sha256sum reads and writes it: the pins of the project's files.
 
 Parsed exactly as coreutils does (md5sum.c `split_3`: text and binary mode, the BSD tagged

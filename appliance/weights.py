@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The weights manifest: every file of the model snapshot the engine serves, pinned.
 
 Made by `python3 -m builder weights pin`, shipped on the verity-protected /usr and pinned by the

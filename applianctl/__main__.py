@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """applianctl: the appliance's own command line, on the device.
 
 Each subcommand lives in its own module, which defines `add_parser(subparsers)`; the parser it

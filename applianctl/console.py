@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The first console (tty1) as an operator on the BMC's console reads it before any login: the
 appliance's name, its addresses, the appliance CA's fingerprint and `applianctl status`.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl factory-reset`: /var back to what it was right after install, at the next boot.
 
 The running system only records the request (update/../factory-reset.json, on /var) and, with

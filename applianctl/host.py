@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Per-host settings on every boot (appliance-host.service, before the network): the signed
 install plan in /var/lib/appliance/host rendered into /run, so each version renders it with its
 own code and no older rendering lingers. Rendered: systemd-networkd files, the host name, SSH keys

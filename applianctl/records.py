@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The records the device writes and reads back as JSON, each a frozen dataclass: read leniently
 with appliance.schema.load_record (another release may have written it), written with
 appliance.atomic.write_record. /var records carry FORMAT 1 (none: an older release's, loads the

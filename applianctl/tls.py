@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl tls`: the appliance CA and the proxy's certificate (proxy.tls = "internal").
 
 `generate` (appliance-tls.service, daily by its timer) makes the CA once and a server certificate

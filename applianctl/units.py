@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl logs` and `applianctl start|stop|restart`: journalctl and systemctl for the
 appliance's units, by short name, so an operator never has to know the unit names."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`make bench` (`python -m bench`): figures as ratios against baselines measured in the same run.
 A host-side tool like the tests: no image carries it.
 

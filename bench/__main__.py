@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`python -m bench`: every benchmark in turn against the demo profile (BENCH_ONLY=name,name: only those);
 exit status 1 when any figure could not be measured, naming each."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """What the benchmarks share: timing, the result row, commands, and a chroot of the built image's /usr."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`make bench`, engine slots: writing an engine store into a free engine slot against
 `dd bs=4M conv=fsync` of the same bytes (target: at most 1.3x).
 

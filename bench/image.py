@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`make bench`, the image: rebuilding with no change against plain mkosi, preloading the engine
 image against a plain copy, and the lean boot path (kernel image size, power-on to a healthy
 engine) against mkosi's default initrd."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`make bench`: installing the release onto a disk the installer's way, against the same two
 writing commands run by hand.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`make bench`, the metrics: one scrape as Prometheus makes it (HTTPS GET /metrics on
 the proxy's metrics site: the real Caddy on the rendered demo Caddyfile, Debian's real
 node_exporter behind it serving the textfile that `applianctl status --prometheus --output`

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """A latency-bound backend shaped like vLLM's OpenAI server, for the proxy rows of `make bench`
 and the replica tests: `python -m bench.paced_engine PORT [CONCURRENCY SERVICE_S]`.
 

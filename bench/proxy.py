@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`make bench`, the proxy: the real Caddy on the rendered demo Caddyfile (testkit/caddy.py) against
 straight to the engine, both in front of the same latency-bound backend (bench/paced_engine.py:
 20 ms a token, at most 64 requests at once, 250 ms for an answer that is not streamed), so that

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`make bench`, replicas: answers per second through the real Caddy on the rendered
 Caddyfile with two replicas (layout 2x1: least outstanding requests across both) against the same
 proxy with one. Each replica is the latency-bound paced backend (bench/paced_engine.py) with its

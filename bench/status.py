@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`make bench`: `applianctl status`, median of 20 runs against the stand-in engine, healthy and
 hung, against the engine's own facts read by hand in the same runs: a plain Python script (the
 same interpreter, started the same way) that GETs /health, /v1/models and /metrics on one

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`make bench`, upgrades: the bytes a bundle ships (two releases sharing an engine; a new engine), and
 writing a /usr slot the appliance's way against dd."""
 

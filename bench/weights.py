@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`make bench`, the weights:
 - fetch: the demo's generated weights (about 128 MiB, 5 files) from a loopback Caddy over HTTPS
   with the device's fetcher against `curl --parallel` (target: at most 1.1x);

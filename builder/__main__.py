@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """python3 -m builder COMMAND: validate, build, boot and sign appliance images.
 
 A fault the user can fix is one error line and one hint, exit status 2; tracebacks only with --debug.

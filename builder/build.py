@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Build the appliance image: check the pins, generate the tree, run mkosi, move the result into place.
 
 mkosi writes to OUTPUT.tmp; only a successful build replaces the previous output.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`python3 -m builder channel`: sign a channel index (appliance/rollout.py) for a static update
 server. The operator keeps a small TOML file (the channel's name and its releases: bundle
 directory, barrier, rollout start, duration and state); each run signs it again with the release

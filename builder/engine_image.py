@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The engine's container image as an OCI layout, obtained by the digest pinned in appliance.toml.
 
 Sources: an OCI layout or archive given on the command line; for the demo, the stand-in built from

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The engine image as a read-only podman image store (erofs + dm-verity) on a partition of its own.
 
 The partition is labelled by the image digest, so a release that keeps the digest ships no engine

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Runs inside mkosi (image/mkosi.finalize) on the finished tree, before /usr is sealed.
 
 With gpu.required, checks that the MI300X firmware amdgpu.ko declares is in the tree; records the

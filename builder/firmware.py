@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """GPU firmware in the image: what amdgpu.ko declares, and whether the image carries it.
 
 check_image() reads each amdgpu module's .modinfo section and finds every MI300X (gfx942) blob it

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """What the appliance adds to mkosi's default initrd, as a Debian package of its own.
 
 The kernel command line has no room for it (2,048 bytes on x86, most of them taken by the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`python3 -m builder installer` and `flash DEVICE`: installer media from a built release, and a USB stick.
 
 Each form boots the same installer UKI (the release's kernel, the installer in its initrd, run from RAM):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`python3 -m builder installer-uki`: the installer kernel image, built by mkosi from installer/mkosi/.
 
 One UKI whose initrd is the whole installer system, run from RAM. The extra tree adds the appliance and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Signing keys (Ed25519): NAME.key (PKCS#8 PEM, 0600) and NAME.pub in keys/ (gitignored): the
 release key (release.key) and, beside it, the timestamp key (timestamp.key), a key of its own that
 signs only the bundles' timestamps (appliance/freshness.py), with the counter of the sequence

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Debian archive URLs taken from the build host's apt configuration.
 
 No mirror host name is in the repository: the host knows its archive, and appliance.toml may override it.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """SHA256SUMS: the pins of every overlay, diff, tuning table and firmware blob the profiles use.
 
 SHA256SUMS is parsed by appliance/sums.py as `sha256sum -c` reads it, but strictly: a malformed line, a

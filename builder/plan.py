@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`python3 -m builder plan PLAN.toml`: check an install plan and sign it with the release key.
 
 Writes plan.json (canonical JSON) and plan.json.sig into a new directory renamed into place. The

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The Caddyfile at build time: re-exports appliance/caddyfile.py, which the device's
 appliance-host.service uses too (same checks and template for the plan's per-host settings).
 """

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Boot an image in QEMU (TCG with OVMF: KVM does not work on these build hosts).
 
 Every boot is sealed as a server's is: OVMF's Secure Boot firmware (SMM) and a software TPM 2.0

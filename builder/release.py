@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`python3 -m builder release`: a signed release bundle (a directory any static web server can serve).
 
 The bundle holds the /usr and verity images, the UKI, the engine images unless the target has that

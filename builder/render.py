@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The configuration-dependent tree that mkosi copies into the image (ExtraTrees).
 
 appliance.json, the units and quadlet from units/*.j2, the engine partition and first-boot repart

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The builder's subprocesses (appliance.run.checked underneath): logged under --debug, a failure reported once."""
 
 from __future__ import annotations

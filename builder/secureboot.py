@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Secure Boot on the build host: mkosi's signing options, and the key set a firmware in setup mode
 enrolls (the installer writes it; systemd-boot's menu offers it too).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """AITER GEMM tuning tables: the CSV files AITER reads to pick a kernel for each GEMM shape.
 
 Accepted: one of the headers AITER writes (HEADERS), a value in every column, numbers where numbers

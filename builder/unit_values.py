@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Jinja filters that write configuration values into systemd (and quadlet) units so that they arrive exactly.
 
 systemd expands `%` specifiers (a core pattern `gpucore.%p` would reach the engine as

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`python3 -m builder validate`: every problem a build would refuse, one line each, before anything is written.
 
 Each check is the build's own (pins.problems, tuning.problems, the templates as the build renders them),

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`python3 -m builder weights pin|demo`: the weights manifest of the configured model and revision.
 
 The manifest pins SHA-256s. The Hub's tree gives them for LFS files only; small files have a git blob

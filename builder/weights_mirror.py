@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """A weights mirror on the build host: HTTPS (Python's ssl) over a directory, with byte ranges,
 logging every request (its Range and the bytes actually written). `make demo` and every QEMU boot
 serve the demo's generated weights from it (builder.qemu: the guest fetches them at first boot);

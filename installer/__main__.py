@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """python3 -m installer: install the appliance onto the one disk the signed plan names.
 
 The release comes from the medium's payload (USB or ISO) or, without one (UEFI HTTP boot), from a

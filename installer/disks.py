@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """This machine's disks as the installer judges them, from `lsblk --json -O -b`, udev properties and
 the kernel's holders in sysfs.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The install: check the release's disk image and block map against the signed bundle index, write
 the image to the chosen disk, verify /usr and the engine store against the signed root hashes, store
 the plan on /var, put a firmware boot entry first, print a summary of what is now on the disk.

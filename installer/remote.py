@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The release from a bundle over HTTPS, for hosts booted from the installer UKI alone (no payload partition).
 
 appliance.fetch downloads bundle.json and its signature, checks them against the trusted keys, then

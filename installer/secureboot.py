@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The appliance's Secure Boot keys: enrolled by the installer when the firmware is in setup mode.
 
 The builder puts into the installer's file system, in KEYS_DIR, PK.auth, KEK.auth and db.auth (time-

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Which disk receives the appliance: exactly one disk matches the plan's target, and it is safe.
 
 Refused: the boot medium, anything mounted or held (at any depth: a partition, md, LVM or LUKS

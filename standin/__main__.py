@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`python3 -m standin serve [MODEL] [vLLM arguments]`.
 
 Loading (port closed) lasts STANDIN_LOAD_SECONDS and prints vLLM's startup lines in order; then the

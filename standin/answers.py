@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The stand-in engine's answers: which prompt gets which completion.
 
 The demo profile mounts overlays/demo/standin_answers.py over this file, as production overlays replace

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The boot check (demo images only, from appliance-bootcheck.service): waits, bounded, for a
 healthy engine, then writes the facts a test host asserts as one JSON report between marker lines
 to a serial port: `applianctl status --json`, failed units, how /usr is mounted and protected, the

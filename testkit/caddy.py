@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The real Caddy on the rendered demo Caddyfile in front of a backend on loopback, for the proxy
 tests and `make bench` (one place for how it is started: certificates, an unprivileged home, ready
 once its HTTPS port connects)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Synthetic bad versions for the QEMU journey (demo profile only).
 
 A bad version is the demo image built again under a new version number with a fault chosen by

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The stand-in engine as a real process, and free loopback ports, for the tests and the benchmarks."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Shared pytest fixtures. Each engineer's fixtures live in their own marked block."""
 
 from __future__ import annotations

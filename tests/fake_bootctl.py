@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """A stand-in for systemd 257's `bootctl list --json=short` over a temporary ESP (the host has
 systemd 252), in the format of src/shared/bootspec.c boot_entry_to_json(): one object per entry
 with type ("type2" for a UKI), source, id (the file name without the boot counter), path, root,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """A fake build output standing in for mkosi's, and release bundles made from it: small
 partition images, a minimal PE file with the .cmdline (usrhash=) and .osrel sections of a unified
 kernel image, and a manifest signed with a throwaway key."""

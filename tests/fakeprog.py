@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Fake programs for tests to put on PATH, each recording its whole argument vector.
 
 `fake_program(bin_dir, name, ...)` writes BIN_DIR/NAME, a `#!/bin/sh` script (it needs neither the

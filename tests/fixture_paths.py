@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Where the tests' recorded inputs are: tests/fixtures/ (its README.md says where each came from).
 
 A module of its own, not conftest.py: tests/integration/ has a conftest.py too, and which one

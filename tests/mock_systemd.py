@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """python-dbusmock's systemd template on a private system bus, read through real pydbus."""
 
 from __future__ import annotations

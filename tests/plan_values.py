@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """An install plan with every field set to a hostile value the plan still accepts: the longest names
 and addresses, Unicode in the SSH keys' comments, keys of every type and size OpenSSH takes. Shared
 by tests/test_plan.py (control characters in every string) and tests/test_install.py (the summary)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The fast tier's guard (`make check`, which sets APPLIANCE_FAST_TIER=1): a test there may start
 Python itself (sys.executable) and the tests' own fake programs (files under tests/ or under a
 temporary directory, where fakeprog.fake_program writes them), nothing else. Any other attempt to

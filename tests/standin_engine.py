@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The stand-in engine as a plain process on a free loopback port (as the demo image runs it)."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """docs/architecture.md and the layout agree: every module of the core and of applianctl is in the
 row of its package, and every module a row names exists."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl assess` judges what clients get: the smoke completion through the real Caddy (the
 Caddyfile the builder renders), over TLS with the appliance's own CA (applianctl.tls), on the
 public port, in front of the stand-in engine. A version whose proxy never listens, whose TLS is

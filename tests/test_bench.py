@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`make bench`'s runner (bench/common.py run_benches): a benchmark that cannot measure its figure
 fails the run and is named, and the others still run. No real benchmark runs here."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The guards that make a bad version roll back by itself, each proven by what it does rather than
 by a word being somewhere in a file: the boot deadline's script reboots when boot-complete.target
 was not reached (and only then), the kernel command line mkosi builds arms the hardware watchdog,

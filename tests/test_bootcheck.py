@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """testkit/bootcheck.py's plan logic without a guest: which steps run where, one update per boot,
 and no power-off while the booted version is on trial and not judged."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """tools/check-space: `make test` stops in two lines, before building anything, on a disk too full;
 and the update's staging on /var keeps the reserve every download keeps."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Both command lines: global options anywhere, help for everything, status's exit codes."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The configuration model: the real appliance.toml, and every kind of bad input refused in one line."""
 
 from __future__ import annotations

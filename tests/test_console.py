@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The first console's text: name, addresses, CA fingerprint and the status, escaped for agetty."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The core package: builder/ and applianctl/ import appliance/, never each other; appliance/
 imports neither and only what the image has (the standard library, Debian's cryptography and jinja2)."""
 

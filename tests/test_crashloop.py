@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The crash-loop guard (applianctl/slots/crashloop.py) on the slots model of tests/test_slots.py:
 a version judged good that ends CRASH_LOOP_BOOTS boots in a row uncleanly is marked out of tries
 and the machine reboots into the other slot; a clean end or a boot that served resets the count;

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Every command line the project prints works as printed.
 
 Collected from README.md, docs/*.md, appliance.toml's comments and the hints the tools print

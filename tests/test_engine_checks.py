@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Engine images count only once checked: a bundle's engine image and hash tree are
 hashed with the real `veritysetup verify` against the root hash its signed release manifest pins,
 and its label checked, before any slot is blanked; engine slots are compared by their full

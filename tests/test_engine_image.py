@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The engine image's way into the build (builder/engine_image.py, builder/engine_store.py): every
 long step reports progress (a bar on a terminal, lines in a log), checked on the real code path
 with the stand-in engine's small image."""

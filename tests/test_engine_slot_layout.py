@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Engine slots on the disk: the setting engine.slot_size_gib, the partitions the build
 and the first boot make for both slots (rendered, then laid out by the real systemd-repart on a
 plain image file), the fit of the engine store, and how the engine-store unit finds the slot it

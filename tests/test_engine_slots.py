@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The engine slots (applianctl.slots.engine) in the one slots model, against partition tables
 that `sfdisk -J` (util-linux 2.38.1) printed for GPT images written with sfdisk on a plain file:
 tests/fixtures/gpt/engine-slots-*.sfdisk is the input, *.sfdisk.json what `sfdisk -J` printed.

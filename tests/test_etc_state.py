@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The factory /etc (appliance/factory_etc.py): recorded at build (builder/finalize.py), compared by
 `applianctl verify` (what in /etc or /run changes behaviour outside the signed image), and put back
 by `applianctl etc-reset --root DIR`, which follows no link out of DIR/etc."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl factory-reset` and the boot-time wipe (applianctl/factory_reset.py) on a real tree:
 what is kept, what goes, that nothing is followed out of /var or into another file system, and
 that a reset is asked for only with --yes and runs only once."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The fake programs of tests/fakeprog.py record each call's whole argument vector."""
 
 from __future__ import annotations

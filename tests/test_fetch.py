@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The updater's sources against servers and directories that misbehave: a real HTTPS server on
 loopback (Python's ssl, a CA made here) that sends oversized and endless bodies, redirects to
 plain HTTP and to another host, trickles a body past the deadline; a CA in the environment that

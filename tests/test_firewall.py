@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The appliance firewall (units/appliance-firewall.nft.j2, loaded by appliance-firewall.service).
 
 The rendered ruleset is checked by the real `nft -c`, then loaded into a network namespace that

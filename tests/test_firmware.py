@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """amdgpu firmware declared vs carried (builder/firmware.py)."""
 
 from __future__ import annotations

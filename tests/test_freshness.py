@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The bundle's timestamp (appliance/freshness.py): its format, `builder release` writing the first
 one and `builder timestamp` signing it again with the timestamp key's next sequence number. What
 the updater does with it is in test_update.py."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """GPU readings from the recorded outputs of the real tools (tests/fixtures/gpu/).
 
 No full `amd-smi metric --json` from an MI300X exists (fixtures/README.md, "Not found"), so the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """GPU metrics (applianctl/status/gpu_metrics.py) from the recorded outputs of the real tools
 (tests/fixtures/gpu/), read back with prometheus_client's parser.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The proxy takes the signed install plan's per-host settings: appliance-host's apply renders the
 Caddyfile with the plan's name, allowlist and ACME e-mail (checked by the real Caddy), refuses
 hostile values before any file is written and fails its unit for them, and every reader of the

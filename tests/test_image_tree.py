@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The generated image tree (builder/render.py, no mkosi): a production tree carries no test
 machinery, a demo tree carries the boot check; every unit's sandbox exposure is held to 3.0."""
 

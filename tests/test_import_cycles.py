@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """No import cycle among the project's modules, counting imports inside functions: a cycle hidden
 by a late import still ties two modules together (and breaks when someone hoists the import)."""
 

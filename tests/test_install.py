@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The install's command lines and order (a recording runner in place of the tools, as osbuild's
 mock_command), the dry run and the refusals writing nothing, the image and block map checked
 against the signed index before the first write, and installing the same version again writing

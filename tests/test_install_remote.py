@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Installing from a release bundle over HTTPS (installer/remote.py): `builder release
 --install-image` adds the disk image and its block map, the updater never fetches them, and the
 installer downloads only what an install needs, each file proven by the signed index, from the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Installer media from a (small, synthetic) build output, inspected with the real tools: the USB
 image's partition table and files, its block map, the ISO's El Torito catalogue; `flash` refuses
 the build host's own system disk (its real lsblk listing)."""

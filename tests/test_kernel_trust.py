@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """A kernel image the firmware would refuse is refused by the updater before anything is written.
 
 Seen in QEMU (make test-extended GROUPS=signing): under Secure Boot, an update whose kernel image is

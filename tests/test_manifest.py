@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The signed release manifest (appliance/manifest.py), signing keys (builder/keys.py) and
 `applianctl verify` (applianctl/engine/verify.py)."""
 

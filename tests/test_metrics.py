@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The Prometheus parser, against a real vLLM /metrics scrape (tests/fixtures/vllm/)."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The proxy's metrics site on the real Caddy: scrapers in metrics.allowed_cidrs
 (and the appliance itself) get node_exporter's /metrics and the engine's /engine/metrics; clients,
 who are not scrapers, get 403; exactly those two targets by GET; with metrics.client_ca, a scraper

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The model store is written only through its own directory: a symbolic link, a FIFO or a
 directory where the store holds something else is refused in one line naming it (nothing outside
 the store is written, read or truncated); names are checked against the file system's limits when

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """monitoring/: the alert rules are valid and fire on the series that mean them (promtool check and
 test, from Debian's prometheus package, unpacked by make setup), and every query of the Grafana
 dashboard parses and names only metrics something exports."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The repository says what the software does, not how it was made: no file names a work session
 ("the nineteenth session", "twice in ten sessions"), a stop of a plan ("stop 3"), an issue of the
 project's own tracker ("issue 22", "#22") or a commit of its own history ("at 9d8cfa3"). That is

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """SHA256SUMS and the pin check (builder/pins.py)."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The install plan: checked like appliance.toml, signed with the release key, nothing unsigned
 accepted; rendered on the device into systemd-networkd files that the real systemd-networkd parses
 without a complaint (run in a private mount and network namespace on this host)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl preflight` before every engine start: the weights, then the topology against the
 host it boots on (memory for every replica's offload file, the KFD's GPUs), then the GPU."""
 

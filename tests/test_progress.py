@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """appliance.progress: a bar on a terminal, periodic lines in the journal."""
 
 from __future__ import annotations

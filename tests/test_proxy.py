@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The proxy: the Caddyfile rendered from appliance.toml, checked by the real Caddy 2.6.2 and run
 on loopback in front of the real stand-in engine.
 

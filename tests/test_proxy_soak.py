@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The proxy soak: the real Caddy 2.6.2 on the rendered demo Caddyfile (real certificates) in front
 of the stand-in, and of a uvicorn/starlette server shaped like vLLM's when uvicorn is installed.
 

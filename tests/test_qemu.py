@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """builder/qemu.py without QEMU: the guest's questions and the host-side probe network."""
 
 from __future__ import annotations

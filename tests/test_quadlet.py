@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The engine units as podman's own generator makes them: Debian 13's quadlet (make setup unpacks
 it into the host cache) run on the rendered tree, one service per replica instance."""
 

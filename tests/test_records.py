@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The device's records: each sample in tests/fixtures/state/ (written by the release before the
 records were typed) loads, what this release writes is what those readers read, and what a newer
 release writes (a newer format, keys added) this one reads leniently."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Release bundles (builder/release.py) and the helpers the update tests share.
 
 A fake build output stands in for mkosi's: small partition images, a minimal PE file with the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The generated units: the production engine quadlet line by line against the compose stack,
 every unit's sandbox exposure, and the generated tree."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The proxy in front of several replicas: Caddy (TLS, the allowlist) sends the
 engine's requests to the balancer, the real HAProxy on the rendered configuration of a layout RxTP,
 which names every replica, picks the one with the fewest requests in flight, sends a request that

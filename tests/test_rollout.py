@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Phased rollouts (appliance/rollout.py): places uniform over a fleet, pause, stop, barriers, the
 signed channel index, and maintenance windows across midnight."""
 

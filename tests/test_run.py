@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """One run() mechanism: appliance.run on the device, builder.run on top of it on the build host."""
 
 from __future__ import annotations

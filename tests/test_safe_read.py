@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Files someone else could have written (the install plan and its signature, the device's records,
 the per-host settings, staged bundle files): a FIFO, a link to /dev/zero, a link to a real file, a
 directory, a 1 GiB sparse file, 10 000 nested brackets or a 5 000-digit number is refused in one

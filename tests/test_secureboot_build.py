@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The build side of Secure Boot: the RSA keys and certificates, the key set a firmware in setup
 mode enrolls (really signed by sbvarsign), mkosi's signing options, and the enrolled OVMF variable
 store the QEMU boots use (really written by virt-fw-vars)."""

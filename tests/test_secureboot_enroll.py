@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The installer and the firmware's Secure Boot keys: setup mode enrolls db, KEK and PK (PK last) and
 reads back that the firmware took them; a firmware that enforces Secure Boot without trusting the
 appliance stops the install before any disk write; Secure Boot off is said in the summary; the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Target selection against real disk listings: the chosen disk is always the one the plan names,
 or nothing (with every candidate listed). Inputs are recorded `lsblk --json -O -b` and udev
 outputs (tests/fixtures/disks/): the build host's own, and the QEMU decoy matrix recorded by

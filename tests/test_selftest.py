@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The GPU self-test (applianctl/selftest/) on recorded tool output.
 
 The healthy readings are the real recordings in fixtures/gpu/ (rocm-smi)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """/dev/shm hygiene: real files on the real tmpfs, real processes holding them."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The one model of slots and boot entries (applianctl.slots.view) and `applianctl slots`.
 
 bootctl and systemd-sysupdate output is systemd 257's (the image's; the host has 252), recorded

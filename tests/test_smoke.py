@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl smoke`: against the real stand-in engine, and through a TLS endpoint that only
 answers for the appliance's hostname with a certificate from a test CA (SNI, Host, CA trust)."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """SSH public keys in an install plan (and appliance.toml) are read as OpenSSH reads them: keys made
 by the real ssh-keygen and corrupted in every way a blob can be are judged by `ssh-keygen -l -f`
 and by appliance.config.checks alike; the one difference is that a comment with control

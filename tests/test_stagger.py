@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Staggered replica starts (applianctl/engine/stagger.py): replica I waits for replica I-1 as
 systemd reports it over D-Bus (python-dbusmock's systemd on a private bus, real pydbus), and at most
 I x topology.stagger_s."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The stand-in engine, run as a real process on a loopback port and driven over HTTP."""
 
 from __future__ import annotations

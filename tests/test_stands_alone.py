@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The repository stands alone: no file of it reads, or sends a reader to, anything beside it.
 
 The recorded tool outputs the tests read are in tests/fixtures/ (README.md there says where each

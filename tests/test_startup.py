@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The startup report: vLLM's real recorded logs, the runbook's lines, and the stand-in's own output."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl status` end to end: the real stand-in engine (python3 -m standin serve), systemd
 mocked on a private bus, recorded GPU output, and a temporary tree for every file it reads."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl support-bundle`: one tarball with the journal, status, slots, unit states and a
 hardware inventory, every secret redacted, a failing source named rather than fatal, and nothing
 left half-written."""

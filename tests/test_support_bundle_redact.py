@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Redaction by family: a value named by anything ending in PASSWORD, SECRET, TOKEN, KEY...,
 credentials in URLs, secret options' values, cookies and authorization headers, private keys whole
 or cut; and ordinary text left as it is."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Units read through real pydbus from python-dbusmock's systemd template on a private bus."""
 
 from __future__ import annotations

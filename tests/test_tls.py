@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """applianctl tls: the appliance CA and the proxy's server certificate."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """[topology] in appliance.toml: GPUs and the engine layout (replicas x tensor parallel), checked
 against each other, the engine's arguments, the ports and /dev/shm at build, and against a host
 at boot (`check_host`); every engine runs with PYTHONHASHSEED=0."""

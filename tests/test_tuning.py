@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """AITER tuning table validation (builder/tuning.py)."""
 
 from __future__ import annotations

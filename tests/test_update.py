@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl update` and `rollback` against a fake device: a temporary ESP, EFI variables and
 kernel command line, a fake `sfdisk -J` with two /usr slots, systemd 257's `bootctl list
 --json=short` over that ESP (fake_bootctl.py), and fakes of systemd-sysupdate, bootctl's other

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Staged updates: `applianctl update --download-only SOURCE` and `--apply`, against the fake device
 of test_update (temporary ESP and EFI variables, a fake `sfdisk -J`, systemd 257's `bootctl list
 --json=short`, recording fakes of systemd-sysupdate, blkdiscard and systemctl)."""

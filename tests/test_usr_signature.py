@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """/usr trusted by its own signature: the usr-verity-sig partition in the image, the initrd package
 that hands the signature to dm-verity, the updater that writes it with the slot and refuses a disk
 without room for it, and status. The kernel's check itself runs in QEMU (the journey's boots, and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """/var's LUKS2 header: read from real headers (cryptsetup makes them here, with the tokens systemd's
 tools write), and `applianctl var-seal`'s decisions on a header that changes as systemd-cryptenroll
 would change it: the installer's temporary slot replaced on a sealed boot only, a recovery key made

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Weights: the manifest from the Hub's own response objects, the fs-verity digest against
 `fsverity digest`, fetch (resume after a cut at several points, a wrong byte from an HTTPS server,
 a file too large, a full disk), and the check before every start.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """A minimal server shaped like vLLM's (uvicorn + starlette, uvicorn's defaults: timeout_keep_alive 5 s,
 h11, TCP_NODELAY) with the stand-in's answers, for the proxy soak: `python3 uvicorn_engine.py PORT`.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The configuration model (`model`, values checked by `checks`) and its loaders, in one import:
 appliance.toml with its profiles at build (`profiles`), the image's appliance.json on the device
 (`device`). This host's settings laid over it is `appliance.host_settings.load_device`, outside

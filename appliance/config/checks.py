@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The checks on single values of the configuration and the install plan (the schema's field checks).
 
 Each check returns None when the value is good, else a hint saying what a good value is.

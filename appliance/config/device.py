@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The image's configuration on the device: /usr/lib/appliance/appliance.json (Config.to_json() of
 the build), loaded into the same model through the same loader and cross-checks as appliance.toml."""
 

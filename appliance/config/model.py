@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The configuration model: the frozen dataclasses appliance.toml and appliance.json load into.
 
 Each field carries its check (appliance/config/checks.py); the values the build and the device

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """appliance.toml on the build host: the top level is the production profile, [profiles.demo]
 overrides it key by key."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl preflight`: what the engine needs from the host, checked before every start.
 
 The model weights must be on /var; the host must have the memory the topology's replicas need

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl shm-clean`, before the engine starts. vLLM's CPU KV offload files
 (/dev/shm/vllm_offload_<id>.mmap) leak when an EngineCore dies uncleanly, and the next start fails
 ("Bad address") or runs short of memory. Removes each one no process holds, then checks that

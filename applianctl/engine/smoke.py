@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl smoke`: the runbook's smoke test, through the proxy as a client sees it.
 
 GET /v1/models, then POST /v1/completions with the runbook's prompt at temperature 0; the answer

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl stagger --replica I` (hidden; the ExecStartPre of replica I > 0): staggered starts.
 
 Eight replicas that start at once read the same weights from the same disk at once. Replica I

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The startup report (`applianctl startup-report`): vLLM's startup lines turned into figures.
 
 A healthy start shows, in order (docs/reference-stack.md, the runbook): `Model loading took 156.67 GiB`,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl verify`: the release manifest's signature, then every engine file against it, then
 what in /etc or /run changes behaviour outside the signed image (appliance.factory_etc); and the
 hidden `applianctl etc-reset --root DIR`, which puts /etc back to the factory's (in the initrd).

@@ -1,1 +1,2 @@
+# SPDX-License-Identifier: MIT
 """The weights: fetch, store, seal and the check before every engine start (`applianctl model`)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl model fetch [SOURCE]` and `applianctl model verify`: the command line of the weights.
 
 fetch: applianctl/model/fetch.py; verify (run by appliance-model-verify.service, which the engine

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl model fetch [SOURCE]`: the pinned weights onto /var, every byte checked, resumable.
 
 SOURCE: an https:// mirror in the Hub's layout (BASE/resolve/REVISION/PATH) or a plain one

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """fs-verity through the kernel: seal a weight file, ask for its digest.
 
 Sealing (appliance/fsverity.py's parameters) makes the file read-only for good; the kernel then

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Where the model's weights live on the device, and what the device knows about them.
 
 - The signed weights manifest: /usr/lib/appliance/weights.json, whose SHA-256 the signed release

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl model verify`: before every engine start, the weights on /var are exactly the signed ones.
 
 Each manifest file must be a regular file of the pinned size, sealed with fs-verity, with the

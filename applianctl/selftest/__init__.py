@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl selftest`: every GPU checked read-only before an engine starts, within 20 s.
 
 `readings.py` gathers the raw outputs (amd-smi, else rocm-smi, the kernel's files and log) under one

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The checks: `run(readings, expected, previous)` judges every GPU and the host, and returns a
 `Report` that says per GPU ok, or failed with one-line reasons naming the GPU and the value, and
 which checks could not be made and why. It only reads its arguments.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl selftest [--json] [--previous FILE]`: the GPU self-test on demand; `--at-boot`:
 appliance-gpu-selftest.service, before every engine start.
 

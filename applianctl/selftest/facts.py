@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The readings as facts, per GPU and for the host. Any value may be missing, "N/A", of another type
 or absurd; then its fact is None and the check that needs it says "not checked".
 

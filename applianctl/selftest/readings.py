@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """What the self-test reads, and `collect`, which reads it under one deadline.
 
 Every source only reads: amd-smi's static, metric, firmware, bad-pages and xgmi subcommands (side by

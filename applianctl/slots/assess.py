@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl assess` (appliance-assess.service): judge a new version by what its clients get.
 
 Only on a boot under boot counting; otherwise a no-op, so a good version whose engine fails later

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl slots [--json]`: both /usr slots, both engine slots, the boot entries, and whether
 the running version is judged yet (the one model in applianctl.slots.view; `systemd-sysupdate list` added when it runs)."""
 

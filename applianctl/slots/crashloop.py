@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The crash-loop guard: a version judged good that then ends boot after boot uncleanly goes back
 to the other slot's version by itself.
 

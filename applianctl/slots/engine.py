@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The two engine slots (an erofs podman image store plus its dm-verity partition): which engine
 each holds, which versions use it, which runs, and which a new engine may be written to.
 

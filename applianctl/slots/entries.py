@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The appliance's boot entries: unified kernel images `EFI/Linux/appliance_VERSION[+LEFT[-DONE]].efi`.
 
 Read with `bootctl list --json=short` (id, path, triesLeft/triesDone, isDefault, isSelected); when

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """What the updater, the assessment and the rollback last recorded on /var (paths.last_*_path()),
 and `write`, how the guards (assessment, rollback, crash-loop guard) write their records: a record
 someone else could have damaged never keeps them from writing the next one.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Where the slot code reads the machine, and this boot as systemd-boot recorded it.
 
 Everything read from the machine comes through `Host`, so tests point it at a temporary tree and

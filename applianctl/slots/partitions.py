@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The A/B /usr slots: the GPT of the disk behind /usr, read with `sfdisk -J` (type, label, UUID,
 size).
 

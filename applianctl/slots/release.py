@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The running release: its signed manifest on the verity-protected /usr."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl rollback`: boot the other slot's version next, and from then on.
 
 systemd-boot orders entries with no tries left last and the rest newest first; it has no other

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """What systemd-sysupdate sees installed."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The A/B slots and boot entries as the device sees them, read once: the one model for status,
 update, assess, rollback and `applianctl slots`.
 

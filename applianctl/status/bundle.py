@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl support-bundle`: what a vendor or a colleague needs to see why an appliance misbehaves,
 in one tarball, without secrets: the journal since a given time, status, slots, verify, the
 startup report, unit states, a hardware inventory (amd-smi, lsblk, ip) and the signed manifest's

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl status`: every part of the appliance, each ok, degraded, down or not configured.
 
 All probes run side by side under one deadline (probes.DEADLINE_S), so the command answers

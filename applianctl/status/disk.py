@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Status part `disk`: free space on /var (state, journal) and in the model cache."""
 
 from __future__ import annotations

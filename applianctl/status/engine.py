@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Status parts `engine` (health, served models and /metrics on loopback) and `startup` (the
 startup report the engine's first minutes left)."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl status --prometheus`: the status document (docs/status-schema.md) as Prometheus
 metrics in the text exposition format, so that what a scraper alerts on is what `applianctl
 status --json` says at the same moment. Every series is a gauge named appliance_*; one series per

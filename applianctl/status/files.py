@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Status parts `verify`, `preflight` and `shm-check`: the result files other units write."""
 
 from __future__ import annotations

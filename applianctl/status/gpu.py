@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The GPU as `amd-smi` (or, failing that, `rocm-smi`) reports it: VRAM, temperature, power, ECC.
 
 The tools' output changed shape between ROCm releases and this reads all of them:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The GPUs as Prometheus metrics (text exposition format), read from `amd-smi static --json` and
 `amd-smi metric --json` through gpu.py's reader, so the status probe and these series agree.
 

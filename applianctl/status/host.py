@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Status part `host`: the per-host settings (the signed install plan, else the image's defaults),
 as appliance-host.service applied them on this boot, the addresses the host has now, and the
 factory reset: one asked for and not yet run (degraded: the next boot wipes /var), the last that ran."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """vLLM's /metrics through prometheus_client's parsers, and the figures `applianctl status` shows.
 
 vLLM renamed series over time (`gpu_cache_usage_perc` -> `kv_cache_usage_perc`, `gpu_prefix_cache_*`

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Status parts `os` and `slots`: the running version and the A/B slots with their boot entries,
 as applianctl.slots.view reads them (the model update, assess and rollback use too) plus the
 updater's records; this module only judges and words them.

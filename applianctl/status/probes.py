@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The `Part` each `applianctl status` probe returns (state, one-line reason, details), and the
 machinery that runs the probes: daemon threads under one deadline, so a probe that hangs (an engine
 that never answers, a GPU tool stuck in the driver) costs no more than the deadline and never

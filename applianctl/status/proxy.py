@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Status part `proxy`: what a client gets, not only the unit's state.
 
 One TLS connection to the public port on loopback (the proxy admits the appliance's own loopback

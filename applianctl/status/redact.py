@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Secrets out of text before it leaves the appliance in a support bundle, by family rather than by
 the names we happen to know: a value named by anything ending in PASSWORD, SECRET, TOKEN, KEY...
 (`DB_PASSWORD=`, `"aws_secret_access_key": "..."`, `Cookie:`, `Authorization:`), credentials in a

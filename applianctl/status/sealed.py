@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Status part `sealed`: is this boot sealed? Secure Boot enforcing with the appliance's certificate
 in the firmware's db (the chain firmware, systemd-boot, kernel image, /usr, and /usr's root hash
 signature checked by the kernel against db), a TPM, and the signed

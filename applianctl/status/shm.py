@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Status part `shm`: /dev/shm's size against the CPU KV offload, and offload files nobody holds.
 
 Holders are found by applianctl.engine.shm's scanner, the one the cleaner trusts before it removes a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The appliance's units as systemd reports them over D-Bus (pydbus)."""
 
 from __future__ import annotations

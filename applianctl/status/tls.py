@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Status part `tls`: the appliance CA (applianctl tls writes it; the proxy's certificate is the
 `proxy` part's)."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Status part `weights`: the model snapshot the signed weights manifest pins, and whether the last
 check before an engine start (applianctl model verify) found every file exactly as signed.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl update CHANNEL` where the SOURCE names a channel index (…/channel.json): which
 release this appliance installs now, by its own place in each rollout (appliance/rollout.py), and
 when. The index is verified against the release keys this version trusts, refused when signed

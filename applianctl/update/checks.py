@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Whether a bundle may be installed here, and whether what was downloaded is what it claims.
 
 Before any download: the running version is judged good, the version is newer (older only with

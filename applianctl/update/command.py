@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl update SOURCE` (a bundle directory or its https:// URL): install a signed release
 bundle into the inactive slot. Nothing is trusted before its signature, nothing written before
 every byte is proven:

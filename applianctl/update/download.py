@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Downloading a bundle into the staging directory, every file proven against the signed index,
 after checking /var (shared with the journal and the model) has room for the rest plus the reserve
 every download keeps free there (appliance.fetch.RESERVE_BYTES); while writing, the download stops

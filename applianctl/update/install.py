@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Writing the inactive slot: blank it, then systemd-sysupdate's transfers (/usr/lib/sysupdate.d)
 write /usr, its verity and the kernel image last. A new engine goes first, into the chosen engine
 slot, through sysupdate's engine component (/usr/lib/sysupdate.engine.d). The boot entry comes

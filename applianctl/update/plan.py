@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """What installing a bundle would do, decided once (make_plan) and acted on by every verb:
 `--check` prints it, plain `update` and `--download-only` fetch what it names, `--apply` makes
 it again from the staged directory. Making it reads bundle.json, its signature, its timestamp

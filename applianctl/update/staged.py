@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The staged update: a verified bundle on /var, waiting for `applianctl update --apply`.
 
 `--download-only` stages as a plain update does (update.download), then publishes in two steps

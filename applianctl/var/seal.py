@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """`applianctl var-seal` (appliance-var-seal.service, every boot once /var is unlocked): /var's LUKS2
 header becomes what a sealed appliance needs, and status learns how /var is opened.
 

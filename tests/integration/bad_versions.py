@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The extended bad-version runs (test_extended_rollback.py, test_extended_watchdog.py): one
 appliance, one QEMU run, no host intervention after power-on. The base 1.0.0 (built with
 update.boot_tries=1: what it installs gets one try) installs each bad version in turn; each bad

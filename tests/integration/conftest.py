@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Integration fixtures: build the demo image once per session and boot it in QEMU (TCG)."""
 
 from __future__ import annotations

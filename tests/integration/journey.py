@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The versions of the upgrade journey (conftest.py) and how to read its runs."""
 
 from __future__ import annotations

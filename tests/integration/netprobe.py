@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The host's side of the boot check's netprobe step: from a network namespace on the guest's
 second NIC (builder.qemu.ProbeNet), as a machine on the appliance's network would, try the
 engine's port on the guest's address and on the container's bridge address (routed via the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Record the decoy matrix's inputs: real `lsblk --json -O -b` and udev outputs from a QEMU guest
 (the demo image) with each disk set attached. Run once by hand when QEMU may run:
 

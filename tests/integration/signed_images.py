@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Build outputs changed after the build, for scenarios the signed chain must refuse."""
 
 from __future__ import annotations

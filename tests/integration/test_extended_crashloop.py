@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Extended QEMU scenario (make test-extended GROUPS=crashloop): a version that passes its
 assessment, is blessed, and then crashes the kernel on every boot goes back to the previous
 version by itself, through the crash-loop guard (applianctl/slots/crashloop.py), with nobody at

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Extended QEMU scenario (make test-extended): flashing a bare-metal host from a blank disk.
 
     boot 1  the installer (installer_VERSION.raw as a USB stick) on a machine with a blank target

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Extended QEMU scenarios (make test-extended GROUPS=rollback): versions that fail in ways the
 engine-only assessment would not see are rolled back by the appliance itself, each with one boot
 try (tests/integration/bad_versions.py runs them):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Extended QEMU scenario (make test-extended GROUPS=sealed): /var against someone at the console,
 and after the TPM's state is lost.
 

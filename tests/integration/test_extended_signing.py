@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Extended QEMU scenarios (make test-extended GROUPS=signing): what the Secure Boot key did not sign
 never runs, and the appliance stays on (or comes back to) its version with nobody at the console.
 One run (tests/integration/bad_versions.py), the base built with update.boot_tries=1:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Extended QEMU scenarios (make test-extended GROUPS=watchdog): versions that stop the machine
 so hard that nothing in userspace can reboot it in order, so the machine resets itself (the
 kernel's panic=, the hardware watchdog); boot counting then judges each version (one try,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Extended QEMU scenario (make test-extended): the demo's weights fetched, resumed after a power
 cut, refused when a mirror flips a byte, and refused at rest after a byte is flipped on the disk.
 

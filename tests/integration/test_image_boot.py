@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The demo image boots in QEMU as the appliance it claims to be."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The engine, supervised by systemd through the production quadlet, in the booted demo image."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The journey's appliance was flashed by the installer onto a blank disk (conftest.installed), and
 its per-host settings, from the signed install plan, survive the journey's upgrade and rollback."""
 

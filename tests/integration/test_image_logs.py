@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The journal off the box: the journey's install plan names a log collector
 (a real systemd-journal-remote on the test host, conftest.log_collector) and its CA; on every boot
 systemd-journal-upload sends the guest's journal there over TLS, the appliance's own client

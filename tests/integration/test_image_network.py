@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Only the proxy is reachable from the appliance's network: probed in boot A
 from a network namespace on the host joined to the guest's second NIC by a tap device, with a
 route to the container bridge via the guest (conftest.journey_run1, netprobe.py)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The demo image serves through its own Caddy, with its own CA, to allowed sources only."""
 
 from __future__ import annotations

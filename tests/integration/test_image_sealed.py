@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Nothing outside the signed image changes behaviour, on the journey's boots: a drop-in for the
 engine placed in /etc on boot A is named by `applianctl verify` and has no effect after the
 reboot (the initrd put the factory /etc of the signed /usr back); no boot of any version, after

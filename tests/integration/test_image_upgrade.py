@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Signed A/B upgrades of a demo appliance in QEMU, over HTTPS from a real Caddy on the host:
 v1 stages v2 (a new engine image) and applies it, the power is cut while the new engine is
 written, the staged update is applied again after the reboot; four refused bundles; the

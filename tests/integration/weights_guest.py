@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Test-only, inside the guest (tests/integration/test_extended_weights.py puts it in an extra tree of
 a demo image that pins the demo weights): the weights scenario, one stage per boot, driven by the
 host through credentials, and reported as a JSON block on the second serial port (beside the boot

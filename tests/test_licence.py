@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: MIT
+"""Every source file says its licence in its first lines (SPDX), as LICENSE gives it. The
+overlays are exempt: they are pinned by hash (SHA256SUMS) and patch upstream vLLM files."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SPDX = "SPDX-License-Identifier: MIT"
+EXEMPT = ("overlays/", "tests/fixtures/")
+
+pytestmark = pytest.mark.programs  # git ls-files
+
+
+def sources() -> list[str]:
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    return [f for f in files if not f.startswith(EXEMPT) and (ROOT / f).is_file()
+            and (f.endswith((".py", ".sh")) or f.startswith("tools/") or f in ("Makefile", ".ci/run"))]
+
+
+def head_says_licence(text: str) -> bool:
+    return any(SPDX in line for line in text.splitlines()[:3])
+
+
+def test_every_source_file_names_its_licence() -> None:
+    missing = [f for f in sources() if not head_says_licence((ROOT / f).read_text(errors="replace"))]
+    assert missing == [], f"add '# {SPDX}' at the top of: {missing}"
+
+
+def test_the_licence_file_is_mit() -> None:
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License")
+
+
+def test_a_file_without_the_line_is_found() -> None:
+    assert not head_says_licence('"""A module."""\nimport os\n')
+    assert head_says_licence(f"#!/usr/bin/env python3\n# {SPDX}\n")
