@@ -1,4 +1,3 @@
-# SPDX-License-Identifier: MIT
 """`python3 -m standin serve [MODEL] [vLLM arguments]`.
 
 Loading (port closed) lasts STANDIN_LOAD_SECONDS and prints vLLM's startup lines in order; then the

@@ -1,4 +1,3 @@
-# SPDX-License-Identifier: MIT
 """The stand-in engine's answers: which prompt gets which completion.
 
 The demo profile mounts overlays/demo/standin_answers.py over this file, as production overlays replace

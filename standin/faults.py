@@ -1,4 +1,3 @@
-# SPDX-License-Identifier: MIT
 """Fault switches: STANDIN_* environment variables and the optional JSON file STANDIN_FAULTS_FILE.
 
 The file's keys are the variable names lower-cased without STANDIN_; it is read once at start and wins

@@ -1,4 +1,3 @@
-# SPDX-License-Identifier: MIT
 """Engine counters on /metrics in Prometheus text format, with vLLM V1's metric names, help texts and labels."""
 
 from __future__ import annotations

@@ -1,4 +1,3 @@
-# SPDX-License-Identifier: MIT
 """The CPU KV offload region, a /dev/shm file made as vLLM's v1/kv_offload/cpu/shared_offload_region.py does.
 
 O_CREAT|O_EXCL, mode 0600, ftruncated to the offload size, mapped shared. vLLM leaks it on any unclean

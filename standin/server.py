@@ -1,4 +1,3 @@
-# SPDX-License-Identifier: MIT
 """The stand-in's OpenAI-compatible HTTP API on http.server, with vLLM's routes.
 
 GET /health, /ping, /version, /v1/models, /metrics; POST /v1/completions and /v1/chat/completions

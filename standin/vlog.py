@@ -1,4 +1,3 @@
-# SPDX-License-Identifier: MIT
 """Log lines on stderr in vLLM V1's format.
 
 Engine: `(EngineCore_DP0 pid=278) INFO 09-25 13:39:07 [gpu_model_runner.py:2598] message`;
