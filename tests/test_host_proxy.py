@@ -73,6 +73,16 @@ class Host:
         return sorted(n for n in (host.CADDYFILE, host.PROXY_ENV, host.HOST_SETTINGS) if (self.run_dir / n).exists())
 
 
+
+@pytest.fixture(autouse=True)
+def no_host_renamed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The privileged step names the host: in a test, never the machine running the tests."""
+    def refuse(name: str) -> None:
+        raise AssertionError(f"a test called sethostname({name!r}) on the host running the tests")
+
+    monkeypatch.setattr(host.socket, "sethostname", refuse)
+
+
 @pytest.fixture
 def machine(tmp_path: Path) -> Host:
     private, public = keys.generate(tmp_path / "keys")
@@ -187,7 +197,9 @@ def test_the_plans_acme_email_and_name_reach_the_acme_issuer(machine: Host, tmp_
     ],
 )
 def test_a_hostile_signed_plan_is_refused_and_no_caddyfile_is_written(machine: Host, proxy: dict[str, Any],
-                                                                        message: str) -> None:
+                                                                        message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    named: list[str] = []
+    monkeypatch.setattr(host.socket, "sethostname", named.append)
     # An earlier boot's rendering must not survive either: the proxy then takes the image's file.
     machine.run_dir.mkdir(parents=True)
     for name in (host.CADDYFILE, host.PROXY_ENV, host.HOST_SETTINGS):
