@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from fixture_paths import FIXTURES
+from repository import FIXTURES
 
 # ---- BEGIN standin / shm / startup fixtures ------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from fakeprog import calls, fake_program
-from fixture_paths import FIXTURES as ALL_FIXTURES
+from repository import FIXTURES as ALL_FIXTURES
 
 from appliance import config as config_model
 from appliance.config import Config

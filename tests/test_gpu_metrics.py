@@ -32,10 +32,10 @@ from typing import Any
 
 import pytest
 from fakeprog import fake_program
-from fixture_paths import FIXTURES as ALL_FIXTURES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+from repository import FIXTURES as ALL_FIXTURES
 
 from applianctl.status import gpu_metrics, probes
 

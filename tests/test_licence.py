@@ -5,10 +5,10 @@ modules, whose bytes make the demo engine image and so its pinned digest."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
+from repository import repository_files
 
 ROOT = Path(__file__).resolve().parents[1]
 SPDX = "SPDX-License-Identifier: MIT"
@@ -18,9 +18,7 @@ pytestmark = pytest.mark.programs  # git ls-files
 
 
 def sources() -> list[str]:
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
-    return [f for f in files if not f.startswith(EXEMPT) and (ROOT / f).is_file()
+    return [f for f in repository_files() if not f.startswith(EXEMPT) and (ROOT / f).is_file()
             and (f.endswith((".py", ".sh")) or f.startswith("tools/") or f in ("Makefile", ".ci/run"))]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from fixture_paths import FIXTURES
+from repository import FIXTURES
 
 from applianctl.status import metrics
 

@@ -10,10 +10,10 @@ commit hash given as "owner/repo @ hash").
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
+from repository import repository_files
 
 ROOT = Path(__file__).resolve().parents[1]
 # The changelog tells the project's history; this file holds the matcher's own samples.
@@ -86,13 +86,6 @@ def scan(text: str) -> list[tuple[int, str, str]]:
     return found
 
 
-def repository_files() -> list[str]:
-    """Every file git tracks or would track (new files not yet added included)."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, check=True, capture_output=True,
-    ).stdout.decode()
-    return sorted({name for name in listed.split("\0") if name and name not in EXEMPT})
 
 
 def text_of(path: Path) -> str | None:
@@ -120,7 +113,7 @@ def history_in(root: Path, names: list[str]) -> list[str]:
 
 @pytest.mark.programs
 def test_no_file_tells_how_it_was_made() -> None:
-    found = history_in(ROOT, repository_files())
+    found = history_in(ROOT, repository_files(EXEMPT))
     assert not found, ("development history belongs in git, not in the files (say why, not when; "
                        "name an upstream bug as owner/repo#N):\n" + "\n".join(found))
 

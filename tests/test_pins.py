@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from fixture_paths import FIXTURES
+from repository import FIXTURES
 
 from appliance import sums
 from appliance.config import Config, load

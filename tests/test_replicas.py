@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import requests
-from fixture_paths import FIXTURES
+from repository import FIXTURES
 from test_proxy import _adapt
 
 from appliance import balancer

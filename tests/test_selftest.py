@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixture_paths import FIXTURES
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from repository import FIXTURES
 
 from applianctl import __main__ as applianctl_main
 from applianctl.selftest import command, readings

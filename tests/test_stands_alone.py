@@ -8,11 +8,10 @@ came from); the production stack the appliance reproduces is docs/reference-stac
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
-from fixture_paths import FIXTURES
+from repository import FIXTURES, repository_files
 
 pytestmark = pytest.mark.programs  # runs git (make unit, not make check)
 
@@ -28,18 +27,11 @@ OUTSIDE = re.compile(
 RECORDED = ("gpu", "vllm", "tuning")
 
 
-def repository_files() -> list[str]:
-    """Every file git tracks or would track (new files not yet added included)."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, check=True, capture_output=True,
-    ).stdout.decode()
-    return sorted({name for name in listed.split("\0") if name and name not in EXEMPT})
 
 
 def test_no_file_points_outside_the_repository() -> None:
     found = []
-    for name in repository_files():
+    for name in repository_files(EXEMPT):
         path = ROOT / name
         if not path.is_file():  # deleted in the working tree, or a dangling link
             continue

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixture_paths import FIXTURES as ALL_FIXTURES
+from repository import FIXTURES as ALL_FIXTURES
 
 from applianctl.engine.startup import Report, parse
 from testkit.standin import ROOT, StandinProcess

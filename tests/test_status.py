@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 from fakeprog import fake_program
-from fixture_paths import FIXTURES
 from mock_systemd import MockSystemd, start_mock_systemd, stop_mock_systemd
+from repository import FIXTURES
 from standin_engine import MODEL, free_port, start_standin, stop
 
 from appliance import config as builder_config

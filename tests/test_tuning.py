@@ -7,7 +7,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from fixture_paths import FIXTURES
+from repository import FIXTURES
 
 from appliance.config import load
 from appliance.errors import UserError
