@@ -7,6 +7,7 @@ The builder's runner (builder/run.py) adds its --debug logging and defaults on t
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -56,6 +57,11 @@ def checked(
         proc = call(args, timeout, capture=capture, cwd=cwd, env=env)
     except FileNotFoundError:
         raise UserError(f"{what}: {args[0]} is not installed", hint=missing_hint or hint) from None
+    except PermissionError:
+        # A directory on PATH the user may not search makes a missing program EACCES, not ENOENT.
+        if os.sep not in args[0] and shutil.which(args[0]) is None:
+            raise UserError(f"{what}: {args[0]} is not installed", hint=missing_hint or hint) from None
+        raise UserError(f"{what}: {args[0]}: permission denied", hint="run it as a user that may run it (root?)") from None
     except subprocess.TimeoutExpired:
         raise UserError(f"{what}: {args[0]} did not finish within {timeout:g} s", hint=hint) from None
     if proc.returncode != 0:

@@ -45,6 +45,20 @@ def test_a_missing_host_tool_points_at_make_setup() -> None:
     assert e.value.hint == "run `make setup` to install the host's tools"
 
 
+def test_a_missing_program_behind_a_path_directory_one_may_not_search_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python's exec search says EACCES, not ENOENT, when a directory on PATH cannot be searched
+    and the program is nowhere else: still one line that it is not installed, no traceback."""
+    def denied(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied", "appliance-no-such-tool")
+
+    monkeypatch.setattr(device_run.subprocess, "run", denied)
+    with pytest.raises(UserError) as e:
+        device_run.checked(["appliance-no-such-tool"], "probe", "h", missing_hint="install it")
+    assert e.value.message == "probe: appliance-no-such-tool is not installed" and e.value.hint == "install it"
+    with pytest.raises(UserError, match=r"^probe: .*python.*: permission denied$"):
+        device_run.checked([sys.executable], "probe", "h")
+
+
 def test_the_device_runner_has_no_stdin_and_a_timeout() -> None:
     assert device_run.run([sys.executable, "-c", "import sys; print(repr(sys.stdin.read()))"], "read", "h") == "''\n"
     with pytest.raises(UserError, match=r"^sleep: .* did not finish within 0.2 s$"):
