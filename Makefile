@@ -5,7 +5,7 @@ PY := .venv/bin/python
 BUILDER := $(PY) -m builder
 .DEFAULT_GOAL := help
 
-.PHONY: help setup setup-dev check demo build-demo qemu test test-extended lint unit integration bench clean
+.PHONY: help setup setup-dev check demo build-demo qemu test test-extended lint unit integration bench promtool-test clean
 
 help:
 	@echo "make demo   build the demo image, boot it in QEMU, print the guest's applianctl status"
@@ -18,6 +18,8 @@ help:
 	@echo "make check  the fast loop, no root: ruff, mypy and the unit tests that start no real program"
 	@echo "            (those marked programs run in make test's unit tier)"
 	@echo "make setup-dev  the venv alone, no root, no apt (run by check and lint)"
+	@echo "make promtool-test  check the alert rules in monitoring/ and run their unit tests"
+	@echo "                    (with the promtool make setup unpacks; it is not on PATH)"
 
 setup:
 	@bash tools/setup-host
@@ -64,6 +66,15 @@ test: setup lint unit integration
 
 bench: setup
 	$(PY) -m bench
+
+# promtool: Debian's prometheus package unpacked into the host cache by make setup
+# (tools/setup-host), not installed, so not on PATH.
+PROMTOOL := $(or $(APPLIANCE_HOST_CACHE),/var/cache/appliance-host)/prometheus/usr/bin/promtool
+
+promtool-test:
+	@test -x $(PROMTOOL) || { echo "no promtool at $(PROMTOOL)" >&2; echo "hint: run make setup (as root) first" >&2; exit 2; }
+	$(PROMTOOL) check rules monitoring/appliance.rules.yml
+	cd monitoring && $(PROMTOOL) test rules appliance.rules.test.yml
 
 clean:
 	rm -rf build out

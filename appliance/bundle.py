@@ -130,7 +130,7 @@ class _Loader(schema.Loader):
     def invalid(self, key: str, value: Any, expected: str) -> Refused:
         return _bad(key or "bundle", value, expected)
 
-    def unknown(self, key: str, known: list[str]) -> Refused:
+    def unknown(self, key: str, value: Any, known: list[str]) -> Refused:
         return Refused(f"bundle.json: unknown field {key!r}", hint="the bundle was written by another version of the builder")
 
     def missing(self, key: str, tp: Any) -> Refused:

@@ -46,7 +46,8 @@ FETCH_ATTEMPTS = 5
 RESERVE_BYTES = 1 << 30  # kept free on /var by every download: see "the reserve on /var" below
 
 RESUME = "run the same command again: the download resumes"
-NET_HINT = "check the URL and the network; run the same command again to resume"
+NET_HINT = "check the URL and the network, then run the same command again"
+UNREACHABLE_HINT = "check this host's network and DNS, and the server's name and port in the URL"
 
 
 class DeadlineExceeded(UserError):
@@ -69,6 +70,14 @@ class Deadline:
 
 class RangeRefused(OSError):
     """The server answered a ranged request with HTTP 416: it has fewer bytes than we do."""
+
+
+class Unreachable(OSError):
+    """The server's name did not resolve, or no connection to it was made: nothing was sent."""
+
+
+def _reason(e: OSError) -> str:
+    return (e.strerror or str(e) or type(e).__name__).splitlines()[0][:200]
 
 
 class HttpStatus(OSError):
@@ -166,6 +175,10 @@ def _resumable(fetch_once: Callable[[Path, int, int, progress.Progress], None], 
                 break
             try:
                 fetch_once(part, have, size, bar)
+            except Unreachable as e:
+                if attempt == FETCH_ATTEMPTS - 1:
+                    raise UserError(f"{name}: {e}"[:300], hint=UNREACHABLE_HINT) from None
+                time.sleep(min(min(2**attempt, 10) * 0.1, deadline.left()))
             except OSError as e:
                 if attempt == FETCH_ATTEMPTS - 1:
                     raise UserError(f"{name}: download failed ({e})"[:300], hint=RESUME) from None
@@ -403,7 +416,7 @@ class HttpsSource:
             watchdog: threading.Timer | None = None
             try:
                 try:
-                    conn.connect()
+                    self._connect(conn, url)
                     sock = conn.sock
                     assert sock is not None
                     watchdog = threading.Timer(self.deadline.left(), _shut, (sock,))
@@ -421,6 +434,8 @@ class HttpsSource:
                         f"{urllib.parse.urlunsplit(url)}: the server's certificate is not trusted ({e.verify_message})",
                         hint="pass the CA that signed it with --ca",
                     ) from None
+                except Unreachable:
+                    raise
                 except (OSError, http.client.HTTPException) as e:
                     self.deadline.left()  # a socket shut by the watchdog reads as the deadline
                     raise OSError(f"{urllib.parse.urlunsplit(url)}: {type(e).__name__}: {e}".splitlines()[0][:300]) from None
@@ -441,6 +456,20 @@ class HttpsSource:
                     watchdog.cancel()
                 conn.close()
         raise Refused(f"{self.url(name)}: more than {MAX_REDIRECTS} redirects", hint="point SOURCE at the final URL")
+
+    def _connect(self, conn: http.client.HTTPSConnection, url: urllib.parse.SplitResult) -> None:
+        """CONN's connection and TLS handshake; Unreachable when the name does not resolve or no
+        connection is made (a TLS fault is the server's answer, not that)."""
+        host, port = url.hostname or "", url.port or 443
+        try:
+            conn.connect()
+        except ssl.SSLError:
+            raise
+        except socket.gaierror as e:
+            raise Unreachable(f"cannot resolve {host}: {_reason(e)}") from None
+        except OSError as e:
+            self.deadline.left()  # past the deadline: that, not the connection, is what failed
+            raise Unreachable(f"cannot connect to {f'[{host}]' if ':' in host else host}:{port}: {_reason(e)}") from None
 
     def _chunks(self, resp: http.client.HTTPResponse, sock: socket.socket, chunk: int) -> Iterator[bytes]:
         """The body in reads of CHUNK bytes (fewer at its end), each silence within the time left.
@@ -471,6 +500,8 @@ class HttpsSource:
                     if len(data) > limit:
                         raise _too_large(name, limit)
                 return bytes(data)
+        except Unreachable as e:
+            raise UserError(str(e), hint=UNREACHABLE_HINT) from None
         except OSError as e:
             raise UserError(str(e), hint=NET_HINT) from None
 

@@ -93,7 +93,7 @@ class _Loader(schema.Loader):
     def invalid(self, key: str, value: Any, expected: str) -> Refused:
         return Refused(f"{TIMESTAMP}: {key or 'timestamp'} = {schema.shown(value, 60)}: expected {expected}", hint=RESIGN)
 
-    def unknown(self, key: str, known: list[str]) -> Refused:
+    def unknown(self, key: str, value: Any, known: list[str]) -> Refused:
         return Refused(f"{TIMESTAMP}: unknown field {key!r}", hint="the timestamp was written by another version of the builder")
 
     def missing(self, key: str, tp: Any) -> Refused:

@@ -152,7 +152,7 @@ class _Loader(schema.Loader):
     def invalid(self, key: str, value: Any, expected: str) -> ManifestError:
         return _fail(key, value, expected)
 
-    def unknown(self, key: str, known: list[str]) -> ManifestError:
+    def unknown(self, key: str, value: Any, known: list[str]) -> ManifestError:
         return ManifestError(f"manifest: unknown field {key!r}", hint="known fields here: " + ", ".join(sorted(known)))
 
     def missing(self, key: str, tp: Any) -> ManifestError:

@@ -113,7 +113,7 @@ class _Loader(schema.Loader):
     def invalid(self, key: str, value: Any, expected: str) -> Refused:
         return Refused(f"{CHANNEL}: {key or 'channel'} = {schema.shown(value, 60)}: expected {expected}", hint=RESIGN)
 
-    def unknown(self, key: str, known: list[str]) -> Refused:
+    def unknown(self, key: str, value: Any, known: list[str]) -> Refused:
         return Refused(f"{CHANNEL}: unknown field {key!r}", hint="the index was written by another version of the builder")
 
     def missing(self, key: str, tp: Any) -> Refused:

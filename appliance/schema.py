@@ -14,6 +14,7 @@ carry "format" (the class's FORMAT); a file without it, from older releases, loa
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -81,6 +82,15 @@ def shown(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def known_keys(key: str, known: list[str]) -> str:
+    """What to write instead of the unknown KEY (dotted, as `join` makes it): the known key closest
+    to it, if one is close, and every known key of its table."""
+    table, _, name = key.rpartition(".")
+    listed = "known keys here: " + (", ".join(known) or "none")
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"did you mean {join(table, close[0])}? {listed}" if close else listed
+
+
 class _Incomplete(Exception):
     """A table had faults (already collected): it cannot be built, and its parent notes no more."""
 
@@ -109,8 +119,8 @@ class Loader:
     def invalid(self, key: str, value: Any, expected: str) -> UserError:
         return UserError(f"{self.where}: {key} = {shown(value)}: invalid", hint=f"expected {expected}")
 
-    def unknown(self, key: str, known: list[str]) -> UserError:
-        return UserError(f"{self.where}: unknown key {key!r}", hint="known keys here: " + ", ".join(known))
+    def unknown(self, key: str, value: Any, known: list[str]) -> UserError:
+        return UserError(f"{self.where}: unknown key {key!r} = {shown(value, 60)}", hint=known_keys(key, known))
 
     def missing(self, key: str, tp: Any) -> UserError:
         return UserError(f"{self.where}: missing key {key!r}", hint=f"add {key} ({type_name(tp)})")
@@ -134,7 +144,7 @@ class Loader:
         incomplete = False
         for key in table:
             if (key not in fields and not self.lenient) or key in given:
-                self._fault(self.unknown(join(prefix, key), [n for n in fields if n not in given]))
+                self._fault(self.unknown(join(prefix, key), table[key], [n for n in fields if n not in given]))
         kwargs = dict(given)
         for name, f in fields.items():
             if name in given:

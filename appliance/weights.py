@@ -68,7 +68,7 @@ class _Loader(schema.Loader):
     def invalid(self, key: str, value: Any, expected: str) -> ManifestError:
         return ManifestError(f"{self.where}: {key} = {schema.shown(value)}: expected {expected}", hint=_HINT)
 
-    def unknown(self, key: str, known: list[str]) -> ManifestError:
+    def unknown(self, key: str, value: Any, known: list[str]) -> ManifestError:
         return ManifestError(f"{self.where}: unknown field {key!r}", hint="known fields here: " + ", ".join(sorted(known)))
 
     def missing(self, key: str, tp: Any) -> ManifestError:

@@ -9,10 +9,12 @@ exit status 2; a traceback only with --debug.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import sys
 
-from appliance.errors import run_reporting
+from appliance.errors import UserError, run_reporting
 from applianctl import __version__
 
 # One module per concern; each registers its own subcommand(s). Only the module of the command
@@ -105,25 +107,39 @@ def _command(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
+def status_unknown(what: str, hint: str) -> int:
+    """Status could not run: "unknown" (3), never "down" (2), which a monitor would page on as an
+    outage. Stderr is what went wrong and what to do, one line each (docs/status-schema.md)."""
+    print(f"applianctl status: unknown: {what}".splitlines()[0], file=sys.stderr)
+    print(f"hint: {hint}".splitlines()[0], file=sys.stderr)
+    return STATUS_UNKNOWN
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = _command(argv)
     parser = build_parser(command)
+    said = io.StringIO()  # argparse's usage and error, for status reworded as its two lines
     try:
-        args = parser.parse_args(argv)
+        with contextlib.redirect_stderr(said) if command == "status" else contextlib.nullcontext():
+            args = parser.parse_args(argv)
     except SystemExit as e:
         if command == "status" and e.code not in (0, None):
-            return STATUS_UNKNOWN
+            lines = said.getvalue().strip().splitlines() or ["the command line is not valid"]
+            return status_unknown(lines[-1].split(": error: ", 1)[-1], "see `applianctl status --help`")
+        sys.stderr.write(said.getvalue())
         raise
+    sys.stderr.write(said.getvalue())
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     if command == "status" and not args.debug:
         try:
             return int(args.func(args))
+        except UserError as e:
+            return status_unknown(e.message, e.hint or "see `applianctl status --help`")
         except Exception as e:  # could not run: "unknown", never a traceback a monitor would parse as "down"
-            print(f"applianctl status: unknown: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
-            return STATUS_UNKNOWN
+            return status_unknown(f"{type(e).__name__}: {e}", "run `applianctl --debug status` to see where it failed")
     return run_reporting(lambda: args.func(args), prefix="applianctl: ", debug=args.debug)
 
 

@@ -88,6 +88,22 @@ def _known_engine_digests(previous: Path | Iterable[str] | None) -> tuple[set[st
     return {str(d) for d in previous}, None
 
 
+def _check_newer(config: Config, previous: str | None) -> None:
+    """A release must be newer than the previous one (PREVIOUS, a version, None when none was given)."""
+    if previous is None:
+        return
+    version = config.appliance.version
+    if manifest.version_tuple(version) > manifest.version_tuple(previous):
+        return
+    if manifest.version_tuple(version) == manifest.version_tuple(previous):
+        what = f"version {version} is the same as the previous release {previous}: appliance.version was not raised"
+    else:
+        what = f"version {version} is older than the previous release {previous}"
+    raise UserError(
+        what, hint=f"raise appliance.version in appliance.toml above {previous}, then `python3 -m builder --profile {config.profile} build`"
+    )
+
+
 def make_bundle(
     config: Config,
     build_output_dir: Path,
@@ -111,11 +127,7 @@ def make_bundle(
     _check_days(timestamp_days)
     known_digests, prev_bundle_version = _known_engine_digests(previous_bundle_or_engine_digests)
     for prev in (previous_version, prev_bundle_version):
-        if prev is not None and manifest.version_tuple(version) <= manifest.version_tuple(prev):
-            raise UserError(
-                f"version {version} is not greater than the previous release {prev}",
-                hint="raise appliance.version in appliance.toml and build again",
-            )
+        _check_newer(config, prev)
     out = build_output_dir
     manifest_data = _read(out / "manifest.json")
     manifest_sig = _read(out / "manifest.json.sig")
@@ -309,7 +321,6 @@ def cmd_release(args: argparse.Namespace) -> int:
     config = config_model.load(Path(args.config), args.profile)
     out = Path(args.build_output) if args.build_output else build.output_dir(config)
     bundle = Path(args.output) if args.output else build.ROOT / "out" / "bundles" / f"{config.profile}-{config.appliance.version}"
-    key = build.signing_key_for(config, Path(args.signing_key) if args.signing_key else None)
     previous: Path | list[str] | None = None
     previous_version = None
     if args.previous:
@@ -317,6 +328,7 @@ def cmd_release(args: argparse.Namespace) -> int:
             previous = Path(args.previous)
         elif VERSION.fullmatch(args.previous):
             previous_version = args.previous
+            _check_newer(config, previous_version)  # before the keys: the first thing to fix
         else:
             raise UserError(
                 f"--previous {schema.shown(args.previous)}: no such bundle directory, and not a version",
@@ -326,6 +338,7 @@ def cmd_release(args: argparse.Namespace) -> int:
         previous = [*(previous if isinstance(previous, list) else []), *args.engine_digest]
         if args.previous and _is_dir(args.previous):
             raise UserError("--engine-digest and a --previous bundle directory exclude each other", hint="give one of them")
+    key = build.signing_key_for(config, Path(args.signing_key) if args.signing_key else None)
     index = make_bundle(config, out, bundle, key, previous, previous_version, with_install_image=args.install_image)
     total = sum(f.size for f in index.files)
     engine = "with" if any(f.name.startswith("engine_") for f in index.files) else "without"

@@ -217,13 +217,20 @@ def manifest_bytes(config: config_model.Config, root: Path = ROOT) -> bytes | No
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise UserError(f"{path}: no such file (model.weights_manifest)",
-                        hint=f"write it with: python3 -m builder --profile {config.profile} weights pin") from None
+        raise _write_manifest(config, f"{path}: no such file (model.weights_manifest)") from None
     model = wm.loads(data, str(path))
     if (model.model, model.revision) != (config.model.id, config.model.revision):
-        raise UserError(f"{path} pins {model.model}@{model.revision}, the configuration {config.model.id}@{config.model.revision}",
-                        hint=f"pin again: python3 -m builder --profile {config.profile} weights pin")
+        raise _write_manifest(config,
+                              f"{path} pins {model.model}@{model.revision}, the configuration {config.model.id}@{config.model.revision}")
     return data
+
+
+def _write_manifest(config: config_model.Config, message: str) -> UserError:
+    """MESSAGE with the command that writes the profile's weights manifest: the demo's weights are
+    generated (`weights demo`), every other profile's pinned from the Hub (`weights pin`)."""
+    if config.profile == "demo":
+        return UserError(message, hint="write it with `python3 -m builder --profile demo weights demo`")
+    return UserError(message, hint=f"write it with `python3 -m builder --profile {config.profile} weights pin`")
 
 
 def problems(config: config_model.Config, root: Path) -> list[UserError]:

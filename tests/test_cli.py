@@ -108,6 +108,34 @@ def test_status_that_crashes_is_unknown_3(tmp_path: Path, monkeypatch: pytest.Mo
     assert applianctl_main.main(["status"]) == 3
 
 
+@pytest.mark.parametrize("case", ["no configuration", "not a configuration", "usage error", "bad value", "refused option", "crash"])
+def test_status_that_cannot_run_says_what_and_what_to_do_in_two_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    # docs/status-schema.md: exit 3, stdout empty, stderr one line what and one line hint
+    config = tmp_path / "appliance.json"
+    if case == "not a configuration":
+        config.write_text("[]")  # valid JSON, not a configuration: the probes cannot run
+    monkeypatch.setenv("APPLIANCE_CONFIG", str(config))
+    if case == "crash":
+        from applianctl.status import collect
+
+        def crash() -> None:
+            raise RuntimeError("a fault of the code\nsecond line")
+
+        monkeypatch.setattr(collect, "load_device", crash)
+    argv = {"usage error": ["status", "--no-such-option"], "bad value": ["status", "--timeout-scale", "abc"],
+            "refused option": ["status", "--output", str(tmp_path / "out.prom")]}.get(case, ["status"])
+    assert applianctl_main.main(argv) == 3
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and len(lines) == 2, err
+    assert lines[0].startswith("applianctl status: unknown: ") and lines[1].startswith("hint: ")
+    assert "usage:" not in err and "Traceback" not in err
+    doc = (ROOT / "docs/status-schema.md").read_text()
+    assert "stderr is two lines" in doc and '"applianctl status: unknown: WHAT"' in doc
+
+
 def test_other_commands_keep_exit_2_for_bad_input() -> None:
     with pytest.raises(SystemExit) as e:
         applianctl_main.main(["restart"])

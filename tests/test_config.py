@@ -118,6 +118,23 @@ def test_maintenance_windows_reach_the_device_as_written(tmp_path: Path) -> None
     assert from_json(loaded.to_json(), tmp_path / "appliance.json").update == loaded.update
 
 
+@pytest.mark.parametrize(("new", "message", "hint"), [
+    ('[appliance]\nverison = "1.1.0"', "unknown key 'appliance.verison' = '1.1.0'",
+     "did you mean appliance.version? known keys here: name, version, min_version"),
+    ('[appliance]\ncolour = ["red", "green"]', "unknown key 'appliance.colour' = [...]", "known keys here: name, version, min_version"),
+    ('[appliance]\ncolour = "' + "r" * 200 + '"', "unknown key 'appliance.colour' = '" + "r" * 56 + "...",
+     "known keys here: name, version, min_version"),
+    ('[engine.health]\nintervall_s = 5', "unknown key 'engine.health.intervall_s' = 5",
+     "did you mean engine.health.interval_s? known keys here: "),
+])
+def test_an_unknown_key_is_named_with_its_value_and_the_keys_of_its_table(tmp_path: Path, new: str, message: str, hint: str) -> None:
+    path = _with(tmp_path, "[engine.health]" if new.startswith("[engine.health]") else "[appliance]", new)
+    with pytest.raises(ConfigError) as err:
+        config.load(path, "production")
+    assert err.value.message == f"{path}: {message}"
+    assert err.value.hint.startswith(hint) and "\n" not in err.value.hint
+
+
 @pytest.mark.parametrize(("old", "new", "key"), BAD)
 def test_bad_value_is_one_line_naming_file_key_and_value(tmp_path: Path, old: str, new: str, key: str) -> None:
     path = _with(tmp_path, old, new)

@@ -73,3 +73,19 @@ def test_every_dashboard_query_parses_and_names_only_exported_metrics(tmp_path: 
     (tmp_path / "dashboard.rules.yml").write_text(yaml.safe_dump(rules))
     check = subprocess.run([_promtool(), "check", "rules", str(tmp_path / "dashboard.rules.yml")], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_the_documented_promtool_command_runs_as_printed() -> None:
+    # make setup unpacks promtool into the host cache, not onto PATH: the documents give a make
+    # target (listed by make help) or the full path, never a bare `promtool ...` to type.
+    if not PROMTOOL.exists():
+        pytest.fail("promtool is missing: run `make setup` (it unpacks Debian's prometheus package)")
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    quoted = [code for path in docs for code in re.findall(r"`([^`\n]+)`", path.read_text())]
+    assert not [code for code in quoted if code.startswith("promtool ")]
+    assert "make promtool-test" in quoted
+    env = {**os.environ, "APPLIANCE_HOST_CACHE": str(PROMTOOL.parents[3])}
+    run = subprocess.run(["make", "-s", "promtool-test"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "SUCCESS" in run.stdout, run.stdout + run.stderr
+    helped = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "make promtool-test" in helped.stdout

@@ -68,11 +68,30 @@ def test_bundle_replaces_atomically_and_keeps_old_on_failure(tmp_path: Path, sig
 def test_versions_increase_strictly(tmp_path: Path, signing: tuple[Path, Path]) -> None:
     key, _ = signing
     first = bundle(tmp_path, key, "2.0.0")
-    with pytest.raises(UserError, match="not greater"):
+    with pytest.raises(UserError, match=r"2\.0\.0 is the same as the previous release 2\.0\.0"):
         bundle(tmp_path, key, "2.0.0", previous_version="2.0.0")
-    with pytest.raises(UserError, match="not greater"):
+    with pytest.raises(UserError, match=r"1\.9 is older than the previous release 2\.0\.0"):
         bundle(tmp_path, key, "1.9", previous_bundle_or_engine_digests=first)
     bundle(tmp_path, key, "2.0.1", previous_bundle_or_engine_digests=first)
+
+
+@pytest.mark.parametrize("profile", ["demo", "production"])
+def test_a_release_of_the_version_just_built_says_to_raise_the_version(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], profile: str
+) -> None:
+    # docs/upgrades.md's `release --previous VERSION` right after a build of that same version:
+    # the refusal names the version and the key to raise, before any key or build output is looked at
+    from appliance.config import load
+    from builder.__main__ import main
+
+    version = load(REPO / "appliance.toml", profile).appliance.version
+    argv = ["--profile", profile, "--config", str(REPO / "appliance.toml"), "release", "--build-output", str(tmp_path / "none"),
+            "--signing-key", str(tmp_path / "no.key"), "--output", str(tmp_path / "b"), "--previous", version]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"error: version {version} is the same as the previous release {version}: appliance.version was not raised",
+                   f"hint: raise appliance.version in appliance.toml above {version}, then `python3 -m builder --profile {profile} build`"]
+    assert not (tmp_path / "b").exists()
 
 
 def test_engine_image_only_when_its_digest_is_new(tmp_path: Path, signing: tuple[Path, Path]) -> None:

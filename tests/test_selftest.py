@@ -517,6 +517,24 @@ def test_command_exit_statuses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
     assert "could not run: amd-smi static: amd-smi is not installed" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("json_out", [False, True])
+def test_command_without_a_gpu_is_exit_3_with_a_hint(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                                     json_out: bool) -> None:
+    # a machine with no AMD GPU (a QEMU guest): no KFD topology, no tool lists a GPU
+    nothing = Readings(problems=("amd-smi static: amd-smi is not installed",), kfd_nodes={})
+    monkeypatch.setattr(command, "collect", lambda run, timeout: nothing)
+    assert applianctl_main.main(["selftest", *(["--json"] if json_out else [])]) == 3
+    out, err = capsys.readouterr()
+    assert ("could not run: amd-smi static" in out) if not json_out else json.loads(out)["could_not_run"]
+    assert err.startswith("hint: no amdgpu/KFD device: on a machine without an AMD GPU the self-test cannot run (in QEMU that is expected)")
+    assert len(err.splitlines()) == 1
+    # the KFD sees GPUs but the tools list none: the hint is the tools, not the hardware
+    tools_missing = healthy(static=None, metric=None, problems=("amd-smi static: amd-smi is not installed",))
+    monkeypatch.setattr(command, "collect", lambda run, timeout: tools_missing)
+    assert applianctl_main.main(["selftest"]) == 3
+    assert capsys.readouterr().err.startswith("hint: the KFD sees a GPU but neither amd-smi nor rocm-smi listed it")
+
+
 def test_command_bad_previous_report_is_exit_2_with_a_hint(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     bad = tmp_path / "selftest.json"
     bad.write_text("{not json")
@@ -534,7 +552,9 @@ def test_command_that_breaks_could_not_run(monkeypatch: pytest.MonkeyPatch, caps
 
     monkeypatch.setattr(command, "collect", broken)
     assert applianctl_main.main(["selftest"]) == 3
-    assert "could not run: RuntimeError: boom" in capsys.readouterr().err
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["applianctl selftest: could not run: RuntimeError: boom",
+                   "hint: the self-test broke: run `applianctl --debug selftest` for the traceback"]
 
 
 def test_facts_name_each_gpu_by_its_key() -> None:
@@ -634,11 +654,14 @@ def test_at_boot_a_failed_gpu_no_engine_uses_is_reported_not_fatal(device: Any, 
     assert part.state == "ok" and part.details["selftest"]["failed_used_gpus"] == [], part
 
 
-def test_at_boot_could_not_run_blocks_only_where_a_gpu_is_required(device: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_at_boot_could_not_run_blocks_only_where_a_gpu_is_required(
+    device: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from appliance import paths
 
     nothing = Readings(problems=("amd-smi static: amd-smi is not installed",))
     assert _boot(monkeypatch, nothing) == 3
+    assert "hint: no amdgpu/KFD device: " in capsys.readouterr().err
     assert json.loads(paths.GPU_SELFTEST.read_text())["could_not_run"]
     assert not paths.gpu_selftest_baseline_path().exists()
     device(False)

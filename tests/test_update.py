@@ -810,6 +810,28 @@ def test_check_says_what_would_be_installed_and_writes_nothing(
     assert not (device.root / "state").exists() and device.writes() == []
 
 
+@pytest.mark.parametrize("where", ["unresolvable", "refused"])
+def test_check_without_a_way_to_the_server_names_the_host_and_what_failed(
+    tmp_path: Path, device: Device, signing: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    import socket
+
+    _, trusted = signing
+    with socket.socket() as s:  # bound, never listening: a connection to it is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        source, first = {
+            "unresolvable": ("https://updates.invalid/demo/", "applianctl: cannot resolve updates.invalid: "),  # no DNS asked of the world
+            "refused": (f"https://127.0.0.1:{port}/demo/", f"applianctl: cannot connect to 127.0.0.1:{port}: Connection refused"),
+        }[where]
+        code, out, err = _cli(["update", "--check", source], device, trusted, monkeypatch, capsys)
+    lines = err.splitlines()
+    assert code == 2 and out == "" and len(lines) == 2, err
+    assert lines[0].startswith(first) and "gaierror" not in lines[0] and "Error" not in lines[0]
+    assert lines[1] == "hint: check this host's network and DNS, and the server's name and port in the URL"
+    assert device.writes() == []
+
+
 def test_not_enough_free_space_is_refused_before_downloading(
     tmp_path: Path, device: Device, signing: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -695,10 +695,15 @@ def test_validate_and_build_refuse_a_missing_or_foreign_weights_manifest(tmp_pat
     missing = dataclasses.replace(demo, model=dataclasses.replace(demo.model, weights_manifest="weights/none.json"))
     (found,) = [e for e in validate.problems(missing, ROOT) if "weights" in e.message]
     assert found.message.endswith("weights/none.json: no such file (model.weights_manifest)")
-    assert "builder --profile demo weights pin" in found.hint
+    # the demo's weights are generated, not pinned from the Hub
+    assert found.hint == "write it with `python3 -m builder --profile demo weights demo`"
     other = dataclasses.replace(pinned, model=dataclasses.replace(pinned.model, revision="b" * 40))
     (found,) = weights.problems(other, ROOT)
     assert "pins standin/tiny-demo@0000000000000000000000000000000000000001, the configuration" in found.message
+    assert found.hint == "write it with `python3 -m builder --profile demo weights demo`"
+    production = dataclasses.replace(missing, profile="production")
+    (found,) = weights.problems(production, ROOT)
+    assert found.hint == "write it with `python3 -m builder --profile production weights pin`"
     tree = tmp_path / "tree"
     weights.install(pinned, tree)
     assert (tree / "usr/lib/appliance/weights.json").read_bytes() == (ROOT / "weights/demo.json").read_bytes()

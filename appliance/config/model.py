@@ -443,8 +443,8 @@ class ConfigLoader(schema.Loader):
         shown = repr(value) if not isinstance(value, dict) else "{...}"
         return ConfigError(f"{self.where}: {key} = {shown}: invalid", hint=f"expected {expected}")
 
-    def unknown(self, key: str, known: list[str]) -> ConfigError:
-        return ConfigError(f"{self.where}: unknown key {key!r}", hint=f"known keys here: {', '.join(known)}")
+    def unknown(self, key: str, value: Any, known: list[str]) -> ConfigError:
+        return ConfigError(f"{self.where}: unknown key {key!r} = {schema.shown(value, 60)}", hint=schema.known_keys(key, known))
 
     def missing(self, key: str, tp: Any) -> ConfigError:
         return ConfigError(f"{self.where}: missing key {key!r}", hint=f"add {key} ({schema.type_name(tp)})")

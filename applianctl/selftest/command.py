@@ -3,7 +3,8 @@
 appliance-gpu-selftest.service, before every engine start.
 
 Exit 0 when every GPU passed, 1 when a GPU failed (the report says which and why), 2 for bad input
-(one line and a hint), 3 when it could not run (no tool listed the GPUs, or the test itself broke).
+(one line and a hint), 3 when it could not run (no tool listed the GPUs, or the test itself broke),
+with a hint: no amdgpu/KFD device (no AMD GPU, a QEMU guest), or the tools that list GPUs.
 
 --at-boot judges the GPUs the topology uses (0 .. topology.gpus - 1) against the correctable ECC
 counts of the last run in which they passed (paths.gpu_selftest_baseline_path(), kept on /var),
@@ -33,10 +34,22 @@ from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped, se
 from appliance.schema import from_json
 from applianctl.records import SelftestBaseline
 from applianctl.selftest.checks import EXIT_COULD_NOT_RUN, FAILED, NOT_CHECKED, Expectations, Report, run
-from applianctl.selftest.readings import DEADLINE_S, collect
+from applianctl.selftest.facts import kfd_sees_a_gpu
+from applianctl.selftest.readings import DEADLINE_S, Readings, collect
 from applianctl.status.probes import run_command
 
 _HINT = "pass a report `applianctl selftest --json` printed, or leave --previous out"
+
+
+def could_not_run_hint(readings: Readings | None) -> str:
+    """What to do when the self-test could not run (exit 3): without a GPU the KFD sees, nothing
+    to test (a machine without an AMD GPU, a QEMU guest); with one, the tools that list it."""
+    if readings is None:
+        return "the self-test broke: run `applianctl --debug selftest` for the traceback"
+    if not kfd_sees_a_gpu(readings.kfd_nodes):
+        return ("no amdgpu/KFD device: on a machine without an AMD GPU the self-test cannot run (in QEMU that is expected); "
+                "on a GPU host, check that the amdgpu driver is loaded (journalctl -k | grep amdgpu)")
+    return "the KFD sees a GPU but neither amd-smi nor rocm-smi listed it: check that amd-smi is installed and that amd-smi list works"
 
 
 def previous_counts(path: Path) -> Mapping[str, Any] | None:
@@ -93,9 +106,11 @@ def at_boot(debug: bool = False) -> int:
     except UserError as e:  # a damaged baseline is no reason to keep every GPU out: start afresh
         print(f"applianctl selftest: {e.message}; starting from this run's counts", file=sys.stderr)
         previous = None
+    readings = None
     try:
         expected = Expectations(gpu_count=config.topology.gpus, render_node_per_gpu=config.replicas > 1)
-        report = run(collect(run_command, DEADLINE_S), expected, previous)
+        readings = collect(run_command, DEADLINE_S)
+        report = run(readings, expected, previous)
         failure = ""
     except Exception as e:
         if debug:
@@ -109,7 +124,10 @@ def at_boot(debug: bool = False) -> int:
         _keep_baseline(baseline, report.correctable_counts)
     print(render(report) if report is not None else f"could not run: {failure}")
     if report is None or report.could_not_run:
-        return EXIT_COULD_NOT_RUN if config.gpu.required else 0
+        if not config.gpu.required:
+            return 0
+        print(f"hint: {could_not_run_hint(readings)}", file=sys.stderr)
+        return EXIT_COULD_NOT_RUN
     out = replicas_out(config.topology, failed_used)
     if out:
         print(f"GPU(s) {', '.join(map(str, failed_used))} failed: replica(s) {', '.join(map(str, out))} stay stopped", file=sys.stderr)
@@ -173,13 +191,17 @@ def main(args: argparse.Namespace) -> int:
         return at_boot(getattr(args, "debug", False))
     previous = previous_counts(args.previous) if args.previous is not None else None
     try:
-        report = run(collect(run_command, DEADLINE_S), Expectations(), previous)
+        readings = collect(run_command, DEADLINE_S)
+        report = run(readings, Expectations(), previous)
     except Exception as e:  # a self-test that breaks has not run: never a traceback read as "GPU failed"
         if args.debug:
             raise
         print(f"applianctl selftest: could not run: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        print(f"hint: {could_not_run_hint(None)}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
     print(json.dumps(report.to_json(), indent=2) if args.json else render(report))
+    if report.could_not_run:
+        print(f"hint: {could_not_run_hint(readings)}", file=sys.stderr)
     return report.exit_status
 
 

@@ -259,6 +259,11 @@ def _render_minors(nodes: Mapping[str, str]) -> dict[str, int]:
     return {bdf: minor for bdf, (_, minor) in _kfd_gpus(nodes).items() if minor is not None}
 
 
+def kfd_sees_a_gpu(nodes: Mapping[str, str] | None) -> bool:
+    """Whether the KFD topology (None: unread) has a GPU node: without one there is nothing to test."""
+    return bool(_kfd_gpus(nodes or {}))
+
+
 def _kfd_gpus(nodes: Mapping[str, str]) -> dict[str, tuple[str | None, int | None]]:
     found: dict[str, tuple[str | None, int | None]] = {}
     for props in nodes.values():

@@ -219,8 +219,7 @@ def run(args: argparse.Namespace, src: Sources | None = None) -> int:
     except UserError as e:
         # Could not run: "unknown" (3), never "down" (2), which a monitor would page on as an outage.
         print(f"applianctl status: unknown: {e.message}", file=sys.stderr)
-        if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr)
+        print(f"hint: {e.hint or 'see `applianctl status --help`'}", file=sys.stderr)
         return UNKNOWN_EXIT
     if args.json:
         json.dump(doc, sys.stdout, indent=2)
