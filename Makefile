@@ -5,7 +5,7 @@ PY := .venv/bin/python
 BUILDER := $(PY) -m builder
 .DEFAULT_GOAL := help
 
-.PHONY: help setup setup-dev check demo build-demo qemu test test-extended lint unit integration bench promtool-test clean
+.PHONY: help setup setup-dev check demo build-demo qemu test test-extended lint unit integration bench promtool-test man clean
 
 help:
 	@echo "make demo   build the demo image, boot it in QEMU, print the guest's applianctl status"
@@ -13,11 +13,13 @@ help:
 	@echo "make qemu   boot the demo image interactively (serial console; Ctrl-a x leaves)"
 	@echo "make test-extended  the longer QEMU scenarios (bad versions roll back by themselves);"
 	@echo "                    GROUPS='install rollback weights' picks named groups (default: all)"
-	@echo "make bench  build-time and status-latency figures against baselines run alongside"
+	@echo "make bench  every figure against a baseline run alongside, into out/bench.json and out/bench.md"
 	@echo "make setup  install what the host needs (run by demo and test)"
 	@echo "make check  the fast loop, no root: ruff, mypy and the unit tests that start no real program"
 	@echo "            (those marked programs run in make test's unit tier)"
 	@echo "make setup-dev  the venv alone, no root, no apt (run by check and lint)"
+	@echo "make man    man pages and bash completion of the builder and applianctl into out/man, out/completion"
+	@echo "            (man -l out/man/man1/builder.1; the image carries applianctl's, generated at build)"
 	@echo "make promtool-test  check the alert rules in monitoring/ and run their unit tests"
 	@echo "                    (with the promtool make setup unpacks; it is not on PATH)"
 
@@ -75,6 +77,16 @@ promtool-test:
 	@test -x $(PROMTOOL) || { echo "no promtool at $(PROMTOOL)" >&2; echo "hint: run make setup (as root) first" >&2; exit 2; }
 	$(PROMTOOL) check rules monitoring/appliance.rules.yml
 	cd monitoring && $(PROMTOOL) test rules appliance.rules.test.yml
+
+# Generated from the argument parsers (appliance/cli_docs.py), never committed. The builder's
+# completion is for a command named builder: alias builder='.venv/bin/python -m builder'.
+MAN_VERSION = $(shell $(PY) -c 'from builder.__main__ import project_version; print(project_version())')
+
+man: setup-dev
+	$(PY) -m appliance.cli_docs builder.__main__:build_parser --name builder --section 1 --version $(MAN_VERSION) \
+		--man-dir out/man --completion-dir out/completion
+	$(PY) -m appliance.cli_docs applianctl.__main__:build_parser --name applianctl --section 8 --version $(MAN_VERSION) \
+		--man-dir out/man --completion-dir out/completion
 
 clean:
 	rm -rf build out

@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import TextIO
 
+from appliance import terminal
+
 EVERY_S = float(os.environ.get("APPLIANCE_PROGRESS_EVERY_S", "10"))
 _REDRAW_S = 0.1
 _BAR = 30
@@ -64,6 +66,7 @@ class Progress:
         self.started = self.clock()
         self._last = self.started
         self._lock = threading.Lock()
+        self._line = _Line(self.out, self.tty)
 
     def __enter__(self) -> Progress:
         return self
@@ -117,16 +120,29 @@ class Progress:
             self._write(f"{self.line(now)}, {end}", final=True)
 
     def _write(self, text: str, final: bool = False) -> None:
-        _write(self.out, self.tty, text, final)
+        self._line.write(text, final)
 
 
-def _write(out: TextIO, tty: bool, text: str, final: bool) -> None:
-    """On a terminal TEXT replaces the line (ended when FINAL); elsewhere it is a line of its own."""
-    if tty:
-        out.write("\r\033[K" + text + ("\n" if final else ""))
-    else:
-        out.write(text + "\n")
-    out.flush()
+class _Line:
+    """Where a step's text goes. On a terminal TEXT replaces the line (ended when FINAL): erased by
+    an escape sequence, or, with NO_COLOR or TERM=dumb, overwritten with spaces past its end;
+    elsewhere each text is a line of its own."""
+
+    def __init__(self, out: TextIO, tty: bool) -> None:
+        self.out = out
+        self.tty = tty
+        self.erase = tty and not terminal.plain_text_asked()
+        self.shown = 0  # the width of the text on the terminal's line now
+
+    def write(self, text: str, final: bool = False) -> None:
+        if not self.tty:
+            self.out.write(text + "\n")
+        elif self.erase:
+            self.out.write("\r\033[K" + text + ("\n" if final else ""))
+        else:
+            self.out.write("\r" + text.ljust(self.shown) + ("\n" if final else ""))
+            self.shown = 0 if final else len(text)
+        self.out.flush()
 
 
 @contextmanager
@@ -146,10 +162,11 @@ def step(
     clock = clock or time.monotonic
     started = clock()
     lock = threading.Lock()
+    line = _Line(out, tty)
 
     def say(text: str, final: bool = False) -> None:
         with lock:  # the ticker thread and the step's end
-            _write(out, tty, text, final)
+            line.write(text, final)
 
     say(f"{what} ...")
     stop = threading.Event()

@@ -14,6 +14,7 @@ import importlib
 import io
 import sys
 
+from appliance import cli_help, run
 from appliance.errors import UserError, run_reporting
 from applianctl import __version__
 
@@ -91,7 +92,13 @@ def global_options(parser: argparse.ArgumentParser, top: bool) -> None:
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="applianctl", description="Inspect and operate the appliance.")
+    parser = argparse.ArgumentParser(prog="applianctl")
+    cli_help.describe(
+        parser, "Inspect and operate the appliance.",
+        examples=["applianctl status", "applianctl --debug verify"],
+        exit_codes=[cli_help.OK, (1, "the command found a fault, or was refused"), cli_help.BAD_INPUT],
+        details="Each COMMAND's --help names its own exit statuses (status: 0 ok, 1 degraded, 2 down, 3 unknown).",
+    )
     parser.add_argument("--version", action=_Version)
     global_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -130,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(said.getvalue())
         raise
     sys.stderr.write(said.getvalue())
+    run.set_debug(args.debug)
     if not getattr(args, "func", None):
-        parser.print_help()
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: a COMMAND is required (`{parser.prog} --help` lists them)", file=sys.stderr)
         return 2
     if command == "status" and not args.debug:
         try:

@@ -28,7 +28,8 @@ def text(config: Config, src: Sources | None = None) -> str:
     out = io.StringIO()
     status.render(doc, out, colour=False)
     # the CA and the addresses come from the same (guarded) probes as status: one reading
-    tls, host = doc["parts"].get("tls", {}), doc["parts"].get("host", {})
+    parts = doc.to_json()["parts"]
+    tls, host = parts.get("tls", {}), parts.get("host", {})
     addresses = host.get("addresses")
     lines = [
         "",

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from appliance import paths
+from appliance import cli_help, paths
 from appliance.atomic import write_record
 from appliance.errors import UserError
 from appliance.safe_read import file_kind, read_capped
@@ -349,10 +349,11 @@ def run_at_boot(var: Path, cache_dir: str, cmdline: str, booted: BootedEntry | N
 # -------------------------------------------------------------------------------- the command
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "factory-reset",
-        help="wipe /var at the next boot, keeping the per-host settings (and the weights if asked)",
-        description="Wipe /var at the next boot, so that the appliance is as it was right after install: the per-host "
+    p = cli_help.verb_parser(
+        subparsers, "factory-reset", "wipe /var at the next boot, keeping the per-host settings (and the weights if asked)",
+        examples=["applianctl factory-reset --yes --keep-weights --reboot", "applianctl factory-reset --cancel"],
+        exit_codes=[(0, "the reset is asked for (or withdrawn)"), (2, "bad input, not confirmed (no --yes), or not root")],
+        details="The appliance is then as it was right after install: the per-host "
         "settings (install plan, SSH and TLS keys) are kept unless --all, the model weights only with --keep-weights.",
     )
     p.add_argument("--keep-weights", action="store_true", help="keep the model weights (checked again before the engine starts)")

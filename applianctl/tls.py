@@ -17,7 +17,6 @@ import ipaddress
 import json
 import shutil
 import socket
-import subprocess
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from appliance import paths
+from appliance import cli_help, paths
 from appliance.atomic import atomic_write
 from appliance.certs import (  # noqa: F401  (applianctl.tls.NAME, as before the move)
     BACKDATE,
@@ -55,7 +54,7 @@ from appliance.certs import (  # noqa: F401  (applianctl.tls.NAME, as before the
 )
 from appliance.errors import UserError
 from appliance.host_settings import load_device
-from appliance.run import call
+from appliance.run import SubprocessError, call
 
 PROXY_UNIT = "appliance-proxy.service"
 PROXY_GROUP = "caddy"  # Debian's caddy package creates it; appliance-proxy.service runs as caddy
@@ -129,7 +128,7 @@ def host_interfaces() -> list[ipaddress.IPv4Interface | ipaddress.IPv6Interface]
         if proc.returncode != 0:
             raise OSError(f"ip exited with status {proc.returncode}")
         links = json.loads(proc.stdout)
-    except (OSError, subprocess.SubprocessError, json.JSONDecodeError) as e:
+    except (OSError, SubprocessError, json.JSONDecodeError) as e:
         print(f"applianctl tls: cannot read the host's addresses ({e}); loopback only", file=sys.stderr)
         links = []
     for link in links:
@@ -422,13 +421,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("tls", help="the appliance CA and the proxy's certificate")
+    show_codes = [(0, "shown (also when there is no CA yet)"), cli_help.BAD_INPUT]
+    p = cli_help.verb_parser(
+        subparsers, "tls", "the appliance CA and the proxy's certificate",
+        examples=["applianctl tls", "applianctl tls show --json", "applianctl tls generate"],
+        exit_codes=[(0, "success"), cli_help.BAD_INPUT],
+        details="Without an ACTION: show.",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_show)
     sub = p.add_subparsers(dest="tls_command", metavar="ACTION")
-    show = sub.add_parser("show", help="CA fingerprint, server names and expiry (the default)")
+    show = cli_help.verb_parser(sub, "show", "CA fingerprint, server names and expiry (the default)",
+                                examples=["applianctl tls show --json"], exit_codes=show_codes)
     show.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
     show.set_defaults(func=cmd_show)
-    gen = sub.add_parser("generate", help="create the CA and (re)new the server certificate when due")
+    gen = cli_help.verb_parser(
+        sub, "generate", "create the CA and (re)new the server certificate when due",
+        examples=["applianctl tls generate", "applianctl tls generate --no-reload"],
+        exit_codes=[(0, "the CA and the certificate are in place (renewed or not due)"),
+                    (2, "bad input, or they cannot be written (not root; one line and a hint)")],
+    )
     gen.add_argument("--no-reload", action="store_true", help="do not reload appliance-proxy.service after a renewal")
     gen.set_defaults(func=cmd_generate)

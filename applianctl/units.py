@@ -5,14 +5,13 @@ appliance's units, by short name, so an operator never has to know the unit name
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 from typing import Any
 
-from appliance import paths
+from appliance import cli_help, paths
 from appliance.errors import UserError
-from appliance.run import call
+from appliance.run import call, replace
 
 # "engine" is every replica (journalctl and systemctl take the glob); one replica alone: engine@I.
 LOG_UNITS = {
@@ -50,7 +49,7 @@ def _exec(argv: list[str]) -> int:
     """Replace this process with ARGV (so journalctl -f owns the terminal and its signals)."""
     if shutil.which(argv[0]) is None:
         raise UserError(f"{argv[0]}: not installed", hint="run this on the appliance")
-    os.execvp(argv[0], argv)
+    replace(argv)
 
 
 def logs_argv(args: argparse.Namespace) -> list[str]:
@@ -104,7 +103,12 @@ def run_restart(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("logs", help="show a unit's journal: " + ", ".join(LOG_UNITS))
+    p = cli_help.verb_parser(
+        subparsers, "logs", "show a unit's journal: " + ", ".join(LOG_UNITS),
+        examples=['applianctl logs engine --since "1 hour ago"', "applianctl logs proxy -f"],
+        exit_codes=[(0, "shown (journalctl's own status)"), (1, "journalctl failed"), cli_help.BAD_INPUT],
+        details="Runs journalctl, which owns the terminal from then on.",
+    )
     p.add_argument("part", nargs="?", default="engine", type=part_name,
                    help=f"which unit: {', '.join(LOG_UNITS)} or engine@I (default engine: every replica)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
@@ -113,6 +117,10 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run_logs)
 
     for verb, what in (("start", "start"), ("stop", "stop"), ("restart", "restart (resetting its start limit)")):
-        p = subparsers.add_parser(verb, help=f"{what} the engine or the proxy")
+        p = cli_help.verb_parser(
+            subparsers, verb, f"{what} the engine or the proxy",
+            examples=[f"applianctl {verb} engine", f"applianctl {verb} engine@1"],
+            exit_codes=[(0, f"systemctl {verb} succeeded"), (1, f"systemctl {verb} failed (its own message)"), cli_help.BAD_INPUT],
+        )
         p.add_argument("part", help="engine (every replica), engine@I (replica I) or proxy")
         p.set_defaults(func=run_control, verb=verb)

@@ -21,10 +21,11 @@ from pathlib import Path
 
 from appliance import bundle, config
 from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
-from bench.common import ROOT, elapsed, image_root, row, sh, undo
+from bench.common import ROOT, Figure, elapsed, image_root, measured, sh, sysupdate_argv, undo
 from builder import build
 
 MIB = 1 << 20
+SLOT_GOAL = 1.3  # ours / dd, at most
 # The image's engine component, when it has one (what `applianctl update` runs); else the
 # transfers docs/disk-layout.md describes.
 IMAGE_TRANSFERS = ROOT / "image/mkosi.extra/usr/lib/sysupdate.engine.d"
@@ -53,7 +54,7 @@ def transfers(device: str) -> tuple[dict[str, str], str]:
     return {name: transfer(*spec, device) for name, spec in DESCRIBED.items()}, "docs/disk-layout.md's"
 
 
-def _generated_store(work: Path, size: int) -> tuple[Path, Path]:
+def generated_store(work: Path, size: int) -> tuple[Path, Path]:
     """An erofs of SIZE random bytes (incompressible, like image layers) and its hash tree."""
     tree = work / "tree"
     tree.mkdir()
@@ -78,15 +79,26 @@ def _digest(device: str, start: int, length: int) -> str:
     return h.hexdigest()
 
 
-def bench_engine_slot_write(demo: config.Config) -> None:
-    """The demo's own store (tiny: the fixed costs of blkdiscard and systemd-sysupdate dominate),
-    then a generated 1 GiB one (the cost per byte, which is what a production engine of tens of
-    GB pays)."""
-    _engine_slot_write(demo, generated=0)
-    _engine_slot_write(demo, generated=1 << 30)
+def slot_table(sizes: list[int]) -> str:
+    """The sfdisk script of a disk holding both engine slots, each a store and its hash tree of
+    SIZES bytes: slot A another engine (the running one, as far as this bench goes), slot B free."""
+    return "label: gpt\n" + "".join(
+        f"size={size // 512}, type={kind}, name={name}\n"
+        for name, kind, size in (
+            ("engine_000000000000", ENGINE_TYPE, sizes[0]), ("engine_000000000000-verity", ENGINE_VERITY_TYPE, sizes[1]),
+            ("_empty", ENGINE_TYPE, sizes[0]), ("_empty", ENGINE_VERITY_TYPE, sizes[1]),
+        )
+    )
 
 
-def _engine_slot_write(demo: config.Config, generated: int) -> None:
+def bench_engine_slot_write(demo: config.Config, generated: tuple[int, ...] = (0, 1 << 30)) -> list[Figure]:
+    """For each of GENERATED: 0, the demo's own store (tiny: the fixed costs of blkdiscard and
+    systemd-sysupdate dominate); else a generated store of that many bytes (1 GiB: the cost per
+    byte, which is what a production engine of tens of GB pays)."""
+    return [engine_slot_write(demo, size) for size in generated]
+
+
+def engine_slot_write(demo: config.Config, generated: int) -> Figure:
     out = build.output_dir(demo)
     version = demo.appliance.version
     usr = out / f"appliance_{version}.usr.raw"
@@ -98,21 +110,13 @@ def _engine_slot_write(demo: config.Config, generated: int) -> None:
     try:
         images = [out / f"appliance_{version}.engine.raw", out / f"appliance_{version}.engine-verity.raw"]
         if generated or not all(p.is_file() for p in images):
-            images = list(_generated_store(work, generated or demo.engine.slot_bytes // 2))
+            images = list(generated_store(work, generated or demo.engine.slot_bytes // 2))
         short = bundle.engine_short(demo.engine.digest)
         disk = work / "disk.img"
         sizes = [-(-p.stat().st_size // MIB) * MIB for p in images]
         with open(disk, "wb") as f:
             f.truncate(2 * sum(sizes) + 4 * MIB)
-        # slot A: another engine (the running one, as far as this bench goes); slot B: free
-        table = "label: gpt\n" + "".join(
-            f"size={size // 512}, type={kind}, name={name}\n"
-            for name, kind, size in (
-                ("engine_000000000000", ENGINE_TYPE, sizes[0]), ("engine_000000000000-verity", ENGINE_VERITY_TYPE, sizes[1]),
-                ("_empty", ENGINE_TYPE, sizes[0]), ("_empty", ENGINE_VERITY_TYPE, sizes[1]),
-            )
-        )
-        subprocess.run(["sfdisk", "-q", str(disk)], input=table, text=True, check=True)
+        subprocess.run(["sfdisk", "-q", str(disk)], input=slot_table(sizes), text=True, check=True)
         loop = sh("losetup", "-f", "--show", str(disk)).strip()
         parts = json.loads(sh("sfdisk", "-J", loop))["partitiontable"]["partitions"]
         slot_a = [(int(p["start"]) * 512, int(p["size"]) * 512) for p in parts[:2]]
@@ -138,7 +142,7 @@ def _engine_slot_write(demo: config.Config, generated: int) -> None:
                 sh("blkdiscard", "--force", "--zeroout", "--offset", str(start), "--length", str(length), loop)
             for i in (3, 4):
                 sh("sfdisk", "-q", "--part-label", loop, str(i), "_empty")
-            sh("chroot", str(root), "/usr/lib/systemd/systemd-sysupdate", "--definitions=/defs", "--no-pager", "update", short)
+            sh(*sysupdate_argv(root, short))
             sh("sync")
 
         base = elapsed(plain)
@@ -152,11 +156,10 @@ def _engine_slot_write(demo: config.Config, generated: int) -> None:
             raise RuntimeError("writing slot B changed slot A")
         mib = sum(p.stat().st_size for p in images) / MIB
         what = "generated" if images[0].parent == work else "demo"
-        row(f"write an engine slot, {what} {mib:.0f} MiB (vs dd)", mine, base, "target <= 1.3x")
-        print(f"  with {origin} engine transfers")
         # this host has no loop partitions to count writes through; the QEMU journey counts them on
         # the guest's own partitions (testkit/bootcheck.py, tests/integration/test_image_upgrade.py)
-        print("  slot A (the running engine) meanwhile: SHA-256 unchanged")
+        return measured(f"write an engine slot, {what} {mib:.0f} MiB (vs dd)", mine, base, "s", at_most=SLOT_GOAL,
+                        note=f"with {origin} engine transfers; slot A (the running engine) meanwhile: SHA-256 unchanged")
     finally:
         undo(mounts, loop, work)
 
@@ -164,4 +167,4 @@ def _engine_slot_write(demo: config.Config, generated: int) -> None:
 if __name__ == "__main__":  # one size: python3 -m bench.engine [BYTES] (0: the demo's store)
     import sys
 
-    _engine_slot_write(config.load(ROOT / "appliance.toml", "demo"), int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    engine_slot_write(config.load(ROOT / "appliance.toml", "demo"), int(sys.argv[1]) if len(sys.argv) > 1 else 0)

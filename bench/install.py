@@ -16,11 +16,15 @@ All on a loop device over a file of the size the installer asks for (`required_b
 Debian 13's systemd-repart and mkfs.ext4 from mkosi's tools tree in a chroot (the host's systemd
 may predate the image's definitions; the appliance's /usr has no mkfs.ext4). What this host cannot
 give the installer is stood in for by the runner, and is named there: partition nodes and udev
-(containers have neither) and the firmware's boot entries (efibootmgr would change this host's).
+(containers have neither), the TPM2 enrollment of /var (no TPM; /var is made with the installer's
+key file and gets its recovery key for real) and the firmware's boot entries and Secure Boot keys
+(efibootmgr would change this host's). The definitions are the installer's own
+(builder/installer_uki.py `repart_definitions`: /var with a key file, not the image's Encrypt=tpm2).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -32,59 +36,74 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle, config, manifest
-from appliance import plan as plan_model
-from bench.common import ROOT, ratio, ratio_row, verdict
-from builder import build, release, render
-from installer import install as installer
+from appliance import bundle, config, manifest, plan
+from bench.common import ROOT, Figure, measured, sh
+from builder import build, installer_uki, release
+from installer import install
 
 TOOLS_TREE = Path(os.environ.get("APPLIANCE_TOOLS_TREE", "/var/cache/appliance-host/mkosi-cache/tools.cache"))
-IMAGE_REPART = ROOT / "image/mkosi.extra/usr/lib/repart.d"
 INSTALL_GOAL = 1.3  # installer / by hand, at most
 SERIAL = "BENCH-LOOP-DISK"
-
-
-def _sh(*argv: str) -> str:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{argv[0]} {argv[1] if len(argv) > 1 else ''} failed: {proc.stderr.strip()[-800:]}")
-    return proc.stdout
+CHROOT_KEY = "/run/var.key"  # where the chroot's systemd-repart reads the install's key file
+RUNS = 3
 
 
 class LoopRunner:
     """The installer's Runner for loop device DISK on a build host. systemd-repart runs from the
-    chroot ROOT (definitions at /defs); `lsblk` of DISK is answered from its partition table, with
-    a loop device per partition (made then, counted in the time; containers get no partition
-    nodes); `udevadm` and `partx` have nothing to do (no udev); `efibootmgr` edits a boot list of
-    its own instead of this host's firmware. Every other command runs as given."""
+    chroot ROOT (definitions at /defs, the install's key file copied to CHROOT_KEY: the chroot sees
+    neither of the host's paths); `lsblk` of DISK is answered from its partition table, with a loop
+    device per partition (made then, counted in the time; containers get no partition nodes);
+    `udevadm` and `partx` have nothing to do (no udev); the TPM2 enrollment is skipped (a build
+    host has no TPM to seal /var to; the recovery key is enrolled for real); `efibootmgr` edits a
+    boot list of its own instead of this host's firmware. Every other command runs as given, and
+    SKIPPED names what was stood in for."""
 
     def __init__(self, root: Path, disk: str) -> None:
         self.root, self.disk = root, disk
         self.partitions: dict[tuple[int, int], str] = {}
         self.boot = {"0000": "debian"}
         self.order = ["0000"]
+        self.skipped: list[str] = []
+
+    def command(self, argv: Sequence[str]) -> list[str] | None:
+        """What runs for ARGV on this host: the chroot's systemd-repart for the installer's, None
+        for what is stood in for here, ARGV itself for the rest."""
+        argv = list(argv)
+        if argv[0] == "systemd-repart":
+            args = []
+            for a in argv[1:]:
+                if a.startswith("--definitions="):
+                    a = "--definitions=/defs"
+                elif a.startswith("--key-file="):
+                    shutil.copyfile(a.split("=", 1)[1], self.root / CHROOT_KEY.lstrip("/"))
+                    a = f"--key-file={CHROOT_KEY}"
+                args.append(a)
+            return ["chroot", str(self.root), "systemd-repart", *args]
+        if argv[0] in ("udevadm", "partx") or argv[0] == "efibootmgr" or (
+                argv[0] == "systemd-cryptenroll" and any(a.startswith("--tpm2-device=") for a in argv)):
+            return None
+        return argv
 
     def __call__(self, argv: Sequence[str]) -> str:
         argv = list(argv)
-        if argv[0] == "systemd-repart":
-            return _sh("chroot", str(self.root), "systemd-repart",
-                       *["--definitions=/defs" if a.startswith("--definitions=") else a for a in argv[1:]])
-        if argv[0] in ("udevadm", "partx"):
-            return ""
         if argv[0] == "efibootmgr":
             return self.efibootmgr(argv[1:])
         if argv[:4] == ["lsblk", "--json", "-O", "-b"] and argv[4:] == [self.disk]:
             return json.dumps(self.lsblk())
-        return _sh(*argv)
+        command = self.command(argv)
+        if command is None:
+            self.skipped.append(argv[0])
+            return ""
+        return sh(*command)
 
     def lsblk(self) -> dict[str, Any]:
-        table = json.loads(_sh("sfdisk", "-J", self.disk))["partitiontable"]
+        table = json.loads(sh("sfdisk", "-J", self.disk))["partitiontable"]
         sector = int(table.get("sectorsize", 512))
         children = []
         for n, p in enumerate(table.get("partitions", []), 1):
             span = (int(p["start"]) * sector, int(p["size"]) * sector)
             if span not in self.partitions:
-                self.partitions[span] = _sh("losetup", "-f", "--show", "-o", str(span[0]), "--sizelimit", str(span[1]),
+                self.partitions[span] = sh("losetup", "-f", "--show", "-o", str(span[0]), "--sizelimit", str(span[1]),
                                             self.disk).strip()
             children.append({"path": self.partitions[span], "type": "part", "partn": n, "partuuid": p["uuid"].lower(),
                              "partlabel": p.get("name", ""), "parttype": p["type"].lower()})
@@ -117,7 +136,7 @@ class LoopRunner:
         self.partitions.clear()
 
 
-def install_payload(out: Path, version: str, work: Path) -> installer.Payload:
+def install_payload(out: Path, version: str, work: Path) -> install.Payload:
     """The last build as `builder release --install-image` ships it to the installer: the disk
     image zstd-compressed with its block map (release.py's own step), its size and SHA-256 as the
     signed index would list them, and the signed manifest's engine facts."""
@@ -132,33 +151,50 @@ def install_payload(out: Path, version: str, work: Path) -> installer.Payload:
     usrhash = bundle.uki_facts(out / f"appliance_{version}.efi")["usrhash"]
     if not usrhash:
         raise RuntimeError(f"{out}: the kernel image's command line has no usrhash=")
-    return installer.Payload(image=image, bmap=work / names["install-bmap"], version=version, usrhash=usrhash,
+    return install.Payload(image=image, bmap=work / names["install-bmap"], version=version, usrhash=usrhash,
                              engine_label=man.engine_image.store_label, engine_roothash=man.engine_image.store_roothash,
                              image_file=bundle.BundleFile(image.name, digest.hexdigest(), image.stat().st_size))
 
 
-def signed_plan(demo: config.Config, work: Path) -> tuple[plan_model.Plan, Path, Path]:
-    """A plan naming the bench's disk, signed with the demo's release key; its directory and the trusted keys."""
-    key = build.signing_key_for(demo, None)
-    plan = plan_model.from_plain({"hostname": "bench-install", "target": {"serial": SERIAL}}, "the bench's plan")
+def signed_plan(key: Path, work: Path) -> tuple[plan.Plan, Path, Path]:
+    """A plan naming the bench's disk, signed with KEY (the demo's release key); its directory and the trusted keys."""
+    host_plan = plan.from_plain({"hostname": "bench-install", "target": {"serial": SERIAL}}, "the bench's plan")
     plan_dir, trusted = work / "plan", work / "trusted"
     plan_dir.mkdir()
     trusted.mkdir()
-    data, signature = plan_model.sign(plan, key)
-    (plan_dir / plan_model.PLAN_JSON).write_bytes(data)
-    (plan_dir / plan_model.PLAN_SIG).write_bytes(signature)
+    data, signature = plan.sign(host_plan, key)
+    (plan_dir / plan.PLAN_JSON).write_bytes(data)
+    (plan_dir / plan.PLAN_SIG).write_bytes(signature)
     shutil.copyfile(key.with_suffix(".pub"), trusted / "release.pub")
-    return plan, plan_dir, trusted
+    return host_plan, plan_dir, trusted
+
+
+def host_stand_ins(work: Path) -> tuple[Path, Path, Path]:
+    """What the installer reads of the machine, as a build host stands in for it: sysfs with nothing
+    stacked on the blank loop disk, a TPM 2.0 (the check passes; the enrollment is LoopRunner's to
+    skip), and no EFI variables (no Secure Boot keys to enroll, this host's firmware left alone)."""
+    sys_root, tpm, efivars = work / "sys", work / "tpm", work / "no-efivars"  # no directory: a machine without EFI
+    for d in (sys_root, tpm):
+        d.mkdir(parents=True)
+    (tpm / "tpm_version_major").write_text("2\n")
+    return sys_root, tpm, efivars
+
+
+def by_hand_argv(payload: install.Payload, root: Path, disk: str) -> list[list[str]]:
+    """The baseline: the same two writing commands the installer runs, by hand."""
+    return [["bmaptool", "copy", "--bmap", str(payload.bmap), str(payload.image), disk],
+            ["chroot", str(root), "systemd-repart", "--dry-run=no", "--definitions=/defs", f"--key-file={CHROOT_KEY}", disk],
+            ["sync"]]
 
 
 def _chroot(root: Path, defs: Path, mounts: list[Path]) -> None:
     """ROOT: mkosi's tools tree as /usr, the installer's definitions at /defs."""
     # systemd-repart's copy step makes a mount namespace and wants / to be a mount point
-    _sh("mount", "-t", "tmpfs", "tmpfs", str(root))
+    sh("mount", "-t", "tmpfs", "tmpfs", str(root))
     mounts.append(root)
     for d in ("usr", "etc", "dev", "proc", "sys", "run", "tmp", "var/tmp", "defs"):
         (root / d).mkdir(parents=True)
-    _sh("mount", "--bind", "-o", "ro", str(TOOLS_TREE / "usr"), str(root / "usr"))
+    sh("mount", "--bind", "-o", "ro", str(TOOLS_TREE / "usr"), str(root / "usr"))
     mounts.append(root / "usr")
     for definition in sorted(defs.glob("*.conf")):
         shutil.copyfile(definition, root / "defs" / definition.name)
@@ -166,13 +202,13 @@ def _chroot(root: Path, defs: Path, mounts: list[Path]) -> None:
         (root / d).symlink_to(f"usr/{d}")
     shutil.copyfile(root / "usr/lib/os-release", root / "etc/os-release")
     for src, dst in (("/dev", "dev"), ("/sys", "sys")):
-        _sh("mount", "--rbind", src, str(root / dst))
+        sh("mount", "--rbind", src, str(root / dst))
         mounts.append(root / dst)
-    _sh("mount", "-t", "proc", "proc", str(root / "proc"))
+    sh("mount", "-t", "proc", "proc", str(root / "proc"))
     mounts.append(root / "proc")
 
 
-def bench_install(demo: config.Config) -> dict[str, float]:
+def bench_install(demo: config.Config, runs: int = RUNS) -> list[Figure]:
     out = build.output_dir(demo)
     version = demo.appliance.version
     raw = out / f"appliance_{version}.raw"
@@ -180,69 +216,73 @@ def bench_install(demo: config.Config) -> dict[str, float]:
         raise FileNotFoundError(f"{raw}: build the demo first (make build-demo)")
     if not (TOOLS_TREE / "usr/bin/systemd-repart").is_file():
         raise FileNotFoundError(f"{TOOLS_TREE}: no mkosi tools tree (APPLIANCE_TOOLS_TREE); a demo build makes it")
+    if subprocess.run(["dmsetup", "version"], capture_output=True, check=False).returncode != 0:
+        raise RuntimeError("this host's kernel has no device-mapper (`dmsetup version` fails): /var cannot be made in LUKS2, "
+                           "by the installer or by hand")
     work = Path(tempfile.mkdtemp(prefix="bench-install-", dir="/var/tmp"))
     mounts: list[Path] = []
     loop = ""
     runner: LoopRunner | None = None
     try:
         defs = work / "defs"
-        shutil.copytree(IMAGE_REPART, defs)
-        render.first_boot_repart(demo, defs)  # as builder/installer_uki.py: + both engine slots
+        installer_uki.repart_definitions(demo, defs)  # what the installer's medium carries
         payload = install_payload(out, version, work)
-        plan, plan_dir, trusted = signed_plan(demo, work)
-        size = installer.required_bytes(payload, defs)  # the smallest disk the installer takes
+        host_plan, plan_dir, trusted = signed_plan(build.signing_key_for(demo, None), work)
+        size = install.required_bytes(payload, defs)  # the smallest disk the installer takes
         disk = work / "disk.img"
         with open(disk, "wb") as f:
             f.truncate(size)
-        loop = _sh("losetup", "-f", "--show", str(disk)).strip()
+        loop = sh("losetup", "-f", "--show", str(disk)).strip()
         root = work / "root"
         root.mkdir()
         _chroot(root, defs, mounts)
         runner = LoopRunner(root, loop)
-        no_sysfs = work / "sys"  # no holders: nothing is stacked on a blank loop disk
-        no_sysfs.mkdir()
+        sys_root, tpm, efivars = host_stand_ins(work)
+        (root / CHROOT_KEY.lstrip("/")).write_bytes(os.urandom(64))  # the baseline's key file
         summary: list[str] = []
 
         def ours() -> None:
             assert runner is not None
             summary[:] = []
-            installer.install(payload, plan, plan_dir, runner=runner, listing=runner.listing(size), sys_root=no_sysfs,
-                              boot_partuuid="", trusted_keys=trusted, signer="bench", reboot=False, out=summary.append)
+            install.install(payload, host_plan, plan_dir, runner=runner, listing=runner.listing(size), sys_root=sys_root,
+                            boot_partuuid="", trusted_keys=trusted, signer="bench", reboot=False, out=summary.append,
+                            efivars=efivars, tpm=tpm)
 
         def by_hand() -> None:
-            _sh("bmaptool", "copy", "--bmap", str(payload.bmap), str(payload.image), loop)
-            _sh("chroot", str(root), "systemd-repart", "--dry-run=no", "--definitions=/defs", loop)
-            _sh("sync")
+            for argv in by_hand_argv(payload, root, loop):
+                sh(*argv)
 
         def timed(fn: Callable[[], None]) -> float:
             """One run on a blank device; the layout checked after it (slot B and /var made)."""
             assert runner is not None
-            _sh("blkdiscard", "--force", loop)
+            sh("blkdiscard", "--force", loop)
             started = time.monotonic()
             fn()
             seconds = time.monotonic() - started
             runner.close()
-            labels = [p.get("name", "") for p in json.loads(_sh("sfdisk", "-J", loop))["partitiontable"]["partitions"]]
+            labels = [p.get("name", "") for p in json.loads(sh("sfdisk", "-J", loop))["partitiontable"]["partitions"]]
             if "appliance-var" not in labels or f"appliance_{version}" not in labels or labels.count(bundle.EMPTY_LABEL) < 4:
                 raise RuntimeError(f"{fn.__name__}: the disk lacks the first-boot layout (slot B, /var): {', '.join(labels)}")
             return seconds
 
         by_hand()  # warm-up: the image's pages cached for every run
-        runs: dict[Callable[[], None], list[float]] = {by_hand: [], ours: []}
-        for _ in range(3):  # alternated, the best of three each: what differs is the work, not who ran first
-            for fn, seconds in runs.items():
+        times: dict[Callable[[], None], list[float]] = {by_hand: [], ours: []}
+        for _ in range(runs):  # alternated, the best of RUNS each: what differs is the work, not who ran first
+            for fn, seconds in times.items():
                 seconds.append(timed(fn))
-        base, mine = min(runs[by_hand]), min(runs[ours])
+        base, mine = min(times[by_hand]), min(times[ours])
         checked = [line.split("checked", 1)[1].strip() for text in summary for line in text.splitlines() if " checked " in line]
         if len(checked) < 3:
             raise RuntimeError("the installer's summary names fewer than three checks:\n" + "\n".join(summary[-1:]))
-        print(ratio_row("install to a disk (installer vs bmaptool + repart)", mine, base, "s",
-                        verdict(ratio(mine, base), at_most=INSTALL_GOAL)))
-        print(f"  on a {size / 2**30:.1f} GiB disk; the installer checked: {'; '.join(checked)}")
-        return {"install_s": mine, "by_hand_s": base, "ratio": ratio(mine, base)}
+        return [measured("install to a disk (installer vs bmaptool + repart)", mine, base, "s", at_most=INSTALL_GOAL,
+                         note=f"on a {size / 2**30:.1f} GiB disk; stood in for: {', '.join(sorted(set(runner.skipped)))}; "
+                              f"the installer checked: {'; '.join(checked)}")]
     finally:
         if runner is not None:
             runner.close()
+        with contextlib.suppress(OSError):  # the install's key file, left by a run that stopped before the recovery key
+            (install.KEY_DIR / "var.key").unlink(missing_ok=True)
+            install.KEY_DIR.rmdir()
         for m in reversed(mounts):
             subprocess.run(["umount", "-R", str(m)], check=False, capture_output=True)
         if loop:

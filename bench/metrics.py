@@ -29,7 +29,7 @@ from pathlib import Path
 from appliance import config
 from appliance.caddyfile import render_caddyfile
 from applianctl import tls
-from bench.common import ratio, ratio_row, verdict
+from bench.common import Figure, measured
 from testkit import caddy
 from testkit.standin import StandinProcess, free_port
 
@@ -73,7 +73,7 @@ def _timed_status(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
     return seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def bench_metrics_scrape(demo: config.Config) -> dict[str, float]:
+def bench_metrics_scrape(demo: config.Config, runs: int = RUNS) -> list[Figure]:
     if not os.access(NODE_EXPORTER, os.X_OK):
         raise RuntimeError(f"{NODE_EXPORTER}: missing (make setup installs prometheus-node-exporter)")
     engine = StandinProcess().wait_ready()
@@ -115,24 +115,20 @@ def bench_metrics_scrape(demo: config.Config) -> dict[str, float]:
                     status = [sys.executable, "-m", "applianctl", "status", "--json"]
                     scrapes, statuses, sizes = [], [], []
                     node_cpu0, proxy_cpu0 = _cpu_seconds(node.pid), _cpu_seconds(proxy.pid)
-                    for _ in range(RUNS):  # alternated, so that the host's drift weighs on both
+                    for _ in range(runs):  # alternated, so that the host's drift weighs on both
                         seconds, size = _scrape(metrics_port, ctx)
                         scrapes.append(seconds)
                         sizes.append(size)
                         statuses.append(_timed_status(status, env)[0])
-                    node_cpu = (_cpu_seconds(node.pid) - node_cpu0) / RUNS
-                    proxy_cpu = (_cpu_seconds(proxy.pid) - proxy_cpu0) / RUNS
+                    node_cpu = (_cpu_seconds(node.pid) - node_cpu0) / runs
+                    proxy_cpu = (_cpu_seconds(proxy.pid) - proxy_cpu0) / runs
             finally:
                 caddy.stop(node)
     finally:
         engine.stop()
     scrape, alone = statistics.median(scrapes), statistics.median(statuses)
-    value = ratio(scrape, alone)
-    print(ratio_row(f"metrics scrape through the proxy, median of {RUNS} (vs status --json)", scrape * 1000, alone * 1000, "ms",
-                    f"{verdict(value, at_most=RATIO_GOAL)}; under {ABSOLUTE_GOAL_S * 1000:.0f} ms: "
-                    f"{'met' if scrape < ABSOLUTE_GOAL_S else 'NOT met'}"))
-    print(f"{'  its size':<52} {statistics.median(sizes) / 1024:8.1f} KiB")
-    print(f"{'  CPU per scrape: node_exporter, Caddy':<52} {node_cpu * 1000:8.1f} ms  {proxy_cpu * 1000:8.1f} ms")
-    print(f"{'  CPU per refresh of the status textfile':<52} {refresh_cpu * 1000:8.1f} ms  (appliance-metrics.service, once a minute)")
-    return {"ratio": value, "scrape_s": scrape, "node_cpu_s": node_cpu, "proxy_cpu_s": proxy_cpu, "refresh_cpu_s": refresh_cpu}
-
+    figure = measured(f"metrics scrape through the proxy, median of {runs} (vs status --json)", scrape * 1000, alone * 1000, "ms",
+                      at_most=RATIO_GOAL, under=ABSOLUTE_GOAL_S * 1000,
+                      note=f"{statistics.median(sizes) / 1024:.1f} KiB; CPU per scrape: node_exporter {node_cpu * 1000:.1f} ms, "
+                           f"Caddy {proxy_cpu * 1000:.1f} ms; per refresh of the status textfile {refresh_cpu * 1000:.1f} ms")
+    return [figure]

@@ -31,7 +31,7 @@ from typing import TypeVar
 
 from appliance import config
 from bench import paced_engine
-from bench.common import percentile, ratio, ratio_row, verdict
+from bench.common import Figure, measured, percentile
 from testkit import caddy
 from testkit.standin import free_port
 
@@ -208,33 +208,25 @@ def stream_figures(samples: dict[str, tuple[list[float], list[float]]]) -> list[
     return figures
 
 
-def bench_proxy_stream(demo: config.Config) -> dict[str, float]:
+def bench_proxy_stream(demo: config.Config, rounds: int = ROUNDS, streams: int = STREAMS, each: int = STREAMS_EACH) -> list[Figure]:
     samples: dict[str, tuple[list[float], list[float]]] = {"direct": ([], []), "proxy": ([], [])}
     with paths() as endpoints:
-        for name in alternating(ROUNDS):
-            first, gaps = stream_round(endpoints[name])
+        for name in alternating(rounds):
+            first, gaps = stream_round(endpoints[name], streams, each)
             samples[name][0].extend(first)
             samples[name][1].extend(gaps)
-    result = {}
-    for figure, proxy, direct in stream_figures(samples):
-        r = ratio(proxy, direct)
-        print(ratio_row(f"proxy stream, {figure} (vs direct)", proxy, direct, "ms", verdict(r, at_most=LATENCY_GOAL)))
-        result[figure] = r
-    n = {name: len(s[0]) for name, s in samples.items()}
-    print(f"  {n['proxy']} streams of {paced_engine.TOKENS} tokens each way, {STREAMS} at once,"
-          f" {paced_engine.TOKEN_S * 1000:.0f} ms a token")
-    return result
+    n = len(samples["proxy"][0])
+    note = f"{n} streams of {paced_engine.TOKENS} tokens each way, {streams} at once, {paced_engine.TOKEN_S * 1000:.0f} ms a token"
+    return [measured(f"proxy stream, {figure} (vs direct)", proxy, direct, "ms", at_most=LATENCY_GOAL, note=note)
+            for figure, proxy, direct in stream_figures(samples)]
 
 
-def bench_proxy_rps(demo: config.Config) -> dict[str, float]:
+def bench_proxy_rps(demo: config.Config, rounds: int = ROUNDS, clients: int = CLIENTS, each: int = REQUESTS_EACH) -> list[Figure]:
     rates: dict[str, list[float]] = {"direct": [], "proxy": []}
     with paths() as endpoints:
-        for name in alternating(ROUNDS):
-            rates[name].append(throughput_round(endpoints[name]))
+        for name in alternating(rounds):
+            rates[name].append(throughput_round(endpoints[name], clients, each))
     # the mean of the rounds: each ran the same count of answers
     proxy, direct = (sum(rates[name]) / len(rates[name]) for name in ("proxy", "direct"))
-    r = ratio(proxy, direct)
-    print(ratio_row(f"proxy, answers/s from {CLIENTS} clients (vs direct)", proxy, direct, "req/s", verdict(r, at_least=THROUGHPUT_GOAL)))
-    print(f"  backend cap {paced_engine.CONCURRENCY} at once, {paced_engine.SERVICE_S * 1000:.0f} ms an answer:"
-          f" at most {paced_engine.CONCURRENCY / paced_engine.SERVICE_S:.0f} req/s")
-    return {"rps_ratio": r}
+    return [measured(f"proxy, answers/s from {clients} clients (vs direct)", proxy, direct, "req/s", at_least=THROUGHPUT_GOAL,
+                     note=f"backend cap {paced_engine.CONCURRENCY} at once, {paced_engine.SERVICE_S * 1000:.0f} ms an answer")]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from appliance import config
 from bench import paced_engine
-from bench.common import ratio, ratio_row, verdict
+from bench.common import Figure, measured
 from bench.proxy import Endpoint, throughput_round
 from testkit import caddy
 from testkit.standin import free_spaced_ports
@@ -48,14 +48,13 @@ def fronts() -> Iterator[dict[str, Endpoint]]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def bench_replicas_rps(demo: config.Config) -> dict[str, float]:
+def bench_replicas_rps(demo: config.Config, rounds: int = ROUNDS, clients: int = CLIENTS, each: int = REQUESTS_EACH) -> list[Figure]:
     rates: dict[str, list[float]] = {"one": [], "two": []}
     with fronts() as endpoints:
-        for i in range(ROUNDS):
+        for i in range(rounds):
             for name in (("one", "two"), ("two", "one"))[i % 2]:
-                rates[name].append(throughput_round(endpoints[name], CLIENTS, REQUESTS_EACH))
+                rates[name].append(throughput_round(endpoints[name], clients, each))
     two, one = (sum(rates[name]) / len(rates[name]) for name in ("two", "one"))
-    r = ratio(two, one)
-    print(ratio_row(f"proxy, 2 replicas vs 1, answers/s ({CLIENTS} clients)", two, one, "req/s", verdict(r, at_least=GOAL)))
-    print(f"  each replica at most {CAP} at once, {SERVICE_S * 1000:.0f} ms an answer: at most {CAP / SERVICE_S:.0f} req/s each")
-    return {"replicas_rps_ratio": r}
+    return [measured(f"proxy, 2 replicas vs 1, answers/s ({clients} clients)", two, one, "req/s", at_least=GOAL,
+                     note=f"each replica at most {CAP} at once, {SERVICE_S * 1000:.0f} ms an answer: "
+                          f"at most {CAP / SERVICE_S:.0f} req/s each")]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from appliance import config
 from applianctl.status import probes
-from bench.common import ratio, ratio_row
+from bench.common import Figure, measured
 from testkit.standin import StandinProcess
 
 RUNS = 20
@@ -53,9 +53,9 @@ def _timed(argv: list[str], env: dict[str, str]) -> float:
     return seconds
 
 
-def bench_status(demo: config.Config) -> dict[str, float]:
+def bench_status(demo: config.Config, runs: int = RUNS) -> list[Figure]:
     env_base = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    result = {}
+    figures = []
     for label, faults in (("healthy engine", {}), ("hung engine", {"STANDIN_HANG_AFTER_S": "0"})):
         engine = StandinProcess(env=faults).wait_ready()
         try:
@@ -70,13 +70,12 @@ def bench_status(demo: config.Config) -> dict[str, float]:
                 status = [sys.executable, "-m", "applianctl", "status", "--json"]
                 by_hand = [sys.executable, "-c", BY_HAND, str(engine.port), str(probes.HTTP_TIMEOUT_S), str(probes.ENGINE_BUDGET_S)]
                 ours, base = [], []
-                for _ in range(RUNS):  # alternated, so that the host's drift weighs on both
+                for _ in range(runs):  # alternated, so that the host's drift weighs on both
                     ours.append(_timed(status, env))
                     base.append(_timed(by_hand, env))
                 mine, plain = statistics.median(ours), statistics.median(base)
-                print(ratio_row(f"applianctl status, median of {RUNS}, {label} (vs by hand)", mine, plain, "s",
-                                "the rest of status on top of the engine's answers"))
-                result[label] = ratio(mine, plain)
+                figures.append(measured(f"applianctl status, median of {runs}, {label} (vs by hand)", mine, plain, "s",
+                                        note="the rest of status on top of the engine's answers"))
         finally:
             engine.stop()
-    return result
+    return figures

@@ -5,13 +5,14 @@
 - the check before every start at 128 MiB and 1 GiB against `sha256sum`: it must stay flat while
   sha256sum grows (extrapolated to 156 GiB).
 
-The build host's kernel has no fs-verity, so the device code (in its own interpreter, as on the
-device) gets a stand-in: no sealing, and a measurement is an open and fstat. The rows say so; the
-QEMU extended test measures the real ioctls.
+The device code runs in its own interpreter, as on the device (bench/weights_device.py). The build
+host's kernel has no fs-verity, so it gets a stand-in: no sealing, and a measurement is an open and
+fstat. The rows say so; the QEMU extended test measures the real ioctls.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -19,55 +20,32 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
-from appliance import config
-from appliance import weights as wm
-from bench.common import ROOT
-from builder import weights
+import builder.weights
+from appliance import config, fsverity, weights
+from bench.common import ROOT, Figure, measured, size_label
 from testkit.standin import free_port
 
 FULL_SIZE = 156 * 1024**3
+FETCH_GOAL = 1.1  # the device's fetcher / curl, at most
 
-# The device side, run as `python3 -c DEVICE MODE MANIFEST SNAPSHOT [URL CA]` in a fresh interpreter.
-DEVICE = r"""
-import json, os, sys, time
-from pathlib import Path
-from appliance import weights as wm
-from applianctl.model import fetch as model_fetch
-from applianctl.model import store as model_store
-from applianctl.model import verify
-mode, manifest_path, snapshot = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-manifest = wm.loads(manifest_path.read_bytes())
-digests = {str(snapshot / f.path): f.fsverity for f in manifest.files}
-
-class HostVerity:  # no fs-verity in the host's kernel: seal nothing, measure = open + fstat
-    def enable(self, path, dir_fd=None):
-        pass
-    def measure(self, path, dir_fd=None):  # the full path given too: opened by it here
-        fd = os.open(path, os.O_RDONLY)
-        os.fstat(fd)
-        os.close(fd)
-        return digests.get(str(path)) or digests.get(str(snapshot / Path(path).name))
-
-store = model_store.Store(manifest, snapshot, snapshot.parent / ".partial", snapshot.parent / "host")
-start = time.monotonic()
-if mode == "fetch":
-    source = model_fetch.open_source(sys.argv[4], sys.argv[5], "plain", manifest.model, manifest.revision)
-    model_fetch.fetch(store, source, HostVerity(), out=open(os.devnull, "w"))
-else:
-    result = verify.check(store, HostVerity())
-    assert result["ok"], result
-print(json.dumps({"elapsed_s": time.monotonic() - start}))
-"""
+def device_argv(*argv: str) -> list[str]:
+    """The device's side (bench/weights_device.py) in a fresh interpreter."""
+    return [sys.executable, "-m", "bench.weights_device", *argv]
 
 
 def _device(*argv: str) -> tuple[float, float]:
-    """The device code's own time, and the whole process's (interpreter start and imports included)."""
+    """The device code's own time, and the whole process's (interpreter start and imports included).
+    A failure says the device's own last line (a CalledProcessError alone says nothing)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", DEVICE, *argv], env=env, check=True, capture_output=True, text=True).stdout
-    return float(json.loads(out.splitlines()[-1])["elapsed_s"]), time.monotonic() - start
+    proc = subprocess.run(device_argv(*argv), env=env, capture_output=True, text=True, check=False, cwd=ROOT)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise RuntimeError(f"the device's weights {argv[0]}: {last}")
+    return float(json.loads(proc.stdout.splitlines()[-1])["elapsed_s"]), time.monotonic() - start
 
 
 def _tls(directory: Path) -> tuple[Path, Path]:
@@ -96,13 +74,23 @@ def _caddy(root: Path, work: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
     raise RuntimeError("caddy did not start")
 
 
-def bench_weights_fetch(demo: config.Config, runs: int = 3) -> None:
+def weights_files(directory: Path, files: Iterable[tuple[str, bytes]], model_id: str, revision: str) -> weights.WeightsManifest:
+    """FILES written into DIRECTORY, and their manifest (SHA-256 and fs-verity digests, as builder weights makes it)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for name, data in files:
+        (directory / name).write_bytes(data)
+        entries.append(weights.WeightFile(name, len(data), hashlib.sha256(data).hexdigest(), fsverity.digest_bytes(data)))
+    return weights.make(model_id, revision, entries)
+
+
+def bench_weights_fetch(demo: config.Config, runs: int = 3, files: Iterable[tuple[str, bytes]] | None = None) -> list[Figure]:
+    """FILES (by default the demo's weights, about 128 MiB) fetched RUNS times each way."""
     work = Path(tempfile.mkdtemp(prefix="bench-weights-", dir="/var/tmp"))
     try:
         www = work / "www"
-        weights.write_demo(www)
-        manifest = weights.demo_manifest(demo.model.id, demo.model.revision)
-        (work / "weights.json").write_bytes(wm.dumps(manifest))
+        manifest = weights_files(www, builder.weights.demo_files() if files is None else files, demo.model.id, demo.model.revision)
+        (work / "weights.json").write_bytes(weights.dumps(manifest))
         proc, url, ca = _caddy(www, work)
         try:
             ours, whole, curl = [], [], []
@@ -125,27 +113,30 @@ def bench_weights_fetch(demo: config.Config, runs: int = 3) -> None:
             proc.wait()
         a, b = min(ours), min(curl)
         mib = manifest.total_bytes / 1024**2
-        print(f"{'weights fetch, 128 MiB over loopback HTTPS':<44} {a:8.2f} s  curl {b:8.2f} s  ratio {a / b:5.2f}x  "
-              f"(target <= 1.1x; {mib / a:.0f} vs {mib / b:.0f} MiB/s; every byte hashed and fsync'd; whole process "
-              f"{min(whole):.2f} s with interpreter start; host: sealing not measured)")
+        return [measured(f"weights fetch, {mib:.0f} MiB over loopback HTTPS (vs curl)", a, b, "s", at_most=FETCH_GOAL,
+                         note=f"{mib / a:.0f} vs {mib / b:.0f} MiB/s; every byte hashed and fsync'd; whole process "
+                              f"{min(whole):.2f} s with interpreter start; host: sealing not measured")]
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def bench_weights_check(demo: config.Config) -> None:
+def bench_weights_check(demo: config.Config, sizes: tuple[int, int] = (128 * 1024**2, 1024**3),
+                        file_bytes: int = 128 * 1024**2) -> list[Figure]:
+    """The check at each of SIZES (files of FILE_BYTES each), and the larger extrapolated to 156 GiB."""
     work = Path(tempfile.mkdtemp(prefix="bench-check-", dir="/var/tmp"))
     try:
         rows = []
-        for size in (128 * 1024**2, 1024**3):
+        figures = []
+        for size in sizes:
             snapshot = work / str(size) / "snapshot"
             snapshot.mkdir(parents=True)
             files = []
-            for i in range(size // (128 * 1024**2)):
+            for i in range(size // file_bytes):
                 path = snapshot / f"model-{i:05d}.safetensors"
                 with open(path, "wb") as f:
-                    f.write(os.urandom(128 * 1024**2))
-                files.append(wm.WeightFile(path.name, path.stat().st_size, "0" * 64, "1" * 64))
-            (work / str(size) / "weights.json").write_bytes(wm.dumps(wm.make(demo.model.id, demo.model.revision, files)))
+                    f.write(os.urandom(file_bytes))
+                files.append(weights.WeightFile(path.name, path.stat().st_size, "0" * 64, "1" * 64))
+            (work / str(size) / "weights.json").write_bytes(weights.dumps(weights.make(demo.model.id, demo.model.revision, files)))
             subprocess.run(["sync"], check=True)
             subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=False)  # cold, as at boot
             start = time.monotonic()
@@ -153,12 +144,13 @@ def bench_weights_check(demo: config.Config) -> None:
             sums = time.monotonic() - start
             check, process = _device("check", str(work / str(size) / "weights.json"), str(snapshot))
             rows.append((size, check, sums))
-            print(f"{f'start-time check, {size / 1024**3:g} GiB of weights':<44} {check:8.3f} s  sha256sum {sums:8.2f} s  "
-                  f"ratio {check / sums:5.3f}x  (whole process {process:.2f} s; host: measure = open + fstat, no fs-verity ioctl)")
+            figures.append(measured(f"start-time check, {size_label(size)} of weights (vs sha256sum)", check, sums, "s",
+                                    note=f"whole process {process:.2f} s; host: measure = open + fstat, no fs-verity ioctl"))
         (small, _, sum_s), (big, check_b, sum_b) = rows
-        per_byte = (sum_b - sum_s) / (big - small)
-        print(f"{'  extrapolated to 156 GiB':<44} check ~{check_b:.3f} s (flat: per file, not per byte)  "
-              f"sha256sum ~{sum_s + per_byte * (FULL_SIZE - small):.0f} s")
+        per_byte = max(sum_b - sum_s, 0.0) / (big - small)
+        figures.append(measured("start-time check, extrapolated to 156 GiB (vs sha256sum)", check_b,
+                                sum_s + per_byte * (FULL_SIZE - small), "s", note="flat: per file, not per byte"))
+        return figures
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

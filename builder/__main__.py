@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from appliance import cli_help, run
 from appliance import config as config_model
 from appliance.errors import UserError, run_reporting
 
@@ -205,19 +206,37 @@ def global_options(parser: argparse.ArgumentParser, top: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python3 -m builder", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python3 -m builder")
+    cli_help.describe(
+        parser, __doc__.splitlines()[0].split(": ", 1)[1],
+        examples=["python3 -m builder --profile demo validate", "python3 -m builder --profile demo build"],
+        exit_codes=[cli_help.OK, (1, "the booted image is not ok (boot)"), cli_help.FAILED_STEP],
+        details="Each COMMAND's --help names its own exit statuses.",
+    )
     parser.add_argument("--version", action=_Version)
     global_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("validate", help="check appliance.toml without building")
+    p = cli_help.verb_parser(
+        sub, "validate", "check appliance.toml without building",
+        examples=["python3 -m builder validate", "python3 -m builder --profile demo validate"],
+        exit_codes=[(0, "the profile is valid (one line)"), (2, "bad input, or every fault a build would refuse, each with a hint")],
+    )
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("render", help="print one generated file (a template in units/)")
+    p = cli_help.verb_parser(
+        sub, "render", "print one generated file (a template in units/)",
+        examples=["python3 -m builder --profile demo render appliance-engine@.container.j2"],
+        exit_codes=[(0, "printed"), cli_help.BAD_INPUT],
+    )
     p.add_argument("template", help="e.g. appliance-engine@.container.j2")
     p.set_defaults(func=cmd_render)
 
-    p = sub.add_parser("build", help="build the image into out/PROFILE/")
+    p = cli_help.verb_parser(
+        sub, "build", "build the image into out/PROFILE/",
+        examples=["python3 -m builder build", "python3 -m builder --profile demo build --version 1.4.1"],
+        exit_codes=[(0, "built (the disk image's path on stdout)"), cli_help.FAILED_STEP],
+    )
     p.add_argument("--mkosi-arg", action="append", help="pass an extra option to mkosi")
     p.add_argument("--engine-image", help="the engine image as an OCI layout directory or OCI archive")
     p.add_argument("--version", help="build as this release version instead of appliance.version")
@@ -243,17 +262,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     installer_uki.add_parser(sub)
 
-    p = sub.add_parser("keys", help="make the release and timestamp key pairs (Ed25519), the Secure Boot and PCR policy keys (RSA)")
+    p = cli_help.verb_parser(
+        sub, "keys", "make the release and timestamp key pairs (Ed25519), the Secure Boot and PCR policy keys (RSA)",
+        examples=["python3 -m builder keys generate", "python3 -m builder keys generate --directory /secure/keys --timestamp"],
+        exit_codes=[(0, "the keys are written (their paths on stdout)"), cli_help.BAD_INPUT],
+    )
     p.add_argument("action", choices=["generate"], help="generate: write new key pairs")
     p.add_argument("--directory", help="where to write the keys (default: keys/, never committed)")
     p.add_argument("--timestamp", action="store_true", help="only the timestamp key pair (for a keys directory made before timestamps)")
     p.add_argument("--boot", action="store_true", help="only the Secure Boot and PCR policy keys (for an older keys directory)")
     p.set_defaults(func=cmd_keys)
 
-    p = sub.add_parser("pin", help="rewrite SHA256SUMS and the demo engine digest on purpose")
+    p = cli_help.verb_parser(
+        sub, "pin", "rewrite SHA256SUMS and the demo engine digest on purpose",
+        examples=["python3 -m builder pin"],
+        exit_codes=[(0, "pinned (what changed on stdout)"), cli_help.BAD_INPUT],
+    )
     p.set_defaults(func=cmd_pin)
 
-    p = sub.add_parser("boot", help="boot the built image in QEMU and print the guest's status")
+    p = cli_help.verb_parser(
+        sub, "boot", "boot the built image in QEMU and print the guest's status",
+        examples=["python3 -m builder --profile demo boot", "python3 -m builder --profile demo boot --interactive"],
+        exit_codes=[(0, "the guest's status is ok"),
+                    (1, "it is not, a unit failed in the guest, or --metrics-out was not scraped"), cli_help.FAILED_STEP],
+    )
     p.add_argument("--interactive", action="store_true", help="serial console on this terminal")
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for the guest's report")
     p.add_argument("--status-json", help="write the guest's status as JSON here")
@@ -269,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, format="%(message)s")
+    run.set_debug(args.debug)
     return run_reporting(lambda: args.func(args), prefix="error: ", debug=args.debug)
 
 

@@ -18,8 +18,9 @@ from appliance import bundle
 from appliance.atomic import replace_dir
 from appliance.config import Config
 from appliance.errors import UserError
+from appliance.run import checked
 from builder import engine_image, engine_store, initrd_package, keys, mirror, pins, render, secureboot, tuning, weights
-from builder.run import HOST_CACHE, mkosi_command, run
+from builder.host_tools import HOST_CACHE, MISSING_HINT, mkosi_command
 
 log = logging.getLogger("builder")
 
@@ -243,10 +244,11 @@ def build(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        run(
+        checked(
             [*mkosi_command(), *mkosi_arguments(config, generated, sandbox, repart, staging, key), *extra_mkosi_args, "build"],
             what="mkosi build",
             hint="see mkosi's output above; run again with --debug for the full command",
+            timeout=None, capture=False, missing_hint=MISSING_HINT,  # its output streams to the terminal
         )
         disk = staging / f"appliance_{config.appliance.version}.raw"
         if not disk.is_file():

@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle, freshness, manifest, rollout, schema
+from appliance import bundle, cli_help, freshness, manifest, rollout, schema
 from appliance.atomic import atomic_write
 from appliance.errors import Refused, UserError
 from appliance.safe_read import read_capped
@@ -101,7 +101,12 @@ def cmd_channel(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = sub.add_parser("channel", help="sign a channel index (phased rollouts) into an update server's directory")
+    p = cli_help.verb_parser(
+        sub, "channel", "sign a channel index (phased rollouts) into an update server's directory",
+        examples=["python3 -m builder channel stable.toml --output /srv/updates/stable"],
+        exit_codes=[(0, "the index is signed"), cli_help.BAD_INPUT],
+        details="docs/fleet.md describes the channel file.",
+    )
     p.add_argument("channel_file", metavar="CHANNEL_TOML", help="the channel: its name and [[releases]] (version, path, barrier, rollout)")
     p.add_argument("--output", required=True, help="the update server's directory for this channel (bundles beside the index)")
     p.add_argument("--signing-key", help="the release signing key (default: as for build)")

@@ -20,7 +20,8 @@ from typing import Any
 from appliance import progress
 from appliance.config import Config
 from appliance.errors import UserError
-from builder.run import HOST_CACHE, run
+from appliance.run import checked
+from builder.host_tools import HOST_CACHE, MISSING_HINT
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = HOST_CACHE / "engine-images"
@@ -188,10 +189,11 @@ def obtain(config: Config, source: Path | None = None) -> Path:
             got, where = build_standin_layout(staging, config.engine.entrypoint), "the stand-in engine (standin/)"
         else:
             with progress.step(f"fetching {config.engine.reference}"):  # skopeo --quiet: no byte count to show
-                run(
+                checked(
                     ["skopeo", "copy", "--quiet", f"docker://{config.engine.reference}", f"oci:{staging}:{REF_NAME}"],
                     what=f"skopeo copy {config.engine.reference}",
                     hint="no registry is reachable: pass the image as an OCI layout or archive with --engine-image PATH",
+                    timeout=None, capture=False, missing_hint=MISSING_HINT,
                 )
             got, where = layout_digest(staging), "the registry"
         _check_pin(config, got, where)

@@ -20,7 +20,8 @@ from pathlib import Path
 from appliance import progress
 from appliance.config import Config
 from appliance.errors import UserError
-from builder.run import HOST_CACHE, run
+from appliance.run import checked
+from builder.host_tools import FAILED_HINT, HOST_CACHE, MISSING_HINT
 
 CACHE = HOST_CACHE / "engine-stores"
 MIB = 1 << 20
@@ -116,16 +117,18 @@ def make(config: Config, layout: Path) -> EngineStore:
         with tempfile.TemporaryDirectory(prefix="engine-store-", dir="/var/tmp") as tmp:
             store, runroot = Path(tmp) / "store", Path(tmp) / "run"
             with progress.step("copying the engine image into its store"):
-                run(
+                checked(
                     [
                         "skopeo", "copy", "--quiet", "--preserve-digests", f"oci:{layout}:appliance",
                         f"containers-storage:[overlay@{store}+{runroot}]{config.engine.image}:appliance",
                     ],
                     what="skopeo copy into the engine store",
                     hint="run `make setup` (skopeo); the store is written with podman's overlay driver",
+                    timeout=None, capture=False, missing_hint=MISSING_HINT,
                 )
             # containers/storage leaves its driver directory bind-mounted onto itself.
-            run(["umount", "--recursive", "--quiet", store / "overlay"], what="umount the store")
+            checked(["umount", "--recursive", "--quiet", store / "overlay"], what="umount the store", hint=FAILED_HINT,
+                    timeout=None, capture=False, missing_hint=MISSING_HINT)
             # podman recreates lock files and scratch space as needed.
             for transient in ("tmp", "mounts", "storage.lock", "userns.lock"):
                 target = store / transient
@@ -134,16 +137,16 @@ def make(config: Config, layout: Path) -> EngineStore:
                 else:
                     target.unlink(missing_ok=True)
             with progress.step("packing the engine store (mkfs.erofs)"):
-                run(
+                checked(
                     ["mkfs.erofs", "-T0", f"-U{_stable_uuid(digest, 'erofs')}", "--all-root", "-zlz4hc",
                      staging / "engine.erofs", store],
-                    capture=True, what="mkfs.erofs", hint="run `make setup` (erofs-utils)",
+                    what="mkfs.erofs", hint="run `make setup` (erofs-utils)", timeout=None, missing_hint=MISSING_HINT,
                 )
         with progress.step("hashing the engine store (veritysetup format)"):
-            result = run(
+            result = checked(
                 ["veritysetup", "format", f"--salt={_salt(digest)}", f"--uuid={_stable_uuid(digest, 'verity')}",
                  staging / "engine.erofs", staging / "engine.verity"],
-                capture=True, what="veritysetup format", hint="run `make setup` (cryptsetup-bin)",
+                what="veritysetup format", hint="run `make setup` (cryptsetup-bin)", timeout=None, missing_hint=MISSING_HINT,
             )
         roothash = next(
             (line.split(":", 1)[1].strip() for line in result.stdout.splitlines() if line.startswith("Root hash:")), ""

@@ -17,12 +17,12 @@ import lzma
 import re
 import shutil
 import struct
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.errors import UserError
 from appliance.hashing import sha256_file
+from appliance.run import call_bytes
 from builder.pins import FIRMWARE_TARGET_DIR, read_firmware_pins
 
 AMDGPU_DIR = "kernel/drivers/gpu/drm/amd/amdgpu"
@@ -72,7 +72,7 @@ def _zstd(path: Path) -> bytes:
     exe = shutil.which("zstd")
     if exe is None:
         raise UserError(f"{path}: zstd is needed to read it", hint="apt-get install zstd")
-    proc = subprocess.run([exe, "-q", "-d", "-c", "--", str(path)], capture_output=True, check=False)
+    proc = call_bytes([exe, "-q", "-d", "-c", "--", path], None)
     if proc.returncode != 0:
         message = proc.stderr.decode(errors="replace").strip().splitlines()
         raise UserError(

@@ -16,7 +16,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from builder.run import run
+from appliance.run import checked
+from builder.host_tools import MISSING_HINT
 
 NAME = "appliance-initrd"
 DIRECTORY = "initrd-packages"  # beside build/PROFILE/generated
@@ -48,6 +49,7 @@ def make(directory: Path, source: Path = SOURCE) -> Path:
             "Maintainer: appliance builder <root@localhost>\n"
             "Depends: bash, util-linux, udev\n"
             "Description: the appliance's additions to its initrd\n /usr opened only with its root hash signature.\n")
-        run(["dpkg-deb", "--root-owner-group", "-Zxz", "--build", str(tree), str(out)], what="dpkg-deb --build",
-            hint="run `make setup` (dpkg-deb comes with dpkg)", capture=True, env={**os.environ, "SOURCE_DATE_EPOCH": EPOCH})
+        checked(["dpkg-deb", "--root-owner-group", "-Zxz", "--build", str(tree), str(out)], what="dpkg-deb --build",
+                hint="run `make setup` (dpkg-deb comes with dpkg)", timeout=None, env={**os.environ, "SOURCE_DATE_EPOCH": EPOCH},
+                missing_hint=MISSING_HINT)
     return out

@@ -16,15 +16,15 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle
+from appliance import bundle, cli_help
 from appliance import plan as plan_model
 from appliance.errors import UserError
+from appliance.run import run
 
 MIB = 1 << 20
 PAYLOAD_LABEL = "appliance-payload"
@@ -33,15 +33,8 @@ LINUX_TYPE = "0FC63DAF-8483-4772-8E79-3D69D8477DE4"
 
 
 def _run(argv: Sequence[str | Path], what: str, hint: str, input_text: str | None = None) -> str:
-    args = [str(a) for a in argv]
-    try:
-        proc = subprocess.run(args, capture_output=True, text=True, check=False, input=input_text)
-    except FileNotFoundError:
-        raise UserError(f"{what}: {args[0]} is not installed", hint=hint) from None
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-        raise UserError(f"{what} failed: {last}", hint=hint)
-    return proc.stdout
+    """ARGV's output, with no timeout: writing a stick or an image takes as long as it takes."""
+    return run(argv, what, hint, None, input=input_text)
 
 
 TOOLS_HINT = "install the media tools: apt-get install dosfstools mtools e2fsprogs xorriso bmap-tools"
@@ -234,7 +227,11 @@ def cmd_flash(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: Any) -> None:
     """Register `installer` and `flash` on the builder's subparsers."""
-    p = sub.add_parser("installer", help="make installer media (USB image + bmap, ISO, HTTP-boot UKI) from the last build")
+    p = cli_help.verb_parser(
+        sub, "installer", "make installer media (USB image + bmap, ISO, HTTP-boot UKI) from the last build",
+        examples=["python3 -m builder installer --plan hosts/gpu-07", "python3 -m builder --profile demo installer --form usb"],
+        exit_codes=[(0, "the media are written"), cli_help.FAILED_STEP],
+    )
     p.add_argument("--installer-uki", help="the installer kernel image (default: what `installer-uki` built for the profile)")
     p.add_argument("--plan", help="a signed plan directory (python3 -m builder plan) to put on the medium")
     p.add_argument("--form", action="append", choices=["usb", "iso", "efi"], help="only these forms (repeatable; default: all)")
@@ -243,7 +240,12 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--output", help="where to write the media (default: out/installer/PROFILE-VERSION)")
     p.set_defaults(func=cmd_installer)
 
-    p = sub.add_parser("flash", help="write an installer USB image to a stick with bmaptool (refuses mounted and system disks)")
+    p = cli_help.verb_parser(
+        sub, "flash", "write an installer USB image to a stick with bmaptool (refuses mounted and system disks)",
+        examples=["python3 -m builder flash /dev/sdb --image out/installer/production-1.4.0/installer_1.4.0.raw"],
+        exit_codes=[(0, "the stick is written"),
+                    (2, "bad input, a disk it refuses, not confirmed, or bmaptool failed (one line and a hint)")],
+    )
     p.add_argument("device", help="the whole stick, e.g. /dev/sdb")
     p.add_argument("--image", required=True, help="installer_VERSION.raw (its .bmap beside it)")
     p.add_argument("--yes", action="store_true", help="do not ask before writing (the model and size are still shown)")

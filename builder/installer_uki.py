@@ -15,11 +15,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from appliance import paths
+from appliance import cli_help, paths
 from appliance.config import Config
 from appliance.errors import UserError
+from appliance.run import checked
 from builder import build, keys, render, secureboot
-from builder.run import mkosi_command, run
+from builder.host_tools import MISSING_HINT, mkosi_command
 
 PROJECT = build.ROOT / "installer" / "mkosi"
 PACKAGES = ("appliance", "installer")
@@ -37,6 +38,19 @@ def default_path(config: Config) -> Path:
     return build.ROOT / "out" / "installer" / config.profile / UKI_NAME
 
 
+def repart_definitions(config: Config, dest: Path) -> None:
+    """The installer's first-boot repart definitions into DEST (bench/install.py uses them too)."""
+    shutil.copytree(REPART_SOURCE, dest)
+    render.first_boot_repart(config, dest)  # + the engine slots
+    # the installer makes /var with a key file of its own (to write the plan), which it then
+    # replaces with the recovery key; it adds the TPM2 slot itself (signed PCR 11 only)
+    var = dest / "30-var.conf"
+    text = var.read_text()
+    if "\nEncrypt=tpm2\n" not in text:
+        raise UserError(f"{REPART_SOURCE / var.name}: no Encrypt=tpm2 line", hint="/var must be encrypted (docs/disk-layout.md)")
+    var.write_text(text.replace("\nEncrypt=tpm2\n", "\nEncrypt=key-file\n"))
+
+
 def extra_tree(config: Config, signing_key: Path, tree: Path) -> None:
     shutil.rmtree(tree, ignore_errors=True)
     for name in PACKAGES:
@@ -46,15 +60,7 @@ def extra_tree(config: Config, signing_key: Path, tree: Path) -> None:
     trusted = tree / paths.TRUSTED_KEYS_DIR.relative_to("/") / keys.trusted_name(public)
     trusted.parent.mkdir(parents=True)
     shutil.copyfile(public, trusted)
-    shutil.copytree(REPART_SOURCE, tree / REPART_IN_INSTALLER)
-    render.first_boot_repart(config, tree / REPART_IN_INSTALLER)  # + the engine slots
-    # the installer makes /var with a key file of its own (to write the plan), which it then
-    # replaces with the recovery key; it adds the TPM2 slot itself (signed PCR 11 only)
-    var = tree / REPART_IN_INSTALLER / "30-var.conf"
-    text = var.read_text()
-    if "\nEncrypt=tpm2\n" not in text:
-        raise UserError(f"{REPART_SOURCE / var.name}: no Encrypt=tpm2 line", hint="/var must be encrypted (docs/disk-layout.md)")
-    var.write_text(text.replace("\nEncrypt=tpm2\n", "\nEncrypt=key-file\n"))
+    repart_definitions(config, tree / REPART_IN_INSTALLER)
     boot = secureboot.boot_keys(config, signing_key)
     (tree / PCR_KEY_IN_INSTALLER).write_bytes(secureboot.public_key_pem(boot.pcr_cert))
     # the Secure Boot keys it enrolls into a firmware in setup mode
@@ -76,11 +82,12 @@ def build_uki(config: Config, signing_key: Path | None = None, output: Path | No
     staging.mkdir(parents=True)
     CACHE.mkdir(parents=True, exist_ok=True)
     try:
-        run([*mkosi_command(), "-C", str(PROJECT), f"--extra-tree={tree}", f"--sandbox-tree={sandbox}",
-             f"--tools-tree-sandbox-tree={sandbox}", f"--cache-directory={CACHE}",
-             f"--output-directory={staging}",
-             *secureboot.mkosi_arguments(secureboot.boot_keys(config, key), pcr_policy=False), "build"],
-            what="mkosi build (installer)", hint="see mkosi's output above; run again with --debug for the full command")
+        checked([*mkosi_command(), "-C", str(PROJECT), f"--extra-tree={tree}", f"--sandbox-tree={sandbox}",
+                 f"--tools-tree-sandbox-tree={sandbox}", f"--cache-directory={CACHE}",
+                 f"--output-directory={staging}",
+                 *secureboot.mkosi_arguments(secureboot.boot_keys(config, key), pcr_policy=False), "build"],
+                what="mkosi build (installer)", hint="see mkosi's output above; run again with --debug for the full command",
+                timeout=None, capture=False, missing_hint=MISSING_HINT)  # its output streams to the terminal
         uki = staging / UKI_NAME
         if not uki.is_file():
             raise UserError(f"mkosi produced no installer kernel image at {uki}", hint="see mkosi's output above")
@@ -100,7 +107,11 @@ def cmd_installer_uki(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("installer-uki", help="build the installer kernel image (installer/mkosi/) into out/installer/PROFILE/")
+    p = cli_help.verb_parser(
+        sub, "installer-uki", "build the installer kernel image (installer/mkosi/) into out/installer/PROFILE/",
+        examples=["python3 -m builder installer-uki", "python3 -m builder --profile demo installer-uki"],
+        exit_codes=[(0, "the kernel image is written"), cli_help.FAILED_STEP],
+    )
     p.add_argument("--signing-key", help="the release key whose public half the installer trusts (default: as build)")
     p.add_argument("--output", help=f"where to write it (default: out/installer/PROFILE/{UKI_NAME})")
     p.set_defaults(func=cmd_installer_uki)

@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from appliance import cli_help, host_settings
 from appliance import config as config_model
-from appliance import host_settings
 from appliance import plan as plan_model
 from appliance.atomic import atomic_write, replace_dir
 from appliance.config import Config
@@ -51,7 +51,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register `plan` on the builder's subparsers."""
-    p: argparse.ArgumentParser = sub.add_parser("plan", help="check an install plan (TOML) and sign it with the release key")
+    p = cli_help.verb_parser(
+        sub, "plan", "check an install plan (TOML) and sign it with the release key",
+        examples=["python3 -m builder plan hosts/gpu-07.toml", "python3 -m builder plan hosts/gpu-07.toml --show"],
+        exit_codes=[(0, "the plan is signed"), cli_help.BAD_INPUT],
+        details="docs/install.md describes the plan.",
+    )
     p.add_argument("plan", help="the plan, e.g. hosts/gpu-07.toml (docs/install.md)")
     p.add_argument("--output", help="the directory for plan.json and plan.json.sig (default: the plan's path without .toml)")
     p.add_argument("--signing-key", help="the release signing key (default: as for build)")

@@ -22,7 +22,6 @@ import os
 import shutil
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from typing import Any
 from appliance.errors import UserError
 from appliance.paths import MODEL_SOURCE_CA_CREDENTIAL as MODEL_SOURCE_CA
 from appliance.paths import MODEL_SOURCE_CREDENTIAL as MODEL_SOURCE
+from appliance.run import DEVNULL, PIPE, CompletedProcess, Popen, TimeoutExpired, call, checked, start
 from builder import weights_mirror
 
 OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.secboot.fd")
@@ -87,12 +87,11 @@ class ProbeNet:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, check=False)
+        call(["ip", "netns", "del", self.name], None)
 
-    def run(self, cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def run(self, cmd: list[str], timeout: float = 60) -> CompletedProcess[str]:
         """CMD inside the namespace (never raises on its exit status)."""
-        return subprocess.run(["ip", "netns", "exec", self.name, *cmd], capture_output=True, text=True,
-                              timeout=timeout, check=False)
+        return call(["ip", "netns", "exec", self.name, *cmd], timeout)
 
     def credentials(self) -> dict[str, str]:
         """The guest's address as a systemd-network-generator credential; its file sorts before the
@@ -109,7 +108,7 @@ class ProbeNet:
         return ["-netdev", f"tap,id=probe,fd={self.fd}", "-device", f"virtio-net-pci,netdev=probe,mac={self.MAC},addr=0x10"]
 
     def _ip(self, *args: str) -> None:
-        proc = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+        proc = call(["ip", *args], None)
         if proc.returncode != 0:
             raise UserError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}",
                             hint="network namespaces and tap devices need root and /dev/net/tun")
@@ -145,10 +144,9 @@ def firmware_vars(path: Path, enroll_cert: Path | None) -> Path:
         shutil.copyfile(OVMF_VARS, path)
         return path
     tool = Path(sys.executable).with_name("virt-fw-vars")
-    proc = subprocess.run([str(tool), "--input", str(OVMF_VARS), "--output", str(path),
-                           "--set-pk", ENROLL_OWNER, str(enroll_cert), "--add-kek", ENROLL_OWNER, str(enroll_cert),
-                           "--add-db", ENROLL_OWNER, str(enroll_cert), "--secure-boot"],
-                          capture_output=True, text=True, check=False)
+    proc = call([tool, "--input", OVMF_VARS, "--output", path,
+                 "--set-pk", ENROLL_OWNER, enroll_cert, "--add-kek", ENROLL_OWNER, enroll_cert,
+                 "--add-db", ENROLL_OWNER, enroll_cert, "--secure-boot"], None)
     if proc.returncode != 0:
         raise UserError(f"virt-fw-vars could not enroll {enroll_cert}: {proc.stderr.strip()[-300:]}",
                         hint="run `make setup` (installs virt-firmware into .venv)")
@@ -161,17 +159,17 @@ class Tpm:
     def __init__(self, state_dir: Path) -> None:
         self.state = state_dir
         self.socket = state_dir / "swtpm.sock"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Popen[bytes] | None = None
 
     def __enter__(self) -> Tpm:
         if shutil.which("swtpm") is None:
             raise UserError("swtpm is not installed", hint="run `make setup` (installs swtpm)")
         self.state.mkdir(parents=True, exist_ok=True)
         self.socket.unlink(missing_ok=True)
-        self.proc = subprocess.Popen(
+        self.proc = start(
             ["swtpm", "socket", "--tpm2", "--tpmstate", f"dir={self.state}", "--ctrl", f"type=unixio,path={self.socket}",
              "--log", f"file={self.state / 'swtpm.log'}", "--terminate"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=DEVNULL, stderr=DEVNULL)
         # Ahead of QEMU's vCPU threads, which keep every core of a small host busy under TCG: a
         # starved swtpm answered late once and the guest kernel gave up on a command ("tpm tpm0:
         # Operation Timed out", systemd-pcrmachine.service failed). Only root may raise it.
@@ -190,7 +188,7 @@ class Tpm:
                 self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+            except TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
             self.proc = None
@@ -250,7 +248,8 @@ class Guest:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.disk = self.dir / "disk.raw"
         if not self.disk.exists():
-            subprocess.run(["cp", "--sparse=always", str(disk), str(self.disk)], check=True)
+            checked(["cp", "--sparse=always", disk, self.disk], f"copying {disk}", "check the free space in the work directory",
+                    None)
         if self.disk.stat().st_size < DISK_SIZE:
             os.truncate(self.disk, DISK_SIZE)
         self.vars = self.dir / "OVMF_VARS.fd"
@@ -304,8 +303,7 @@ class Guest:
         timed_out = False
         asked: list[dict[str, Any]] = []
         pass_fds = (probe_net.fd,) if probe_net and probe_net.fd is not None else ()
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                pass_fds=pass_fds)
+        proc = start(cmd, stdout=DEVNULL, stderr=PIPE, pass_fds=pass_fds)
         try:
             while proc.poll() is None:
                 now = time.monotonic()
@@ -437,4 +435,4 @@ def interactive(disk: Path, enroll_cert: Path | None) -> int:
     with Tpm(guest.tpm_state) as tpm:
         cmd = [*qemu_command(guest.disk, guest.vars, {}, tpm), "-serial", "mon:stdio", "-serial", f"file:{guest.report_log}"]
         print(f"booting a copy of {disk} in {guest.dir}; leave with Ctrl-a x")
-        return subprocess.call(cmd)
+        return call(cmd, None, capture=False).returncode

@@ -17,27 +17,27 @@ import argparse
 import hashlib
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle, freshness, manifest, progress, schema
+from appliance import bundle, cli_help, freshness, manifest, progress, schema
 from appliance.atomic import atomic_write, replace_dir
 from appliance.config import Config
 from appliance.errors import UserError
 from appliance.hashing import CHUNK, sha256_file
 from appliance.patterns import VERSION
+from appliance.run import call, checked
 from builder import keys
-from builder.run import run
+from builder.host_tools import FAILED_HINT, MISSING_HINT
 
 
 def _copy(src: Path, dst: Path) -> None:
     """Copy keeping holes (the /usr image is sparse); reflink where the file system can."""
     if shutil.which("cp"):
-        proc = subprocess.run(["cp", "--reflink=auto", "--sparse=always", str(src), str(dst)], capture_output=True, text=True, check=False)
+        proc = call(["cp", "--reflink=auto", "--sparse=always", src, dst], None)
         if proc.returncode == 0:
             return
     shutil.copyfile(src, dst)
@@ -278,8 +278,10 @@ def _install_image(disk_image: Path, directory: Path, version: str) -> list[str]
     """The disk image zstd-compressed and its block map, into DIRECTORY."""
     names = bundle.install_names(version)
     with progress.step("compressing the install image"):
-        run(["bmaptool", "create", "-o", directory / names["install-bmap"], disk_image], capture=True, what="bmaptool create")
-        run(["zstd", "-q", "-T0", "-6", "-o", directory / names["install-image"], disk_image], capture=True, what="zstd")
+        checked(["bmaptool", "create", "-o", directory / names["install-bmap"], disk_image], what="bmaptool create", hint=FAILED_HINT,
+                timeout=None, missing_hint=MISSING_HINT)
+        checked(["zstd", "-q", "-T0", "-6", "-o", directory / names["install-image"], disk_image], what="zstd", hint=FAILED_HINT,
+                timeout=None, missing_hint=MISSING_HINT)
     return list(names.values())
 
 
@@ -366,8 +368,11 @@ def cmd_timestamp(args: argparse.Namespace) -> int:
 
 def add_timestamp_parser(sub: Any) -> argparse.ArgumentParser:
     """Register `timestamp` on the builder's subparsers."""
-    p: argparse.ArgumentParser = sub.add_parser(
-        "timestamp", help="sign a bundle's timestamp again (its index expires without one; run before it expires)")
+    p = cli_help.verb_parser(
+        sub, "timestamp", "sign a bundle's timestamp again (its index expires without one; run before it expires)",
+        examples=["python3 -m builder timestamp out/bundles/production-1.4.0 --days 30"],
+        exit_codes=[(0, "the timestamp is signed"), cli_help.BAD_INPUT],
+    )
     p.add_argument("bundle_dir", metavar="BUNDLE_DIR", help="a bundle directory written by release")
     p.add_argument("--days", type=int, default=freshness.DEFAULT_DAYS,
                    help=f"days until the index expires (1 to {freshness.MAX_DAYS}, default {freshness.DEFAULT_DAYS})")
@@ -378,7 +383,12 @@ def add_timestamp_parser(sub: Any) -> argparse.ArgumentParser:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register `release` on the builder's subparsers."""
-    p: argparse.ArgumentParser = sub.add_parser("release", help="write a signed release bundle from the last build")
+    p = cli_help.verb_parser(
+        sub, "release", "write a signed release bundle from the last build",
+        examples=["python3 -m builder release", "python3 -m builder --profile demo release --previous 1.3.0 --install-image"],
+        exit_codes=[(0, "the bundle is written (its directory on stdout)"),
+                    (2, "bad input, no build to release, or a version not greater than --previous (one line and a hint)")],
+    )
     p.add_argument("--output", help="the bundle directory (default: out/bundles/PROFILE-VERSION)")
     p.add_argument("--build-output", help="the build's output directory (default: out/PROFILE)")
     p.add_argument("--signing-key", help="the release signing key (default: as for build)")

@@ -2,7 +2,7 @@
 """The configuration-dependent tree that mkosi copies into the image (ExtraTrees).
 
 appliance.json, the units and quadlet from units/*.j2, the engine partition and first-boot repart
-definitions, applianctl, the engine's overlay and tuning files, OS settings and the weights manifest;
+definitions, applianctl with its man page and bash completion, the engine's overlay and tuning files, OS settings and the weights manifest;
 build.prepare adds the trusted key and the release plan.
 """
 
@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 
-from appliance import balancer, paths
+from appliance import balancer, cli_docs, paths
 from appliance.bundle import DEFAULT_ENTRY, ENGINE_TYPE, ENGINE_VERITY_TYPE
 from appliance.bundle import EMPTY_LABEL as EMPTY
 from appliance.caddyfile import render_caddyfile
 from appliance.config import Config
 from appliance.config.model import SMOKE_PROMPT, PinnedFile
 from appliance.errors import UserError
+from appliance.run import checked
 from builder import unit_values, weights
 from builder.engine_store import MOUNT_POINT, EngineStore, verity_slot_bytes
 
@@ -29,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 UNITS_DIR = ROOT / "units"
 # Test machinery: the demo profile only, and only testkit's guest half (the rest runs on the test host).
 TESTKIT_DIR = ROOT / "testkit"
-TESTKIT_GUEST = ("__init__.py", "bootcheck.py")
+TESTKIT_GUEST = ("__init__.py", "bootcheck.py", "boot_facts.py", "boot_report.py", "boot_steps.py", "engine_scenarios.py",
+                 "guest_commands.py")
 LIB = Path("usr/lib/appliance")
 SYSTEMD_DIR = Path("usr/lib/systemd/system")
 QUADLET_DIR = Path("usr/share/containers/systemd")
@@ -191,6 +194,24 @@ def install_applianctl(tree: Path) -> None:
     )
 
 
+APPLIANCTL_MAN_SECTION = 8  # system administration
+
+
+def install_cli_docs(config: Config, tree: Path) -> list[Path]:
+    """applianctl's man page and bash completion, generated from its own parser by
+    appliance/cli_docs.py in a Python of their own (builder/ never imports applianctl/)."""
+    checked(
+        [sys.executable, "-m", "appliance.cli_docs", "applianctl.__main__:build_parser", "--name", "applianctl",
+         "--section", str(APPLIANCTL_MAN_SECTION), "--version", config.appliance.version,
+         "--man-dir", tree / cli_docs.MAN_DIR, "--completion-dir", tree / cli_docs.COMPLETION_DIR],
+        what="generating applianctl's man page and bash completion",
+        hint="run the same with python3 -m appliance.cli_docs from the project's directory to see why",
+        cwd=ROOT,
+    )
+    return [tree / cli_docs.MAN_DIR / f"man{APPLIANCTL_MAN_SECTION}" / f"applianctl.{APPLIANCTL_MAN_SECTION}",
+            tree / cli_docs.COMPLETION_DIR / "applianctl"]
+
+
 def install_demo(tree: Path) -> None:
     """The demo profile's test machinery (test images are demo images), never in production: the boot
     check (`python3 -m testkit.bootcheck`), testkit/units and their preset."""
@@ -310,6 +331,7 @@ def generate_tree(config: Config, tree: Path, store: EngineStore) -> None:
         shutil.copyfile(source, tree / ENGINE_PARTITION_DIR / name)
     first_boot_repart(config, tree / FIRST_BOOT_REPART)
     install_applianctl(tree)
+    install_cli_docs(config, tree)
     if config.profile == "demo":
         install_demo(tree)
     install_engine_files(config, tree)

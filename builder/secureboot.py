@@ -24,8 +24,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from appliance.config import Config
+from appliance.run import checked
 from builder import keys
-from builder.run import run
+from builder.host_tools import MISSING_HINT
 
 X509_GUID = uuid.UUID("a5c059a1-94e4-4aa7-87b5-ab155c2bf072")  # EFI_CERT_X509_GUID
 # The owner of the appliance's own entries; fixed so that every build's lists compare equal.
@@ -118,9 +119,9 @@ def enrollment_set(boot: BootKeys, microsoft_ca: bool, out: Path) -> Path:
             esl = Path(tmp) / f"{name}.esl"
             owners = [(APPLIANCE_OWNER if data == mine else MICROSOFT_OWNER, data) for _, data in lists[name]]
             esl.write_bytes(signature_list(owners))
-            run(["sbvarsign", "--key", str(boot.secure_boot_key), "--cert", str(boot.secure_boot_cert),
-                 "--attr", AUTH_ATTRIBUTES, "--output", str(out / f"{name}.auth"), name, str(esl)],
-                what=f"sbvarsign {name}", hint="run `make setup` (installs sbsigntool)", capture=True)
+            checked(["sbvarsign", "--key", str(boot.secure_boot_key), "--cert", str(boot.secure_boot_cert),
+                     "--attr", AUTH_ATTRIBUTES, "--output", str(out / f"{name}.auth"), name, str(esl)],
+                    what=f"sbvarsign {name}", hint="run `make setup` (installs sbsigntool)", timeout=None, missing_hint=MISSING_HINT)
     record = {
         "appliance_sha256": hashlib.sha256(mine).hexdigest(),
         **{name: [{"name": n, "sha256": hashlib.sha256(d).hexdigest()} for n, d in lists[name]] for name in VARIABLES},

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from appliance import cli_help, fsverity
 from appliance import config as config_model
-from appliance import fsverity
 from appliance import weights as wm
 from appliance.atomic import atomic_write
 from appliance.errors import UserError
@@ -195,7 +195,11 @@ def cmd_weights(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = sub.add_parser("weights", help="pin the model's weights: write the weights manifest")
+    p = cli_help.verb_parser(
+        sub, "weights", "pin the model's weights: write the weights manifest",
+        examples=["python3 -m builder weights pin --from /srv/models/snapshot", "python3 -m builder --profile demo weights demo"],
+        exit_codes=[(0, "the manifest is written"), cli_help.FAILED_STEP],
+    )
     p.add_argument("action", choices=["pin", "demo"], help="pin: the configured model and revision; demo: the demo's generated weights")
     p.add_argument("--from", dest="source", help="pin: a local copy of the snapshot (adds each file's fs-verity digest)")
     p.add_argument("--offline", action="store_true", help="pin: do not ask the Hub; pin the --from directory as it is")

@@ -99,7 +99,7 @@ def demo(cache: Path | None = None) -> Iterator[tuple[str, str]]:
 
     from appliance import certs
     from builder import weights
-    from builder.run import HOST_CACHE
+    from builder.host_tools import HOST_CACHE
 
     work = (cache or HOST_CACHE) / "demo-weights"
     www = work / "www"

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from appliance import manifest, paths
+from appliance import cli_help, manifest, paths, run
 from appliance import plan as plan_model
 from appliance.errors import UserError, run_reporting
 from installer import install, remote
@@ -61,8 +61,15 @@ def find_plan(medium: Path | None, given: str | None) -> Path:
     return medium / "plan"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m installer", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python3 -m installer")
+    cli_help.describe(
+        parser, __doc__.splitlines()[0].split(": ", 1)[1],
+        examples=["python3 -m installer --dry-run", "python3 -m installer --source https://updates.example/appliance/1.4.0/"],
+        exit_codes=[(0, "installed (or, --dry-run, the disk it would write shown)"),
+                    (1, "refused: the release or the plan is not authentic, not intact, or not for this host"),
+                    cli_help.FAILED_STEP],
+    )
     parser.add_argument("--dry-run", action="store_true", help="show the disk that would be written, and write nothing")
     parser.add_argument("--json", action="store_true", help="the candidates as JSON instead of a table")
     parser.add_argument("--medium", help="the release's directory (default: the installer medium, mounted read-only)")
@@ -71,8 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ca", help="the CA of the --source server, PEM (default: credential appliance.install-ca, else the system's)")
     parser.add_argument("--plan", help="the signed plan's directory (default: credential appliance.install-plan, else the medium's plan/)")
     parser.add_argument("--no-reboot", action="store_true", help="stay in the installer after the summary")
-    parser.add_argument("--debug", action="store_true", help="tracebacks")
-    args = parser.parse_args(argv)
+    parser.add_argument("--debug", action="store_true", help="each command line before it runs, and tracebacks")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run.set_debug(args.debug)
 
     def go() -> int:
         medium = Path(args.medium) if args.medium else None if args.source else find_medium()

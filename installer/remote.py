@@ -9,12 +9,12 @@ into RAM; bmaptool later checks every written range against the block map.
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 from appliance import bundle, fetch
 from appliance.atomic import atomic_write
 from appliance.errors import UserError
+from appliance.run import call
 
 RELEASE_DIR = Path("/var/lib/installer/release")
 CA_CREDENTIAL = "appliance.install-ca"
@@ -33,7 +33,7 @@ def credential_ca() -> str | None:
 def wait_online(timeout_s: int = 120) -> None:
     """Give DHCP its time before the first request; the download's own errors say the rest."""
     if Path(WAIT_ONLINE).exists():
-        subprocess.run([WAIT_ONLINE, "--any", f"--timeout={timeout_s}"], check=False, capture_output=True)
+        call([WAIT_ONLINE, "--any", f"--timeout={timeout_s}"], None)
 
 
 def download(spec: str, ca: str | None, trusted_keys: Path, directory: Path | None = None) -> Path:

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: MIT
-"""`make bench`'s runner (bench/common.py run_benches): a benchmark that cannot measure its figure
-fails the run and is named, and the others still run. No real benchmark runs here."""
+"""`make bench`'s runner (bench/common.py measure): a benchmark that cannot measure its figure fails
+the run and is named, and the others still run; every run is recorded (bench/report.py). No real
+benchmark runs here (tests/test_bench_setup.py runs each one small)."""
 
 from __future__ import annotations
 
@@ -77,14 +78,36 @@ def test_bench_only_naming_no_benchmark_is_a_usage_fault(capsys: pytest.CaptureF
     assert err[0] == "BENCH_ONLY: no benchmark bench_typo" and err[1].startswith("hint: one of: bench_ok, ")
 
 
-def test_main_runs_every_benchmark_through_the_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_main_runs_every_benchmark_through_the_runner_and_records_the_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from bench import __main__ as bench_main
+    from bench import report
 
     ran: list[str] = []
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(f"# Benchmarks\n\n{report.START}\nold\n{report.END}\n")
     monkeypatch.setattr(bench_main, "BENCHES", _benches(ran))
+    monkeypatch.setattr(report, "commit", lambda: "unknown")  # git is a program: tests/test_bench_report.py runs it
     monkeypatch.delenv("BENCH_ONLY", raising=False)
-    assert bench_main.main() == 1
+    assert bench_main.main(tmp_path / "out", docs) == 1
     assert ran == ["bench_ok", "bench_raises", "bench_refused", "bench_last"]
+    recorded = json.loads((tmp_path / "out/bench.json").read_text())
+    assert recorded["ran"] == ran and set(recorded["not_measured"]) == {"bench_raises", "bench_refused"}
+    assert "old" not in docs.read_text() and "| no image at out/demo | `bench_refused` |" in docs.read_text()
+
+
+def test_a_run_of_some_benchmarks_leaves_the_docs_as_they_are(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from bench import __main__ as bench_main
+    from bench import report
+
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(f"{report.START}\nold\n{report.END}\n")
+    monkeypatch.setattr(bench_main, "BENCHES", _benches([]))
+    monkeypatch.setattr(report, "commit", lambda: "unknown")
+    monkeypatch.setenv("BENCH_ONLY", "bench_last")
+    assert bench_main.main(tmp_path / "out", docs) == 0
+    assert "old" in docs.read_text() and json.loads((tmp_path / "out/bench.json").read_text())["ran"] == ["bench_last"]
+    monkeypatch.setenv("BENCH_ONLY", "bench_typo")
+    assert bench_main.main(tmp_path / "again", docs) == 2 and not (tmp_path / "again").exists()
 
 
 # ------------------------------------------------------------------ ratios, percentiles, goals
@@ -108,29 +131,31 @@ def test_percentile_of_nothing_or_out_of_range_is_refused(values: list[float], q
 
 
 def test_a_baseline_of_zero_has_no_ratio() -> None:
-    from bench.common import ratio, ratio_row
+    from bench.common import measured, ratio
 
     assert ratio(3.0, 2.0) == 1.5
     for base in (0.0, -1.0):
         with pytest.raises(ValueError, match="nothing measured"):
             ratio(1.0, base)
     with pytest.raises(ValueError):
-        ratio_row("a figure", 1.0, 0.0, "ms", "goal")
+        measured("a figure", 1.0, 0.0, "ms")
 
 
-def test_verdict_names_the_goal_and_whether_it_is_met() -> None:
-    from bench.common import ratio_row, verdict
+def test_a_figure_names_its_goal_and_whether_it_is_met(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.common import measured
 
-    assert verdict(1.05, at_most=1.05) == "goal <= 1.05x: met"
-    assert verdict(1.06, at_most=1.05) == "goal <= 1.05x: NOT met"
-    assert verdict(0.95, at_least=0.95) == "goal >= 0.95x: met"
-    assert verdict(0.94, at_least=0.95) == "goal >= 0.95x: NOT met"
-    with pytest.raises(ValueError):
-        verdict(1.0)
-    with pytest.raises(ValueError):
-        verdict(1.0, at_most=1.0, at_least=1.0)
-    line = ratio_row("proxy stream, time to first token p50", 21.0, 20.0, "ms", verdict(1.05, at_most=1.05))
+    assert (measured("a", 1.05, 1.0, "s", at_most=1.05).goal, measured("a", 1.05, 1.0, "s", at_most=1.05).verdict) == ("<= 1.05x", "met")
+    assert measured("a", 1.06, 1.0, "s", at_most=1.05).verdict == "NOT met"
+    assert measured("a", 0.95, 1.0, "s", at_least=0.95).verdict == "met"
+    assert measured("a", 0.94, 1.0, "s", at_least=0.95).verdict == "NOT met"
+    both = measured("scrape", 300.0, 250.0, "ms", at_most=1.5, under=250)
+    assert (both.goal, both.verdict) == ("<= 1.50x and under 250 ms", "NOT met")  # the ratio is met, the bound is not
+    plain = measured("size", 2.0, 4.0, "MB", note="smaller is better")
+    assert (plain.goal, plain.verdict, plain.ratio) == ("", "", 0.5)
+    capsys.readouterr()
+    line = measured("proxy stream, time to first token p50", 21.0, 20.0, "ms", at_most=1.05).line()
     assert line.split()[-6:] == ["ratio", "1.05x", "(goal", "<=", "1.05x:", "met)"] and "21.00 ms" in line
+    assert capsys.readouterr().out == line + "\n"  # printed as it is measured
 
 
 # ------------------------------------------------------------------ the proxy rows' client
@@ -289,7 +314,7 @@ def test_the_proxy_stream_row_prints_each_figure_with_its_goal(backend: _Backend
 
     monkeypatch.setattr(proxy, "paths", lambda: _both_to(backend))
     original = proxy.stream_round
-    monkeypatch.setattr(proxy, "stream_round", lambda endpoint: original(endpoint, 2, 1))  # 2 streams, 1 each
+    monkeypatch.setattr(proxy, "stream_round", lambda endpoint, *size: original(endpoint, 2, 1))  # 2 streams, 1 each
     assert run_benches([proxy.bench_proxy_stream], CONFIG) == 0
     lines = capsys.readouterr().out.splitlines()
     figures = [line for line in lines if line.startswith("proxy stream, ")]

@@ -10,10 +10,23 @@ import pytest
 
 from appliance import config as config_model
 from applianctl import console
+from applianctl.records import EffectiveSettings
 from applianctl.status import collect as status
-from applianctl.status import probes
+from applianctl.status import document, probes
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def typed(doc: dict[str, Any]) -> document.StatusDocument:
+    """DOC with its parts' details left out but the host's addresses (all the console reads of it)."""
+    parts = {name: probes.Part(part["state"], part["reason"]) for name, part in doc["parts"].items()}
+    host = doc["parts"]["host"]
+    settings = EffectiveSettings(hostname="h", network="", ssh_authorized_keys=(), proxy_hostname="h", proxy_allowed_cidrs=(),
+                                 proxy_acme_email="", update_url="", weights_source="")
+    parts["host"] = probes.Part(host["state"], host["reason"], document.HostDetails(
+        source=None, hostname="h", addresses=tuple(host["addresses"]), network_files=(), settings=settings,
+        factory_reset=document.FactoryResetStatus(pending=None, last=None)))
+    return document.StatusDocument(**{**doc, "parts": parts})
 
 
 def test_console_text(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -24,7 +37,7 @@ def test_console_text(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
                                "engine": {"state": "degraded", "reason": "a\\b"},
                                "host": {"state": "ok", "reason": "", "addresses": ["192.0.2.10/24"]},
                                "tls": {"state": "down", "reason": "no CA yet"}}}
-    monkeypatch.setattr(status, "collect", lambda config, src: doc)
+    monkeypatch.setattr(status, "collect", lambda config, src: typed(doc))
     monkeypatch.setenv("APPLIANCE_STATE_DIR", str(tmp_path))
 
     text = console.text(config, probes.Sources())

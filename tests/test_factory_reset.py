@@ -227,14 +227,14 @@ def test_status_shows_a_pending_reset_as_degraded_and_the_last_one(var: Path, tm
     applied = tmp_path / "host.json"
     applied.write_text(json.dumps({"ok": True, "reason": "", "source": "image defaults"}))
     part = host.probe_host(config, Sources(), applied)
-    assert part.state != DEGRADED and part.details["factory_reset"] == {"pending": None, "last": None}
+    assert part.state != DEGRADED and part.to_json()["factory_reset"] == {"pending": None, "last": None}
     factory_reset.request(keep_weights=True, keep_settings=True)
     part = host.probe_host(config, Sources(), applied)
     assert part.state == DEGRADED and "factory reset is pending" in part.reason and "the model weights" in part.reason
-    assert part.details["factory_reset"]["pending"]["keep_weights"] is True
+    assert part.to_json()["factory_reset"]["pending"]["keep_weights"] is True
     factory_reset.run_at_boot(var, str(var / CACHE), cmdline="")
     part = host.probe_host(config, Sources(), applied)
-    assert part.state != DEGRADED and part.details["factory_reset"]["last"]["by"] == "applianctl factory-reset"
+    assert part.state != DEGRADED and part.to_json()["factory_reset"]["last"]["by"] == "applianctl factory-reset"
 
 
 @pytest.mark.programs
@@ -252,7 +252,7 @@ def test_status_does_not_call_a_directory_where_the_request_belongs_a_pending_wi
     part = host.probe_host(config, Sources(), applied)
     assert part.state == DEGRADED and "is a directory, not a factory reset request" in part.reason
     assert "wipes" not in part.reason and "--cancel" in part.reason
-    assert part.details["factory_reset"]["pending"] is None
+    assert part.to_json()["factory_reset"]["pending"] is None
 
 
 def test_the_units_command_reads_the_switch_and_the_images_weights_directory(var: Path, tmp_path: Path,

@@ -130,8 +130,8 @@ def test_rocm_smi_text_with_tabs_and_json_labels() -> None:
 def test_probe_falls_back_to_rocm_smi_text_when_amd_smi_is_missing() -> None:
     part = gpu.probe(CONFIG, fake_runner({"rocm-smi --showmeminfo": (0, ROCM_SMI_TEXT)}))
     assert part.state == probes.OK, part.reason
-    assert part.details["tool"] == "rocm-smi"
-    assert len(part.details["gpus"]) == 8
+    assert part.to_json()["tool"] == "rocm-smi"
+    assert len(part.to_json()["gpus"]) == 8
 
 
 def test_low_vram_headroom_is_degraded() -> None:
@@ -146,7 +146,7 @@ def test_no_tool_is_not_present(required: bool, state: str) -> None:
     part = gpu.probe(gpu_config(required=required), fake_runner({}))
     assert part.state == state
     assert part.reason.startswith("not present")
-    assert part.details["present"] is False
+    assert part.to_json()["present"] is False
 
 
 def test_tool_without_gpu_or_hanging_is_not_present() -> None:
@@ -174,4 +174,4 @@ def test_real_programs_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         ["amd-smi", "static", "--json"],
         ["rocm-smi", "--showmeminfo", "vram", "--showtemp", "--showpower", "--json"],
     ]
-    assert part.details["gpus"][0]["vram_total_mib"] == 196592
+    assert part.to_json()["gpus"][0]["vram_total_mib"] == 196592

@@ -241,7 +241,7 @@ def test_a_signed_plan_whose_proxy_values_do_not_render_fails_the_unit_and_keeps
     from applianctl.status import probes
 
     part = status_host.probe_host(image, probes.Sources(run=lambda argv, timeout: (1, "")), machine.result)
-    assert part.state == probes.DEGRADED and part.reason == doc.reason and part.details["source"] == "plan"
+    assert part.state == probes.DEGRADED and part.reason == doc.reason and part.to_json()["source"] == "plan"
 
 
 def test_a_signed_plan_this_version_refuses_outright_applies_nothing_and_fails_the_unit(machine: Host) -> None:

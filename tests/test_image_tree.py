@@ -111,19 +111,41 @@ def test_demo_tree_has_the_boot_check(demo_tree: Path) -> None:
     assert "ttyS1" in found[unit]
     assert "python3 -m testkit.bootcheck" in (demo_tree / unit).read_text()
     assert (demo_tree / "usr/lib/python3/dist-packages/testkit/bootcheck.py").is_file()
-    assert "appliance.plan" in found["usr/lib/python3/dist-packages/testkit/bootcheck.py"]
+    assert "appliance.plan" in found["usr/lib/python3/dist-packages/testkit/boot_steps.py"]
     presets = "".join(p.read_text() for p in (demo_tree / "usr/lib/systemd/system-preset").iterdir())
     assert "enable appliance-bootcheck.service" in presets
     # Only testkit's guest half (the boot check, not the host's faults.py or standin.py), its units
     # and its preset are test machinery.
     assert {n.split("/")[-1] for n in found} <= {"appliance-bootcheck.service", "appliance-bootcheck-trial.service",
                                                 "20-appliance-demo.preset", "bootcheck.py", "__init__.py",
+                                                "boot_facts.py", "boot_report.py", "boot_steps.py",
+                                                "engine_scenarios.py", "guest_commands.py",
                                                 "appliance-demo-fault.service", "appliance-demo-panic.service",
                                                 "appliance-demo-freeze.service", "appliance-demo-crash.service",
                                                 "demo-source.conf"}
     # the demo's weights source comes with the boot; production's fetch imports no credential
     dropin = "usr/lib/systemd/system/appliance-model-fetch.service.d/demo-source.conf"
     assert "ImportCredential=appliance.model_source" in (demo_tree / dropin).read_text()
+
+
+def test_the_boot_check_in_the_demo_tree_has_every_testkit_module_it_imports(demo_tree: Path) -> None:
+    """The image cannot import from the host's checkout: every testkit module the shipped ones
+    import (at the top or inside a function) is shipped beside them."""
+    shipped = demo_tree / "usr/lib/python3/dist-packages/testkit"
+    missing = []
+    for path in sorted(shipped.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "testkit":
+                names = [f"testkit.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            missing += [f"{path.name}: {n}" for n in names
+                        if n.startswith("testkit.") and not (shipped / f"{n.split('.')[1]}.py").is_file()]
+    assert (shipped / "bootcheck.py").is_file() and missing == []
 
 
 def test_bootcheck_is_not_an_applianctl_verb() -> None:
@@ -330,3 +352,59 @@ def test_the_metrics_refresh_follows_the_configuration(production_tree: Path, de
     # emulated, the demo refreshes far less often than a server (each refresh is one status run)
     demo, production = (config.load(ROOT / "appliance.toml", p).metrics.refresh_s for p in ("demo", "production"))
     assert demo > production
+
+
+# applianctl's man page and bash completion, generated from its parser at build (appliance/cli_docs.py)
+CLI_DOCS = (f"usr/share/man/man{render.APPLIANCTL_MAN_SECTION}/applianctl.{render.APPLIANCTL_MAN_SECTION}",
+            "usr/share/bash-completion/completions/applianctl")
+
+
+def _mkosi_list(key: str) -> list[str]:
+    """The entries of KEY= in image/mkosi.conf (one per line, comments skipped)."""
+    entries: list[str] = []
+    inside = False
+    for line in (ROOT / "image/mkosi.conf").read_text().splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        if line.startswith(f"{key}="):
+            inside = True
+            line = line.partition("=")[2]
+        elif not line[:1].isspace():
+            inside = False
+        if inside and line.strip():
+            entries.append(line.strip())
+    return entries
+
+
+@pytest.mark.parametrize("profile", ["production", "demo"])
+def test_the_tree_ships_applianctl_man_page_and_completion(profile: str, production_tree: Path, demo_tree: Path) -> None:
+    tree = production_tree if profile == "production" else demo_tree
+    version = config.load(ROOT / "appliance.toml", profile).appliance.version
+    page = (tree / CLI_DOCS[0]).read_text()
+    assert f'.TH "APPLIANCTL" 8 "" "applianctl {version}"' in page
+    assert '.SS "status"' in page and '.SS "model fetch"' in page and ".SH EXAMPLES" in page
+    completion = (tree / CLI_DOCS[1]).read_text()
+    assert completion.rstrip().endswith("complete -F _applianctl applianctl")
+    assert "'model') echo 'fetch verify'" in completion or "model) echo 'fetch verify'" in completion
+
+
+def test_the_image_keeps_the_appliances_man_pages_and_can_read_them(production_tree: Path, tmp_path: Path) -> None:
+    """mkosi removes RemoveFiles= after it has copied the generated tree in: the patterns take
+    Debian's man pages (and the alternatives' links to them), never the appliance's own."""
+    root = tmp_path / "root"
+    for name in CLI_DOCS:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(production_tree / name, root / name)
+    debian = root / "usr/share/man/man1/ls.1.gz"
+    debian.parent.mkdir(parents=True)
+    debian.write_bytes(b"")
+    for pattern in _mkosi_list("RemoveFiles"):
+        for path in root.glob(pattern.lstrip("/")):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    assert not debian.exists()
+    assert all((root / name).is_file() for name in CLI_DOCS)
+    packages = _mkosi_list("Packages")
+    assert "man-db" in packages and "bash-completion" in packages  # `man applianctl`, and bash loads the completion

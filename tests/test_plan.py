@@ -310,7 +310,7 @@ def test_status_part_host_follows_what_apply_wrote(tmp_path: Path, release_keys:
     src = probes.Sources(run=ip)
     config, result = _config(), tmp_path / "host.json"
     absent = probes_host.probe_host(config, src, result)
-    assert absent.state == probes.NOT_CONFIGURED and absent.details["settings"]["hostname"] == config.os.hostname
+    assert absent.state == probes.NOT_CONFIGURED and absent.to_json()["settings"]["hostname"] == config.os.hostname
 
     private, trusted = release_keys
     host_dir = tmp_path / "host"
@@ -320,15 +320,15 @@ def test_status_part_host_follows_what_apply_wrote(tmp_path: Path, release_keys:
     (host_dir / plan_model.PLAN_SIG).write_bytes(sig)
     host.apply(config, host_dir, tmp_path / "net", result, trusted, set_hostname=False)
     ok = probes_host.probe_host(config, src, result)
-    assert ok.state == probes.OK and ok.details["source"] == "plan" and ok.details["addresses"] == ["192.0.2.10/24"]
-    assert ok.details["settings"]["network"] == (
+    assert ok.state == probes.OK and ok.to_json()["source"] == "plan" and ok.to_json()["addresses"] == ["192.0.2.10/24"]
+    assert ok.to_json()["settings"]["network"] == (
         "bond0 (802.3ad: ens1f0, 52:54:00:12:34:57), VLAN 120, MTU 9000: 192.0.2.10/24, 2001:db8::10/64 via 192.0.2.1, 2001:db8::1")
 
     (host_dir / plan_model.PLAN_JSON).write_bytes(data.replace(b"gpu-07", b"gpu-08"))  # changed after signing
     host.apply(config, host_dir, tmp_path / "net", result, trusted, set_hostname=False)
     refused = probes_host.probe_host(config, src, result)
     assert refused.state == probes.DEGRADED and "not signed by a key this release trusts" in refused.reason
-    assert refused.details["settings"]["hostname"] == config.os.hostname  # the image's defaults apply
+    assert refused.to_json()["settings"]["hostname"] == config.os.hostname  # the image's defaults apply
 
 
 # ------------------------------------------------------------------------------ control characters

@@ -35,7 +35,9 @@ def test_journal_gets_one_line_every_period_and_one_at_the_end() -> None:
     assert "\r" not in out.getvalue()
 
 
-def test_terminal_bar_is_redrawn_in_place() -> None:
+def test_terminal_bar_is_redrawn_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TERM", "xterm")  # NO_COLOR or TERM=dumb: no escape sequences (tests/test_cli_help.py)
+    monkeypatch.delenv("NO_COLOR", raising=False)
     out, clock = io.StringIO(), Clock()
     with progress.Progress("hashing", total=10, unit="files", out=out, tty=True, clock=clock) as p:
         for _ in range(10):

@@ -14,7 +14,7 @@ import pytest
 
 from appliance import config
 from builder import engine_store, render
-from builder.run import HOST_CACHE
+from builder.host_tools import HOST_CACHE
 
 pytestmark = pytest.mark.programs  # starts real programs (make unit, not make check)
 

@@ -338,7 +338,7 @@ def test_build_refuses_mkosi_output_without_a_package_manifest(
 
     for name, value in (("signing_key_for", lambda config, key: tmp_path / "release.key"),
                         ("prepare", lambda *a: (tmp_path, tmp_path, tmp_path)), ("mkosi_command", lambda: ["mkosi"]),
-                        ("mkosi_arguments", lambda *a: []), ("run", fake_mkosi)):
+                        ("mkosi_arguments", lambda *a: []), ("checked", fake_mkosi)):
         monkeypatch.setattr(build_module, name, value)
     if manifest == "ok":
         result = build_module.build(config, output=final)

@@ -651,7 +651,7 @@ def test_at_boot_a_failed_gpu_no_engine_uses_is_reported_not_fatal(device: Any, 
     (gpu5,) = [g for g in report["gpus"] if g["gpu"] == 5]
     assert any(f["check"] == "ecc-uncorrectable" and f["state"] == "failed" for f in gpu5["findings"]), gpu5
     part = _gpu_part()
-    assert part.state == "ok" and part.details["selftest"]["failed_used_gpus"] == [], part
+    assert part.state == "ok" and part.to_json()["selftest"]["failed_used_gpus"] == [], part
 
 
 def test_at_boot_could_not_run_blocks_only_where_a_gpu_is_required(

@@ -36,9 +36,9 @@ from appliance.config.model import Topology
 from applianctl.slots.machine import EFI_LOADER_GUID, Host
 from applianctl.status import collect as status
 from applianctl.status import disk as probes_disk
+from applianctl.status import document, os_slots, probes, schema_doc
 from applianctl.status import engine as probes_engine
 from applianctl.status import files as probes_files
-from applianctl.status import os_slots, probes
 from applianctl.status import proxy as probes_proxy
 from applianctl.status import shm as probes_shm
 from applianctl.status import tls as probes_tls
@@ -130,6 +130,13 @@ def with_offload(config: Config, gib: str) -> Config:
     args = list(config.engine.args)
     args[args.index("--kv-offloading-size") + 1] = gib
     return dataclasses.replace(config, engine=dataclasses.replace(config.engine, args=tuple(args)))
+
+
+def made_up(**kw: Any) -> document.StatusDocument:
+    """A status document with KW, the rest made up."""
+    top = {"schema": 1, "state": probes.OK, "reason": "", "appliance": "a", "version": "1.0.0", "profile": "demo",
+           "generated_at": "2026-11-30T14:00:00Z", "elapsed_s": 0.1, "parts": {}}
+    return document.StatusDocument(**{**top, **kw})
 
 
 def write_config(tree: Path, config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -286,7 +293,7 @@ def test_healthy_appliance_is_ok(
     src = sources(tree, engine, systemd_mock)
     status.collect(config, src)  # warm up imports and connections
     # The 300 ms latency target is a benchmark (make bench), not a timed test.
-    doc = status.collect(config, src)
+    doc = status.collect(config, src).to_json()
     assert doc["state"] == probes.OK, json.dumps(doc["parts"], indent=1)
     assert list(doc["parts"]) == list(status.PARTS)
     eng = doc["parts"]["engine"]
@@ -339,8 +346,8 @@ def test_a_probe_that_hangs_or_raises_is_down_and_costs_only_the_deadline() -> N
 def test_every_part_renders_when_its_probe_timed_out() -> None:
     """A probe past its deadline leaves only a state and a reason (the host probe timed out under
     load on a test VM): the text must still render, or status and the console fail with it."""
-    bare = {name: {"state": probes.DOWN, "reason": "no answer within 2 s"} for name in status.PARTS}
-    doc = {"appliance": "a", "version": "1", "state": probes.DOWN, "reason": "os: no answer", "parts": bare}
+    bare = {name: probes.Part(probes.DOWN, "no answer within 2 s") for name in status.PARTS}
+    doc = made_up(state=probes.DOWN, reason="os: no answer", parts=bare)
     out = io.StringIO()
     status.render(doc, out, colour=False)
     assert out.getvalue().count("no answer within 2 s") == len(status.PARTS)
@@ -379,7 +386,7 @@ def test_degraded_exit_status_and_colour(
     doc = json.loads(out.getvalue())
     assert (doc["state"], doc["reason"]) == (probes.DEGRADED, "startup: loading weights")
     coloured = io.StringIO()
-    status.render(doc, coloured, colour=True)
+    status.render(document.load(doc), coloured, colour=True)
     assert "\033[33mdegraded" in coloured.getvalue()
 
 
@@ -391,7 +398,7 @@ def test_engine_refused_is_down_unless_it_is_loading(tree: Path, config: Config)
     part = probes_engine.probe_engine(config, sources(tree, url))
     assert (part.state, part.reason) == (probes.DOWN, f"{url}/health: connection refused")
     paths.STARTUP_REPORT.write_text(json.dumps({"state": "loading"}))
-    doc = status.collect(config, dataclasses.replace(sources(tree, url), bus=lambda: None))
+    doc = status.collect(config, dataclasses.replace(sources(tree, url), bus=lambda: None)).to_json()
     assert doc["parts"]["engine"]["state"] == probes.DEGRADED
     assert doc["parts"]["engine"]["reason"].startswith("starting")
 
@@ -416,16 +423,16 @@ def test_engine_replicas_each_probed_one_down_is_degraded_all_down_is_down(tree:
     part = probes_engine.probe_engine(two, sources(tree, engine, replica_urls=(dead,)))
     assert part.state == probes.DEGRADED, part
     assert part.reason == f"1 of 2 replicas serve; replica 1: {dead}/health: connection refused"
-    assert [(r["replica"], r["url"], r["state"], r["gpus"]) for r in part.details["replicas"]] == [
+    assert [(r["replica"], r["url"], r["state"], r["gpus"]) for r in part.to_json()["replicas"]] == [
         (0, engine, probes.OK, [0]), (1, dead, probes.DOWN, [1])]
-    assert part.details["models"] == [MODEL]  # the first replica's details, as with one engine
-    text = exposition.render({"parts": {"engine": part.to_json()}})
+    assert part.to_json()["models"] == [MODEL]  # the first replica's details, as with one engine
+    text = exposition.render(made_up(parts={"engine": part}))
     assert 'appliance_replica_state{replica="1",gpus="1",state="down"} 1' in text.splitlines()
     assert 'appliance_replica_state{replica="0",gpus="0",state="ok"} 1' in text.splitlines()
     # both serving: ok; neither: down, the start-in-progress cross-check still possible (all refused)
     assert probes_engine.probe_engine(two, sources(tree, engine, replica_urls=(engine,))).state == probes.OK
     down = probes_engine.probe_engine(two, sources(tree, dead, replica_urls=(dead,)))
-    assert down.state == probes.DOWN and down.details["refused"] is True, down
+    assert down.state == probes.DOWN and down.to_json()["refused"] is True, down
     assert down.reason == f"replica 0: {dead}/health: connection refused; replica 1: {dead}/health: connection refused"
     assert status.summary("engine", part.to_json()).startswith("replicas 1/2 serving; models standin/tiny-demo;")
 
@@ -461,20 +468,20 @@ def test_booted_slot_from_usrhash_through_the_slots_model(tree: Path, config: Co
     (tree / "cmdline").write_text(f"console=ttyS0 usrhash={booted_hash} ro\n")
     src = sources(tree, "http://127.0.0.1:1")
     part = os_part(config, src)
-    assert part.details["usr"]["slot"] == slot
-    assert part.details["usr"]["version"] == version
-    assert part.details["usr"]["partition"] == ("/dev/vda2" if slot == "A" else "/dev/vda5")
+    assert part.to_json()["usr"]["slot"] == slot
+    assert part.to_json()["usr"]["version"] == version
+    assert part.to_json()["usr"]["partition"] == ("/dev/vda2" if slot == "A" else "/dev/vda5")
     read = os_slots.slots_reader(config, src)
-    assert os_slots.probe_slots(config, read).details["booted_slot"] == slot
+    assert os_slots.probe_slots(config, read).to_json()["booted_slot"] == slot
 
 
 def test_boot_counting_states(tree: Path, config: Config) -> None:
     src = sources(tree, "http://127.0.0.1:1")
-    assert os_part(config, src).details["boot_counting"]["state"] == probes.NOT_CONFIGURED
+    assert os_part(config, src).to_json()["boot_counting"]["state"] == probes.NOT_CONFIGURED
     _efivar(tree, "appliance_1.0.0+2-1.efi")
     part = os_part(config, src)
     assert part.state == probes.OK
-    assert part.details["boot_counting"] == {
+    assert part.to_json()["boot_counting"] == {
         "entry": "appliance_1.0.0+2-1.efi",
         "state": "on trial",
         "tries_left": 2,
@@ -485,7 +492,7 @@ def test_boot_counting_states(tree: Path, config: Config) -> None:
     assert part.state == probes.DEGRADED
     assert "no tries left" in part.reason
     _efivar(tree, "appliance_1.0.0.efi")
-    assert os_part(config, src).details["boot_counting"]["state"] == "not counting"
+    assert os_part(config, src).to_json()["boot_counting"]["state"] == "not counting"
 
 
 def test_os_version_mismatch_is_degraded(tree: Path, config: Config) -> None:
@@ -505,7 +512,7 @@ def test_startup_report_states(tree: Path, config: Config) -> None:
     paths.STARTUP_REPORT.write_text(json.dumps(report))
     part = probes_engine.probe_startup(config)
     assert (part.state, part.reason) == (probes.DEGRADED, "KV cache 32768 tokens < 65536")
-    assert part.details["figures"]["kv_cache_tokens"] == {"value": 32768, "expected": 65536}
+    assert part.to_json()["figures"]["kv_cache_tokens"] == {"value": 32768, "expected": 65536}
     paths.STARTUP_REPORT.write_text(json.dumps({**report, "state": "ok", "reason": ""}))
     assert probes_engine.probe_startup(config).state == probes.OK
     paths.STARTUP_REPORT.write_text("{half")
@@ -518,7 +525,7 @@ def test_check_files(tree: Path, name: str) -> None:
     assert probes_files.probe_check(path, "x").state == probes.NOT_CONFIGURED
     path.write_text(json.dumps({"ok": True, "reason": "", "version": "1.0.0"}))
     part = probes_files.probe_check(path, "x")
-    assert (part.state, part.details) == (probes.OK, {"version": "1.0.0"})
+    assert part.to_json() == {"state": probes.OK, "reason": "", "version": "1.0.0"}
     path.write_text(json.dumps({"ok": False, "reason": "signature does not match any trusted key"}))
     assert probes_files.probe_check(path, "x").to_json() == {
         "state": probes.DOWN,
@@ -551,13 +558,13 @@ def test_shm_offload_files_stale_or_in_use(tree: Path, config: Config) -> None:
         assert holder.stdout is not None and holder.stdout.readline() == b"mapped\n"
         part = probes_shm.probe_shm(config, src)
         assert part.state == probes.OK, part.reason
-        assert part.details["offload_files"][0]["in_use"] is True
+        assert part.to_json()["offload_files"][0]["in_use"] is True
         (paths.SHM_DIR / "vllm_offload_dead.mmap").write_bytes(b"\0" * 4096)
         part = probes_shm.probe_shm(config, src)
     finally:
         holder.communicate(b"")
     assert part.state == probes.DEGRADED
-    assert part.details["stale_offload_files"] == ["vllm_offload_dead.mmap"]
+    assert part.to_json()["stale_offload_files"] == ["vllm_offload_dead.mmap"]
     assert "Bad address" in part.reason
 
 
@@ -575,7 +582,7 @@ def test_disk(tree: Path, config: Config, monkeypatch: pytest.MonkeyPatch) -> No
     (Path(config.model.cache_dir) / "blob").write_bytes(b"x" * 10000)
     part = probes_disk.probe_disk(config)
     assert part.state == probes.OK, part.reason
-    assert part.details["model_cache"]["cache_bytes"] >= 10000
+    assert part.to_json()["model_cache"]["cache_bytes"] >= 10000
     monkeypatch.setattr(probes_disk, "DISK_MIN_FREE_BYTES", 1 << 60)
     assert probes_disk.probe_disk(config).state == probes.DEGRADED
     assert probes_disk.probe_disk(config, tree / "missing").state == probes.DOWN
@@ -590,7 +597,7 @@ def test_tls(tree: Path, config: Config) -> None:
     make_ca(paths.TLS_DIR / "ca.crt", days=365)
     part = probes_tls.probe_tls(config)
     assert part.state == probes.OK
-    assert len(part.details["ca_sha256"]) == 95 and part.details["ca_days_left"] in (364, 365)
+    assert len(part.to_json()["ca_sha256"]) == 95 and part.to_json()["ca_days_left"] in (364, 365)
     make_ca(paths.TLS_DIR / "ca.crt", days=10)
     assert probes_tls.probe_tls(config).state == probes.DEGRADED
     later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=20)
@@ -600,11 +607,15 @@ def test_tls(tree: Path, config: Config) -> None:
 
 
 def test_the_slots_line_names_versions_the_booted_slot_and_trials() -> None:
-    good = {"slot": "B", "version": "1.0.1", "state": "good", "booted": True, "tries_left": None}
-    trial = {"slot": "A", "version": "1.0.2", "state": "on trial", "booted": False, "tries_left": 2}
-    empty = {"slot": "B", "version": None, "state": "empty", "booted": False, "tries_left": None}
+    def slot(**kw: Any) -> document.SlotInfo:
+        unknown = {"partition": None, "label": None, "entry": None, "tries_left": None, "tries_done": None, "default": None}
+        return document.SlotInfo(**{**unknown, **kw})
+
+    good = slot(slot="B", version="1.0.1", state="good", booted=True)
+    trial = slot(slot="A", version="1.0.2", state="on trial", booted=False, tries_left=2)
+    empty = slot(slot="B", version=None, state="empty", booted=False)
     assert os_slots.slots_line([trial, good]) == "A 1.0.2 on trial (2 tries left); B 1.0.1 booted, good"
-    assert os_slots.slots_line([{**good, "slot": "A", "version": "1.0.0"}, empty]) == "A 1.0.0 booted, good; B empty"
+    assert os_slots.slots_line([dataclasses.replace(good, slot="A", version="1.0.0"), empty]) == "A 1.0.0 booted, good; B empty"
 
 
 # ----------------------------------------------------------------------------------- proxy
@@ -616,15 +627,15 @@ def test_proxy_through_the_real_caddy(tree: Path, config: Config, live_proxy: Li
     src = sources(tree, "http://127.0.0.1:1")
     part = probes_proxy.probe_proxy(config, src)
     assert part.state == probes.OK, part.reason
-    assert part.details["listening"] is True
-    assert config.proxy.hostname in part.details["certificate"]["names"]
-    assert part.details["certificate"]["days_left"] > 30
-    assert part.details["request"]["path"] == config.engine.health.path
-    assert part.details["request"]["status"] == 200
+    assert part.to_json()["listening"] is True
+    assert config.proxy.hostname in part.to_json()["certificate"]["names"]
+    assert part.to_json()["certificate"]["days_left"] > 30
+    assert part.to_json()["request"]["path"] == config.engine.health.path
+    assert part.to_json()["request"]["status"] == 200
     line = status.summary("proxy", part.to_json())
     assert line.startswith(f"certificate for {config.proxy.hostname}") and f"GET {config.engine.health.path} HTTP 200" in line
     # The server certificate runs out: degraded before it does.
-    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=part.details["certificate"]["days_left"] - 3)
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=part.to_json()["certificate"]["days_left"] - 3)
     soon = probes_proxy.probe_proxy(config, src, now=later)
     assert soon.state == probes.DEGRADED and "expires on" in soon.reason
 
@@ -637,7 +648,7 @@ def test_proxy_not_listening_untrusted_or_wrong_name(
     src = sources(tree, "http://127.0.0.1:1")
     closed = dataclasses.replace(config, proxy=dataclasses.replace(config.proxy, https_port=free_port()))
     part = probes_proxy.probe_proxy(closed, src)
-    assert (part.state, part.details["listening"]) == (probes.DOWN, False)
+    assert (part.state, part.to_json()["listening"]) == (probes.DOWN, False)
     assert part.reason == f"nothing listens on port {closed.proxy.https_port}"
     other_name = dataclasses.replace(config, proxy=dataclasses.replace(config.proxy, hostname="elsewhere.example"))
     part = probes_proxy.probe_proxy(other_name, src)
@@ -657,7 +668,7 @@ def test_proxy_that_cannot_reach_the_engine_is_degraded(
         config = behind(config, dead, monkeypatch)
         part = probes_proxy.probe_proxy(config, sources(tree, "http://127.0.0.1:1"))
     assert part.state == probes.DEGRADED, part.reason
-    code = part.details["request"]["status"]
+    code = part.to_json()["request"]["status"]
     assert code in (502, 503)  # 503 once Caddy's active health check has marked the engine down
     assert part.reason == f"GET {config.engine.health.path} through the proxy: HTTP {code}"
 
@@ -666,10 +677,10 @@ def test_proxy_that_cannot_reach_the_engine_is_degraded(
 # ----------------------------------------------------------------------------------- schema doc
 
 SCHEMA_DOC = ROOT / "docs" / "status-schema.md"
-# Maps whose own keys are names (units, figures), and state files shown as written: their keys
+# Maps whose own keys are names (units, figures, timestamp keys), and state files shown as written: their keys
 # are not the schema's.
-NAMED_MAPS = {"units", "figures", "reached_s"}
-AS_WRITTEN = {"last_update", "last_assessment", "last_rollback", "sysupdate", "staged", "freshness"}
+NAMED_MAPS = {"units", "figures", "reached_s", "sequences"}
+AS_WRITTEN = {"last_update", "last_assessment", "last_rollback", "sysupdate", "staged"}
 
 
 def documented() -> tuple[list[str], dict[str, set[str]]]:
@@ -735,11 +746,13 @@ def test_the_schema_doc_matches_what_status_prints_both_ways(
     from applianctl.records import Freshness
 
     write_record(paths.freshness_path(), Freshness(sequences={"0123456789abcdef": 7}, version="1.0.0", accepted_at="t"))
-    healthy = status.collect(config, sources(tree, engine, systemd_mock))
+    healthy = status.collect(config, sources(tree, engine, systemd_mock)).to_json()
     # The same appliance with the engine refusing and no model cache: the keys only those show.
     Path(config.model.cache_dir).rmdir()
-    broken = status.collect(config, sources(tree, f"http://127.0.0.1:{free_port()}", systemd_mock))
+    broken = status.collect(config, sources(tree, f"http://127.0.0.1:{free_port()}", systemd_mock)).to_json()
     docs = (healthy, broken)
+    # read back through the document's classes, strictly: the classes name every key printed
+    assert [document.load(json.loads(json.dumps(doc))).to_json() for doc in docs] == list(docs)
 
     order, keys = documented()
     assert order == list(status.PARTS)
@@ -760,6 +773,26 @@ def test_the_schema_doc_matches_what_status_prints_both_ways(
     assert never_printed == {}
 
 
+def test_the_schema_doc_is_generated_from_the_document_classes() -> None:
+    assert SCHEMA_DOC.read_text() == schema_doc.render(), "regenerate: python3 -m applianctl.status.schema_doc > docs/status-schema.md"
+
+
+def test_a_document_reads_back_and_a_key_no_class_names_is_refused() -> None:
+    from appliance.errors import UserError
+
+    tls = document.TlsDetails(mode="internal", ca_days_left=30)
+    sealed = document.SealedDetails(efi=False)
+    doc = made_up(parts={"tls": probes.Part(probes.OK, "", tls), "sealed": probes.Part(probes.NOT_CONFIGURED, "no UEFI", sealed),
+                         "units": probes.Part(probes.DOWN, "no answer within 1.6 s")})
+    printed = doc.to_json()
+    assert printed["parts"]["sealed"] == {"state": probes.NOT_CONFIGURED, "reason": "no UEFI", "efi": False}  # absent, not null
+    assert printed["parts"]["tls"] == {"state": probes.OK, "reason": "", "mode": "internal", "ca_days_left": 30}
+    assert document.load(printed) == doc
+    printed["parts"]["tls"]["ca_days"] = 30
+    with pytest.raises(UserError, match="ca_days"):
+        document.load(printed)
+
+
 @pytest.mark.programs
 def test_the_prometheus_output_says_what_the_json_says(
     tree: Path, config: Config, engine: str, live_proxy: LiveProxy, systemd_mock: MockSystemd, monkeypatch: pytest.MonkeyPatch
@@ -778,7 +811,7 @@ def test_the_prometheus_output_says_what_the_json_says(
     monkeypatch.setattr(sys, "stdout", out)
     assert status.run(argparse.Namespace(json=False, prometheus=True), src) == 0
     families = {f.name: f for f in text_string_to_metric_families(out.getvalue())}
-    doc = status.collect(config, src)  # the same tree: the same states
+    doc = status.collect(config, src).to_json()  # the same tree: the same states
     states = {(s.labels["part"], s.labels["state"]): s.value for s in families["appliance_part_state"].samples}
     assert {part for part, _ in states} == set(doc["parts"])
     for part, body in doc["parts"].items():
@@ -823,9 +856,14 @@ def test_label_values_from_the_device_cannot_break_the_exposition_format() -> No
     from applianctl.status import exposition
 
     hostile = 'x"} 1\nappliance_rolled_back 1\n# \\'
-    doc = {"appliance": hostile, "version": "1.0.0", "profile": "demo", "state": "ok", "parts": {
-        "slots": {"state": "ok", "reason": "", "slots": [{"slot": "A", "version": hostile, "state": "good", "booted": True}],
-                  "running_state": "good", "rolled_back": False}}}
+    slot = document.SlotInfo(slot="A", partition=None, label=None, version=hostile, booted=True, entry=None, tries_left=None,
+                                    tries_done=None, default=None, state="good")
+    slots = document.SlotsDetails(
+        running_version="1.0.0", running_state="good", running_state_reason="", booted_slot="A", booted_entry=None,
+        boot_counting=None, slots=(slot,), entries=(), entries_source="", sysupdate=None, errors=(), running_engine=None,
+        engine_slots=(), last_update=None, last_assessment=None, rolled_back=False, rollback_reason=None, rolled_back_by=None,
+        last_rollback=None, staged=None, crash_loop=None, freshness=None)
+    doc = made_up(appliance=hostile, parts={"slots": probes.Part(probes.OK, "", slots)})
     families = {f.name: f for f in text_string_to_metric_families(exposition.render(doc))}
     assert families["appliance_info"].samples[0].labels["appliance"] == hostile
     assert families["appliance_slot_info"].samples[0].labels["version"] == hostile

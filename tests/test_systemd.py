@@ -21,7 +21,7 @@ def test_running_units_are_ok(mock_systemd: MockSystemd) -> None:
     mock_systemd.add("b.service", "active", "exited", restarts=0, result="success")
     part = systemd.probe(["ok0.service", "b.service"], mock_systemd.bus)
     assert part.state == probes.OK, part.reason
-    a = part.details["units"]["ok0.service"]
+    a = part.to_json()["units"]["ok0.service"]
     assert (a["active_state"], a["sub_state"], a["restarts"], a["result"]) == ("active", "running", 0, "success")
     assert a["active_since"] == "2026-11-18T11:06:40+00:00"
 
@@ -59,7 +59,7 @@ def test_a_unit_whose_condition_is_not_met_is_not_configured_and_not_missing(moc
     mock_systemd.add("upload.service", "inactive", "dead", restarts=0, result="success", condition_unmet=True)
     part = systemd.probe(["ok3.service", "upload.service"], mock_systemd.bus)
     assert part.state == probes.OK, part.reason
-    assert part.details["units"]["upload.service"]["state"] == probes.NOT_CONFIGURED
+    assert part.to_json()["units"]["upload.service"]["state"] == probes.NOT_CONFIGURED
     # the same unit when its condition held and it never ran is a fault, as before
     mock_systemd.add("upload2.service", "inactive", "dead", restarts=0, result="success")
     assert systemd.probe(["ok3.service", "upload2.service"], mock_systemd.bus).state == probes.DEGRADED

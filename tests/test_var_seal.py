@@ -264,19 +264,19 @@ def test_status_shows_how_var_opens_and_what_is_missing(tmp_path: Path, device: 
         return sealed.probe_sealed(firmware, enroll, tpm, sig, path)
 
     missing = part(None)
-    assert missing.details["var_encrypted"] is None and "was not checked this boot" in missing.reason
+    assert missing.to_json()["var_encrypted"] is None and "was not checked this boot" in missing.reason
     fake = FakeLuks(list(INSTALLED))
     record = _seal(fake, device, firmware, [])
     whole = part(record)
-    assert whole.details["var_unlock"] == ["recovery (slot 2)", "tpm2 PCR 7 + signed PCR 11 (slot 3)"]
-    assert whole.details["var_sealed"] is True and whole.details["var_recovery_key"] is True
+    assert whole.to_json()["var_unlock"] == ["recovery (slot 2)", "tpm2 PCR 7 + signed PCR 11 (slot 3)"]
+    assert whole.to_json()["var_sealed"] is True and whole.to_json()["var_recovery_key"] is True
     assert "/var" not in whole.reason  # only the db check (no real db here) degrades it
     unsealed = part(_seal(FakeLuks(list(INSTALLED)), device, _firmware(tmp_path, secure_boot=False), []))
     assert unsealed.state == probes.DEGRADED and "does not enforce Secure Boot" in unsealed.reason
     no_recovery = part({**record, "methods": [m for m in record["methods"] if m["kind"] != "recovery"]})  # type: ignore[attr-defined]
     assert "no recovery key" in no_recovery.reason
     plain = part(_seal(FakeLuks([], is_luks=False), device, firmware, []))
-    assert plain.details["var_encrypted"] is False and "not encrypted" in plain.reason
+    assert plain.to_json()["var_encrypted"] is False and "not encrypted" in plain.reason
 
 
 def test_a_changed_pcr_7_is_reported_with_the_way_to_seal_again(tmp_path: Path, device: Path,

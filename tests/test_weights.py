@@ -587,13 +587,13 @@ def test_model_fetch_and_verify_commands(device: tuple[Path, wm.WeightsManifest,
     assert main(["model", "verify"]) == 1
     assert capsys.readouterr().err.splitlines()[0] == "model weights: config.json is missing"
     part = probes_weights.probe_weights(_config())
-    assert (part.state, part.details["file"], part.details["verified"]) == (probes.DOWN, "config.json", False)
+    assert (part.state, part.to_json()["file"], part.to_json()["verified"]) == (probes.DOWN, "config.json", False)
     assert main(["model", "fetch", str(src)]) == 0
     assert "2 files, 5010 bytes in place and sealed" in capsys.readouterr().out
     assert main(["model", "verify", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"] is True
     part = probes_weights.probe_weights(_config())
-    assert (part.state, part.details["verified"], part.details["source"], part.details["files"]) == (probes.OK, True, str(src), 2)
+    assert (part.state, part.to_json()["verified"], part.to_json()["source"], part.to_json()["files"]) == (probes.OK, True, str(src), 2)
     (snapshot / "w.safetensors").write_bytes(b"\0" * 5000)  # the same inode, other bytes
     assert main(["model", "verify"]) == 1
     changed = "w.safetensors was changed (its fs-verity digest is not the signed one)"

@@ -275,8 +275,13 @@ MAX_GIB = 1048576.0  # 1 PiB
 _DECIMAL = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,6})?\Z")  # ASCII digits only: float() also takes '١٢', '1e3', 'inf'
 
 
+def number_text(value: float) -> str:
+    """VALUE as a hint writes it: a whole number in full (1048576, not 1.04858e+06)."""
+    return str(int(value)) if value == int(value) else f"{value:g}"
+
+
 def between(low: float, high: float) -> Check:
-    return lambda value: None if low <= value <= high else f"a number from {low:g} to {high:g}"
+    return lambda value: None if low <= value <= high else f"a number from {number_text(low)} to {number_text(high)}"
 
 
 positive = between(1, schema.MAX_INT)
@@ -290,7 +295,7 @@ def parse_decimal(text: str) -> float | None:
 def is_slot_size(value: float) -> str | None:
     # whole MiB: the partitions systemd-repart makes and the hash tree sized for them stay aligned
     if not 1 / 64 <= value <= MAX_GIB or value * 1024 != int(value * 1024):
-        return f"a size in GiB that is a whole number of MiB, from 0.015625 (16 MiB) to {MAX_GIB:g}, e.g. 40 or 0.0625"
+        return f"a size in GiB that is a whole number of MiB, from 0.015625 (16 MiB) to {number_text(MAX_GIB)}, e.g. 40 or 0.0625"
     return None
 
 

@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: MIT
 """The configuration model: the frozen dataclasses appliance.toml and appliance.json load into.
 
-Each field carries its check (appliance/config/checks.py); the values the build and the device
-derive from the settings are properties here. `cross_checks` holds the rules that tie settings
-together; `ConfigLoader` words the schema loader's faults (appliance.toml, appliance.json, the plan).
+Each field carries its check (appliance/config/checks.py) and its one description (`_doc`, from
+which appliance/config/reference.py generates docs/configuration.md's reference and
+docs/appliance.example.toml); the values the build and the device derive from the settings are
+properties here. `cross_checks` holds the rules that tie settings together; `ConfigLoader` words
+the schema loader's faults (appliance.toml, appliance.json, the plan).
 """
 
 from __future__ import annotations
@@ -34,49 +36,72 @@ _check = schema.check
 _each = schema.each
 
 
+def _doc(text: str, **more: Any) -> dict[str, Any]:
+    """Field metadata: the setting's one description, from which docs/configuration.md and
+    docs/appliance.example.toml are generated (appliance/config/reference.py). `example` is a value
+    the example shows where the default cannot (a required setting, a list that is empty)."""
+    return {"doc": text, **more}
+
+
 @dataclass(frozen=True)
 class Appliance:
-    name: str = field(metadata=_check(checks.is_dns_name))
-    version: str = field(metadata=_check(checks.pattern(VERSION, f"{VERSION_FORM}, e.g. 1.4.0")))
-    # The oldest version a release bundle of this build may be installed over.
-    min_version: str = field(default="0", metadata=_check(checks.pattern(VERSION, f"{VERSION_FORM}, e.g. 1.0.0")))
+    name: str = field(metadata=_check(checks.is_dns_name)
+                      | _doc("The appliance's name, on the console and in applianctl status.", example="dsv4-flash"))
+    version: str = field(metadata=_check(checks.pattern(VERSION, f"{VERSION_FORM}, e.g. 1.4.0"))
+                         | _doc("The release version this build makes (the builder's build --version overrides it); "
+                                "an appliance updates only to a newer one.", example="1.0.0"))
+    min_version: str = field(default="0", metadata=_check(checks.pattern(VERSION, f"{VERSION_FORM}, e.g. 1.0.0"))
+                             | _doc("The oldest version a release bundle of this build may be installed over; \"0\": any."))
 
 
 @dataclass(frozen=True)
 class Os:
-    release: str = field(metadata=_check(checks.one_of("trixie")))
-    mirror: str = field(default="", metadata=_check(checks.is_url))
-    security_mirror: str = field(default="", metadata=_check(checks.is_url))
-    hostname: str = field(default="appliance", metadata=_check(checks.is_dns_name))
-    ssh_authorized_keys: tuple[str, ...] = field(default=(), metadata=_each(checks.is_ssh_key))
-    # Secure Boot's allowed-signatures list (db) holds the appliance's certificate and, unless this
-    # is false, Microsoft's third-party UEFI CAs, which sign the option ROMs of NICs, RAID
-    # controllers and GPUs: without them a server may not bring up its devices under Secure Boot.
-    secure_boot_microsoft_ca: bool = True
-    # How long systemd waits for a device (the disk holding /usr, say) before emergency mode, which
-    # reboots and uses up a boot try: the kernel command line's systemd.default_device_timeout_sec=,
-    # signed into the kernel image (under Secure Boot nothing else reaches the command line).
-    device_timeout_sec: int = field(default=90, metadata=_check(checks.between(10, 3600)))
-    # The GPU's kernel driver: "inbox" (Debian's amdgpu, in the kernel the image signs) or "dkms"
-    # (AMD's amdgpu-dkms from the operator's package, file of this repository, pinned by SHA-256).
-    # cross_checks refuses "dkms" (AMDGPU_DKMS_UNDER_SECURE_BOOT says why).
-    amdgpu: str = field(default="inbox", metadata=_check(checks.one_of("inbox", "dkms")))
-    amdgpu_dkms_package: str = field(default="", metadata=_check(lambda v: None if v == "" else checks.is_repo_file(v)))
+    release: str = field(metadata=_check(checks.one_of("trixie")) | _doc("The Debian release the image is built from.", example="trixie"))
+    mirror: str = field(default="", metadata=_check(checks.is_url) | _doc(
+        "The Debian archive's URL; \"\": the build host's apt configuration's (no archive host name is written in this "
+        "repository), which the builder gives mkosi as a sources file of its own."))
+    security_mirror: str = field(default="", metadata=_check(checks.is_url) | _doc(
+        "The Debian security archive's URL; \"\": the build host's apt configuration's."))
+    hostname: str = field(default="appliance", metadata=_check(checks.is_dns_name) | _doc("The host name the appliance boots with."))
+    ssh_authorized_keys: tuple[str, ...] = field(default=(), metadata=_each(checks.is_ssh_key) | _doc(
+        "The OpenSSH public keys that may log in over SSH, the only way in over the network (there is no password login); "
+        "none: SSH is off."))
+    secure_boot_microsoft_ca: bool = field(default=True, metadata=_doc(
+        "Whether Secure Boot's allowed-signatures list (db) also holds Microsoft's third-party UEFI CAs (2011, 2023) and "
+        "Option ROM CA (2023), which sign the option ROMs of NICs, RAID controllers and GPUs: without them a server may "
+        "not bring up its devices under Secure Boot. false: only the appliance's own certificate (check first that the "
+        "server boots its devices without them; docs/security.md)."))
+    device_timeout_sec: int = field(default=90, metadata=_check(checks.between(10, 3600)) | _doc(
+        "Seconds systemd waits for a device (the disk holding /usr, say) before emergency mode, which reboots and uses up "
+        "a boot try. It is the kernel command line's systemd.default_device_timeout_sec=, signed into the kernel image: "
+        "under Secure Boot nothing else reaches the command line."))
+    amdgpu: str = field(default="inbox", metadata=_check(checks.one_of("inbox", "dkms")) | _doc(
+        "The GPU's kernel driver: \"inbox\" is Debian's amdgpu, in the kernel the image signs. \"dkms\" (AMD's "
+        "amdgpu-dkms) is refused at build: under Secure Boot Debian's kernel would not load its modules "
+        "(docs/architecture.md, \"The GPU driver\")."))
+    amdgpu_dkms_package: str = field(default="", metadata=_check(lambda v: None if v == "" else checks.is_repo_file(v)) | _doc(
+        "With amdgpu = \"dkms\" only: AMD's amdgpu-dkms package, a file of this repository."))
     amdgpu_dkms_sha256: str = field(
         default="", metadata=_check(lambda v: None if v == "" or SHA256.fullmatch(v) else "64 lower-case hex digits")
+        | _doc("With amdgpu = \"dkms\" only: the package's SHA-256.")
     )
 
 
 @dataclass(frozen=True)
 class Model:
-    id: str = field(metadata=_check(checks.pattern(MODEL_ID, "a Hugging Face model id, e.g. deepseek-ai/DeepSeek-V4-Flash-0731")))
-    revision: str = field(metadata=_check(checks.pattern(REVISION, "a full commit hash: 40 lower-case hex digits")))
-    cache_dir: str = field(default="/var/lib/appliance/huggingface", metadata=_check(checks.is_abs_path))
-    # The signed weights manifest (python3 -m builder weights pin), a file of this repository;
-    # "" ships none and the weights are not checked.
-    weights_manifest: str = field(default="", metadata=_check(lambda v: None if v == "" else checks.is_repo_file(v)))
-    # Where `applianctl model fetch` gets the weights by default: an https:// mirror or a directory.
-    source: str = field(default="", metadata=_check(checks.is_weights_source))
+    id: str = field(metadata=_check(checks.pattern(MODEL_ID, "a Hugging Face model id, e.g. deepseek-ai/DeepSeek-V4-Flash-0731"))
+                    | _doc("The model's Hugging Face id.", example="deepseek-ai/DeepSeek-V4-Flash-0731"))
+    revision: str = field(metadata=_check(checks.pattern(REVISION, "a full commit hash: 40 lower-case hex digits"))
+                          | _doc("The model's revision: the commit of its Hugging Face repository.",
+                                 example="7872f01b1d1fe23eabc4c98b48bffcef5a386062"))
+    cache_dir: str = field(default="/var/lib/appliance/huggingface", metadata=_check(checks.is_abs_path) | _doc(
+        "The Hugging Face cache on /var that holds the weights, mounted read-only in the engine at /root/.cache/huggingface."))
+    weights_manifest: str = field(default="", metadata=_check(lambda v: None if v == "" else checks.is_repo_file(v)) | _doc(
+        "The signed weights manifest (python3 -m builder weights pin makes it), a file of this repository: every weight "
+        "file is fetched and checked against it before each engine start (docs/weights.md). \"\": none is shipped and the "
+        "weights are not checked."))
+    source: str = field(default="", metadata=_check(checks.is_weights_source) | _doc(
+        "Where applianctl model fetch gets the weights by default: an https:// mirror or a directory; \"\": none."))
 
     # Where the engine container sees cache_dir (the compose stack's Hugging Face cache mount).
     container_cache: typing.ClassVar[str] = "/root/.cache/huggingface"
@@ -100,26 +125,36 @@ class Model:
 class PinnedFile:
     """An overlay or tuning table: a file of this repository mounted read-only in the engine."""
 
-    file: str = field(metadata=_check(checks.is_repo_file))
-    target: str = field(metadata=_check(checks.is_abs_path))
+    file: str = field(metadata=_check(checks.is_repo_file) | _doc("The file, relative to this repository's root; SHA256SUMS pins it."))
+    target: str = field(metadata=_check(checks.is_abs_path) | _doc("Where it is mounted, read-only, in the engine's container."))
     sha256: str = field(
         default="", metadata=_check(lambda v: None if v == "" or SHA256.fullmatch(v) else "64 lower-case hex digits")
+        | _doc("Its SHA-256, which must equal its line in SHA256SUMS; \"\": SHA256SUMS alone pins it.")
     )
 
 
 @dataclass(frozen=True)
 class Health:
-    path: str = field(default="/health", metadata=_check(checks.pattern(checks.URL_PATH, "a URL path such as /health")))
-    interval_s: int = field(default=30, metadata=_check(checks.between(1, 86400)))
-    timeout_s: int = field(default=5, metadata=_check(checks.between(1, 86400)))
-    retries: int = field(default=5, metadata=_check(checks.between(1, 1000)))
-    start_period_s: int = field(default=1200, metadata=_check(checks.between(1, 7 * 86400)))
+    path: str = field(default="/health", metadata=_check(checks.pattern(checks.URL_PATH, "a URL path such as /health")) | _doc(
+        "The engine's readiness path, asked on loopback by the health check, the probes and the proxy."))
+    interval_s: int = field(default=30, metadata=_check(checks.between(1, 86400)) | _doc("Seconds between two health checks."))
+    timeout_s: int = field(default=5, metadata=_check(checks.between(1, 86400)) | _doc("Seconds one health check may take."))
+    retries: int = field(default=5, metadata=_check(checks.between(1, 1000)) | _doc(
+        "Failed checks in a row after which a running engine counts as unhealthy."))
+    start_period_s: int = field(default=1200, metadata=_check(checks.between(1, 7 * 86400)) | _doc(
+        "Seconds a starting engine has to become healthy (load the model, capture its graphs) before systemd gives the "
+        "start up."))
 
 
 @dataclass(frozen=True)
 class Shm:
     margin_gib: float = field(
-        default=8.0, metadata=_check(lambda v: None if 0 < v <= checks.MAX_GIB else f"a number greater than 0, at most {checks.MAX_GIB:g}")
+        default=8.0,
+        metadata=_check(
+            lambda v: None if 0 < v <= checks.MAX_GIB else f"a number greater than 0, at most {checks.number_text(checks.MAX_GIB)}"
+        )
+        | _doc("GiB of /dev/shm beyond every replica's CPU KV offload file (--kv-offloading-size in engine.args): /dev/shm "
+               "is sized to both, and must have them free before the engines start.")
     )
 
 
@@ -129,48 +164,74 @@ FIXED_ENV = {"PYTHONHASHSEED": "0"}
 
 @dataclass(frozen=True)
 class Engine:
-    image: str = field(metadata=_check(checks.pattern(checks.IMAGE_NAME, "an image name without tag, e.g. vllm/vllm-openai-rocm")))
-    digest: str = field(metadata=_check(checks.pattern(DIGEST, "'sha256:' followed by 64 lower-case hex digits")))
-    args: tuple[str, ...] = field(metadata=_each(checks.is_arg))
-    # What the image runs; the arguments follow `serve MODEL_PATH`.
-    entrypoint: tuple[str, ...] = field(default=("vllm",), metadata=_each(checks.is_arg))
-    # Extra read-only host mounts, HOST:CONTAINER (the demo's stand-in borrows the OS's Python).
-    volumes: tuple[str, ...] = field(default=(), metadata=_each(checks.is_volume))
-    port: int = field(default=8000, metadata=_check(checks.is_port))
-    init: bool = True
-    ipc: str = field(default="host", metadata=_check(checks.one_of("host", "private")))
-    devices: tuple[str, ...] = field(default=(), metadata=_each(checks.is_abs_path))
+    image: str = field(metadata=_check(checks.pattern(checks.IMAGE_NAME, "an image name without tag, e.g. vllm/vllm-openai-rocm"))
+                       | _doc("The engine's container image, without tag.", example="vllm/vllm-openai-rocm"))
+    digest: str = field(metadata=_check(checks.pattern(DIGEST, "'sha256:' followed by 64 lower-case hex digits")) | _doc(
+        "The image's digest: the build fetches the image by it and ships it as a dm-verity store.",
+        example="sha256:e68d18b2ba50298661bfc49baf01158fbf036645c2362cccf3e8a7a79fe6c69a"))
+    args: tuple[str, ...] = field(metadata=_each(checks.is_arg) | _doc(
+        "The engine's arguments, after serve and the model's path. --port must equal port; --tensor-parallel-size, if "
+        "given, the layout's tensor parallel size; --data-parallel-size is refused (replicas are separate engines: "
+        "topology.layout); --kv-offloading-size (GiB) sizes /dev/shm.",
+        example=("--host", "0.0.0.0", "--port", "8000", "--max-model-len", "262144")))
+    entrypoint: tuple[str, ...] = field(default=("vllm",), metadata=_each(checks.is_arg) | _doc(
+        "What the image runs; serve, the model's path and args follow."))
+    volumes: tuple[str, ...] = field(default=(), metadata=_each(checks.is_volume) | _doc(
+        "Extra read-only host mounts, HOST:CONTAINER (the demo's stand-in borrows the OS's Python)."))
+    port: int = field(default=8000, metadata=_check(checks.is_port) | _doc(
+        "The first replica's loopback port; replica i listens on port + 2 x i."))
+    init: bool = field(default=True, metadata=_doc("Whether the container runs an init process that reaps the engine's children."))
+    ipc: str = field(default="host", metadata=_check(checks.one_of("host", "private")) | _doc(
+        "The container's IPC namespace: the host's, or a private one."))
+    devices: tuple[str, ...] = field(default=(), metadata=_each(checks.is_abs_path) | _doc(
+        "The device nodes the container gets (/dev/kfd and /dev/dri for the GPUs); with several replicas /dev/dri is "
+        "narrowed to each replica's own GPUs' render nodes."))
     capabilities: tuple[str, ...] = field(
         default=(), metadata=_each(checks.pattern(checks.CAPABILITY, "a capability name without CAP_, e.g. SYS_PTRACE"))
+        | _doc("The Linux capabilities the container gets.")
     )
     memlock: str = field(
         default="unlimited",
         metadata=_check(
             lambda v: None if v == "unlimited" or (re.fullmatch(r"[0-9]{1,18}", v) and int(v) > 0) else "'unlimited' or a number of bytes"
-        ),
+        ) | _doc("How much memory the engine may lock, in bytes."),
     )
     security_opt: tuple[str, ...] = field(
         default=(), metadata=_each(checks.one_of("seccomp=unconfined", "label=disable", "no-new-privileges"))
+        | _doc("podman's security options: no seccomp filter, no SELinux labels, no new privileges.")
     )
-    stop_timeout_s: int = field(default=120, metadata=_check(checks.between(1, 86400)))
-    log_max_size: str = field(default="100m", metadata=_check(checks.pattern(checks.SIZE, "a size such as 100m")))
-    log_max_files: int = field(default=5, metadata=_check(checks.between(1, 1000)))
-    aiter_cache_dir: str = field(default="/var/lib/appliance/aiter", metadata=_check(checks.is_abs_path))
-    crash_dir: str = field(default="/var/crash/vllm", metadata=_check(checks.is_abs_path))
+    stop_timeout_s: int = field(default=120, metadata=_check(checks.between(1, 86400)) | _doc(
+        "Seconds a stopping engine gets to finish the requests in flight before it is killed."))
+    log_max_size: str = field(default="100m", metadata=_check(checks.pattern(checks.SIZE, "a size such as 100m")) | _doc(
+        "With log_max_files, the bound of the local journal: log_max_size x log_max_files (journald's SystemMaxUse=)."))
+    log_max_files: int = field(default=5, metadata=_check(checks.between(1, 1000)) | _doc("See log_max_size."))
+    aiter_cache_dir: str = field(default="/var/lib/appliance/aiter", metadata=_check(checks.is_abs_path) | _doc(
+        "AITER's kernel cache on /var, mounted at /root/.aiter in the engine, so that compiled kernels outlive a restart."))
+    crash_dir: str = field(default="/var/crash/vllm", metadata=_check(checks.is_abs_path) | _doc(
+        "Where the engine's crash dumps land on /var, mounted at /var/crash/vllm in the engine."))
     env: Mapping[str, str] = field(
         default_factory=dict,
         metadata={
             **_each(checks.is_env_value),
             "keys": lambda k: None if checks.ENV_NAME.match(k) else "a name of letters, digits and '_'",
-        },
+        } | _doc("The engine's environment, NAME = \"value\". Every engine also runs with PYTHONHASHSEED=0 (so that every "
+                 "replica hashes prompts' prefix blocks alike), which this may only repeat.",
+                 example={"VLLM_ROCM_USE_AITER": "1"}),
     )
-    health: Health = field(default_factory=Health)
-    shm: Shm = field(default_factory=Shm)
-    overlays: tuple[PinnedFile, ...] = ()
-    tuning: tuple[PinnedFile, ...] = ()
-    # Each of the two engine slots (docs/disk-layout.md): every engine image this appliance will
-    # ever run must fit, since slot B is made once at first boot and never resized.
-    slot_size_gib: float = field(default=40.0, metadata=_check(checks.is_slot_size))
+    health: Health = field(default_factory=Health, metadata=_doc(
+        "The engine's health check (podman's), on the engine's own readiness path."))
+    shm: Shm = field(default_factory=Shm, metadata=_doc("/dev/shm, where every replica maps its CPU KV offload file."))
+    overlays: tuple[PinnedFile, ...] = field(default=(), metadata=_doc(
+        "Python files of this repository mounted read-only over files in the engine's container. The production ones "
+        "are third-party code the operator puts in overlays/production/.",
+        example=(PinnedFile("overlays/production/fused_moe.py", "/usr/local/lib/python3.12/dist-packages/vllm/fused_moe.py"),)))
+    tuning: tuple[PinnedFile, ...] = field(default=(), metadata=_doc(
+        "AITER GEMM tuning tables mounted read-only in the engine's container, supplied like the overlays.",
+        example=(PinnedFile("tuning/production/gemm.csv", "/opt/aiter-configs/gemm.csv"),)))
+    slot_size_gib: float = field(default=40.0, metadata=_check(checks.is_slot_size) | _doc(
+        "The size of each of the two engine slots (GiB, a whole number of MiB): the partitions that hold the engine "
+        "image's store, one running, one for the next engine (docs/disk-layout.md). Fixed when a disk is installed, so it "
+        "must hold every engine image this appliance will run; a build refuses an image that does not fit."))
 
     @property
     def slot_bytes(self) -> int:
@@ -212,64 +273,82 @@ class Engine:
 
 @dataclass(frozen=True)
 class Expected:
-    model_memory_gib: float | None = field(default=None, metadata=_check(checks.between(0, checks.MAX_GIB)))
-    draft_params: int | None = field(default=None, metadata=_check(checks.between(0, 10**15)))
-    kv_cache_tokens: int | None = field(default=None, metadata=_check(checks.between(0, 10**15)))
-    max_concurrency: float | None = field(default=None, metadata=_check(checks.between(0, 10**9)))
-    offload_mmap_gb: float | None = field(default=None, metadata=_check(checks.between(0, checks.MAX_GIB)))
+    model_memory_gib: float | None = field(default=None, metadata=_check(checks.between(0, checks.MAX_GIB)) | _doc(
+        "GiB the model takes on the GPU (\"Model loading took N GiB\").", example=156.67))
+    draft_params: int | None = field(default=None, metadata=_check(checks.between(0, 10**15)) | _doc(
+        "The speculative draft model's parameters (\"DSpark draft model loaded: N params\").", example=96))
+    kv_cache_tokens: int | None = field(default=None, metadata=_check(checks.between(0, 10**15)) | _doc(
+        "Tokens the GPU KV cache holds (\"GPU KV cache size: N tokens\").", example=1927444))
+    max_concurrency: float | None = field(default=None, metadata=_check(checks.between(0, 10**9)) | _doc(
+        "Requests of the full length the engine can serve at once (\"Maximum concurrency for ... tokens per request: Nx\").",
+        example=7.35))
+    offload_mmap_gb: float | None = field(default=None, metadata=_check(checks.between(0, checks.MAX_GIB)) | _doc(
+        "GB of the CPU KV offload file (\"Created mmap file ... (N GB)\").", example=103.08))
 
 
 @dataclass(frozen=True)
 class Gpu:
-    required: bool = True
-    min_vram_headroom_mib: int = field(default=1024, metadata=_check(checks.positive))
+    required: bool = field(default=True, metadata=_doc(
+        "Whether the appliance needs GPUs: without one, status's gpu part is down (false: \"not configured\", as in the "
+        "demo, which must say false)."))
+    min_vram_headroom_mib: int = field(default=1024, metadata=_check(checks.positive) | _doc(
+        "MiB of VRAM that should stay free after warm-up: applianctl status warns below it (a few hundred MB left may "
+        "start, then fail on the first request)."))
 
 
 @dataclass(frozen=True)
 class Proxy:
-    hostname: str = field(metadata=_check(checks.is_dns_name))
-    tls: str = field(default="internal", metadata=_check(checks.one_of("internal", "acme")))
+    hostname: str = field(metadata=_check(checks.is_dns_name) | _doc(
+        "The name clients reach the appliance by; the proxy's certificate is for it.", example="appliance.example.net"))
+    tls: str = field(default="internal", metadata=_check(checks.one_of("internal", "acme")) | _doc(
+        "Where the proxy's certificate comes from: \"internal\", the appliance's own CA; \"acme\", an ACME CA, for a "
+        "public name (with acme_email)."))
     acme_email: str = field(
         default="", metadata=_check(lambda v: None if v == "" or checks.EMAIL.fullmatch(v) else "an e-mail address such as ops@example.net")
+        | _doc("The ACME account's e-mail address, needed with tls = \"acme\".")
     )
-    https_port: int = field(default=443, metadata=_check(checks.is_port))
-    http: str = field(default="redirect", metadata=_check(checks.one_of("redirect", "close")))
-    allowed_cidrs: tuple[str, ...] = field(default=("127.0.0.1/32",), metadata=_each(checks.is_cidr))
+    https_port: int = field(default=443, metadata=_check(checks.is_port) | _doc("The port the proxy serves HTTPS on."))
+    http: str = field(default="redirect", metadata=_check(checks.one_of("redirect", "close")) | _doc(
+        "Plain HTTP on port 80: \"redirect\" to HTTPS, or \"close\"."))
+    allowed_cidrs: tuple[str, ...] = field(default=("127.0.0.1/32",), metadata=_each(checks.is_cidr) | _doc(
+        "The networks requests may come from. A request reaches the engine only from these sources and on allowed_paths; "
+        "all else gets 403."))
     allowed_paths: tuple[str, ...] = field(
         default=("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/generate"),
-        metadata=_each(checks.pattern(checks.URL_PATH, "a URL path such as /v1/models")),
+        metadata=_each(checks.pattern(checks.URL_PATH, "a URL path such as /v1/models")) | _doc(
+            "The URL paths requests may ask for (with any query)."),
     )
-    metrics_cidrs: tuple[str, ...] = field(default=(), metadata=_each(checks.is_cidr))
-    # With several replicas (topology.layout): requests that carry this header go to the replica its
-    # value hashes to, so that a conversation's turns reuse that replica's prefix cache; the others
-    # to the replica with the fewest requests in flight. "": no affinity.
-    affinity_header: str = field(default="", metadata=_check(checks.is_header_name))
+    metrics_cidrs: tuple[str, ...] = field(default=(), metadata=_each(checks.is_cidr) | _doc(
+        "When /metrics is an allowed path: the only networks, of those allowed, that may read it; empty: every allowed one."))
+    affinity_header: str = field(default="", metadata=_check(checks.is_header_name) | _doc(
+        "With several replicas (topology.layout): requests that carry this header go to the replica its value hashes to, "
+        "so that a conversation's turns reuse that replica's prefix cache; the others to the replica with the fewest "
+        "requests in flight. \"\": no affinity."))
 
 
 @dataclass(frozen=True)
 class Metrics:
-    """The appliance's own metrics (node_exporter: the host, its units, the status and the GPUs; and
-    the engine's) on a port of their own through the proxy, for scrapers, who are not clients:
-    https://HOST:PORT/metrics and /engine/metrics (docs/fleet.md)."""
+    """The metrics site (node_exporter's and the engine's metrics behind the proxy); each setting's
+    description is on its field."""
 
-    port: int = field(default=9443, metadata=_check(checks.is_port))
-    # who may scrape, besides the appliance itself; empty: no one from the network
-    allowed_cidrs: tuple[str, ...] = field(default=(), metadata=_each(checks.is_cidr))
-    # PEM CA certificates: a scraper must also present a client certificate one of them signed
-    client_ca: str = field(default="", metadata=schema.multiline(checks.is_pem_certificates))
-    # how often appliance-metrics.timer writes the status and GPU gauges (one status run each)
-    refresh_s: int = field(default=60, metadata=_check(checks.between(15, 3600)))
+    port: int = field(default=9443, metadata=_check(checks.is_port) | _doc(
+        "The metrics site's HTTPS port: not the proxy's, the engine's or 80."))
+    allowed_cidrs: tuple[str, ...] = field(default=(), metadata=_each(checks.is_cidr) | _doc(
+        "Who may scrape, besides the appliance itself; empty: no one from the network."))
+    client_ca: str = field(default="", metadata=schema.multiline(checks.is_pem_certificates) | _doc(
+        "PEM CA certificates: a scraper must also present a client certificate one of them signed; \"\": none is asked."))
+    refresh_s: int = field(default=60, metadata=_check(checks.between(15, 3600)) | _doc(
+        "Seconds between two refreshes of the status and GPU gauges (each one applianctl status run)."))
 
 
 @dataclass(frozen=True)
 class Logs:
-    """The journal off the box: systemd-journal-upload to a systemd-journal-remote over TLS (the
-    appliance presents a client certificate of its own). The local journal is bounded by
-    engine.log_max_size x engine.log_max_files (journald's SystemMaxUse=)."""
+    """Where the journal goes (systemd-journal-upload); each setting's description is on its field."""
 
-    upload_url: str = field(default="", metadata=_check(checks.is_https_url))
-    # PEM: the CA that signed the collector's certificate (required with upload_url)
-    upload_ca: str = field(default="", metadata=schema.multiline(checks.is_pem_certificates))
+    upload_url: str = field(default="", metadata=_check(checks.is_https_url) | _doc(
+        "The collector's URL, e.g. https://logs.example.net:19532; \"\": the journal stays on the box."))
+    upload_ca: str = field(default="", metadata=schema.multiline(checks.is_pem_certificates) | _doc(
+        "PEM: the CA that signed the collector's certificate, needed with upload_url."))
 
 
 DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
@@ -277,12 +356,13 @@ DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 
 @dataclass(frozen=True)
 class MaintenanceWindow:
-    """When the update timer may install and reboot: from START (HH:MM, UTC) for DURATION_MIN
-    minutes, on DAYS (the day a window starts; it may run past midnight). appliance/rollout.py."""
+    """When the update timer may install and reboot (appliance/rollout.py judges it)."""
 
-    start: str = field(metadata=_check(checks.pattern(re.compile(r"^([01][0-9]|2[0-3]):[0-5][0-9]\Z"), "a time of day HH:MM (UTC)")))
-    duration_min: int = field(metadata=_check(checks.between(1, 1440)))
-    days: tuple[str, ...] = field(default=DAYS, metadata=_each(checks.one_of(*DAYS)))
+    start: str = field(metadata=_check(checks.pattern(re.compile(r"^([01][0-9]|2[0-3]):[0-5][0-9]\Z"), "a time of day HH:MM (UTC)"))
+                       | _doc("When the window opens, UTC."))
+    duration_min: int = field(metadata=_check(checks.between(1, 1440)) | _doc(
+        "How long it stays open, in minutes; it may run past midnight."))
+    days: tuple[str, ...] = field(default=DAYS, metadata=_each(checks.one_of(*DAYS)) | _doc("The days it opens on."))
 
     @property
     def start_min(self) -> int:
@@ -292,35 +372,42 @@ class MaintenanceWindow:
 
 @dataclass(frozen=True)
 class Update:
-    url: str = field(default="", metadata=_check(checks.is_url))
-    assessment_deadline_s: int = field(default=3600, metadata=_check(checks.between(1, 7 * 86400)))
-    # boot tries a newly installed version gets (systemd-boot's counter, TriesLeft= of the kernel image)
-    boot_tries: int = field(default=3, metadata=_check(checks.between(1, 20)))
-    # what the update timer does with a new bundle at url: install it into the inactive slot, or
-    # only download and verify it into /var for `applianctl update --apply` in a maintenance window
-    timer_action: str = field(default="install", metadata=_check(checks.one_of("install", "download-only")))
-    # when the update timer may install from a channel (none: any time)
-    maintenance_windows: tuple[MaintenanceWindow, ...] = ()
+    url: str = field(default="", metadata=_check(checks.is_url) | _doc(
+        "Where the daily update timer looks for a newer release (a bundle or a channel index); \"\": no automatic check."))
+    assessment_deadline_s: int = field(default=3600, metadata=_check(checks.between(1, 7 * 86400)) | _doc(
+        "Seconds a newly installed version has to serve the smoke completion through the proxy before it is rolled back."))
+    boot_tries: int = field(default=3, metadata=_check(checks.between(1, 20)) | _doc(
+        "Boots a newly installed version gets to be judged good before systemd-boot falls back to the previous one (each "
+        "boot that fails the assessment, panics or hangs uses one)."))
+    timer_action: str = field(default="install", metadata=_check(checks.one_of("install", "download-only")) | _doc(
+        "What the update timer does with a newer bundle at url: \"install\" it into the inactive slot (it boots at the "
+        "next reboot), or \"download-only\": fetch and verify it into /var, to install later, in a maintenance window, "
+        "with applianctl update --apply --reboot."))
+    maintenance_windows: tuple[MaintenanceWindow, ...] = field(default=(), metadata=_doc(
+        "When the update timer may install from a channel and reboot; none: any time.",
+        example=(MaintenanceWindow("22:00", 240, ("sat", "sun")),)))
 
 
 @dataclass(frozen=True)
 class Topology:
-    """The GPUs this appliance serves with and how the engines share them: LAYOUT is REPLICASxTP,
-    that many separate engines (replicas; vLLM's data parallelism would make one failure domain of
-    a mixture-of-experts model) of TP GPUs each (tensor parallel). The default is one engine on
-    one GPU. cross_checks ties it to the engine's arguments and /dev/shm; `check_host` to a host."""
+    """The GPUs and how the engines share them. Replicas are separate engines because vLLM's data
+    parallelism would make one failure domain of a mixture-of-experts model. cross_checks ties it to
+    the engine's arguments and /dev/shm; `check_host` to a host."""
 
-    gpus: int = field(default=1, metadata=_check(checks.between(1, checks.MAX_GPUS)))
-    layout: str = field(default="1x1", metadata=_check(checks.is_layout))
-    # The host's memory (MemTotal, GiB) this build is for: every replica's CPU KV offload file and
-    # engine.shm.margin_gib, in /dev/shm, must fit in it with memory_reserve_gib to spare for
-    # the OS and the engines' own processes. 0: not checked at build, only at boot.
-    memory_gib: float = field(default=0.0, metadata=_check(checks.between(0, checks.MAX_GIB)))
-    memory_reserve_gib: float = field(default=32.0, metadata=_check(checks.between(0, checks.MAX_GIB)))
-    # Staggered starts, so that the replicas do not all read the weights from the same disk at once:
-    # replica I starts once replica I-1 is healthy (has answered its warm-up request), and at the
-    # latest I x stagger_s after it was started itself (applianctl/engine/stagger.py). 0: all at once.
-    stagger_s: int = field(default=300, metadata=_check(checks.between(0, 3600)))
+    gpus: int = field(default=1, metadata=_check(checks.between(1, checks.MAX_GPUS)) | _doc(
+        "How many GPUs the appliance serves with."))
+    layout: str = field(default="1x1", metadata=_check(checks.is_layout) | _doc(
+        "R replicas (separate engines) of T GPUs each, in tensor parallel; R x T must equal gpus. Replica i takes GPUs "
+        "i x T to i x T + T - 1."))
+    memory_gib: float = field(default=0.0, metadata=_check(checks.between(0, checks.MAX_GIB)) | _doc(
+        "The host's memory (MemTotal, GiB) this build is for: every replica's CPU KV offload file, engine.shm.margin_gib "
+        "and memory_reserve_gib must fit in it, or the build refuses the layout. 0: checked only at boot, against the "
+        "real host."))
+    memory_reserve_gib: float = field(default=32.0, metadata=_check(checks.between(0, checks.MAX_GIB)) | _doc(
+        "GiB of memory kept beside /dev/shm for the OS and the engines' own processes."))
+    stagger_s: int = field(default=300, metadata=_check(checks.between(0, 3600)) | _doc(
+        "Staggered starts, so that the replicas do not all read the weights from one disk at once: replica i starts once "
+        "replica i-1 is healthy, and at the latest i x stagger_s seconds after it was started. 0: all at once."))
 
     @property
     def replicas(self) -> int:
@@ -343,18 +430,29 @@ class Topology:
 
 @dataclass(frozen=True)
 class Config:
-    profile: str
-    appliance: Appliance
-    os: Os
-    model: Model
-    engine: Engine
-    proxy: Proxy
-    expected: Expected = field(default_factory=Expected)
-    gpu: Gpu = field(default_factory=Gpu)
-    update: Update = field(default_factory=Update)
-    metrics: Metrics = field(default_factory=Metrics)
-    logs: Logs = field(default_factory=Logs)
-    topology: Topology = field(default_factory=Topology)
+    profile: str  # set by the loader (the profile asked for), never read from the file
+    appliance: Appliance = field(metadata=_doc("The release: its name and version."))
+    os: Os = field(metadata=_doc("The image's Debian system."))
+    model: Model = field(metadata=_doc("The model the engines serve, and where its weights live."))
+    engine: Engine = field(metadata=_doc(
+        "The engine: its container image, its arguments and how podman runs it, the same for every replica "
+        "(docs/engine.md)."))
+    proxy: Proxy = field(metadata=_doc("The TLS proxy (Caddy) in front of the engines, the only way to them from the network."))
+    expected: Expected = field(default_factory=Expected, metadata=_doc(
+        "The figures of a healthy start, read from the engine's log by applianctl startup-report: a start that falls short "
+        "of one, or whose log lacks it, is \"degraded\". Unset: not checked."))
+    gpu: Gpu = field(default_factory=Gpu, metadata=_doc("The GPUs, as applianctl status judges them."))
+    update: Update = field(default_factory=Update, metadata=_doc(
+        "Updates from a static update server, and how a new version is judged (docs/upgrades.md, docs/fleet.md)."))
+    metrics: Metrics = field(default_factory=Metrics, metadata=_doc(
+        "The appliance's own metrics (the host, its units, the status and GPU gauges; and the engine's) on a port of their "
+        "own through the proxy, for scrapers, who are not clients: https://HOST:PORT/metrics and /engine/metrics "
+        "(docs/fleet.md)."))
+    logs: Logs = field(default_factory=Logs, metadata=_doc(
+        "The journal off the box: systemd-journal-upload to a systemd-journal-remote over HTTPS, the appliance presenting "
+        "a client certificate of its own."))
+    topology: Topology = field(default_factory=Topology, metadata=_doc(
+        "The GPUs the appliance serves with and how the engines share them (the layouts above)."))
 
     @property
     def replicas(self) -> int:
@@ -467,7 +565,7 @@ def cross_checks(path: Path, config: Config) -> None:
     if offload is not None and ((gib := checks.parse_decimal(offload)) is None or gib > checks.MAX_GIB):
         raise ConfigError(
             f"{path}: engine.args has --kv-offloading-size {offload!r}",
-            hint=f"a size in GiB written with ASCII digits, e.g. 96 or 0.5, at most {checks.MAX_GIB:g}",
+            hint=f"a size in GiB written with ASCII digits, e.g. 96 or 0.5, at most {checks.number_text(checks.MAX_GIB)}",
         )
     if config.logs.upload_url and not config.logs.upload_ca:
         raise ConfigError(f"{path}: logs.upload_url needs logs.upload_ca",

@@ -11,15 +11,17 @@ the journal and in /run/appliance/preflight.json; the engine stays stopped.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 
-from appliance import paths
+from appliance import cli_help, paths
 from appliance.atomic import write_record
 from appliance.config import Config
 from appliance.config.model import check_host
 from appliance.host_settings import load_device
+from appliance.schema import dump_record
 from applianctl.records import PreflightResult
 
 SYS = Path(os.environ.get("APPLIANCE_SYSFS", "/sys"))
@@ -91,6 +93,9 @@ def check(config: Config) -> PreflightResult:
 def main(args: argparse.Namespace) -> int:
     result = check(load_device())
     write_record(paths.PREFLIGHT_RESULT, result)
+    if getattr(args, "json", False):
+        print(json.dumps(dump_record(result), indent=2))
+        return 0 if result.ok else 1
     if not result.ok:
         print(f"preflight failed: {result.reason}", file=sys.stderr)
         return 1
@@ -99,5 +104,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("preflight", help="check the GPU and the model weights before the engine starts")
+    p = cli_help.verb_parser(
+        sub, "preflight", "check the GPU and the model weights before the engine starts",
+        examples=["applianctl preflight", "applianctl preflight --json"],
+        exit_codes=[(0, "the engine can start"), (1, "it cannot: the weights, memory or a GPU are missing (one line on stderr)"),
+                    cli_help.BAD_INPUT],
+        details=f"Writes {paths.PREFLIGHT_RESULT}, which status reads.",
+    )
+    p.add_argument("--json", action="store_true", help="print the result (the record status reads) as JSON")
     p.set_defaults(func=main)

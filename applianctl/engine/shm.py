@@ -16,6 +16,7 @@ import argparse
 import errno
 import fcntl
 import fnmatch
+import json
 import os
 import re
 import stat
@@ -25,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import paths
+from appliance import cli_help, paths
 from appliance.atomic import write_record
 from appliance.config import Config
 from appliance.host_settings import load_device
+from appliance.schema import dump_record
 from applianctl.records import ShmCheck, ShmRemoved
 
 GIB = 2**30
@@ -291,6 +293,9 @@ def run(args: argparse.Namespace) -> int:
     result = check(load_device(), paths.SHM_DIR, dry_run=args.dry_run)
     if not args.dry_run:
         write_record(paths.SHM_CHECK, result)
+    if getattr(args, "json", False):
+        print(json.dumps(dump_record(result), indent=2))
+        return 0 if result.ok else 1
     if result.ok:
         print(result.reason)
         return 0
@@ -299,12 +304,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "shm-clean",
-        help="remove leaked KV offload files from /dev/shm and check its room",
-        description=f"Remove {PATTERN} files in {paths.SHM_DIR} that no process holds open, then check that "
+    parser = cli_help.verb_parser(
+        subparsers, "shm-clean", "remove leaked KV offload files from /dev/shm and check its room",
+        examples=["applianctl shm-clean --dry-run", "applianctl shm-clean --json"],
+        exit_codes=[(0, "/dev/shm and memory can take the configured KV offload"),
+                    (1, "they cannot (the reason on stderr)"), cli_help.BAD_INPUT],
+        details=f"Remove {PATTERN} files in {paths.SHM_DIR} that no process holds open, then check that "
         "/dev/shm and memory can take the configured KV offload plus its margin. Writes "
-        f"{paths.SHM_CHECK}; exit status 1 when the check fails.",
+        f"{paths.SHM_CHECK}.",
     )
     parser.add_argument("--dry-run", action="store_true", help="only say what would be removed; write nothing")
+    parser.add_argument("--json", action="store_true", help="print the result (the record status reads) as JSON")
     parser.set_defaults(func=run)

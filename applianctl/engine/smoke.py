@@ -10,6 +10,8 @@ none (ACME certificates), the system's CAs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ from typing import Any
 import requests
 from requests.adapters import HTTPAdapter
 
-from appliance import paths
+from appliance import cli_help, paths
 from appliance.config.model import SMOKE_PROMPT
 from appliance.errors import UserError
 from appliance.host_settings import load_device
@@ -142,11 +144,14 @@ def run(args: argparse.Namespace) -> int:
 
         urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
     result = smoke(session_for(url, hostname, verify), url, model, args.timeout)
-    if result.models_s is not None:
-        print(f"GET  {url}/v1/models: {result.models_s * 1000:.0f} ms")
-    if result.completion_s is not None:
-        print(f"POST {url}/v1/completions: {result.completion_s:.2f} s, answer {(result.answer or '').strip()!r}")
-    print(("ok: " if result.ok else "FAILED: ") + result.message)
+    if getattr(args, "json", False):
+        print(json.dumps({"url": url, "model": model, **dataclasses.asdict(result)}, indent=2))
+    else:
+        if result.models_s is not None:
+            print(f"GET  {url}/v1/models: {result.models_s * 1000:.0f} ms")
+        if result.completion_s is not None:
+            print(f"POST {url}/v1/completions: {result.completion_s:.2f} s, answer {(result.answer or '').strip()!r}")
+        print(("ok: " if result.ok else "FAILED: ") + result.message)
     if result.unreachable:
         sys.stdout.flush()
         if args.url:
@@ -158,10 +163,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("smoke", help="run the runbook's smoke completion through the proxy")
+    p = cli_help.verb_parser(
+        subparsers, "smoke", "run the runbook's smoke completion through the proxy",
+        examples=["applianctl smoke", "applianctl smoke --url http://127.0.0.1:8000 --json"],
+        exit_codes=[(0, "the completion came back with the expected answer"),
+                    (1, "it did not: unreachable, an HTTP error, or a wrong answer (the reason on the last line)"),
+                    cli_help.BAD_INPUT],
+    )
     p.add_argument("--url", help="base URL to test instead of the local proxy (e.g. http://127.0.0.1:8000)")
     p.add_argument("--ca", help="CA certificate to trust (default: the appliance CA, else the system's)")
     p.add_argument("--insecure", action="store_true", help="do not verify the TLS certificate")
     p.add_argument("--model", help="model name to ask for (default: the configured served model)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each answer (default 60)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from appliance import paths
+from appliance import cli_help, paths
 from appliance.errors import UserError
 
 POLL_S = 1.0
@@ -82,6 +82,12 @@ def main(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # hidden (not listed): the ExecStartPre of each replica after the first
-    p = sub.add_parser("stagger", description="Wait for the previous replica to be healthy, at most I x topology.stagger_s.")
+    p = cli_help.verb_parser(
+        sub, "stagger", "wait for the previous replica to be healthy, at most I x topology.stagger_s",
+        examples=["applianctl stagger --replica 1"],
+        exit_codes=[(0, "the replica may start (the previous one is healthy, the wait is over, or systemd cannot be asked)"),
+                    cli_help.BAD_INPUT],
+        hidden=True,
+    )
     p.add_argument("--replica", type=int, required=True, metavar="I", help="the replica about to start (1 .. replicas - 1)")
     p.set_defaults(func=main)

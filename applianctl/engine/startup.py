@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
+import json
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from appliance import paths
+from appliance import cli_help, paths
 from appliance.atomic import write_record
 from appliance.errors import UserError
 from appliance.host_settings import load_device
+from appliance.run import PIPE, start
 from appliance.schema import dump_record
 from applianctl.records import StartupFigures, StartupReport
 
@@ -205,12 +207,12 @@ def _lines(args: argparse.Namespace) -> Iterator[str]:
         return
     command = JOURNAL_FOLLOW if args.follow else JOURNAL_BOOT
     try:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, errors="replace")
+        proc = start(command, stdout=PIPE, stderr=None)
     except FileNotFoundError:
         raise UserError("journalctl not found", hint="use --from FILE or --from - (stdin)") from None
     assert proc.stdout is not None
     try:
-        yield from proc.stdout
+        yield from io.TextIOWrapper(proc.stdout, errors="replace")  # as Popen's text mode reads it
     finally:
         proc.terminate()
         proc.wait()
@@ -225,21 +227,27 @@ def run(args: argparse.Namespace) -> int:
     for line in _lines(args):
         if report.feed(line) and args.follow:
             write_record(out, report.record())
-            print(f"{report.state}: {report.reason}", flush=True)
+            if not getattr(args, "json", False):  # one document, at the end
+                print(f"{report.state}: {report.reason}", flush=True)
     result = report.record()
     write_record(out, result)
-    print(f"{result.state}: {result.reason}", file=sys.stdout if result.ok else sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps(dump_record(result), indent=2))
+    else:
+        print(f"{result.state}: {result.reason}", file=sys.stdout if result.ok else sys.stderr)
     return 0 if result.ok else 1
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "startup-report",
-        help="turn the engine's startup lines into figures and compare them with expectations",
-        description="Read vLLM's log lines and write the startup report "
+    parser = cli_help.verb_parser(
+        subparsers, "startup-report", "turn the engine's startup lines into figures and compare them with expectations",
+        examples=["applianctl startup-report", "applianctl startup-report --from engine.log --json"],
+        exit_codes=[(0, "the start is ok"), (1, "it is still loading, or degraded (the reason on stderr)"), cli_help.BAD_INPUT],
+        details="Read vLLM's log lines and write the startup report "
         f"({paths.STARTUP_REPORT}): loading, ok, or degraded with a reason. Reads from the journal of "
-        f"{paths.engine_unit(0)} (the first replica) unless --from is given. Exit status 0 when the start is ok.",
+        f"{paths.engine_unit(0)} (the first replica) unless --from is given.",
     )
+    parser.add_argument("--json", action="store_true", help="print the final report (the record status reads) as JSON")
     parser.add_argument("--follow", action="store_true",
                         help="keep reading and rewrite the report after every startup line")
     parser.add_argument("--from", dest="source", metavar="FILE", help="read FILE (- for stdin) instead of the journal")

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from appliance import factory_etc, paths
+from appliance import cli_help, factory_etc, paths
 from appliance.atomic import write_record
 from appliance.errors import UserError
 from appliance.hashing import sha256_file
@@ -39,20 +39,28 @@ def firmware_dir() -> Path:
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "verify",
-        help="check the manifest signature, every overlay, tuning table and firmware file, and /etc against the factory's",
-        description="Check the signed release manifest against the trusted keys, then every overlay, "
+    parser = cli_help.verb_parser(
+        subparsers, "verify",
+        "check the manifest signature, every overlay, tuning table and firmware file, and /etc against the factory's",
+        examples=["applianctl verify", "applianctl verify --json"],
+        exit_codes=[(0, "every file matches and nothing in /etc or /run overrides the image"),
+                    (1, "a file does not match, the manifest is not as signed, or /etc overrides the image (one line naming it)"),
+                    cli_help.BAD_INPUT],
+        details="Check the signed release manifest against the trusted keys, then every overlay, "
         "tuning table and firmware file on the device against it, then that nothing in /etc or /run changes "
         f"behaviour outside the signed image (against {paths.FACTORY_ETC_RECORD}). Writes {paths.VERIFY_RESULT}.",
     )
     parser.add_argument("--json", action="store_true", help="print the result document (the one status reads) on stdout")
     parser.set_defaults(func=run)
     # Hidden (no help=, so not listed): the initrd runs it on /sysroot before systemd reads /etc.
-    reset = subparsers.add_parser(
-        "etc-reset",
-        description="Put DIR/etc back to the factory /etc of the image in DIR where a difference changes behaviour: "
-        "restore what changed or went from DIR/usr/share/factory/etc, delete what was added, keep per-host files.",
+    reset = cli_help.verb_parser(
+        subparsers, "etc-reset", "put DIR/etc back to the factory /etc of the image in DIR (the initrd's step)",
+        examples=["applianctl etc-reset --root /sysroot"],
+        exit_codes=[(0, "/etc is as the factory's where it matters (or the image has no factory /etc record)"),
+                    (1, "something could not be put back (each named)"), cli_help.BAD_INPUT],
+        details="Where a difference changes behaviour: restore what changed or went from DIR/usr/share/factory/etc, "
+        "delete what was added, keep per-host files.",
+        hidden=True,
     )
     reset.add_argument("--root", required=True, type=Path, metavar="DIR", help="the root file system (/sysroot in the initrd)")
     reset.set_defaults(func=run_reset)

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from appliance import paths
+from appliance import cli_help, paths
 from appliance.atomic import write_record
 from appliance.config import Config
 from appliance.config.checks import is_weights_source
@@ -123,9 +123,23 @@ def cmd_verify(args: argparse.Namespace, verity: Verity | None = None) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("model", help="the model's weights: fetch them, verify them")
+    fetch_codes = [(0, "every file is in place, as signed, and sealed (--at-boot: also when there is no source)"),
+                   (1, "refused: a file is not as the signed manifest says"),
+                   (2, "bad input, or the source cannot be read (one line and a hint)")]
+    verify_codes = [(0, "every file is as signed (or the image pins no weights)"),
+                    (1, "a file is missing or not as signed (named on stderr)"), cli_help.BAD_INPUT]
+    p = cli_help.verb_parser(
+        sub, "model", "the model's weights: fetch them, verify them",
+        examples=["applianctl model fetch https://mirror.example/models/", "applianctl model verify --deep"],
+        exit_codes=[(0, "success"), (1, "a file is not as signed"), cli_help.BAD_INPUT],
+        details="Each ACTION's --help names its own exit statuses.",
+    )
     verbs = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
-    f = verbs.add_parser("fetch", help="fetch the signed weights onto /var, check and seal every file (resumable)")
+    f = cli_help.verb_parser(
+        verbs, "fetch", "fetch the signed weights onto /var, check and seal every file (resumable)",
+        examples=["applianctl model fetch", "applianctl model fetch https://mirror.example/models/ --ca mirror-ca.pem --json"],
+        exit_codes=fetch_codes,
+    )
     f.add_argument("source", nargs="?", default="",
                    help="an https:// mirror (Hub layout BASE/resolve/REVISION/PATH or BASE/PATH) or a directory "
                         "(default: /var/lib/appliance/host/model-source, else model.source)")
@@ -137,7 +151,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     f.add_argument("--at-boot", action="store_true",
                    help="(appliance-model-fetch.service) only when a file is missing or not as signed; the source may also "
                         f"come as the credential {SOURCE_CREDENTIAL} (its CA as {CA_CREDENTIAL}); none: say so, exit 0")
-    v = verbs.add_parser("verify", help="check every weight file's fs-verity digest against the signed manifest")
+    v = cli_help.verb_parser(
+        verbs, "verify", "check every weight file's fs-verity digest against the signed manifest",
+        examples=["applianctl model verify", "applianctl model verify --deep --json"],
+        exit_codes=verify_codes,
+    )
     v.add_argument("--json", action="store_true", help="print the result as JSON")
     v.add_argument("--deep", action="store_true",
                    help="also read every byte through fs-verity (minutes; finds blocks changed on the disk behind the file system)")

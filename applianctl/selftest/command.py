@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from appliance import paths
+from appliance import cli_help, paths
 from appliance.atomic import atomic_write
 from appliance.errors import UserError
 from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped, set_aside
@@ -206,10 +206,13 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "selftest",
-        help="check every GPU, read-only, before an engine starts",
-        description="Exit 0 when every GPU passed, 1 when a GPU failed, 2 for bad input, 3 when the test could not run.",
+    p = cli_help.verb_parser(
+        sub, "selftest", "check every GPU, read-only, before an engine starts",
+        examples=["applianctl selftest", "applianctl selftest --json > now.json",
+                  "applianctl selftest --previous now.json"],
+        exit_codes=[(0, "every GPU passed"),
+                    (1, "a GPU failed (--at-boot: every replica has a failed GPU; --replica I: a GPU of replica I failed)"),
+                    cli_help.BAD_INPUT, (3, "the test could not run (no GPU tool or no GPU seen; a hint on stderr)")],
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON (it holds the correctable ECC counts to keep)")
     p.add_argument("--previous", type=Path, metavar="FILE",

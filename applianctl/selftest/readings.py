@@ -10,7 +10,6 @@ boot's kernel log. Partitions are a call of their own because amd-smi 6.4 took t
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import UserError
+from appliance.run import TimeoutExpired
 from appliance.safe_read import loads_bounded, read_capped
 from applianctl.status import gpu
 from applianctl.status.probes import Runner, ToolMissing
@@ -59,7 +59,7 @@ class Readings:
 def _why(what: str, error: BaseException) -> str:
     if isinstance(error, ToolMissing):
         return f"{what}: {error} is not installed"
-    if isinstance(error, subprocess.TimeoutExpired):
+    if isinstance(error, TimeoutExpired):
         return f"{what}: no answer in time"
     return f"{what}: {type(error).__name__}: {error}".splitlines()[0][:200]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import atomic as state
-from appliance import manifest, paths
+from appliance import cli_help, manifest, paths
 from appliance.config import Config
 from appliance.errors import UserError
 from appliance.host_settings import load_device
@@ -160,7 +160,13 @@ def cmd_assess(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("assess", help="judge this boot's version by what its clients get (boot assessment)")
+    p = cli_help.verb_parser(
+        subparsers, "assess", "judge this boot's version by what its clients get (boot assessment)",
+        examples=["applianctl assess", "applianctl assess --deadline 600"],
+        exit_codes=[(0, "judged good, or this boot is not on trial (nothing to assess)"),
+                    (1, "it failed its assessment: the reason recorded, and the machine reboots"), cli_help.BAD_INPUT],
+        details="appliance-assess.service's step; the verdict is in `applianctl slots --json`.",
+    )
     p.add_argument("--deadline", type=float, help="seconds to serve (default: update.assessment_deadline_s)")
     p.add_argument(
         "--url", help="base URL to judge instead of the proxy (default: https://127.0.0.1:{proxy.https_port} as proxy.hostname)"

@@ -8,6 +8,7 @@ import argparse
 import json
 from typing import Any
 
+from appliance import cli_help
 from applianctl.slots import view as slots
 
 
@@ -59,10 +60,11 @@ def cmd_slots(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "slots",
-        help="show both /usr slots, both engine slots, the boot entries and whether the running version is judged",
-        description="Exit 0 when everything could be read, 1 otherwise.",
+    p = cli_help.verb_parser(
+        subparsers, "slots",
+        "show both /usr slots, both engine slots, the boot entries and whether the running version is judged",
+        examples=["applianctl slots", "applianctl slots --json --no-sysupdate"],
+        exit_codes=[(0, "everything could be read"), (1, "something could not be read (named in the output)"), cli_help.BAD_INPUT],
     )
     p.add_argument("--json", action="store_true", help="print the model as JSON")
     p.add_argument("--no-sysupdate", action="store_true", help="do not run systemd-sysupdate list (faster; no network)")

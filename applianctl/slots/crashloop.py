@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from appliance import paths
+from appliance import cli_help, paths
 from appliance.errors import UserError
 from appliance.safe_read import read_capped
 from appliance.schema import load_record
@@ -180,7 +180,12 @@ def _serving() -> tuple[bool, str]:
 
 def add_parser(subparsers: Any) -> None:
     # hidden (not listed): run by appliance-crashloop.service (begin, end) and its timer (stable)
-    p = subparsers.add_parser("crashloop", description="The crash-loop guard's steps (appliance-crashloop.service and its timer).")
+    p = cli_help.verb_parser(
+        subparsers, "crashloop", "the crash-loop guard's steps (appliance-crashloop.service and its timer)",
+        examples=["applianctl crashloop begin", "applianctl crashloop stable"],
+        exit_codes=[(0, "the step is done (what it did on stdout)"), cli_help.BAD_INPUT],
+        hidden=True,
+    )
     p.add_argument("step", choices=("begin", "end", "stable"),
                    help="begin: count this boot (and roll back after three unclean ones); end: it ended cleanly; stable: it served")
     p.set_defaults(func=cmd_crashloop)

@@ -15,12 +15,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from appliance import manifest
-from appliance.run import call
+from appliance.run import TimeoutExpired, call
 from applianctl.slots.machine import Host
 from applianctl.slots.partitions import VERSION
 
@@ -129,7 +128,7 @@ def read_entries(host: Host) -> tuple[list[Entry], str]:
         if proc.returncode != 0:
             raise OSError((proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1])
         found = parse_bootctl_list(proc.stdout)
-    except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+    except (OSError, ValueError, TimeoutExpired) as e:
         found, source = _scan_entries(host), f"ESP scan (bootctl: {str(e)[:160] or type(e).__name__})"
     return sorted(found, key=lambda e: manifest.version_tuple(e.version), reverse=True), source
 

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from appliance import atomic as state
-from appliance import paths
+from appliance import cli_help, paths
 from appliance.errors import Refused, UserError
 from appliance.run import run
 from applianctl.records import LastRollback
@@ -74,7 +74,13 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("rollback", help="boot the other slot's version next")
+    p = cli_help.verb_parser(
+        subparsers, "rollback", "boot the other slot's version next",
+        examples=["applianctl rollback --reboot"],
+        exit_codes=[(0, "the other slot's version boots next"),
+                    (1, "refused: the other slot holds no version, or one that failed its assessment (without --force)"),
+                    cli_help.BAD_INPUT],
+    )
     p.add_argument("--force", action="store_true", help="also to a version that failed its assessment")
     p.add_argument("--reboot", action="store_true", help="reboot now")
     p.set_defaults(func=cmd_rollback)

@@ -21,17 +21,16 @@ import re
 import secrets
 import socket
 import stat
-import subprocess
 import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance import paths
+from appliance import cli_help, paths
 from appliance.atomic import fsync_dir
 from appliance.errors import UserError
-from appliance.run import call
+from appliance.run import CompletedProcess, TimeoutExpired, call
 from appliance.safe_read import file_kind
 from applianctl.status.redact import REDACTED, redact, redact_member
 
@@ -114,11 +113,11 @@ def gather(since: str, commands: tuple[tuple[str, tuple[str, ...]], ...] = COMMA
     journal = ("journal.txt", ("journalctl", "--since", since, "-o", "short-iso-precise", "--no-pager"))
     for name, argv in (journal, *commands):
         try:
-            proc: subprocess.CompletedProcess[str] = call(argv, timeout=COMMAND_TIMEOUT_S)
+            proc: CompletedProcess[str] = call(argv, timeout=COMMAND_TIMEOUT_S)
         except FileNotFoundError:
             index["sources"][name] = {"command": list(argv), "collected": False, "why": f"{argv[0]} is not installed"}
             continue
-        except subprocess.TimeoutExpired:
+        except TimeoutExpired:
             index["sources"][name] = {"command": list(argv), "collected": False, "why": f"no answer within {COMMAND_TIMEOUT_S:g} s"}
             continue
         text, cut = _tail(proc.stdout, MAX_SOURCE_BYTES)
@@ -186,8 +185,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "support-bundle", help="gather the journal, status, slots, unit states and a hardware inventory into one tarball, secrets redacted")
+    p = cli_help.verb_parser(
+        subparsers, "support-bundle",
+        "gather the journal, status, slots, unit states and a hardware inventory into one tarball, secrets redacted",
+        examples=['applianctl support-bundle --since "2 hours ago"'],
+        exit_codes=[(0, "written: its path on stdout"), cli_help.BAD_INPUT],
+    )
     p.add_argument("--since", default="1 day ago", help='the journal from this time on (journalctl --since; default "1 day ago")')
     p.add_argument("--output", default=str(DEFAULT_OUTPUT), help="the directory for the tarball (default /var/tmp)")
     p.set_defaults(func=run)

@@ -17,12 +17,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from appliance import paths
+from appliance import cli_help, paths, terminal
 from appliance.config import Config
 from appliance.errors import UserError
 from appliance.host_settings import load_device
 from applianctl import records
 from applianctl.status import disk, engine, files, gpu, host, os_slots, probes, proxy, sealed, shm, systemd, tls, weights
+from applianctl.status.document import EngineDetails, StartupDetails, StatusDocument
 from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
 SCHEMA = 1
@@ -70,28 +71,30 @@ def _cross_check(parts: dict[str, Part]) -> None:
     engine, startup = parts["engine"], parts["startup"]
     # While weights load and graphs are captured, vLLM's port refuses connections: that is a
     # start in progress, not a dead engine.
-    if engine.state == DOWN and engine.details.get("refused") and startup.details.get("report_state") == "loading":
+    refused = isinstance(engine.details, EngineDetails) and engine.details.refused
+    loading = isinstance(startup.details, StartupDetails) and startup.details.report_state == "loading"
+    if engine.state == DOWN and refused and loading:
         parts["engine"] = Part(DEGRADED, "starting: the port opens once the model is loaded", engine.details)
 
 
-def collect(config: Config, src: Sources | None = None, deadline_s: float = probes.DEADLINE_S) -> dict[str, Any]:
+def collect(config: Config, src: Sources | None = None, deadline_s: float = probes.DEADLINE_S) -> StatusDocument:
     """The status document (docs/status-schema.md)."""
     src = src or Sources()
     started = time.monotonic()
     parts = probes.run_probes(probe_table(config, src), deadline_s)
     _cross_check(parts)
     ordered = [(name, parts[name]) for name in PARTS]
-    return {
-        "schema": SCHEMA,
-        "state": probes.worst([p.state for _, p in ordered]),
-        "reason": probes.first_reason(ordered),
-        "appliance": config.appliance.name,
-        "version": config.appliance.version,
-        "profile": config.profile,
-        "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "elapsed_s": round(time.monotonic() - started, 3),
-        "parts": {name: part.to_json() for name, part in ordered},
-    }
+    return StatusDocument(
+        schema=SCHEMA,
+        state=probes.worst([p.state for _, p in ordered]),
+        reason=probes.first_reason(ordered),
+        appliance=config.appliance.name,
+        version=config.appliance.version,
+        profile=config.profile,
+        generated_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        elapsed_s=round(time.monotonic() - started, 3),
+        parts=dict(ordered),
+    )
 
 
 # ----------------------------------------------------------------------------------- output
@@ -189,18 +192,18 @@ def summary(name: str, part: Mapping[str, Any]) -> str:
     return ""
 
 
-def render(doc: Mapping[str, Any], out: TextIO, colour: bool) -> None:
+def render(doc: StatusDocument, out: TextIO, colour: bool) -> None:
     def paint(state: str, text: str) -> str:
         return f"\033[{_COLOURS[state]}m{text}\033[0m" if colour else text
 
     width = max(len(state) for state in _COLOURS)
-    head = f"{doc.get('appliance')} {doc.get('version')}: "
-    out.write(head + paint(doc["state"], doc["state"]) + (f" ({doc['reason']})" if doc["reason"] else "") + "\n")
-    for name, part in doc["parts"].items():
-        state = part["state"]
-        line = f"  {name:<10} {paint(state, state.ljust(width))}  "
-        text = part["reason"] or summary(name, part)
-        if part["reason"] and (extra := summary(name, part)):
+    head = f"{doc.appliance} {doc.version}: "
+    out.write(head + paint(doc.state, doc.state) + (f" ({doc.reason})" if doc.reason else "") + "\n")
+    for name, part in doc.parts.items():
+        line = f"  {name:<10} {paint(part.state, part.state.ljust(width))}  "
+        shown = part.to_json()
+        text = part.reason or summary(name, shown)
+        if part.reason and (extra := summary(name, shown)):
             text += f" [{extra}]"
         out.write(line + text + "\n")
 
@@ -222,7 +225,7 @@ def run(args: argparse.Namespace, src: Sources | None = None) -> int:
         print(f"hint: {e.hint or 'see `applianctl status --help`'}", file=sys.stderr)
         return UNKNOWN_EXIT
     if args.json:
-        json.dump(doc, sys.stdout, indent=2)
+        json.dump(doc.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     elif getattr(args, "prometheus", False):
         from applianctl.status import exposition, gpu_metrics
@@ -237,13 +240,19 @@ def run(args: argparse.Namespace, src: Sources | None = None) -> int:
         else:
             sys.stdout.write(text)
     else:
-        render(doc, sys.stdout, colour=sys.stdout.isatty())
+        render(doc, sys.stdout, colour=terminal.escapes(sys.stdout))
     sys.stdout.flush()
-    return EXIT_STATUS[doc["state"]]
+    return EXIT_STATUS[doc.state]
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("status", help="show the state of every part of the appliance")
+    p = cli_help.verb_parser(
+        subparsers, "status", "show the state of every part of the appliance",
+        examples=["applianctl status", "applianctl status --json", "applianctl status --prometheus --output /run/metrics/appliance.prom"],
+        exit_codes=[(0, "ok (or not configured)"), (1, "degraded"), (2, "down"),
+                    (3, "unknown: status could not run, a usage error included (stderr: what, then a hint)")],
+        details="The exit statuses follow the monitoring-plugin convention (docs/status-schema.md).",
+    )
     output = p.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print the JSON document of docs/status-schema.md")
     output.add_argument("--prometheus", action="store_true",

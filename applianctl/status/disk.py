@@ -10,6 +10,7 @@ from typing import Any
 
 from appliance import paths
 from appliance.config import Config
+from applianctl.status.document import DiskDetails, FsUsage
 from applianctl.status.probes import DEGRADED, DOWN, OK, Part
 
 GIB = 1024**3
@@ -17,10 +18,11 @@ DISK_MIN_FREE_FRACTION = 0.05
 DISK_MIN_FREE_BYTES = 1 * GIB
 
 
-def fs_usage(path: Path) -> dict[str, int]:
+def fs_usage(path: Path, **more: Any) -> FsUsage:
+    """PATH's file system: its size, what is used and what is free to an unprivileged writer."""
     st = os.statvfs(path)
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    return {"total_bytes": total, "used_bytes": total - st.f_bfree * st.f_frsize, "free_bytes": free}
+    return FsUsage(path=str(path), total_bytes=total, used_bytes=total - st.f_bfree * st.f_frsize, free_bytes=free, **more)
 
 
 def tree_bytes(root: Path, budget_s: float = 0.3) -> tuple[int, bool]:
@@ -45,26 +47,19 @@ def tree_bytes(root: Path, budget_s: float = 0.3) -> tuple[int, bool]:
 def probe_disk(config: Config, state_dir: Path | None = None) -> Part:
     state_dir = state_dir or paths.STATE_DIR
     cache = Path(config.model.cache_dir)
-    details: dict[str, Any] = {}
     problems: list[str] = []
     try:
-        details["var"] = {"path": str(state_dir), **fs_usage(state_dir)}
+        var = fs_usage(state_dir)
     except OSError as e:
-        return Part(DOWN, f"{state_dir}: {e.strerror}", details)
+        return Part(DOWN, f"{state_dir}: {e.strerror}", DiskDetails())
     if cache.is_dir():
         used, complete = tree_bytes(cache)
-        details["model_cache"] = {
-            "path": str(cache),
-            **fs_usage(cache),
-            "cache_bytes": used,
-            "cache_bytes_complete": complete,
-        }
+        model_cache = fs_usage(cache, cache_bytes=used, cache_bytes_complete=complete)
     else:
-        details["model_cache"] = {"path": str(cache), "present": False}
-    for key in ("var", "model_cache"):
-        fs = details[key]
-        if "total_bytes" not in fs:
+        model_cache = FsUsage(path=str(cache), present=False)
+    for fs in (var, model_cache):
+        if fs.total_bytes is None or fs.free_bytes is None:
             continue
-        if fs["free_bytes"] < max(DISK_MIN_FREE_BYTES, fs["total_bytes"] * DISK_MIN_FREE_FRACTION):
-            problems.append(f"{fs['path']}: only {fs['free_bytes'] / GIB:.1f} GiB free")
-    return Part(DEGRADED if problems else OK, "; ".join(problems), details)
+        if fs.free_bytes < max(DISK_MIN_FREE_BYTES, fs.total_bytes * DISK_MIN_FREE_FRACTION):
+            problems.append(f"{fs.path}: only {fs.free_bytes / GIB:.1f} GiB free")
+    return Part(DEGRADED if problems else OK, "; ".join(problems), DiskDetails(var=var, model_cache=model_cache))

@@ -4,12 +4,12 @@ startup report the engine's first minutes left)."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Any
 
 from appliance import paths
 from appliance.config import Config
@@ -17,6 +17,7 @@ from appliance.errors import UserError
 from appliance.schema import load_record, plain
 from applianctl.records import StartupReport
 from applianctl.status import probes
+from applianctl.status.document import EngineDetails, EngineMetrics, Figure, ReplicaStatus, StartupDetails
 from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
 FIGURES = ("model_memory_gib", "draft_params", "kv_cache_tokens", "max_concurrency", "offload_mmap_gb")
@@ -78,11 +79,10 @@ def probe_engine(config: Config, src: Sources) -> Part:
         )
         replicas = [found[str(i)] for i in range(config.replicas)]
     first = replicas[0]
-    details = dict(first.details)
-    details["replicas"] = [
-        {"replica": i, "url": url, "state": part.state, "reason": part.reason, "gpus": list(config.topology.replica_gpus(i))}
-        for i, (url, part) in enumerate(zip(urls, replicas, strict=True))
-    ]
+    listed = tuple(ReplicaStatus(replica=i, url=url, state=part.state, reason=part.reason, gpus=tuple(config.topology.replica_gpus(i)))
+                   for i, (url, part) in enumerate(zip(urls, replicas, strict=True)))
+    # a replica whose probe timed out has no details: its URL stands in
+    details = dataclasses.replace(replica_details(first, urls[0]), replicas=listed)
     not_ok = [(i, part) for i, part in enumerate(replicas) if part.state != OK]
     if len(replicas) == 1:
         return Part(first.state, first.reason, details)
@@ -91,9 +91,14 @@ def probe_engine(config: Config, src: Sources) -> Part:
     reason = "; ".join(f"replica {i}: {part.reason}" for i, part in not_ok)
     if all(part.state == DOWN for part in replicas):
         # refused on every port: a start in progress or a dead engine (collect's cross-check tells)
-        details["refused"] = all(part.details.get("refused") for part in replicas)
-        return Part(DOWN, reason, details)
+        refused = all(replica_details(part, url).refused for part, url in zip(replicas, urls, strict=True))
+        return Part(DOWN, reason, dataclasses.replace(details, refused=refused))
     return Part(DEGRADED, f"{len(replicas) - len(not_ok)} of {len(replicas)} replicas serve; {reason}", details)
+
+
+def replica_details(part: Part, url: str) -> EngineDetails:
+    """What PART (one replica's probe) found; only its URL when the probe gave nothing."""
+    return part.details if isinstance(part.details, EngineDetails) else EngineDetails(url=url, replicas=())
 
 
 def probe_replica(config: Config, base: str) -> Part:
@@ -103,12 +108,12 @@ def probe_replica(config: Config, base: str) -> Part:
     http_timeout = probes.HTTP_TIMEOUT_S
     engine = _Engine(base, http_timeout, probes.ENGINE_BUDGET_S)
     health_path = config.engine.health.path
-    details: dict[str, Any] = {"url": base}
+    details = EngineDetails(url=base, replicas=())
     try:
         try:
             engine.connect()
         except ConnectionRefusedError:
-            return Part(DOWN, f"{base}{health_path}: connection refused", {**details, "refused": True})
+            return Part(DOWN, f"{base}{health_path}: connection refused", dataclasses.replace(details, refused=True))
         except TimeoutError:
             return Part(DOWN, f"{base}{health_path}: no connection within {http_timeout:g} s", details)
         except OSError as e:
@@ -119,7 +124,7 @@ def probe_replica(config: Config, base: str) -> Part:
             return Part(DOWN, f"{base}{health_path}: no answer within {http_timeout:g} s", details)
         except (OSError, http.client.HTTPException) as e:
             return Part(DOWN, f"{base}{health_path}: {type(e).__name__}", details)
-        details["health"] = status
+        details = dataclasses.replace(details, health=status)
         if status != 200:
             return Part(DOWN, f"{health_path} answered HTTP {status}", details)
 
@@ -129,20 +134,22 @@ def probe_replica(config: Config, base: str) -> Part:
             status, _, body = engine.get("/v1/models")
             if status != 200:
                 raise ValueError(f"HTTP {status}")
-            details["models"] = [str(m.get("id")) for m in json.loads(body).get("data", [])]
-            if want not in details["models"]:
+            models = tuple(str(m.get("id")) for m in json.loads(body).get("data", []))
+            details = dataclasses.replace(details, models=models)
+            if want not in models:
                 problems.append(f"/v1/models does not list {want}")
         except (OSError, http.client.HTTPException, ValueError, AttributeError) as e:
-            details["models"] = None
+            details = dataclasses.replace(details, models=None)
             said = str(e) if isinstance(e, ValueError) and str(e).startswith("HTTP ") else type(e).__name__
             problems.append(f"/v1/models: {said}")
         try:
             status, content_type, body = engine.get("/metrics")
             if status != 200:
                 raise metrics.ParseError(f"HTTP {status}")
-            details["metrics"] = metrics.engine_summary(metrics.parse(body.decode("utf-8", "replace"), content_type))
+            figures = metrics.engine_summary(metrics.parse(body.decode("utf-8", "replace"), content_type))
+            details = dataclasses.replace(details, metrics=EngineMetrics(**figures))
         except (OSError, http.client.HTTPException, metrics.ParseError) as e:
-            details["metrics"] = None
+            details = dataclasses.replace(details, metrics=None)
             problems.append(f"/metrics: {type(e).__name__}: {e}".splitlines()[0])
         return Part(DEGRADED if problems else OK, "; ".join(problems), details)
     finally:
@@ -160,13 +167,9 @@ def probe_startup(config: Config, path: Path | None = None) -> Part:
     state, figures, reason = report.state, report.figures, report.reason
     # the expectations the report was made against; the configured ones when it names none
     expected = report.expected if plain(report.expected) else config.expected
-    details: dict[str, Any] = {
-        "report_state": state,
-        "figures": {k: {"value": getattr(figures, k), "expected": getattr(expected, k)} for k in FIGURES},
-        "cuda_graphs": figures.cuda_graphs,
-        "ready": figures.ready,
-        "reached_s": dict(report.reached_s),
-    }
+    details = StartupDetails(report_state=state,
+                             figures={k: Figure(value=getattr(figures, k), expected=getattr(expected, k)) for k in FIGURES},
+                             cuda_graphs=figures.cuda_graphs, ready=figures.ready, reached_s=dict(report.reached_s))
     if state == "ok":
         return Part(OK, "", details)
     if state == "loading":

@@ -11,7 +11,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TypeVar
+
+from applianctl.status.document import (
+    Details,
+    DiskDetails,
+    EngineDetails,
+    SealedDetails,
+    ShmDetails,
+    SlotsDetails,
+    StartupDetails,
+    StatusDocument,
+    TlsDetails,
+    WeightsDetails,
+)
+
+D = TypeVar("D", bound=Details)
 
 OVERALL = ("ok", "degraded", "down")
 PART_STATES = ("ok", "degraded", "down", "not configured")
@@ -52,66 +67,67 @@ def _sample(name: str, labels: dict[str, object], value: float) -> str:
     return f"{name}{{{inner}}} {text}" if inner else f"{name} {text}"
 
 
-def _number(value: Any) -> float | None:
+def _number(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
 
 
-def _samples(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, object], float]]:
-    parts: dict[str, Any] = doc.get("parts") or {}
-    yield "appliance_info", {"appliance": doc.get("appliance"), "version": doc.get("version"), "profile": doc.get("profile")}, 1
+def _details(doc: StatusDocument, name: str, cls: type[D]) -> D | None:
+    """Part NAME's details when its probe gave them (a probe that timed out gives none)."""
+    part = doc.parts.get(name)
+    return part.details if part is not None and isinstance(part.details, cls) else None
+
+
+def _samples(doc: StatusDocument) -> Iterator[tuple[str, dict[str, object], float]]:
+    yield "appliance_info", {"appliance": doc.appliance, "version": doc.version, "profile": doc.profile}, 1
     for state in OVERALL:
-        yield "appliance_state", {"state": state}, int(doc.get("state") == state)
-    if (elapsed := _number(doc.get("elapsed_s"))) is not None:
+        yield "appliance_state", {"state": state}, int(doc.state == state)
+    if (elapsed := _number(doc.elapsed_s)) is not None:
         yield "appliance_status_seconds", {}, elapsed
-    for name, part in parts.items():
+    for name, part in doc.parts.items():
         for state in PART_STATES:
-            yield "appliance_part_state", {"part": name, "state": state}, int(part.get("state") == state)
-    for replica in (parts.get("engine") or {}).get("replicas") or []:
-        gpus = ",".join(str(g) for g in replica.get("gpus") or [])
-        for state in PART_STATES[:3]:
-            labels = {"replica": replica.get("replica"), "gpus": gpus, "state": state}
-            yield "appliance_replica_state", labels, int(replica.get("state") == state)
-    slots = parts.get("slots") or {}
-    for slot in slots.get("slots") or []:
-        labels = {"slot": slot.get("slot"), "version": slot.get("version") or "", "state": slot.get("state") or "",
-                  "booted": str(bool(slot.get("booted"))).lower()}
-        yield "appliance_slot_info", labels, 1
-        if (tries := _number(slot.get("tries_left"))) is not None:
-            yield "appliance_slot_tries_left", {"slot": slot.get("slot")}, tries
-    if "running_state" in slots:
-        yield "appliance_running_good", {}, int(slots.get("running_state") == "good")
-    if "rolled_back" in slots:
-        yield "appliance_rolled_back", {}, int(bool(slots.get("rolled_back")))
-    sealed = parts.get("sealed") or {}
-    for flag in SEALED_FLAGS:
-        if isinstance(sealed.get(flag), bool):
-            yield "appliance_sealed", {"fact": flag}, int(sealed[flag])
-    weights = parts.get("weights") or {}
-    if isinstance(weights.get("verified"), bool):
-        yield "appliance_weights_verified", {}, int(weights["verified"])
-    for figure, values in ((parts.get("startup") or {}).get("figures") or {}).items():
-        if isinstance(values, dict):
-            for key, metric in (("value", "appliance_startup_figure"), ("expected", "appliance_startup_figure_expected")):
-                if (number := _number(values.get(key))) is not None:
-                    yield metric, {"figure": figure}, number
-    disk = parts.get("disk") or {}
-    for where in ("var", "model_cache"):
-        place = disk.get(where) or {}
-        for key, metric in (("free_bytes", "appliance_disk_free_bytes"), ("total_bytes", "appliance_disk_total_bytes")):
-            if (number := _number(place.get(key))) is not None:
-                yield metric, {"path": place.get("path") or where}, number
-    shm = parts.get("shm") or {}
-    if (free := _number(shm.get("free_bytes"))) is not None:
-        yield "appliance_shm_free_bytes", {}, free
-    if isinstance(shm.get("stale_offload_files"), list):
-        yield "appliance_shm_stale_offload_files", {}, len(shm["stale_offload_files"])
-    if (days := _number((parts.get("tls") or {}).get("ca_days_left"))) is not None:
+            yield "appliance_part_state", {"part": name, "state": state}, int(part.state == state)
+    if (engine := _details(doc, "engine", EngineDetails)) is not None:
+        for replica in engine.replicas:
+            gpus = ",".join(str(g) for g in replica.gpus)
+            for state in PART_STATES[:3]:
+                labels = {"replica": replica.replica, "gpus": gpus, "state": state}
+                yield "appliance_replica_state", labels, int(replica.state == state)
+    if (slots := _details(doc, "slots", SlotsDetails)) is not None:
+        for slot in slots.slots:
+            labels = {"slot": slot.slot, "version": slot.version or "", "state": slot.state or "", "booted": str(slot.booted).lower()}
+            yield "appliance_slot_info", labels, 1
+            if (tries := _number(slot.tries_left)) is not None:
+                yield "appliance_slot_tries_left", {"slot": slot.slot}, tries
+        yield "appliance_running_good", {}, int(slots.running_state == "good")
+        yield "appliance_rolled_back", {}, int(slots.rolled_back)
+    if (sealed := _details(doc, "sealed", SealedDetails)) is not None:
+        for flag in SEALED_FLAGS:
+            if isinstance(fact := getattr(sealed, flag), bool):
+                yield "appliance_sealed", {"fact": flag}, int(fact)
+    if (weights := _details(doc, "weights", WeightsDetails)) is not None and weights.verified is not None:
+        yield "appliance_weights_verified", {}, int(weights.verified)
+    if (startup := _details(doc, "startup", StartupDetails)) is not None:
+        for figure, values in startup.figures.items():
+            for number, metric in ((values.value, "appliance_startup_figure"), (values.expected, "appliance_startup_figure_expected")):
+                if (shown := _number(number)) is not None:
+                    yield metric, {"figure": figure}, shown
+    if (disk := _details(doc, "disk", DiskDetails)) is not None:
+        for place in (disk.var, disk.model_cache):
+            if place is None:
+                continue
+            for number, metric in ((place.free_bytes, "appliance_disk_free_bytes"), (place.total_bytes, "appliance_disk_total_bytes")):
+                if (shown := _number(number)) is not None:
+                    yield metric, {"path": place.path}, shown
+    if (shm := _details(doc, "shm", ShmDetails)) is not None:
+        yield "appliance_shm_free_bytes", {}, shm.free_bytes
+        yield "appliance_shm_stale_offload_files", {}, len(shm.stale_offload_files)
+    if (tls := _details(doc, "tls", TlsDetails)) is not None and (days := _number(tls.ca_days_left)) is not None:
         yield "appliance_tls_ca_days_left", {}, days
 
 
-def render(doc: dict[str, Any]) -> str:
+def render(doc: StatusDocument) -> str:
     """The exposition text of DOC (a status document): HELP and TYPE once per metric, then its samples."""
     by_name: dict[str, list[str]] = {}
     for name, labels, value in _samples(doc):

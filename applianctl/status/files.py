@@ -9,6 +9,7 @@ from appliance.errors import UserError
 from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
 from appliance.schema import from_json
 from applianctl.records import CheckResult
+from applianctl.status.document import CheckFileDetails
 from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
 
 
@@ -25,7 +26,7 @@ def probe_check(path: Path, what: str, record: type[CheckResult] = CheckResult) 
         return Part(DEGRADED, f"{path}: unreadable ({type(e).__name__})")
     except UserError as e:
         return Part(DEGRADED, e.message)
-    details = {k: v for k, v in doc.items() if k not in ("ok", "reason", "state", "format")}
+    details = CheckFileDetails(written={k: v for k, v in doc.items() if k not in ("ok", "reason", "state", "format")})
     if result.ok:
         return Part(OK, "", details)
     return Part(DOWN, result.reason or f"{what} failed", details)

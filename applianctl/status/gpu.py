@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -24,7 +23,9 @@ from typing import Any
 
 from appliance.config import Config
 from appliance.errors import UserError
+from appliance.run import TimeoutExpired
 from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
+from applianctl.status.document import GpuDetails, GpuReading
 from applianctl.status.probes import COMMAND_TIMEOUT_S, DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Runner, ToolMissing
 
 AMD_SMI_STATIC = ("amd-smi", "static", "--json")
@@ -247,7 +248,7 @@ def read(run: Runner) -> tuple[str, list[Reading]]:
             return tool, reader(run)
         except ToolMissing:
             problems.append(f"{tool} not installed")
-        except subprocess.TimeoutExpired:
+        except TimeoutExpired:
             problems.append(f"{tool} gave no answer within {COMMAND_TIMEOUT_S:g} s")
         except (NoGpu, ValueError, TypeError, AttributeError) as e:
             problems.append(f"{tool}: {e}".splitlines()[0])
@@ -280,15 +281,9 @@ def probe(config: Config, run: Runner, selftest: Path | None = None) -> Part:
         tool, readings = read(run)
     except NoGpu as e:
         reason = f"not present ({e})"
-        return Part(DOWN if required else NOT_CONFIGURED, reason, {"present": False, "required": required, "selftest": report})
-    details: dict[str, Any] = {
-        "present": True,
-        "required": required,
-        "tool": tool,
-        "min_vram_headroom_mib": min_headroom,
-        "gpus": [{**asdict(r), "vram_free_mib": r.vram_free_mib} for r in readings],
-        "selftest": report,
-    }
+        return Part(DOWN if required else NOT_CONFIGURED, reason, GpuDetails(present=False, required=required, selftest=report))
+    details = GpuDetails(present=True, required=required, tool=tool, min_vram_headroom_mib=min_headroom,
+                         gpus=tuple(GpuReading(**asdict(r), vram_free_mib=r.vram_free_mib) for r in readings), selftest=report)
     if report is not None and report.get("failed_used_gpus"):
         return Part(DOWN, verdict + ": no engine starts", details)
     problems = [verdict] if verdict else []

@@ -7,12 +7,21 @@ updater's records; this module only judges and words them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from appliance.config import Config
 from applianctl.slots.machine import Host
+from applianctl.status.document import (
+    BootCounting,
+    BootedUsr,
+    EngineSlotInfo,
+    OsDetails,
+    SlotInfo,
+    SlotsDetails,
+    load_details,
+)
 from applianctl.status.probes import DEGRADED, NOT_CONFIGURED, OK, Part, Sources
 
 
@@ -111,71 +120,72 @@ def slots_reader(config: Config, src: Sources) -> Callable[[], dict[str, Any]]:
     return read
 
 
-def boot_counting(summary: dict[str, Any]) -> dict[str, Any]:
+def boot_counting(summary: dict[str, Any]) -> BootCounting:
     """The schema's boot_counting: {entry, state: on trial | not counting | not configured,
     tries_left, tries_done}, from the slots model's reading of the boot loader's variables."""
     counting = summary.get("boot_counting")
     entry = summary.get("booted_entry")
     if counting and counting.get("tries_left") is not None:
-        return {
-            "entry": counting.get("entry") or entry,
-            "state": "on trial",
-            "tries_left": counting["tries_left"],
-            "tries_done": counting["tries_done"],
-        }
+        return BootCounting(entry=counting.get("entry") or entry, state="on trial", tries_left=counting["tries_left"],
+                            tries_done=counting["tries_done"])
     if entry:
-        return {"entry": entry, "state": "not counting"}
-    return {"entry": None, "state": NOT_CONFIGURED}
+        return BootCounting(entry=entry, state="not counting")
+    return BootCounting(entry=None, state=NOT_CONFIGURED)
 
 
 def probe_os(config: Config, src: Sources, read_slots: Callable[[], dict[str, Any]]) -> Part:
-    details: dict[str, Any] = {"version": config.appliance.version}
+    version = config.appliance.version
     problems: list[str] = []
     try:
-        details["image_version"] = read_os_release(src.os_release).get("IMAGE_VERSION")
+        image_version = read_os_release(src.os_release).get("IMAGE_VERSION")
     except OSError:
-        details["image_version"] = None
-    if details["image_version"] and details["image_version"] != details["version"]:
-        problems.append(f"image version {details['image_version']} but appliance.json says {details['version']}")
+        image_version = None
+    if image_version and image_version != version:
+        problems.append(f"image version {image_version} but appliance.json says {version}")
     summary = read_slots()
     booted = next((s for s in summary["slots"] if s["booted"]), None)
-    details["usr"] = {
-        "slot": booted["slot"] if booted else None,
-        "partition": booted["partition"] if booted else None,
-        "label": booted["label"] if booted else None,
-        "version": booted["version"] if booted else None,
-    }
-    details["boot_counting"] = bc = boot_counting(summary)
-    if bc["state"] == "on trial" and bc["tries_left"] == 0:
-        problems.append(f"boot entry {bc['entry']} has no tries left: the next failed boot falls back")
+    usr = BootedUsr(slot=booted["slot"], partition=booted["partition"], label=booted["label"], version=booted["version"]) if booted \
+        else BootedUsr(slot=None, partition=None, label=None, version=None)
+    bc = boot_counting(summary)
+    if bc.state == "on trial" and bc.tries_left == 0:
+        problems.append(f"boot entry {bc.entry} has no tries left: the next failed boot falls back")
+    details = OsDetails(version=version, image_version=image_version, usr=usr, boot_counting=bc)
     return Part(DEGRADED if problems else OK, "; ".join(problems), details)
+
+
+def slots_details(summary: dict[str, Any]) -> SlotsDetails:
+    """SUMMARY (slots_summary's) as the document's typed part, through the schema's loader: a key
+    the slots model adds without a place in docs/status-schema.md is refused here."""
+    details = load_details(SlotsDetails, summary, "the slots part")
+    assert isinstance(details, SlotsDetails)
+    return details
 
 
 def probe_slots(config: Config, read_slots: Callable[[], dict[str, Any]]) -> Part:
     """Both A/B slots, their versions and boot entries, and whether the last upgrade rolled back."""
-    summary = read_slots()
-    if summary["rolled_back"] and summary.get("rolled_back_by") != "operator":
-        return Part(DEGRADED, f"last upgrade rolled back: {summary['rollback_reason']}", summary)
-    if not summary["slots"]:
-        reason = "; ".join(summary["errors"]) or "no A/B slots found"
+    summary = slots_details(read_slots())
+    if summary.rolled_back and summary.rolled_back_by != "operator":
+        return Part(DEGRADED, f"last upgrade rolled back: {summary.rollback_reason}", summary)
+    if not summary.slots:
+        reason = "; ".join(summary.errors) or "no A/B slots found"
         return Part(NOT_CONFIGURED, reason.splitlines()[0], summary)
-    operator = f"rolled back by the operator ({summary['rollback_reason']}); " if summary["rolled_back"] else ""
-    line = operator + slots_line(summary["slots"]) + engines_line(summary.get("engine_slots") or []) + staged_line(summary.get("staged"))
+    operator = f"rolled back by the operator ({summary.rollback_reason}); " if summary.rolled_back else ""
+    line = operator + slots_line(summary.slots) + engines_line(summary.engine_slots) + staged_line(summary.staged)
     return Part(OK, line, summary)
 
 
-def engines_line(found: list[dict[str, Any]]) -> str:
+def engines_line(found: Sequence[EngineSlotInfo]) -> str:
     """"; engine A e68d18b2ba50 running (1.0.0), B abababababab (2.0.0)": what each engine slot
     holds, which one runs, and the versions that use it."""
     if not found:
         return ""
     out = []
     for e in found:
-        words = [e["slot"], e["digest"] or ("empty" if e["label"] == "_empty" else repr(e["label"]))]
-        if e["running"]:
+        words = [e.slot, e.digest or ("empty" if e.label == "_empty" else repr(e.label))]
+        if e.running:
             words.append("running")
-        if e["used_by"]:
-            words.append(f"({', '.join(e['used_by'])})")
+        if e.used_by:
+            words.append(f"({', '.join(e.used_by)})")
         out.append(" ".join(words))
     return "; engine " + ", ".join(out)
 
@@ -190,15 +200,15 @@ def staged_line(staged: dict[str, Any] | None) -> str:
     return f"; staged {staged['version']} ({mib:.1f} MiB, {staged['staged_at']})"
 
 
-def slots_line(found: list[dict[str, Any]]) -> str:
+def slots_line(found: Sequence[SlotInfo]) -> str:
     """"A 1.0.0 booted, good; B 1.0.1 on trial (2 tries left)" for the text status."""
     out = []
     for slot in found:
-        words = [slot["slot"], slot["version"] or "empty"]
-        state = slot["state"] if slot["version"] else ""
-        if slot["booted"]:
+        words = [slot.slot, slot.version or "empty"]
+        state = slot.state if slot.version else ""
+        if slot.booted:
             words.append("booted" + ("," if state else ""))
         if state:
-            words.append(state + (f" ({slot['tries_left']} tries left)" if state == "on trial" else ""))
+            words.append(state + (f" ({slot.tries_left} tries left)" if state == "on trial" else ""))
         out.append(" ".join(words))
     return "; ".join(out)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from appliance.run import call
+from applianctl.status import document
 
 OK = "ok"
 DEGRADED = "degraded"
@@ -41,15 +42,8 @@ def scale_timeouts(factor: float) -> None:
     DEADLINE_S *= factor
 
 
-
-@dataclass
-class Part:
-    state: str
-    reason: str = ""
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"state": self.state, "reason": self.reason, **self.details}
+# What a probe returns: state, one-line reason and its typed details (applianctl.status.document).
+Part = document.Part
 
 
 def worst(states: Sequence[str]) -> str:

@@ -10,6 +10,7 @@ through it (the engine's health path, else /v1/models) reach the engine. Standar
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import http.client
 import socket
@@ -21,6 +22,7 @@ from typing import Any
 from appliance import paths
 from appliance.config import Config
 from applianctl.status import probes
+from applianctl.status.document import Certificate, ProxyDetails, ProxyRequest
 from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
 CERT_WARN_DAYS = 14  # the server certificate is renewed by appliance-tls.timer well before this
@@ -54,14 +56,14 @@ def probe_proxy(config: Config, src: Sources, tls_dir: Path | None = None, now: 
     host = config.proxy.hostname
     url = f"https://{host}:{port}"
     timeout = probes.HTTP_TIMEOUT_S
-    details: dict[str, Any] = {"url": url, "address": f"{src.proxy_address}:{port}", "listening": False}
+    details = ProxyDetails(url=url, address=f"{src.proxy_address}:{port}", listening=False)
     try:
         ctx, trust = _context(config, tls_dir)
     except (OSError, ssl.SSLError) as e:
         if config.proxy.tls == "internal" and not (tls_dir / "ca.crt").exists():
             return Part(NOT_CONFIGURED, f"{tls_dir / 'ca.crt'} absent: no appliance CA yet", details)
         return Part(DOWN, f"cannot load the appliance CA: {e}".splitlines()[0], details)
-    details["trust"] = trust
+    details = dataclasses.replace(details, trust=trust)
     # Connect to loopback but verify and send SNI for the configured name, as a client would.
     conn = http.client.HTTPSConnection(src.proxy_address, port, timeout=timeout, context=ctx)
     started = time.monotonic()
@@ -71,7 +73,7 @@ def probe_proxy(config: Config, src: Sources, tls_dir: Path | None = None, now: 
         return Part(DOWN, f"nothing listens on port {port}", details)
     except OSError as e:
         return Part(DOWN, f"port {port}: {e.strerror or type(e).__name__}", details)
-    details["listening"] = True
+    details = dataclasses.replace(details, listening=True)
     try:
         conn.sock = ctx.wrap_socket(sock, server_hostname=host)
     except ssl.SSLCertVerificationError as e:
@@ -85,17 +87,15 @@ def probe_proxy(config: Config, src: Sources, tls_dir: Path | None = None, now: 
         cert = conn.sock.getpeercert() or {}
         after = datetime.datetime.fromtimestamp(ssl.cert_time_to_seconds(str(cert["notAfter"])), datetime.UTC)
         days = (after - (now or datetime.datetime.now(datetime.UTC))).total_seconds() / 86400
-        details["certificate"] = {"names": _names(cert), "not_after": after.isoformat(), "days_left": int(days)}
+        details = dataclasses.replace(details, certificate=Certificate(names=tuple(_names(cert)), not_after=after.isoformat(),
+                                                                       days_left=int(days)))
         if path is None:
             return Part(OK, "", details)
         conn.request("GET", path, headers={"Host": host if port == 443 else f"{host}:{port}", "Connection": "close"})
         response = conn.getresponse()
         response.read(65536)
-        details["request"] = {
-            "path": path,
-            "status": response.status,
-            "elapsed_s": round(time.monotonic() - started, 3),
-        }
+        asked = ProxyRequest(path=path, status=response.status, elapsed_s=round(time.monotonic() - started, 3))
+        details = dataclasses.replace(details, request=asked)
     except TimeoutError:
         return Part(DOWN, f"GET {path} through the proxy: no answer within {timeout:g} s", details)
     except (OSError, http.client.HTTPException, KeyError, ValueError) as e:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from appliance import paths
 from appliance.config import Config
+from applianctl.status.document import OffloadFile, ShmDetails
 from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
 GIB = 1024**3
@@ -28,16 +28,11 @@ def probe_shm(config: Config, src: Sources, shm_dir: Path | None = None) -> Part
             return Part(NOT_CONFIGURED, f"{shm_dir} absent and no CPU KV offload configured")
         return Part(DOWN, f"{shm_dir} is absent; the engine needs {offload_gib:g} GiB there")
     usage = shm.statvfs_usage(shm_dir)
-    details: dict[str, Any] = {
-        "path": str(shm_dir),
-        "total_bytes": usage.size_bytes,
-        "used_bytes": usage.used_bytes,
-        "free_bytes": usage.free_bytes,
-    }
     problems: list[str] = []
     files = sorted(shm_dir.glob(shm.PATTERN))
-    listed: list[dict[str, Any]] = []
+    listed: list[OffloadFile] = []
     stale: list[str] = []
+    unreadable = None
     if files:
         holders = shm.scan_holders(src.proc)
         for f in files:
@@ -48,22 +43,21 @@ def probe_shm(config: Config, src: Sources, shm_dir: Path | None = None) -> Part
             # Stale: held by no process whose /proc entries could be read (root reads all of
             # them on the appliance; the count of unreadable ones is kept in the details).
             in_use = bool(holders.pids(f, st))
-            listed.append({"name": f.name, "bytes": st.st_size, "in_use": in_use})
+            listed.append(OffloadFile(name=f.name, bytes=st.st_size, in_use=in_use))
             if not in_use:
                 stale.append(f.name)
-        details["unreadable_maps"] = len(holders.unreadable)
-    details["offload_files"] = listed
-    details["stale_offload_files"] = stale
+        unreadable = len(holders.unreadable)
     if stale:
         problems.append(
             f"{len(stale)} stale offload file(s) in {shm_dir} ({stale[0]}...): the next engine start may "
             "fail with 'Bad address'; restart the engine to clean them"
         )
     need = config.shm_required_bytes if offload_gib else 0
-    details["needed_bytes"] = need
-    if need and details["total_bytes"] < need:
+    if need and usage.size_bytes < need:
         problems.append(
-            f"{shm_dir} holds {details['total_bytes'] / GIB:.1f} GiB; the CPU KV offload needs "
+            f"{shm_dir} holds {usage.size_bytes / GIB:.1f} GiB; the CPU KV offload needs "
             f"{config.shm_need}"
         )
+    details = ShmDetails(path=str(shm_dir), total_bytes=usage.size_bytes, used_bytes=usage.used_bytes, free_bytes=usage.free_bytes,
+                         unreadable_maps=unreadable, offload_files=tuple(listed), stale_offload_files=tuple(stale), needed_bytes=need)
     return Part(DEGRADED if problems else OK, "; ".join(problems), details)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from applianctl.status.document import UnitsDetails, UnitStatus
 from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, first_reason, worst
 
 BUS_NAME = "org.freedesktop.systemd1"
@@ -120,9 +121,7 @@ def probe(names: Sequence[str], bus_factory: Callable[[], Any] | None = None) ->
     except Exception as e:  # GLib.Error from a missing bus, or a broken reply
         return Part(DOWN, f"cannot ask systemd: {e}".splitlines()[0])
     judged = [(u, *u.judge()) for u in units]
-    details: dict[str, Any] = {
-        "units": {u.name: {**_unit_json(u), "state": state, "reason": reason} for u, state, reason in judged}
-    }
+    details = UnitsDetails(units={u.name: unit_status(u, state, reason) for u, state, reason in judged})
     if all(state == NOT_CONFIGURED for _, state, _ in judged):
         return Part(NOT_CONFIGURED, "none of the appliance's units is installed", details)
     counted = [(u.name, Part(state, reason)) for u, state, reason in judged if state != NOT_CONFIGURED]
@@ -134,7 +133,8 @@ def probe(names: Sequence[str], bus_factory: Callable[[], Any] | None = None) ->
     return Part(state, reason, details)
 
 
-def _unit_json(u: Unit) -> Mapping[str, Any]:
-    d = asdict(u)
-    d.pop("name")
-    return d
+def unit_status(u: Unit, state: str, reason: str) -> UnitStatus:
+    """U as the document shows it, judged STATE for REASON."""
+    return UnitStatus(load_state=u.load_state, active_state=u.active_state, sub_state=u.sub_state, result=u.result,
+                      restarts=u.restarts, active_since=u.active_since, changed=u.changed, started=u.started,
+                      condition_unmet=u.condition_unmet, state=state, reason=reason)

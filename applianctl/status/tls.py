@@ -9,6 +9,7 @@ from pathlib import Path
 
 from appliance import paths
 from appliance.config import Config
+from applianctl.status.document import TlsDetails
 from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
 
 TLS_WARN_DAYS = 30
@@ -24,22 +25,17 @@ def probe_tls(config: Config, tls_dir: Path | None = None, now: datetime.datetim
         pem = path.read_bytes()
     except FileNotFoundError:
         why = "the proxy uses ACME certificates" if mode == "acme" else "no appliance CA yet"
-        return Part(NOT_CONFIGURED, f"{path} absent: {why}", {"mode": mode})
+        return Part(NOT_CONFIGURED, f"{path} absent: {why}", TlsDetails(mode=mode))
     try:
         cert = x509.load_pem_x509_certificate(pem)
     except ValueError as e:
-        return Part(DOWN, f"{path}: not a PEM certificate ({e})".splitlines()[0], {"mode": mode})
+        return Part(DOWN, f"{path}: not a PEM certificate ({e})".splitlines()[0], TlsDetails(mode=mode))
     fingerprint = cert.fingerprint(hashes.SHA256()).hex(":").upper()
     after = getattr(cert, "not_valid_after_utc", None) or cert.not_valid_after.replace(tzinfo=datetime.UTC)
     now = now or datetime.datetime.now(datetime.UTC)
     days = (after - now).total_seconds() / 86400
-    details = {
-        "mode": mode,
-        "ca_sha256": fingerprint,
-        "ca_subject": cert.subject.rfc4514_string(),
-        "ca_not_after": after.isoformat(),
-        "ca_days_left": int(days),
-    }
+    details = TlsDetails(mode=mode, ca_sha256=fingerprint, ca_subject=cert.subject.rfc4514_string(),
+                         ca_not_after=after.isoformat(), ca_days_left=int(days))
     if days < 0:
         return Part(DOWN, f"the appliance CA expired on {after:%Y-%m-%d}", details)
     if days < TLS_WARN_DAYS:

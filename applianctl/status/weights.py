@@ -7,13 +7,14 @@ and reports what the engine was started on."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any
 
 from appliance.config import Config
 from appliance.errors import UserError
 from appliance.schema import load_record
 from applianctl.records import ModelVerifyResult, WeightsFetch
+from applianctl.status.document import WeightsDetails
 from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part
 
 
@@ -25,18 +26,18 @@ def probe_weights(config: Config, manifest: Path | None = None, release: Path | 
     try:
         model = store.load_manifest(manifest, release)
     except UserError as e:
-        return Part(DOWN, e.message, {"revision": config.model.revision, "files": None, "bytes": None, "verified": False,
-                                      "source": None, "file": None})
+        return Part(DOWN, e.message, WeightsDetails(revision=config.model.revision, files=None, bytes=None, verified=False,
+                                                    source=None, file=None))
     if model is None:
         return Part(NOT_CONFIGURED, "this image pins no weights (no weights manifest)",
-                    {"revision": config.model.revision, "files": None, "bytes": None, "verified": None, "source": None, "file": None})
+                    WeightsDetails(revision=config.model.revision, files=None, bytes=None, verified=None, source=None, file=None))
     try:
         fetched = load_record(WeightsFetch, (host_dir or store.host_dir()) / store.FETCH_STATE, lenient=True)
     except UserError:
         fetched = None  # only the source shown is at stake: the configured one stands in
     source = fetched.source if fetched is not None else None
-    details: dict[str, Any] = {"revision": model.revision, "files": len(model.files), "bytes": model.total_bytes,
-                               "verified": None, "source": source or config.model.source or None, "file": None}
+    details = WeightsDetails(revision=model.revision, files=len(model.files), bytes=model.total_bytes, verified=None,
+                             source=source or config.model.source or None, file=None)
     try:
         checked = load_record(ModelVerifyResult, result or store.verify_result(), lenient=True)
     except UserError:
@@ -45,8 +46,7 @@ def probe_weights(config: Config, manifest: Path | None = None, release: Path | 
         return Part(DEGRADED, "not checked yet (applianctl model verify runs before the engine starts)", details)
     if checked.revision != model.revision:
         return Part(DEGRADED, "the last check was of another revision", details)
-    details["verified"] = checked.ok
     if not checked.ok:
-        details["file"] = checked.file
-        return Part(DOWN, checked.reason.removeprefix("model weights: "), details)
-    return Part(OK, "", details)
+        refused = dataclasses.replace(details, verified=False, file=checked.file)
+        return Part(DOWN, checked.reason.removeprefix("model weights: "), refused)
+    return Part(OK, "", dataclasses.replace(details, verified=True))

@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import os
 import re
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from cryptography import x509
 from appliance import authenticode, efivars, manifest
 from appliance.bundle import MAX_SIG_BYTES, NOT_OURS, BundleIndex, engine_short, payload_names, signed_root_hash, uki_facts
 from appliance.errors import Refused, UserError
-from appliance.run import call
+from appliance.run import CompletedProcess, TimeoutExpired, call
 from appliance.safe_read import read_capped
 from applianctl.slots import view as slots
 from applianctl.slots.engine import EngineChoice
@@ -258,12 +257,12 @@ def check_engine_images(index: BundleIndex, engine: manifest.EngineImage, stagin
         raise Refused("the bundle's engine image does not hash to the root hash its release manifest pins", hint=again)
 
 
-def _veritysetup(args: list[str | Path], limit: float) -> subprocess.CompletedProcess[str]:
+def _veritysetup(args: list[str | Path], limit: float) -> CompletedProcess[str]:
     try:
         return call([VERITYSETUP, *args], timeout=limit)
     except FileNotFoundError:
         raise UserError(f"{VERITYSETUP} is not installed: the engine image cannot be checked", hint="the image is damaged") from None
-    except subprocess.TimeoutExpired:
+    except TimeoutExpired:
         raise UserError(f"{VERITYSETUP} {args[0]} did not finish within {limit:g} s", hint="run the same command again") from None
 
 

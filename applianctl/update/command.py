@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from appliance import atomic, paths, progress
+from appliance import atomic, cli_help, paths, progress
 from appliance.bundle import BUNDLE_INDEX, MAX_INDEX_BYTES, BundleFile, engine_short, payload_names
 from appliance.errors import Refused, UserError
 from appliance.fetch import Deadline
@@ -420,7 +420,8 @@ def _resolve_channel(spec: str, args: argparse.Namespace) -> str | None:
     res = channel.resolve(spec, ca=args.ca, deadline=Deadline(args.deadline or 300.0), keys_dir=paths.TRUSTED_KEYS_DIR,
                           running_version=running.version, machine=channel.machine_id(), now=now,
                           windows=channel.maintenance_windows())
-    print(res.describe(now), flush=True)
+    # with --json, stdout is the one JSON document
+    print(res.describe(now), file=sys.stderr if getattr(args, "json", False) else sys.stdout, flush=True)
     if res.bundle is None:
         return None
     if args.from_config and not res.in_window:
@@ -430,10 +431,15 @@ def _resolve_channel(spec: str, args: argparse.Namespace) -> str | None:
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "update",
-        help="install a signed release bundle into the inactive slot (or stage it now and install it later)",
-        description="Install a signed release bundle into the inactive slot; refused while the running version is on trial. "
+    p = cli_help.verb_parser(
+        subparsers, "update", "install a signed release bundle into the inactive slot (or stage it now and install it later)",
+        examples=["applianctl update --check https://updates.example/appliance/ --json",
+                  "applianctl update --download-only https://updates.example/appliance/",
+                  "applianctl update --apply --reboot"],
+        exit_codes=[(0, "installed, staged, up to date, or (--check) it would be installed"),
+                    (1, "refused: the bundle is not authentic, not intact, or not allowed for this host"),
+                    (2, "bad input or a fault you can fix (one line and a hint); with --check: it would be refused now")],
+        details="Refused while the running version is on trial. "
         "--download-only fetches and verifies it into /var and writes no slot; --apply installs what was staged.",
     )
     p.add_argument("source", nargs="?", default="",

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from appliance import efivars, luks, paths
+from appliance import cli_help, efivars, luks, paths
 from appliance.atomic import atomic_write
 from appliance.errors import UserError
 from appliance.run import call, run
@@ -233,7 +233,15 @@ def reseal(device: str = DEVICE) -> int:
 
 def add_parser(subparsers: Any) -> None:
     # hidden from the list: appliance-var-seal.service's; --reseal is the operator's after a PCR 7 change
-    p = subparsers.add_parser("var-seal", description="Seal /var's key to this machine and make sure a recovery key exists.")
+    p = cli_help.verb_parser(
+        subparsers, "var-seal", "seal /var's key to this machine and make sure a recovery key exists",
+        examples=["applianctl var-seal --reseal"],
+        exit_codes=[(0, "sealed (what changed, or a problem status shows, on stdout)"),
+                    (2, "it cannot be sealed now: not a sealed boot, or systemd-cryptenroll failed (one line and a hint)")],
+        details="appliance-var-seal.service runs it at every boot; --reseal is the operator's after a firmware or "
+        "Secure Boot key change.",
+        hidden=True,
+    )
     p.add_argument("--reseal", action="store_true",
                    help="seal /var to this boot's PCR 7 again after a firmware or Secure Boot key change (asks for the recovery key)")
     p.set_defaults(func=cmd_var_seal)

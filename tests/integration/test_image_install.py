@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 from conftest import JOURNEY_HOSTNAME, opens_with, var_header
-from journey import V1, V2, reports_of
+from journey import V1, V2, boot_reports, reports_of
 
 from appliance import luks
+from testkit.boot_report import Sealed
 
 pytestmark = pytest.mark.integration
 
@@ -53,21 +54,20 @@ def test_the_installer_enrolled_the_keys_and_every_later_boot_is_sealed(
     as installed, v2's and v3's slot B as the updater wrote it)."""
     output = installed["output"]
     assert "secure boot keys enrolled" in output, (output or installed["console"])[-3000:]
-    boots = [*reports_of(journey_run1), *reports_of(journey_run2)]
-    assert {V1, V2} <= {r["status"]["parts"]["os"].get("version") for r in boots}
+    boots = [*boot_reports(journey_run1), *boot_reports(journey_run2)]
+    assert {V1, V2} <= {r.os_version for r in boots}
     for report in boots:
-        version = report["status"]["parts"]["os"].get("version")
-        assert report["sealed"] == {"secure_boot": True, "setup_mode": False, "tpm": True, "pcr_signature": True}, (
-            version, report["sealed"])
+        version = report.os_version
+        assert report.sealed == Sealed(secure_boot=True, setup_mode=False, tpm=True, pcr_signature=True), (version, report.sealed)
         # /var opened by the TPM with nobody at the console, on every version (no reseal), its
         # header holding the sealed slot and the recovery key only (the installer's slot replaced)
-        part = report["status"]["parts"]["sealed"]
+        part = report.status["parts"]["sealed"]
         assert (part.get("var_encrypted"), part.get("var_sealed"), part.get("var_recovery_key")) == (True, True, True), (version, part)
         kinds = sorted(u.split(" (slot")[0] for u in part.get("var_unlock") or [])
         assert kinds == ["recovery", "tpm2 PCR 7 + signed PCR 11"], (version, part)
         # /usr opened only with its root hash signature, which the kernel checked against db
-        assert part.get("usr_signature") is True and report["usr_signature"]["file"], (version, report["usr_signature"])
-        assert "the signature of /usr's root hash" in report["usr_signature"]["log"], (version, report["usr_signature"])
+        assert part.get("usr_signature") is True and report.usr_signature.file, (version, report.usr_signature)
+        assert "the signature of /usr's root hash" in report.usr_signature.log, (version, report.usr_signature)
 
 
 def test_var_is_sealed_to_pcr_7_after_the_journey_and_the_recovery_key_still_opens_it(
