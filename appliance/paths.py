@@ -123,7 +123,7 @@ def channel_path() -> Path:
 
 
 def freshness_path() -> Path:
-    """The highest timestamp sequence accepted, per timestamp key (appliance.freshness)."""
+    """The highest timestamp sequence accepted, per timestamp key (appliance.signed.timestamp)."""
     return update_dir() / "freshness.json"
 
 

@@ -29,12 +29,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from appliance import freshness, manifest, schema
+from appliance import schema
 from appliance.config.model import DAYS, MaintenanceWindow
 from appliance.errors import Refused, UserError
-from appliance.freshness import parse_utc, utc
 from appliance.patterns import VERSION, VERSION_FORM
 from appliance.schema import optional
+from appliance.signed import release_manifest, timestamp
+from appliance.signed.timestamp import parse_utc, utc
 
 CHANNEL = "channel.json"
 CHANNEL_SIG = "channel.json.sig"
@@ -106,7 +107,7 @@ class Channel:
     signed_at: str = field(metadata=schema.check(_time_check))
     expires_at: str = field(metadata=schema.check(_time_check))  # past it, the index is stale: a freeze ends there
     releases: tuple[Release, ...]
-    signer: str = field(metadata=_string(manifest.KEY_ID, "a key id of 16 hex digits"))
+    signer: str = field(metadata=_string(release_manifest.KEY_ID, "a key id of 16 hex digits"))
 
 
 class _Loader(schema.Loader):
@@ -125,14 +126,14 @@ def load(value: Any) -> Channel:
     model: Channel = _Loader(CHANNEL).load(Channel, value)
     if not 1 <= len(model.releases) <= MAX_RELEASES:
         raise Refused(f"{CHANNEL}: {len(model.releases)} releases: expected 1 to {MAX_RELEASES}", hint=RESIGN)
-    versions = [manifest.version_tuple(r.version) for r in model.releases]
+    versions = [release_manifest.version_tuple(r.version) for r in model.releases]
     if len(set(versions)) != len(versions):
         raise Refused(f"{CHANNEL}: a version is listed twice", hint=RESIGN)
     signed = parse_utc(model.signed_at)
     days = (parse_utc(model.expires_at) - signed) / 86400
-    if not 0 < days <= freshness.MAX_DAYS:
+    if not 0 < days <= timestamp.MAX_DAYS:
         raise Refused(f"{CHANNEL}: valid for {days:g} days from {model.signed_at}: expected more than 0 and at most "
-                      f"{freshness.MAX_DAYS}", hint=RESIGN)
+                      f"{timestamp.MAX_DAYS}", hint=RESIGN)
     for r in model.releases:
         if r.rollout is not None and (r.rollout.state == "paused") != (r.rollout.paused_at is not None):
             raise Refused(f"{CHANNEL}: release {r.version}: paused_at goes with state paused, and only with it", hint=RESIGN)
@@ -145,23 +146,23 @@ def load(value: Any) -> Channel:
 
 def dumps(doc: dict[str, Any]) -> bytes:
     load(doc)  # what the appliance will check, checked before signing
-    return manifest.canonical(doc)
+    return release_manifest.canonical(doc)
 
 
 def verify(data: bytes, sig: bytes, keys: dict[str, Any]) -> Channel:
     """The signature against KEYS (the release keys the running version trusts) first, then the
     form and the schema; the index names the key that signed it."""
     try:
-        signature = manifest.decode_signature(sig)
-    except manifest.ManifestError as e:
+        signature = release_manifest.decode_signature(sig)
+    except release_manifest.ManifestError as e:
         raise Refused(f"{CHANNEL_SIG}: {e.message}", hint="fetch the index again; if it persists, it was tampered with") from None
-    signed_by = manifest.signer_of(data, signature, keys)
+    signed_by = release_manifest.signer_of(data, signature, keys)
     if signed_by is None:
         raise Refused(f"{CHANNEL}'s signature does not match any key this version trusts",
                       hint=f"trusted keys: {', '.join(sorted(keys)) or 'none'}; {RESIGN}")
     try:
-        model = load(manifest.parse_canonical(data))
-    except manifest.ManifestError as e:
+        model = load(release_manifest.parse_canonical(data))
+    except release_manifest.ManifestError as e:
         raise Refused(f"{CHANNEL}: {e.message}", hint=e.hint) from None
     if model.signer != signed_by:
         raise Refused(f"{CHANNEL} names signer {model.signer} but was signed by {signed_by}", hint="the index is inconsistent")
@@ -171,10 +172,10 @@ def verify(data: bytes, sig: bytes, keys: dict[str, Any]) -> Channel:
 def check_clock(channel: Channel, now: float) -> None:
     """CHANNEL was signed no later than NOW (within the clock skew allowed) and has not expired: an
     index kept from long ago (one that hides the releases since) is stale, not "nothing newer"."""
-    freshness.check_signed_at(CHANNEL, channel.signed_at, now, RESIGN)
+    timestamp.check_signed_at(CHANNEL, channel.signed_at, now, RESIGN)
     if now >= parse_utc(channel.expires_at):
         raise Refused(f"{CHANNEL} expired at {channel.expires_at}; the clock says {utc(now)}",
-                      hint=f"{RESIGN} (it signs for --days, default {freshness.DEFAULT_DAYS}); or, if the index is new, "
+                      hint=f"{RESIGN} (it signs for --days, default {timestamp.DEFAULT_DAYS}); or, if the index is new, "
                            "check the clock (timedatectl)")
 
 
@@ -246,8 +247,8 @@ def standing(release: Release, machine_id: str, now: float) -> Standing:
 def decide(channel: Channel, running: str, machine_id: str, now: float) -> Decision:
     """The newest release newer than RUNNING that admits this appliance, never past a barrier
     it has not installed: a barrier that does not admit it yet stops the walk there."""
-    newer = sorted((r for r in channel.releases if manifest.version_tuple(r.version) > manifest.version_tuple(running)),
-                   key=lambda r: manifest.version_tuple(r.version))
+    newer = sorted((r for r in channel.releases if release_manifest.version_tuple(r.version) > release_manifest.version_tuple(running)),
+                   key=lambda r: release_manifest.version_tuple(r.version))
     target, seen = None, []
     for release in newer:
         s = standing(release, machine_id, now)

@@ -24,8 +24,8 @@ from applianctl import __version__
 COMMAND_MODULES = {
     "status": "applianctl.status.collect",
     "smoke": "applianctl.engine.smoke",
-    "verify": "applianctl.engine.verify",
-    "etc-reset": "applianctl.engine.verify",  # hidden: the initrd's, before systemd reads /etc
+    "verify": "applianctl.slots.release_verify",
+    "etc-reset": "applianctl.slots.release_verify",  # hidden: the initrd's, before systemd reads /etc
     "tls": "applianctl.tls",
     "shm-clean": "applianctl.engine.shm",
     "startup-report": "applianctl.engine.startup",
@@ -41,8 +41,8 @@ COMMAND_MODULES = {
     "slots": "applianctl.slots.command",
     "model": "applianctl.model.command",
     "factory-reset": "applianctl.factory_reset",
-    "support-bundle": "applianctl.status.bundle",
-    "var-seal": "applianctl.var.seal",  # hidden: appliance-var-seal.service
+    "support-bundle": "applianctl.support_bundle.tarball",
+    "var-seal": "applianctl.var.tpm_seal",  # hidden: appliance-var-seal.service
     "selftest": "applianctl.selftest.command",
     "stagger": "applianctl.engine.stagger",  # hidden: each replica's wait for the previous one
 }

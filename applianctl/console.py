@@ -17,16 +17,16 @@ from pathlib import Path
 from appliance.atomic import atomic_write
 from appliance.config import Config
 from appliance.host_settings import load_device
-from applianctl.status import collect as status
+from applianctl.status import collect
 from applianctl.status.probes import Sources
 
 ISSUE = Path("/run/issue.d/50-appliance.issue")
 
 
 def text(config: Config, src: Sources | None = None) -> str:
-    doc = status.collect(config, src or Sources())
+    doc = collect.collect(config, src or Sources())
     out = io.StringIO()
-    status.render(doc, out, colour=False)
+    collect.render(doc, out, colour=False)
     # the CA and the addresses come from the same (guarded) probes as status: one reading
     parts = doc.to_json()["parts"]
     tls, host = parts.get("tls", {}), parts.get("host", {})

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from appliance import caddyfile, host_settings, paths
-from appliance import plan as plan_model
 from appliance.atomic import atomic_write, write_record
 from appliance.config import Config, load_image
 from appliance.errors import ConfigError, UserError
 from appliance.run import call
 from appliance.schema import dump_record, from_json, load_record
+from appliance.signed import install_plan
 from applianctl.records import EffectiveSettings, HostResult
 
 HOST_DIR = paths.STATE_DIR / "host"  # plan.json, plan.json.sig, authorized_keys
@@ -96,7 +96,7 @@ def network_files(net: host_settings.Network) -> dict[str, str]:
     return files
 
 
-def render(plan: plan_model.Plan, config: Config) -> dict[str, str]:
+def render(plan: install_plan.Plan, config: Config) -> dict[str, str]:
     """Path (relative to the rendering root) -> content of every file the plan sets; ConfigError
     when a setting laid over the image's configuration is refused (the Caddyfile's checks too)."""
     out: dict[str, str] = {}
@@ -173,17 +173,17 @@ def apply(config: Config, host_dir: Path = HOST_DIR, network_dir: Path = NETWORK
     _clear_proxy(run_dir)
     (host_dir / "proxy.json").unlink(missing_ok=True)  # written by earlier versions, read by none
     try:
-        doc = plan_model.load_signed_document(host_dir, trusted_keys)
-    except plan_model.PlanRefused as e:
+        doc = install_plan.load_signed_document(host_dir, trusted_keys)
+    except install_plan.PlanRefused as e:
         write_service_files(run_dir, config)
         return _result(result, HostResult(False, f"plan refused: {e.message}", "image defaults"))
     if doc is None:
         write_service_files(run_dir, config)
         return _result(result, HostResult(True, "", "image defaults", _shown(_defaults(config))))
-    where = str(host_dir / plan_model.PLAN_JSON)
+    where = str(host_dir / install_plan.PLAN_JSON)
     refused = ""
     try:
-        plan = plan_model.from_plain(doc, where)
+        plan = install_plan.from_plain(doc, where)
         files = render(plan, config)
     except ConfigError as e:
         # Signed, so not silently: the unit fails (privileged(), the last step) and status says why.
@@ -218,19 +218,19 @@ def apply(config: Config, host_dir: Path = HOST_DIR, network_dir: Path = NETWORK
     return _result(result, HostResult(not refused, refused, "plan", _shown(settings), rendered))
 
 
-def _rest_of(doc: dict[str, Any], where: str, config: Config) -> tuple[plan_model.Plan, dict[str, str]] | None:
+def _rest_of(doc: dict[str, Any], where: str, config: Config) -> tuple[install_plan.Plan, dict[str, str]] | None:
     """The plan in DOC without the settings laid over the image's configuration, and its files;
     None when even that is refused."""
     overlaid = {host_settings.HOST_SECTION.get(s, s) for s in host_settings.OVERLAY}
     try:
-        plan = plan_model.from_plain({k: v for k, v in doc.items() if k not in overlaid}, where)
+        plan = install_plan.from_plain({k: v for k, v in doc.items() if k not in overlaid}, where)
         return plan, render(plan, config)
     except ConfigError:
         return None
 
 
 def _defaults(config: Config) -> dict[str, Any]:
-    return plan_model.Plan().effective(config)
+    return install_plan.Plan().effective(config)
 
 
 def _shown(settings: dict[str, Any]) -> EffectiveSettings:

@@ -19,8 +19,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from appliance import bundle, config
-from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
+from appliance import config
+from appliance.signed import bundle_index
+from appliance.signed.bundle_index import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from bench.common import ROOT, Figure, elapsed, image_root, measured, sh, sysupdate_argv, undo
 from builder import build
 
@@ -111,7 +112,7 @@ def engine_slot_write(demo: config.Config, generated: int) -> Figure:
         images = [out / f"appliance_{version}.engine.raw", out / f"appliance_{version}.engine-verity.raw"]
         if generated or not all(p.is_file() for p in images):
             images = list(generated_store(work, generated or demo.engine.slot_bytes // 2))
-        short = bundle.engine_short(demo.engine.digest)
+        short = bundle_index.engine_short(demo.engine.digest)
         disk = work / "disk.img"
         sizes = [-(-p.stat().st_size // MIB) * MIB for p in images]
         with open(disk, "wb") as f:

@@ -36,7 +36,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle, config, manifest, plan
+from appliance import config
+from appliance.signed import bundle_index, install_plan, release_manifest
 from bench.common import ROOT, Figure, measured, sh
 from builder import build, installer_uki, release
 from installer import install
@@ -141,30 +142,30 @@ def install_payload(out: Path, version: str, work: Path) -> install.Payload:
     image zstd-compressed with its block map (release.py's own step), its size and SHA-256 as the
     signed index would list them, and the signed manifest's engine facts."""
     release._install_image(out / f"appliance_{version}.raw", work, version)
-    names = bundle.install_names(version)
+    names = bundle_index.install_names(version)
     image = work / names["install-image"]
     digest = hashlib.sha256()
     with open(image, "rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
-    man = manifest.load(manifest.parse_canonical((out / "manifest.json").read_bytes()))
-    usrhash = bundle.uki_facts(out / f"appliance_{version}.efi")["usrhash"]
+    man = release_manifest.load(release_manifest.parse_canonical((out / "manifest.json").read_bytes()))
+    usrhash = bundle_index.uki_facts(out / f"appliance_{version}.efi")["usrhash"]
     if not usrhash:
         raise RuntimeError(f"{out}: the kernel image's command line has no usrhash=")
     return install.Payload(image=image, bmap=work / names["install-bmap"], version=version, usrhash=usrhash,
                              engine_label=man.engine_image.store_label, engine_roothash=man.engine_image.store_roothash,
-                             image_file=bundle.BundleFile(image.name, digest.hexdigest(), image.stat().st_size))
+                             image_file=bundle_index.BundleFile(image.name, digest.hexdigest(), image.stat().st_size))
 
 
-def signed_plan(key: Path, work: Path) -> tuple[plan.Plan, Path, Path]:
+def signed_plan(key: Path, work: Path) -> tuple[install_plan.Plan, Path, Path]:
     """A plan naming the bench's disk, signed with KEY (the demo's release key); its directory and the trusted keys."""
-    host_plan = plan.from_plain({"hostname": "bench-install", "target": {"serial": SERIAL}}, "the bench's plan")
+    host_plan = install_plan.from_plain({"hostname": "bench-install", "target": {"serial": SERIAL}}, "the bench's plan")
     plan_dir, trusted = work / "plan", work / "trusted"
     plan_dir.mkdir()
     trusted.mkdir()
-    data, signature = plan.sign(host_plan, key)
-    (plan_dir / plan.PLAN_JSON).write_bytes(data)
-    (plan_dir / plan.PLAN_SIG).write_bytes(signature)
+    data, signature = install_plan.sign(host_plan, key)
+    (plan_dir / install_plan.PLAN_JSON).write_bytes(data)
+    (plan_dir / install_plan.PLAN_SIG).write_bytes(signature)
     shutil.copyfile(key.with_suffix(".pub"), trusted / "release.pub")
     return host_plan, plan_dir, trusted
 
@@ -261,7 +262,7 @@ def bench_install(demo: config.Config, runs: int = RUNS) -> list[Figure]:
             seconds = time.monotonic() - started
             runner.close()
             labels = [p.get("name", "") for p in json.loads(sh("sfdisk", "-J", loop))["partitiontable"]["partitions"]]
-            if "appliance-var" not in labels or f"appliance_{version}" not in labels or labels.count(bundle.EMPTY_LABEL) < 4:
+            if "appliance-var" not in labels or f"appliance_{version}" not in labels or labels.count(bundle_index.EMPTY_LABEL) < 4:
                 raise RuntimeError(f"{fn.__name__}: the disk lacks the first-boot layout (slot B, /var): {', '.join(labels)}")
             return seconds
 

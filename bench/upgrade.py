@@ -12,8 +12,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from appliance import bundle, config, manifest
+from appliance import config
 from appliance.config import with_version
+from appliance.signed import bundle_index, release_manifest
 from bench.common import ROOT, Figure, elapsed, image_root, measured, sh, sysupdate_argv, undo
 from builder import build, release
 
@@ -35,21 +36,21 @@ def as_next_release(demo: config.Config, build_dir: Path, dest: Path, key: Path)
     for f in sorted(build_dir.iterdir()):
         if f.is_file() and not f.is_symlink() and f.name.startswith(f"appliance_{version}."):
             os.link(f, dest / f.name.replace(f"appliance_{version}.", f"appliance_{nxt}.", 1))
-    body = manifest.loads((build_dir / "manifest.json").read_bytes())
+    body = release_manifest.loads((build_dir / "manifest.json").read_bytes())
     body["version"] = nxt
-    (dest / "manifest.json").write_bytes(manifest.dumps(body))
-    (dest / "manifest.json.sig").write_bytes(manifest.sign(body, key))
+    (dest / "manifest.json").write_bytes(release_manifest.dumps(body))
+    (dest / "manifest.json.sig").write_bytes(release_manifest.sign(body, key))
     return with_version(demo, nxt)
 
 
 def as_built(demo: config.Config, build_dir: Path) -> config.Config:
     """DEMO with the engine BUILD_DIR's signed manifest names: the pin the build was made with,
     should appliance.toml have moved on since."""
-    engine = manifest.load(manifest.parse_canonical((build_dir / "manifest.json").read_bytes())).engine_image
+    engine = release_manifest.load(release_manifest.parse_canonical((build_dir / "manifest.json").read_bytes())).engine_image
     return dataclasses.replace(demo, engine=dataclasses.replace(demo.engine, digest=engine.digest))
 
 
-def two_releases(demo: config.Config, build_dir: Path, work: Path, key: Path) -> tuple[bundle.BundleIndex, bundle.BundleIndex]:
+def two_releases(demo: config.Config, build_dir: Path, work: Path, key: Path) -> tuple[bundle_index.BundleIndex, bundle_index.BundleIndex]:
     """Release N of BUILD_DIR, then N+1 of the same build (the same engine) with `--previous` N's
     bundle directory, as docs/upgrades.md does it: release.py reads the engine N ships from N's
     index and decides on its own whether N+1 ships it again. Their indexes."""
@@ -60,11 +61,11 @@ def two_releases(demo: config.Config, build_dir: Path, work: Path, key: Path) ->
     return full, upgrade
 
 
-def engine_bytes_of(index: bundle.BundleIndex) -> int:
+def engine_bytes_of(index: bundle_index.BundleIndex) -> int:
     return sum(f.size for f in index.files if f.name.startswith("engine_"))
 
 
-def bundle_figures(full: bundle.BundleIndex, upgrade: bundle.BundleIndex) -> tuple[int, int, int]:
+def bundle_figures(full: bundle_index.BundleIndex, upgrade: bundle_index.BundleIndex) -> tuple[int, int, int]:
     """(bytes of the upgrade, of the full bundle, engine bytes the upgrade ships). A full bundle
     without an engine measured nothing: the comparison would be true by construction."""
     if engine_bytes_of(full) == 0:
@@ -119,10 +120,10 @@ def bench_new_engine_bytes(demo: config.Config, out: Path | None = None, key: Pa
 def usr_slot_table(usr_bytes: int, verity_bytes: int) -> str:
     """The sfdisk script of a disk with two /usr slots: A a token older version (systemd-sysupdate
     wants two slots), B empty and of the sizes of the images it receives."""
-    return (f"label: gpt\nsize=2048, type={bundle.USR_TYPE}, name=appliance_0.0.1\n"
-            f"size=2048, type={bundle.USR_VERITY_TYPE}, name=appliance_0.0.1_verity\n"
-            f"size={usr_bytes // 512}, type={bundle.USR_TYPE}, name=_empty\n"
-            f"size={verity_bytes // 512}, type={bundle.USR_VERITY_TYPE}, name=_empty\n")
+    return (f"label: gpt\nsize=2048, type={bundle_index.USR_TYPE}, name=appliance_0.0.1\n"
+            f"size=2048, type={bundle_index.USR_VERITY_TYPE}, name=appliance_0.0.1_verity\n"
+            f"size={usr_bytes // 512}, type={bundle_index.USR_TYPE}, name=_empty\n"
+            f"size={verity_bytes // 512}, type={bundle_index.USR_VERITY_TYPE}, name=_empty\n")
 
 
 USR_TRANSFERS = ("10-usr.transfer", "20-usr-verity.transfer")
@@ -144,7 +145,7 @@ def bench_slot_write(demo: config.Config) -> list[Figure]:
     own systemd-sysupdate in a chroot of its /usr, from the bundle's trimmed images)."""
     out = build.output_dir(demo)
     key = build.signing_key_for(demo, None)
-    names = bundle.payload_names(demo.appliance.version, demo.engine.digest, with_engine=False)
+    names = bundle_index.payload_names(demo.appliance.version, demo.engine.digest, with_engine=False)
     usr, verity = out / names["usr"], out / names["usr-verity"]
     work = Path(tempfile.mkdtemp(prefix="bench-slot-", dir="/var/tmp"))
     mounts: list[Path] = []
@@ -172,7 +173,7 @@ def bench_slot_write(demo: config.Config) -> list[Figure]:
         root = image_root(usr, work / "root", mounts)
         for transfer, text in usr_transfers(loop).items():
             (root / "defs" / transfer).write_text(text)
-        for staged, linked in bundle.source_names(index).items():
+        for staged, linked in bundle_index.source_names(index).items():
             if linked.endswith(".raw"):
                 os.link(work / "bundle" / staged, root / "src" / linked)
 

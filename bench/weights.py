@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import builder.weights
-from appliance import config, fsverity, weights
+from appliance import config, fsverity
+from appliance.signed import weights_manifest
 from bench.common import ROOT, Figure, measured, size_label
 from testkit.standin import free_port
 
@@ -74,14 +75,14 @@ def _caddy(root: Path, work: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
     raise RuntimeError("caddy did not start")
 
 
-def weights_files(directory: Path, files: Iterable[tuple[str, bytes]], model_id: str, revision: str) -> weights.WeightsManifest:
+def weights_files(directory: Path, files: Iterable[tuple[str, bytes]], model_id: str, revision: str) -> weights_manifest.WeightsManifest:
     """FILES written into DIRECTORY, and their manifest (SHA-256 and fs-verity digests, as builder weights makes it)."""
     directory.mkdir(parents=True, exist_ok=True)
     entries = []
     for name, data in files:
         (directory / name).write_bytes(data)
-        entries.append(weights.WeightFile(name, len(data), hashlib.sha256(data).hexdigest(), fsverity.digest_bytes(data)))
-    return weights.make(model_id, revision, entries)
+        entries.append(weights_manifest.WeightFile(name, len(data), hashlib.sha256(data).hexdigest(), fsverity.digest_bytes(data)))
+    return weights_manifest.make(model_id, revision, entries)
 
 
 def bench_weights_fetch(demo: config.Config, runs: int = 3, files: Iterable[tuple[str, bytes]] | None = None) -> list[Figure]:
@@ -90,7 +91,7 @@ def bench_weights_fetch(demo: config.Config, runs: int = 3, files: Iterable[tupl
     try:
         www = work / "www"
         manifest = weights_files(www, builder.weights.demo_files() if files is None else files, demo.model.id, demo.model.revision)
-        (work / "weights.json").write_bytes(weights.dumps(manifest))
+        (work / "weights.json").write_bytes(weights_manifest.dumps(manifest))
         proc, url, ca = _caddy(www, work)
         try:
             ours, whole, curl = [], [], []
@@ -135,8 +136,9 @@ def bench_weights_check(demo: config.Config, sizes: tuple[int, int] = (128 * 102
                 path = snapshot / f"model-{i:05d}.safetensors"
                 with open(path, "wb") as f:
                     f.write(os.urandom(file_bytes))
-                files.append(weights.WeightFile(path.name, path.stat().st_size, "0" * 64, "1" * 64))
-            (work / str(size) / "weights.json").write_bytes(weights.dumps(weights.make(demo.model.id, demo.model.revision, files)))
+                files.append(weights_manifest.WeightFile(path.name, path.stat().st_size, "0" * 64, "1" * 64))
+            pinned = weights_manifest.make(demo.model.id, demo.model.revision, files)
+            (work / str(size) / "weights.json").write_bytes(weights_manifest.dumps(pinned))
             subprocess.run(["sync"], check=True)
             subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=False)  # cold, as at boot
             start = time.monotonic()

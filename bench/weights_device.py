@@ -17,14 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-from appliance import weights
+from appliance.signed import weights_manifest
 from applianctl.model import fetch, store, verify
 
 
 class HostVerity:
     """fs-verity as the device code sees it, on a kernel without it: seal nothing, measure = open + fstat."""
 
-    def __init__(self, snapshot: Path, manifest: weights.WeightsManifest) -> None:
+    def __init__(self, snapshot: Path, manifest: weights_manifest.WeightsManifest) -> None:
         self.snapshot = snapshot
         self.digests = {f.path: f.fsverity for f in manifest.files}
 
@@ -41,14 +41,14 @@ class HostVerity:
         return self.digests.get(rel) or None
 
 
-def device_store(manifest: weights.WeightsManifest, snapshot: Path) -> store.Store:
+def device_store(manifest: weights_manifest.WeightsManifest, snapshot: Path) -> store.Store:
     """The model store as the device lays it out: the snapshot, the partial files beside it, the host records."""
     return store.Store(manifest, snapshot, snapshot.parent / ".partial", snapshot.parent / "host")
 
 
 def fetch_weights(manifest_path: Path, snapshot: Path, url: str, ca: str) -> float:
     """Seconds the device's fetcher takes for MANIFEST_PATH's files from URL into SNAPSHOT."""
-    manifest = weights.loads(manifest_path.read_bytes())
+    manifest = weights_manifest.loads(manifest_path.read_bytes())
     model_store = device_store(manifest, snapshot)
     started = time.monotonic()
     source = fetch.open_source(url, ca, "plain", manifest.model, manifest.revision)
@@ -59,7 +59,7 @@ def fetch_weights(manifest_path: Path, snapshot: Path, url: str, ca: str) -> flo
 
 def check_weights(manifest_path: Path, snapshot: Path) -> float:
     """Seconds the check before every start takes on SNAPSHOT; RuntimeError when it refuses the weights."""
-    manifest = weights.loads(manifest_path.read_bytes())
+    manifest = weights_manifest.loads(manifest_path.read_bytes())
     model_store = device_store(manifest, snapshot)
     started = time.monotonic()
     result = verify.check(model_store, HostVerity(snapshot, manifest))

@@ -13,17 +13,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import appliance.config
 from appliance import cli_help, run
-from appliance import config as config_model
 from appliance.errors import UserError, run_reporting
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(args: argparse.Namespace) -> config_model.Config:
-    config = config_model.load(Path(args.config), args.profile)
+def _load(args: argparse.Namespace) -> appliance.config.Config:
+    config = appliance.config.load(Path(args.config), args.profile)
     if getattr(args, "version", None):
-        config = config_model.with_version(config, args.version)
+        config = appliance.config.with_version(config, args.version)
     return config
 
 
@@ -109,7 +109,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
     from builder import engine_image, pins
 
-    config = config_model.load(Path(args.config), "demo")
+    config = appliance.config.load(Path(args.config), "demo")
     digest = engine_image.build_standin_layout(Path(tempfile.mkdtemp()), config.engine.entrypoint)
     path = Path(args.config)
     text = path.read_text()
@@ -181,7 +181,7 @@ class _Version(argparse.Action):
 
         def report() -> int:
             try:
-                config = config_model.load(Path(known.config), known.profile)
+                config = appliance.config.load(Path(known.config), known.profile)
             except UserError:
                 print(f"builder {project_version()}")  # the configuration's fault follows on stderr
                 raise
@@ -201,7 +201,7 @@ def global_options(parser: argparse.ArgumentParser, top: bool) -> None:
     parser.add_argument("--debug", action="store_true", default=default(False), help="show commands and tracebacks")
     parser.add_argument("--config", default=default(str(ROOT / "appliance.toml")),
                         help="the configuration (default: appliance.toml beside builder/)")
-    parser.add_argument("--profile", default=default("production"), choices=config_model.PROFILES,
+    parser.add_argument("--profile", default=default("production"), choices=appliance.config.PROFILES,
                         help="the profile of appliance.toml to use (default: production)")
 
 
@@ -243,19 +243,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="the output directory (default: out/PROFILE)")
     p.set_defaults(func=cmd_build)
 
-    from builder import channel, release
+    from builder import release, sign_channel
 
     release.add_parser(sub)
     release.add_timestamp_parser(sub)
-    channel.add_parser(sub)
+    sign_channel.add_parser(sub)
 
     from builder import weights
 
     weights.add_parser(sub)
 
-    from builder import installer_media, plan
+    from builder import installer_media, sign_plan
 
-    plan.add_parser(sub)
+    sign_plan.add_parser(sub)
     installer_media.add_parsers(sub)
 
     from builder import installer_uki

@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance import bundle
 from appliance.atomic import replace_dir
 from appliance.config import Config
 from appliance.errors import UserError
 from appliance.run import checked
+from appliance.signed import bundle_index
 from builder import engine_image, engine_store, initrd_package, keys, mirror, pins, render, secureboot, tuning, weights
 from builder.host_tools import HOST_CACHE, MISSING_HINT, mkosi_command
 
@@ -92,7 +92,7 @@ StandardOutput=journal+console
 
 
 # The first boot's /var (image/mkosi.extra/usr/lib/repart.d/30-var.conf: Encrypt=tpm2) sealed as
-# applianctl/var/seal.py keeps it: PCR 7 and the kernel image's signed PCR 11 policy, whose public
+# applianctl/var/tpm_seal.py keeps it: PCR 7 and the kernel image's signed PCR 11 policy, whose public
 # key systemd-stub puts in the initrd's /.extra (and tmpfiles copies to /run/systemd after it).
 REPART_TPM2_DROPIN = """[Service]
 ExecStart=
@@ -218,12 +218,12 @@ def prepare(config: Config, engine_source: Path | None, signing_key: Path) -> tu
 def check_package_manifest(output: Path, version: str) -> Path:
     """mkosi's package manifest of the image in OUTPUT (image/mkosi.conf: ManifestFormat=json), which
     every release publishes; UserError when mkosi wrote none or not one of VERSION."""
-    path = output / bundle.mkosi_manifest_name(version)
+    path = output / bundle_index.mkosi_manifest_name(version)
     hint = "image/mkosi.conf's [Output] must say ManifestFormat=json; see mkosi's output above"
     if not path.is_file():
         raise UserError(f"mkosi wrote no package manifest at {path}", hint=hint)
     try:
-        bundle.load_packages(path.read_bytes(), version)
+        bundle_index.load_packages(path.read_bytes(), version)
     except ValueError as e:
         raise UserError(f"{path}: {e}", hint=hint) from None
     return path

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from appliance import factory_etc, manifest
+import appliance.signed.release_manifest
+from appliance import factory_etc
 from appliance.errors import UserError
 from builder import firmware
 
@@ -54,16 +55,16 @@ def main() -> int:
     recorded = factory_etc.write_factory(root)
     print(f"factory /etc: {recorded} paths in /{factory_etc.FACTORY_DIR}, described in /{factory_etc.RECORD}")
     key = Path(os.environ["APPLIANCE_SIGNING_KEY"])
-    public = manifest.key_id(manifest.load_private_key(key).public_key())
+    public = appliance.signed.release_manifest.key_id(appliance.signed.release_manifest.load_private_key(key).public_key())
     body = release_manifest(root, plan, public)
-    data = manifest.dumps(body)
-    signature = manifest.sign(body, key)
+    data = appliance.signed.release_manifest.dumps(body)
+    signature = appliance.signed.release_manifest.sign(body, key)
     (root / LIB / "release-plan.json").unlink()
     for directory in (root / LIB, Path(os.environ["OUTPUTDIR"])):
         (directory / "manifest.json").write_bytes(data)
         (directory / "manifest.json.sig").write_bytes(signature)
     # the signature must verify against the keys the image trusts
-    manifest.verify(data, signature, root / LIB / "keys")
+    appliance.signed.release_manifest.verify(data, signature, root / LIB / "keys")
     print(f"release manifest {body['version']} signed by {public}")
     return 0
 

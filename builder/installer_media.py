@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle, cli_help
-from appliance import plan as plan_model
+from appliance import cli_help
 from appliance.errors import UserError
 from appliance.run import run
+from appliance.signed import bundle_index, install_plan
 
 MIB = 1 << 20
 PAYLOAD_LABEL = "appliance-payload"
@@ -54,12 +54,12 @@ def payload_files(build_out: Path, version: str, plan_dir: Path | None, bundle_d
     """NAME ON THE MEDIUM -> SOURCE: the release bundle's signed index, manifest and install image
     (what the installer checks against that index before it writes anything), and the plan. The
     bundle must be the release of the build in BUILD_OUT: the same signed manifest."""
-    install = bundle.install_names(version)
+    install = bundle_index.install_names(version)
     files = {name: bundle_dir / name for name in (*install.values(), "manifest.json", "manifest.json.sig",
-                                                  bundle.BUNDLE_INDEX, bundle.BUNDLE_SIG)}
+                                                  bundle_index.BUNDLE_INDEX, bundle_index.BUNDLE_SIG)}
     if plan_dir is not None:
-        files[f"plan/{plan_model.PLAN_JSON}"] = plan_dir / plan_model.PLAN_JSON
-        files[f"plan/{plan_model.PLAN_SIG}"] = plan_dir / plan_model.PLAN_SIG
+        files[f"plan/{install_plan.PLAN_JSON}"] = plan_dir / install_plan.PLAN_JSON
+        files[f"plan/{install_plan.PLAN_SIG}"] = plan_dir / install_plan.PLAN_SIG
     for name, src in files.items():
         if not src.is_file():
             hint = ("release the build with its install image: python3 -m builder release --install-image"
@@ -206,10 +206,10 @@ def flash(image: Path, device: str, yes: bool, lsblk_json: str | None = None) ->
 
 
 def cmd_installer(args: argparse.Namespace) -> int:
-    from appliance import config as config_model
+    import appliance.config
     from builder import build, installer_uki
 
-    config = config_model.load(Path(args.config), args.profile)
+    config = appliance.config.load(Path(args.config), args.profile)
     uki = Path(args.installer_uki) if args.installer_uki else installer_uki.default_path(config)
     out = Path(args.build_output) if args.build_output else build.output_dir(config)
     output = Path(args.output) if args.output else build.ROOT / "out" / "installer" / f"{config.profile}-{config.appliance.version}"

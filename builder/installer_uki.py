@@ -98,9 +98,9 @@ def build_uki(config: Config, signing_key: Path | None = None, output: Path | No
 
 
 def cmd_installer_uki(args: argparse.Namespace) -> int:
-    from appliance import config as config_model
+    import appliance.config
 
-    config = config_model.load(Path(args.config), args.profile)
+    config = appliance.config.load(Path(args.config), args.profile)
     uki = build_uki(config, Path(args.signing_key) if args.signing_key else None, Path(args.output) if args.output else None)
     print(f"installer kernel image: {uki} ({uki.stat().st_size} bytes)")
     return 0

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: MIT
 """Signing keys (Ed25519): NAME.key (PKCS#8 PEM, 0600) and NAME.pub in keys/ (gitignored): the
 release key (release.key) and, beside it, the timestamp key (timestamp.key), a key of its own that
-signs only the bundles' timestamps (appliance/freshness.py), with the counter of the sequence
+signs only the bundles' timestamps (appliance/signed/timestamp.py), with the counter of the sequence
 numbers it signed (timestamp.key.sequence).
 
 Beside them, two RSA-2048 keys with self-signed X.509 certificates (NAME.key, NAME.crt), since UEFI
@@ -30,9 +30,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from appliance.atomic import atomic_write
 from appliance.errors import UserError
-from appliance.freshness import MAX_SEQUENCE
-from appliance.manifest import ManifestError, key_id, load_public_key
 from appliance.safe_read import read_capped
+from appliance.signed.release_manifest import ManifestError, key_id, load_public_key
+from appliance.signed.timestamp import MAX_SEQUENCE
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = ROOT / "keys"

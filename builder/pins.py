@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: MIT
 """SHA256SUMS: the pins of every overlay, diff, tuning table and firmware blob the profiles use.
 
-SHA256SUMS is parsed by appliance/sums.py as `sha256sum -c` reads it, but strictly: a malformed line, a
+SHA256SUMS is parsed by appliance/signed/sums.py as `sha256sum -c` reads it, but strictly: a malformed line, a
 name listed twice or one that leaves the project is an error. check() refuses a changed, missing or
 unlisted file, a symlink out of its directory, or an appliance.toml pin that disagrees; files only the
 other profile uses need not be present. pin() rewrites SHA256SUMS on purpose.
@@ -20,7 +20,7 @@ from appliance.atomic import atomic_write
 from appliance.config import PROFILES, Config, load
 from appliance.errors import UserError
 from appliance.hashing import sha256_file
-from appliance.sums import SUMS_FILE, SumEntry, format_line, parse_sums
+from appliance.signed.sums import SUMS_FILE, SumEntry, format_line, parse_sums
 
 # Everything under these directories must be listed in SHA256SUMS (README.md files aside).
 PINNED_DIRS = ("overlays", "tuning", "firmware/amdgpu")

@@ -23,13 +23,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle, cli_help, freshness, manifest, progress, schema
+from appliance import cli_help, progress, schema
 from appliance.atomic import atomic_write, replace_dir
 from appliance.config import Config
 from appliance.errors import UserError
 from appliance.hashing import CHUNK, sha256_file
 from appliance.patterns import VERSION
 from appliance.run import call, checked
+from appliance.signed import bundle_index, release_manifest, timestamp
 from builder import keys
 from builder.host_tools import FAILED_HINT, MISSING_HINT
 
@@ -77,12 +78,12 @@ def _known_engine_digests(previous: Path | Iterable[str] | None) -> tuple[set[st
     if previous is None:
         return set(), None
     if isinstance(previous, str | os.PathLike):
-        index_path = Path(previous) / bundle.BUNDLE_INDEX
+        index_path = Path(previous) / bundle_index.BUNDLE_INDEX
         try:
-            index = bundle.load_index(manifest.parse_canonical(index_path.read_bytes()))
+            index = bundle_index.load_index(release_manifest.parse_canonical(index_path.read_bytes()))
         except FileNotFoundError:
             raise UserError(f"{index_path}: no such file", hint="--previous takes a bundle directory or a version") from None
-        except manifest.ManifestError as e:
+        except release_manifest.ManifestError as e:
             raise UserError(f"{index_path}: {e.message}", hint=e.hint) from None
         return {index.engine_digest}, index.version
     return {str(d) for d in previous}, None
@@ -93,9 +94,9 @@ def _check_newer(config: Config, previous: str | None) -> None:
     if previous is None:
         return
     version = config.appliance.version
-    if manifest.version_tuple(version) > manifest.version_tuple(previous):
+    if release_manifest.version_tuple(version) > release_manifest.version_tuple(previous):
         return
-    if manifest.version_tuple(version) == manifest.version_tuple(previous):
+    if release_manifest.version_tuple(version) == release_manifest.version_tuple(previous):
         what = f"version {version} is the same as the previous release {previous}: appliance.version was not raised"
     else:
         what = f"version {version} is older than the previous release {previous}"
@@ -113,8 +114,8 @@ def make_bundle(
     previous_version: str | None = None,
     with_install_image: bool = False,
     timestamp_key: Path | None = None,
-    timestamp_days: int = freshness.DEFAULT_DAYS,
-) -> bundle.BundleIndex:
+    timestamp_days: int = timestamp.DEFAULT_DAYS,
+) -> bundle_index.BundleIndex:
     """Write the bundle for the build in BUILD_OUTPUT_DIR to BUNDLE_DIR; return its index.
 
     PREVIOUS_BUNDLE_OR_ENGINE_DIGESTS: the target's bundle directory or engine digests (no engine image
@@ -131,15 +132,15 @@ def make_bundle(
     out = build_output_dir
     manifest_data = _read(out / "manifest.json")
     manifest_sig = _read(out / "manifest.json.sig")
-    signer = manifest.key_id(manifest.load_private_key(signing_key).public_key())
-    if manifest.key_id(manifest.load_private_key(timestamp_key).public_key()) == signer:
+    signer = release_manifest.key_id(release_manifest.load_private_key(signing_key).public_key())
+    if release_manifest.key_id(release_manifest.load_private_key(timestamp_key).public_key()) == signer:
         raise UserError(f"{timestamp_key} is the release key {signer}: timestamps need a key of their own",
                         hint="make one with: python3 -m builder keys generate --timestamp")
     try:
-        release = manifest.load(manifest.parse_canonical(manifest_data))
-        manifest.decode_signature(manifest_sig)
-    except manifest.ManifestError as e:
-        raise UserError(f"{out / 'manifest.json'}: {e.message}", hint=e.hint) from None
+        release = release_manifest.load(release_manifest.parse_canonical(manifest_data))
+        release_manifest.decode_signature(manifest_sig)
+    except release_manifest.ManifestError as e:
+        raise UserError(f"{out / 'release_manifest.json'}: {e.message}", hint=e.hint) from None
     for key, got, want in (
         ("version", release.version, version),
         ("profile", release.profile, config.profile),
@@ -153,11 +154,11 @@ def make_bundle(
     if release.engine_image.digest != config.engine.digest:
         raise UserError(f"{out}: the build's engine image is not {config.engine.digest}", hint="build it again")
 
-    names = bundle.payload_names(version, config.engine.digest, with_engine=False)
-    sources = {names[r]: out / names[r] for r in (*bundle.USR_ROLES, "uki")}
+    names = bundle_index.payload_names(version, config.engine.digest, with_engine=False)
+    sources = {names[r]: out / names[r] for r in (*bundle_index.USR_ROLES, "uki")}
     if config.engine.digest not in known_digests:
         # mkosi's split engine partitions (SplitName=engine, engine-verity), shipped under the digest's name
-        engine_names = bundle.payload_names(version, config.engine.digest, with_engine=True)
+        engine_names = bundle_index.payload_names(version, config.engine.digest, with_engine=True)
         sources[engine_names["engine"]] = out / f"appliance_{version}.engine.raw"
         sources[engine_names["engine-verity"]] = out / f"appliance_{version}.engine-verity.raw"
     disk_image = out / f"appliance_{version}.raw"
@@ -165,17 +166,17 @@ def make_bundle(
         if not path.is_file():
             hint = f"build first: python3 -m builder --profile {config.profile} build"
             raise UserError(f"{path}: missing from the build output", hint=hint)
-    usrhash = bundle.uki_facts(sources[names["uki"]])["usrhash"]
+    usrhash = bundle_index.uki_facts(sources[names["uki"]])["usrhash"]
     if not usrhash:
         raise UserError(f"{sources[names['uki']]}: its command line has no usrhash=", hint="the image must boot a verity-protected /usr")
     try:
-        signed = bundle.signed_root_hash(sources[names["usr-verity-sig"]])
+        signed = bundle_index.signed_root_hash(sources[names["usr-verity-sig"]])
     except ValueError as e:
         raise UserError(f"{sources[names['usr-verity-sig']]}: {e}", hint="build it again") from None
     if signed != usrhash:
         raise UserError(f"{sources[names['usr-verity-sig']]} signs root hash {signed[:16]}…, the kernel image boots {usrhash[:16]}…",
                         hint="build it again: the two come from one build")
-    packages = _package_manifest(out / bundle.mkosi_manifest_name(version), config.profile)
+    packages = _package_manifest(out / bundle_index.mkosi_manifest_name(version), config.profile)
 
     bundle_dir = bundle_dir.resolve()
     bundle_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -183,8 +184,8 @@ def make_bundle(
     try:
         tmp.chmod(0o755)
         partition_sizes = {}
-        all_names = bundle.payload_names(version, config.engine.digest, with_engine=True)
-        trimmed = {all_names[r] for r in bundle.TRIMMED_ROLES}
+        all_names = bundle_index.payload_names(version, config.engine.digest, with_engine=True)
+        trimmed = {all_names[r] for r in bundle_index.TRIMMED_ROLES}
         # the bar counts apparent sizes, mostly holes that cost nothing
         with progress.Progress("copying payloads", total=sum(src.stat().st_size for src in sources.values())) as p:
             for name, src in sources.items():
@@ -196,18 +197,18 @@ def make_bundle(
         (tmp / "manifest.json").write_bytes(manifest_data)
         (tmp / "manifest.json.sig").write_bytes(manifest_sig)
         # the package manifest: in SHA256SUMS only, so that an updater neither fetches it nor
-        # refuses an index whose file list it does not know (bundle.load_index)
-        (tmp / bundle.packages_name(version)).write_bytes(packages)
+        # refuses an index whose file list it does not know (bundle_index.load_index)
+        (tmp / bundle_index.packages_name(version)).write_bytes(packages)
         installable = _install_image(disk_image, tmp, version) if with_install_image else []
         listed = sorted([*sources, *installable, "manifest.json", "manifest.json.sig"])
-        summed = sorted([*listed, bundle.packages_name(version)])
+        summed = sorted([*listed, bundle_index.packages_name(version)])
         with progress.Progress("hashing payloads", total=sum((tmp / name).stat().st_size for name in summed)) as p:
             sums = {name: sha256_file(tmp / name, p.advance) for name in summed}
         (tmp / "SHA256SUMS").write_text("".join(f"{sums[n]}  {n}\n" for n in summed))
         listed.append("SHA256SUMS")
         sums["SHA256SUMS"] = sha256_file(tmp / "SHA256SUMS")
         index = {
-            "format": bundle.BUNDLE_FORMAT,
+            "format": bundle_index.BUNDLE_FORMAT,
             "version": version,
             "min_version": config.appliance.min_version,
             "profile": config.profile,
@@ -218,12 +219,12 @@ def make_bundle(
             "manifest_sha256": hashlib.sha256(manifest_data).hexdigest(),
             "signer": signer,
         }
-        model = bundle.load_index(index)  # what the updater will check, checked before signing
-        bundle.read_packages(tmp, model)  # and the package manifest as the build host reads it back
-        data = manifest.canonical(index)
-        signature = manifest.encode_signature(manifest.load_private_key(signing_key).sign(data))
-        (tmp / bundle.BUNDLE_INDEX).write_bytes(data)
-        (tmp / bundle.BUNDLE_SIG).write_bytes(signature)
+        model = bundle_index.load_index(index)  # what the updater will check, checked before signing
+        bundle_index.read_packages(tmp, model)  # and the package manifest as the build host reads it back
+        data = release_manifest.canonical(index)
+        signature = release_manifest.encode_signature(release_manifest.load_private_key(signing_key).sign(data))
+        (tmp / bundle_index.BUNDLE_INDEX).write_bytes(data)
+        (tmp / bundle_index.BUNDLE_SIG).write_bytes(signature)
         _write_timestamp(tmp, data, version, timestamp_key, timestamp_days)
         for f in tmp.iterdir():
             f.chmod(0o644)
@@ -235,48 +236,48 @@ def make_bundle(
 
 
 def _check_days(days: int) -> None:
-    if not 1 <= days <= freshness.MAX_DAYS:
-        raise UserError(f"--days {days}: expected a number of days from 1 to {freshness.MAX_DAYS}",
-                        hint=f"the index expires that many days after it is signed (default {freshness.DEFAULT_DAYS}); sign again before")
+    if not 1 <= days <= timestamp.MAX_DAYS:
+        raise UserError(f"--days {days}: expected a number of days from 1 to {timestamp.MAX_DAYS}",
+                        hint=f"the index expires that many days after it is signed (default {timestamp.DEFAULT_DAYS}); sign again before")
 
 
-def _write_timestamp(directory: Path, index_data: bytes, version: str, key: Path, days: int) -> freshness.Timestamp:
+def _write_timestamp(directory: Path, index_data: bytes, version: str, key: Path, days: int) -> timestamp.Timestamp:
     """A timestamp for INDEX_DATA signed by KEY with its next sequence number, into DIRECTORY: each
     file replaced whole (a reader between the two renames sees a mismatched pair, refused, and
     reads it again on its next run)."""
-    signer = manifest.key_id(manifest.load_private_key(key).public_key())
-    doc = freshness.make(index_data, version, keys.next_sequence(key), signer, now=time.time(), days=days)
-    data, sig = freshness.sign(doc, key)
-    atomic_write(directory / freshness.TIMESTAMP, data)
-    atomic_write(directory / freshness.TIMESTAMP_SIG, sig)
-    return freshness.load(doc)
+    signer = release_manifest.key_id(release_manifest.load_private_key(key).public_key())
+    doc = timestamp.make(index_data, version, keys.next_sequence(key), signer, now=time.time(), days=days)
+    data, sig = timestamp.sign(doc, key)
+    atomic_write(directory / timestamp.TIMESTAMP, data)
+    atomic_write(directory / timestamp.TIMESTAMP_SIG, sig)
+    return timestamp.load(doc)
 
 
-def sign_timestamp(bundle_dir: Path, key: Path, days: int = freshness.DEFAULT_DAYS) -> freshness.Timestamp:
+def sign_timestamp(bundle_dir: Path, key: Path, days: int = timestamp.DEFAULT_DAYS) -> timestamp.Timestamp:
     """`builder timestamp`: a fresh timestamp for the bundle in BUNDLE_DIR, its sequence the next
     KEY signs. The index is read as the updater reads it (canonical form, schema), not re-signed."""
     _check_days(days)
-    index_path = bundle_dir / bundle.BUNDLE_INDEX
+    index_path = bundle_dir / bundle_index.BUNDLE_INDEX
     hint = "give a bundle directory written by python3 -m builder release"
     if not bundle_dir.is_dir():
         raise UserError(f"{bundle_dir}: no such directory", hint=hint)
     try:
         data = index_path.read_bytes()
-        if len(data) > bundle.MAX_INDEX_BYTES:
-            raise UserError(f"{index_path}: {len(data)} bytes, more than a bundle index has ({bundle.MAX_INDEX_BYTES})", hint=hint)
-        index = bundle.load_index(manifest.parse_canonical(data))
+        if len(data) > bundle_index.MAX_INDEX_BYTES:
+            raise UserError(f"{index_path}: {len(data)} bytes, more than a bundle index has ({bundle_index.MAX_INDEX_BYTES})", hint=hint)
+        index = bundle_index.load_index(release_manifest.parse_canonical(data))
     except FileNotFoundError:
-        raise UserError(f"{bundle_dir}: not a bundle directory (no {bundle.BUNDLE_INDEX})", hint=hint) from None
+        raise UserError(f"{bundle_dir}: not a bundle directory (no {bundle_index.BUNDLE_INDEX})", hint=hint) from None
     except OSError as e:
         raise UserError(f"{index_path}: cannot read ({e.strerror})", hint=hint) from None
-    except manifest.ManifestError as e:
+    except release_manifest.ManifestError as e:
         raise UserError(f"{index_path}: {e.message}", hint=e.hint) from None
     return _write_timestamp(bundle_dir, data, index.version, keys.timestamp_key(key), days)
 
 
 def _install_image(disk_image: Path, directory: Path, version: str) -> list[str]:
     """The disk image zstd-compressed and its block map, into DIRECTORY."""
-    names = bundle.install_names(version)
+    names = bundle_index.install_names(version)
     with progress.step("compressing the install image"):
         checked(["bmaptool", "create", "-o", directory / names["install-bmap"], disk_image], what="bmaptool create", hint=FAILED_HINT,
                 timeout=None, missing_hint=MISSING_HINT)
@@ -293,7 +294,7 @@ def _package_manifest(path: Path, profile: str) -> bytes:
         raise UserError(f"{path}: missing from the build output (no package manifest)", hint=hint)
     data = path.read_bytes()
     try:
-        bundle.load_packages(data)
+        bundle_index.load_packages(data)
     except ValueError as e:
         raise UserError(f"{path}: {e}", hint=hint) from None
     return data
@@ -317,12 +318,12 @@ def _is_dir(name: str) -> bool:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from appliance import config as config_model
+    import appliance.config
     from builder import build
 
-    config = config_model.load(Path(args.config), args.profile)
+    config = appliance.config.load(Path(args.config), args.profile)
     out = Path(args.build_output) if args.build_output else build.output_dir(config)
-    bundle = Path(args.output) if args.output else build.ROOT / "out" / "bundles" / f"{config.profile}-{config.appliance.version}"
+    bundle_dir = Path(args.output) if args.output else build.ROOT / "out" / "bundles" / f"{config.profile}-{config.appliance.version}"
     previous: Path | list[str] | None = None
     previous_version = None
     if args.previous:
@@ -341,10 +342,10 @@ def cmd_release(args: argparse.Namespace) -> int:
         if args.previous and _is_dir(args.previous):
             raise UserError("--engine-digest and a --previous bundle directory exclude each other", hint="give one of them")
     key = build.signing_key_for(config, Path(args.signing_key) if args.signing_key else None)
-    index = make_bundle(config, out, bundle, key, previous, previous_version, with_install_image=args.install_image)
+    index = make_bundle(config, out, bundle_dir, key, previous, previous_version, with_install_image=args.install_image)
     total = sum(f.size for f in index.files)
     engine = "with" if any(f.name.startswith("engine_") for f in index.files) else "without"
-    print(f"bundle {index.version} ({config.profile}) at {bundle}: {len(index.files)} files, {total} bytes, {engine} an engine image")
+    print(f"bundle {index.version} ({config.profile}) at {bundle_dir}: {len(index.files)} files, {total} bytes, {engine} an engine image")
     return 0
 
 
@@ -357,9 +358,9 @@ def default_timestamp_key(config: Config) -> Path:
 
 
 def cmd_timestamp(args: argparse.Namespace) -> int:
-    from appliance import config as config_model
+    import appliance.config
 
-    key = Path(args.key) if args.key else default_timestamp_key(config_model.load(Path(args.config), args.profile))
+    key = Path(args.key) if args.key else default_timestamp_key(appliance.config.load(Path(args.config), args.profile))
     ts = sign_timestamp(Path(args.bundle_dir), key, args.days)
     print(f"timestamp {ts.sequence} for bundle {ts.version} at {args.bundle_dir}: signed {ts.signed_at} by {ts.signer}, "
           f"expires {ts.expires}")
@@ -374,8 +375,8 @@ def add_timestamp_parser(sub: Any) -> argparse.ArgumentParser:
         exit_codes=[(0, "the timestamp is signed"), cli_help.BAD_INPUT],
     )
     p.add_argument("bundle_dir", metavar="BUNDLE_DIR", help="a bundle directory written by release")
-    p.add_argument("--days", type=int, default=freshness.DEFAULT_DAYS,
-                   help=f"days until the index expires (1 to {freshness.MAX_DAYS}, default {freshness.DEFAULT_DAYS})")
+    p.add_argument("--days", type=int, default=timestamp.DEFAULT_DAYS,
+                   help=f"days until the index expires (1 to {timestamp.MAX_DAYS}, default {timestamp.DEFAULT_DAYS})")
     p.add_argument("--key", help="the timestamp key (default: keys/timestamp.key; the demo's beside its release key)")
     p.set_defaults(func=cmd_timestamp)
     return p

@@ -17,13 +17,13 @@ from pathlib import Path
 import jinja2
 
 from appliance import balancer, cli_docs, paths
-from appliance.bundle import DEFAULT_ENTRY, ENGINE_TYPE, ENGINE_VERITY_TYPE
-from appliance.bundle import EMPTY_LABEL as EMPTY
 from appliance.caddyfile import render_caddyfile
 from appliance.config import Config
 from appliance.config.model import SMOKE_PROMPT, PinnedFile
 from appliance.errors import UserError
 from appliance.run import checked
+from appliance.signed.bundle_index import DEFAULT_ENTRY, ENGINE_TYPE, ENGINE_VERITY_TYPE
+from appliance.signed.bundle_index import EMPTY_LABEL as EMPTY
 from builder import unit_values, weights
 from builder.engine_store import MOUNT_POINT, EngineStore, verity_slot_bytes
 
@@ -243,7 +243,7 @@ def install_os_settings(config: Config, tree: Path) -> None:
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n",
     )
     # No boot menu editor: without Secure Boot anyone at the console could set init=/bin/sh. The
-    # default entry is pinned to the kernel images' main profiles (appliance/bundle.py DEFAULT_ENTRY).
+    # default entry is pinned to the kernel images' main profiles (appliance/signed/bundle_index.py DEFAULT_ENTRY).
     _write(tree / "efi/loader/loader.conf", f"# SPDX-License-Identifier: MIT\neditor no\ndefault {DEFAULT_ENTRY}\n")
     # Engine logs bounded as the compose stack bounded them: log_max_size x log_max_files.
     size = int(config.engine.log_max_size[:-1]) * config.engine.log_max_files

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from appliance import config as config_model
+import appliance.config
 from appliance.config import Config
 from appliance.errors import UserError
 from builder import pins, tuning, weights
@@ -60,7 +60,7 @@ def _render_problems(config: Config) -> list[UserError]:
 
 def run(config_path: Path, profile: str, root: Path, debug: bool = False) -> int:
     """Print every fault with one hint and return 2, or one line saying the profile is valid and return 0."""
-    config, found = config_model.problems(config_path, profile)
+    config, found = appliance.config.problems(config_path, profile)
     if config is not None:
         found += problems(config, root)
     if not found:

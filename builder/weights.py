@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import appliance.config
 from appliance import cli_help, fsverity
-from appliance import config as config_model
-from appliance import weights as wm
 from appliance.atomic import atomic_write
 from appliance.errors import UserError
 from appliance.hashing import sha256_file
+from appliance.signed import weights_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB_HINT = "check the model id and revision in appliance.toml and the network; or pin a local copy with --from DIR --offline"
@@ -94,13 +94,13 @@ def local_files(directory: Path) -> dict[str, Path]:
     return out
 
 
-def pin(model_id: str, revision: str, source: Path | None, offline: bool, api: Any = None) -> wm.WeightsManifest:
+def pin(model_id: str, revision: str, source: Path | None, offline: bool, api: Any = None) -> weights_manifest.WeightsManifest:
     """The weights manifest from the Hub's tree and/or a local copy (see the module docstring)."""
     local = local_files(source) if source is not None else None
     if offline:
         if local is None:
             raise UserError("--offline needs --from DIR", hint="pin a local copy of the snapshot: --from DIR --offline")
-        return wm.make(model_id, revision, [_local_entry(rel, p) for rel, p in local.items()])
+        return weights_manifest.make(model_id, revision, [_local_entry(rel, p) for rel, p in local.items()])
     hub = hub_files(model_id, revision, api)
     if local is not None:
         missing = sorted({f.path for f in hub} - set(local))
@@ -116,18 +116,18 @@ def pin(model_id: str, revision: str, source: Path | None, offline: bool, api: A
             if path is None and entry.lfs_sha256 is None:
                 path = _download_small(model_id, revision, entry, Path(tmp))
             files.append(_checked_entry(entry, path))
-    return wm.make(model_id, revision, files)
+    return weights_manifest.make(model_id, revision, files)
 
 
-def _local_entry(rel: str, path: Path) -> wm.WeightFile:
-    return wm.WeightFile(rel, path.stat().st_size, sha256_file(path), fsverity.digest_file(path))
+def _local_entry(rel: str, path: Path) -> weights_manifest.WeightFile:
+    return weights_manifest.WeightFile(rel, path.stat().st_size, sha256_file(path), fsverity.digest_file(path))
 
 
-def _checked_entry(entry: HubFile, path: Path | None) -> wm.WeightFile:
+def _checked_entry(entry: HubFile, path: Path | None) -> weights_manifest.WeightFile:
     """ENTRY's manifest line; a local copy at PATH must match the Hub's size and hashes."""
     if path is None:
         assert entry.lfs_sha256 is not None
-        return wm.WeightFile(entry.path, entry.size, entry.lfs_sha256)
+        return weights_manifest.WeightFile(entry.path, entry.size, entry.lfs_sha256)
     size = path.stat().st_size
     if size != entry.size:
         raise UserError(f"{entry.path}: {size} bytes here, {entry.size} on the Hub", hint="copy the snapshot again")
@@ -161,9 +161,9 @@ def demo_files() -> Iterable[tuple[str, bytes]]:
         yield name, rng.randbytes(size)
 
 
-def demo_manifest(model_id: str, revision: str) -> wm.WeightsManifest:
-    files = [wm.WeightFile(n, len(d), hashlib.sha256(d).hexdigest(), fsverity.digest_bytes(d)) for n, d in demo_files()]
-    return wm.make(model_id, revision, files)
+def demo_manifest(model_id: str, revision: str) -> weights_manifest.WeightsManifest:
+    files = [weights_manifest.WeightFile(n, len(d), hashlib.sha256(d).hexdigest(), fsverity.digest_bytes(d)) for n, d in demo_files()]
+    return weights_manifest.make(model_id, revision, files)
 
 
 def write_demo(directory: Path) -> None:
@@ -175,12 +175,12 @@ def write_demo(directory: Path) -> None:
 # ----------------------------------------------------------------------------------- command
 
 
-def default_output(config: config_model.Config) -> Path:
+def default_output(config: appliance.config.Config) -> Path:
     return ROOT / (config.model.weights_manifest or f"weights/{config.profile}.json")
 
 
 def cmd_weights(args: argparse.Namespace) -> int:
-    config = config_model.load(Path(args.config), args.profile)
+    config = appliance.config.load(Path(args.config), args.profile)
     output = Path(args.output_manifest) if args.output_manifest else default_output(config)
     if args.action == "demo":
         model = demo_manifest(config.model.id, config.model.revision)
@@ -188,9 +188,10 @@ def cmd_weights(args: argparse.Namespace) -> int:
             write_demo(Path(args.output))
     else:
         model = pin(config.model.id, config.model.revision, Path(args.source) if args.source else None, args.offline)
-    data = wm.dumps(model)
+    data = weights_manifest.dumps(model)
     atomic_write(output, data)
-    print(f"{output}: {model.model}@{model.revision}, {len(model.files)} files, {model.total_bytes} bytes, sha256 {wm.sha256(data)}")
+    digest = weights_manifest.sha256(data)
+    print(f"{output}: {model.model}@{model.revision}, {len(model.files)} files, {model.total_bytes} bytes, sha256 {digest}")
     return 0
 
 
@@ -213,7 +214,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------- into the image
 
 
-def manifest_bytes(config: config_model.Config, root: Path = ROOT) -> bytes | None:
+def manifest_bytes(config: appliance.config.Config, root: Path = ROOT) -> bytes | None:
     """The configured weights manifest, checked to load and to pin the configured model and revision; None if none."""
     if not config.model.weights_manifest:
         return None
@@ -222,14 +223,14 @@ def manifest_bytes(config: config_model.Config, root: Path = ROOT) -> bytes | No
         data = path.read_bytes()
     except FileNotFoundError:
         raise _write_manifest(config, f"{path}: no such file (model.weights_manifest)") from None
-    model = wm.loads(data, str(path))
+    model = weights_manifest.loads(data, str(path))
     if (model.model, model.revision) != (config.model.id, config.model.revision):
         raise _write_manifest(config,
                               f"{path} pins {model.model}@{model.revision}, the configuration {config.model.id}@{config.model.revision}")
     return data
 
 
-def _write_manifest(config: config_model.Config, message: str) -> UserError:
+def _write_manifest(config: appliance.config.Config, message: str) -> UserError:
     """MESSAGE with the command that writes the profile's weights manifest: the demo's weights are
     generated (`weights demo`), every other profile's pinned from the Hub (`weights pin`)."""
     if config.profile == "demo":
@@ -237,7 +238,7 @@ def _write_manifest(config: config_model.Config, message: str) -> UserError:
     return UserError(message, hint=f"write it with `python3 -m builder --profile {config.profile} weights pin`")
 
 
-def problems(config: config_model.Config, root: Path) -> list[UserError]:
+def problems(config: appliance.config.Config, root: Path) -> list[UserError]:
     try:
         manifest_bytes(config, root)
     except UserError as e:
@@ -245,13 +246,13 @@ def problems(config: config_model.Config, root: Path) -> list[UserError]:
     return []
 
 
-def install(config: config_model.Config, tree: Path) -> None:
+def install(config: appliance.config.Config, tree: Path) -> None:
     data = manifest_bytes(config)
     if data is not None:
-        atomic_write(tree / "usr/lib/appliance" / wm.FILE_NAME, data)
+        atomic_write(tree / "usr/lib/appliance" / weights_manifest.FILE_NAME, data)
 
 
-def release_pin(config: config_model.Config) -> dict[str, str]:
+def release_pin(config: appliance.config.Config) -> dict[str, str]:
     """The weights manifest's SHA-256 for the signed release manifest's model entry."""
     data = manifest_bytes(config)
-    return {"weights_sha256": wm.sha256(data)} if data is not None else {}
+    return {"weights_sha256": weights_manifest.sha256(data)} if data is not None else {}

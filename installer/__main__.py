@@ -15,9 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from appliance import cli_help, manifest, paths, run
-from appliance import plan as plan_model
+from appliance import cli_help, paths, run
 from appliance.errors import UserError, run_reporting
+from appliance.signed import install_plan, release_manifest
 from installer import install, remote
 
 MEDIUM_LABELS = ("/dev/disk/by-partlabel/appliance-payload", "/dev/disk/by-label/APPLIANCE_INSTALLER")
@@ -51,10 +51,10 @@ def find_plan(medium: Path | None, given: str | None) -> Path:
     creds = os.environ.get("CREDENTIALS_DIRECTORY")
     if creds and (Path(creds) / CREDENTIAL).exists():
         staged = Path(tempfile.mkdtemp(prefix="install-plan-"))
-        (staged / plan_model.PLAN_JSON).write_bytes((Path(creds) / CREDENTIAL).read_bytes())
+        (staged / install_plan.PLAN_JSON).write_bytes((Path(creds) / CREDENTIAL).read_bytes())
         sig = Path(creds) / f"{CREDENTIAL}.sig"
         if sig.exists():
-            (staged / plan_model.PLAN_SIG).write_bytes(sig.read_bytes())
+            (staged / install_plan.PLAN_SIG).write_bytes(sig.read_bytes())
         return staged
     if medium is None:
         raise NO_RELEASE
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         medium = Path(args.medium) if args.medium else None if args.source else find_medium()
         trusted = paths.TRUSTED_KEYS_DIR
         plan_dir = find_plan(medium, args.plan)
-        plan = plan_model.load_signed(plan_dir, trusted)
+        plan = install_plan.load_signed(plan_dir, trusted)
         if plan is None:
             raise UserError(f"{plan_dir}: no install plan", hint="sign one with python3 -m builder plan PLAN.toml and put it on the medium")
         if medium is None:
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise NO_RELEASE
             medium = remote.download(url, args.ca or remote.credential_ca(), trusted)
         payload = install.load_payload(medium, trusted)
-        signer = manifest.claimed_signer((plan_dir / plan_model.PLAN_JSON).read_bytes()) or "?"
+        signer = release_manifest.claimed_signer((plan_dir / install_plan.PLAN_JSON).read_bytes()) or "?"
         return install.install(payload, plan, plan_dir, trusted_keys=trusted, dry_run=args.dry_run, json_out=args.json,
                                signer=signer, reboot=not args.no_reboot)
 

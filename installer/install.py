@@ -9,7 +9,7 @@ engine store are verified as they are (read-only), only the new plan is written 
 `bmaptool copy` writes the image's used blocks, then `systemd-repart` with the first-boot definitions
 makes slot B and /var, inside LUKS2; systemd-cryptenroll adds a TPM2 slot bound to the release's signed PCR 11 policy only
 (the keys are not enrolled yet, so the sealed boot's PCR 7 is unknown here; the first sealed boot
-replaces it, applianctl/var/seal.py) and a key file of this run's own, in RAM, with which the plan is
+replaces it, applianctl/var/tpm_seal.py) and a key file of this run's own, in RAM, with which the plan is
 written and which is then replaced by the recovery key the summary shows once.
 `systemd-repart --copy-from=IMAGE` would make the same layout but copies zeros too: measured 2.8x
 bmaptool's time against 0.4-1x for this (bench/install.py). A re-install cannot open a /var sealed
@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle, hashing, luks, manifest, paths, progress
-from appliance import plan as plan_model
+from appliance import hashing, luks, paths, progress
 from appliance.atomic import atomic_write
 from appliance.config import checks
 from appliance.efivars import EFIVARS
 from appliance.errors import UserError
 from appliance.run import run
 from appliance.safe_read import read_capped
+from appliance.signed import bundle_index, install_plan, release_manifest
 from installer import disks, secureboot, select
 
 # put there by builder/installer_uki.py; not /usr/lib/repart.d, which the installer's own boot would apply
@@ -85,7 +85,7 @@ class Payload:
     usrhash: str
     engine_label: str
     engine_roothash: str
-    image_file: bundle.BundleFile  # the image's size and SHA-256 in the signed index
+    image_file: bundle_index.BundleFile  # the image's size and SHA-256 in the signed index
 
 
 INCOMPLETE = "the medium is incomplete; make it again with python3 -m builder installer"
@@ -100,7 +100,7 @@ def _read_small(directory: Path, name: str, max_bytes: int) -> bytes:
     return data
 
 
-def check_against_index(path: Path, listed: bundle.BundleFile) -> None:
+def check_against_index(path: Path, listed: bundle_index.BundleFile) -> None:
     """PATH is the file the signed index lists as LISTED: its size first (no read), then its
     SHA-256, read in 1 MiB chunks with progress (a production image is GBs: minutes on a USB stick)."""
     try:
@@ -120,13 +120,13 @@ def load_payload(directory: Path, trusted_keys: Path) -> Payload:
     """The release in DIRECTORY (a medium or a downloaded bundle), its signatures checked first, each
     small file read with its size capped; the block map checked against the signed index here
     (its <ImageSize> decides which disks are large enough), the image before it is written."""
-    index = bundle.verify_index(_read_small(directory, bundle.BUNDLE_INDEX, bundle.MAX_INDEX_BYTES),
-                                _read_small(directory, bundle.BUNDLE_SIG, bundle.MAX_SIG_BYTES), trusted_keys)
-    man = manifest.verify(_read_small(directory, "manifest.json", manifest.MAX_MANIFEST_BYTES),
-                          _read_small(directory, "manifest.json.sig", bundle.MAX_SIG_BYTES), trusted_keys)
+    index = bundle_index.verify_index(_read_small(directory, bundle_index.BUNDLE_INDEX, bundle_index.MAX_INDEX_BYTES),
+                                _read_small(directory, bundle_index.BUNDLE_SIG, bundle_index.MAX_SIG_BYTES), trusted_keys)
+    man = release_manifest.verify(_read_small(directory, "manifest.json", release_manifest.MAX_MANIFEST_BYTES),
+                          _read_small(directory, "manifest.json.sig", bundle_index.MAX_SIG_BYTES), trusted_keys)
     if man.version != index.version:
         raise UserError(f"{directory}: bundle {index.version} but manifest {man.version}", hint="the medium is inconsistent")
-    names = bundle.install_names(index.version)
+    names = bundle_index.install_names(index.version)
     listed = {f.name: f for f in index.files}
     if names["install-image"] not in listed:
         raise UserError(f"{directory}: bundle {index.version} lists no install image ({names['install-image']})",
@@ -176,7 +176,7 @@ def _by_partuuid(runner: Runner, disk: str, label: str | None = None, partuuid: 
 
 
 def verify_written(runner: Runner, disk: str, payload: Payload) -> list[str]:
-    data_uuid, hash_uuid = bundle.partuuids_from_usrhash(payload.usrhash)
+    data_uuid, hash_uuid = bundle_index.partuuids_from_usrhash(payload.usrhash)
     usr = _by_partuuid(runner, disk, partuuid=data_uuid.lower())
     usr_verity = _by_partuuid(runner, disk, partuuid=hash_uuid.lower())
     runner(["veritysetup", "verify", usr, usr_verity, payload.usrhash])
@@ -215,14 +215,14 @@ def _var_fstype(runner: Runner, disk: str) -> str:
     return str(node.get("fstype") or "")
 
 
-def write_plan(runner: Runner, disk: str, plan_dir: Path, trusted_keys: Path, key_file: Path | None = None) -> plan_model.Plan:
+def write_plan(runner: Runner, disk: str, plan_dir: Path, trusted_keys: Path, key_file: Path | None = None) -> install_plan.Plan:
     """The signed plan into /var/lib/appliance/host on DISK's /var, each file whole (a temporary
     name, fsync, rename: a cut between the two renames leaves a pair the appliance refuses, never a
     plan it half applies); then read back as the appliance reads it on boot. Returns the plan now on
     the disk, which is what the summary shows."""
     hint = "sign the plan again: python3 -m builder plan PLAN.toml"
-    data = read_capped(plan_dir / plan_model.PLAN_JSON, plan_model.MAX_PLAN_BYTES, what="an install plan", hint=hint)
-    sig = read_capped(plan_dir / plan_model.PLAN_SIG, plan_model.MAX_PLAN_SIG_BYTES, what="a plan's signature", hint=hint)
+    data = read_capped(plan_dir / install_plan.PLAN_JSON, install_plan.MAX_PLAN_BYTES, what="an install plan", hint=hint)
+    sig = read_capped(plan_dir / install_plan.PLAN_SIG, install_plan.MAX_PLAN_SIG_BYTES, what="a plan's signature", hint=hint)
     if data is None or sig is None:
         raise UserError(f"{plan_dir}: the signed plan is gone (plan.json and plan.json.sig)", hint=hint)
     var = _by_partuuid(runner, disk, label=VAR_LABEL)
@@ -240,10 +240,10 @@ def write_plan(runner: Runner, disk: str, plan_dir: Path, trusted_keys: Path, ke
         host = mnt / HOST_SUBDIR
         host.mkdir(parents=True, exist_ok=True)
         os.chmod(host, 0o700)
-        atomic_write(host / plan_model.PLAN_SIG, sig)
-        atomic_write(host / plan_model.PLAN_JSON, data)
+        atomic_write(host / install_plan.PLAN_SIG, sig)
+        atomic_write(host / install_plan.PLAN_JSON, data)
         try:
-            written = plan_model.load_signed(host, trusted_keys)
+            written = install_plan.load_signed(host, trusted_keys)
         except UserError as e:
             raise UserError(f"{var}: the plan read back from /var is refused: {e.message}",
                             hint="the disk may be failing; run the installer again, or name another disk") from None
@@ -298,7 +298,7 @@ def ssh_fingerprint(key_line: str) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
-def summary(choice: select.Choice, payload: Payload, plan: plan_model.Plan, steps: list[str], seconds: float, signer: str,
+def summary(choice: select.Choice, payload: Payload, plan: install_plan.Plan, steps: list[str], seconds: float, signer: str,
             secure_boot: str = "", recovery: str = "") -> str:
     """The page an operator reads after the install. PLAN is the one read back from the disk's /var,
     so that every value shown is on the disk; SECURE_BOOT is secureboot.summary_line()."""
@@ -342,7 +342,7 @@ def summary(choice: select.Choice, payload: Payload, plan: plan_model.Plan, step
     return "\n".join(lines)
 
 
-def install(payload: Payload, plan: plan_model.Plan, plan_dir: Path, *, runner: Runner = _run,
+def install(payload: Payload, plan: install_plan.Plan, plan_dir: Path, *, runner: Runner = _run,
             listing: tuple[dict[str, Any], dict[str, dict[str, str]]] | None = None, sys_root: Path | None = None,
             boot_partuuid: str | None = None, trusted_keys: Path | None = None,
             dry_run: bool = False, json_out: bool = False, signer: str = "", reboot: bool = True,

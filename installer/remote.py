@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from appliance import bundle, fetch
+from appliance import fetch
 from appliance.atomic import atomic_write
 from appliance.errors import UserError
 from appliance.run import call
+from appliance.signed import bundle_index
 
 RELEASE_DIR = Path("/var/lib/installer/release")
 CA_CREDENTIAL = "appliance.install-ca"
@@ -42,11 +43,11 @@ def download(spec: str, ca: str | None, trusted_keys: Path, directory: Path | No
     if spec.startswith("https://"):
         wait_online()
     source = fetch.open_source(spec, ca, fetch.Deadline(DEADLINE_S))
-    data = source.read_small(bundle.BUNDLE_INDEX, bundle.MAX_INDEX_BYTES)
-    sig = source.read_small(bundle.BUNDLE_SIG, bundle.MAX_SIG_BYTES)
-    index = bundle.verify_index(data, sig, trusted_keys)
+    data = source.read_small(bundle_index.BUNDLE_INDEX, bundle_index.MAX_INDEX_BYTES)
+    sig = source.read_small(bundle_index.BUNDLE_SIG, bundle_index.MAX_SIG_BYTES)
+    index = bundle_index.verify_index(data, sig, trusted_keys)
     files = {f.name: f for f in index.files}
-    names = bundle.payload_names(index.version, index.engine_digest, False, with_install=True)
+    names = bundle_index.payload_names(index.version, index.engine_digest, False, with_install=True)
     if names["install-image"] not in files:
         raise UserError(f"{spec}: bundle {index.version} carries no install image",
                         hint="release it with: python3 -m builder release --install-image, or install from the USB or ISO medium")
@@ -61,6 +62,6 @@ def download(spec: str, ca: str | None, trusted_keys: Path, directory: Path | No
     for f in wanted:
         fetch.fetch_proven(source, f.name, f.size, f.sha256, directory)
     # load_payload checks these again, as on a medium
-    atomic_write(directory / bundle.BUNDLE_INDEX, data)
-    atomic_write(directory / bundle.BUNDLE_SIG, sig)
+    atomic_write(directory / bundle_index.BUNDLE_INDEX, data)
+    atomic_write(directory / bundle_index.BUNDLE_SIG, sig)
     return directory

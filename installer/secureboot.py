@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from appliance import efivars as efi
+import appliance.efivars
 from appliance import hashing
 from appliance.errors import UserError
 from appliance.safe_read import loads_bounded, read_capped
@@ -34,7 +34,7 @@ from appliance.safe_read import loads_bounded, read_capped
 KEYS_DIR = Path("/usr/lib/appliance-installer/secureboot")
 ENROLL_JSON = "enroll.json"
 VARIABLES = ("db", "KEK", "PK")  # the order of writing: PK ends setup mode, so it goes last
-GUIDS = {"db": efi.IMAGE_SECURITY_GUID, "KEK": efi.GLOBAL_GUID, "PK": efi.GLOBAL_GUID}
+GUIDS = {"db": appliance.efivars.IMAGE_SECURITY_GUID, "KEK": appliance.efivars.GLOBAL_GUID, "PK": appliance.efivars.GLOBAL_GUID}
 # NON_VOLATILE | BOOTSERVICE_ACCESS | RUNTIME_ACCESS | TIME_BASED_AUTHENTICATED_WRITE_ACCESS
 ATTRIBUTES = 0x27
 MAX_AUTH_BYTES = 256 << 10  # db with four certificates and its signature is under 16 KiB
@@ -132,8 +132,8 @@ def load(keys_dir: Path = KEYS_DIR) -> EnrollSet:
         raise UserError(f"{where}: not JSON ({str(e).splitlines()[0]})", hint=DAMAGED) from None
     if not isinstance(doc, dict) or set(doc) != {"appliance_sha256", *VARIABLES}:
         raise UserError(f"{where}: not an object of exactly appliance_sha256, db, KEK and PK", hint=DAMAGED)
-    appliance = doc["appliance_sha256"]
-    if not isinstance(appliance, str) or not hashing.SHA256.match(appliance):
+    appliance_sha256 = doc["appliance_sha256"]
+    if not isinstance(appliance_sha256, str) or not hashing.SHA256.match(appliance_sha256):
         raise UserError(f"{where}: appliance_sha256 is not a lowercase hex SHA-256", hint=DAMAGED)
     payloads: dict[str, bytes] = {}
     certs: dict[str, tuple[Cert, ...]] = {}
@@ -141,7 +141,7 @@ def load(keys_dir: Path = KEYS_DIR) -> EnrollSet:
         certs[var] = _certs(doc, var, where)
         payloads[var] = _read(keys_dir, f"{var}.auth", MAX_AUTH_BYTES)
         try:
-            carried = efi.signature_list_sha256s(auth_signature_lists(payloads[var]))
+            carried = appliance.efivars.signature_list_sha256s(auth_signature_lists(payloads[var]))
         except ValueError as e:
             raise UserError(f"{keys_dir / var}.auth: {e}", hint=DAMAGED) from None
         if sorted(carried) != sorted(c.sha256 for c in certs[var]):
@@ -149,12 +149,12 @@ def load(keys_dir: Path = KEYS_DIR) -> EnrollSet:
                             f"{where.name} names for {var}", hint=DAMAGED)
     if len(certs["PK"]) != 1:
         raise UserError(f"{keys_dir}/PK.auth: {len(certs['PK'])} certificates; a platform key is exactly one", hint=DAMAGED)
-    if appliance not in {c.sha256 for c in certs["db"]}:
-        raise UserError(f"{keys_dir}/db.auth: does not carry the appliance's certificate ({appliance[:16]}...)", hint=DAMAGED)
-    return EnrollSet(keys_dir, appliance, payloads, certs)
+    if appliance_sha256 not in {c.sha256 for c in certs["db"]}:
+        raise UserError(f"{keys_dir}/db.auth: does not carry the appliance's certificate ({appliance_sha256[:16]}...)", hint=DAMAGED)
+    return EnrollSet(keys_dir, appliance_sha256, payloads, certs)
 
 
-def decide(state: efi.SecureBootState, db_hashes: list[str], enroll_set: EnrollSet) -> Decision:
+def decide(state: appliance.efivars.SecureBootState, db_hashes: list[str], enroll_set: EnrollSet) -> Decision:
     """What the firmware needs before anything is written. A firmware without a SetupMode or
     SecureBoot variable is taken as neither in setup mode nor enforcing."""
     if not state.efi:
@@ -177,17 +177,17 @@ def refusal(enroll_set: EnrollSet) -> UserError:
 
 def _db(efivars: Path, when: str) -> list[str]:
     try:
-        return efi.db_sha256s(efivars)
+        return appliance.efivars.db_sha256s(efivars)
     except ValueError as e:
         raise UserError(f"the firmware's db variable{when}: {e}",
                         hint=f"clear the firmware's Secure Boot keys (setup mode), or enroll the appliance's through the BMC; {README}",
                         ) from None
 
 
-def prepare(efivars: Path = efi.EFIVARS, keys_dir: Path = KEYS_DIR) -> tuple[Decision, EnrollSet | None]:
+def prepare(efivars: Path = appliance.efivars.EFIVARS, keys_dir: Path = KEYS_DIR) -> tuple[Decision, EnrollSet | None]:
     """The decision for this machine's firmware (no EnrollSet without EFI); UserError when the install
     must stop before it writes anything: a refusal, or keys missing from the installer."""
-    state = efi.secure_boot_state(efivars)
+    state = appliance.efivars.secure_boot_state(efivars)
     if not state.efi:
         return Decision("no-efi"), None
     enroll_set = load(keys_dir)
@@ -196,7 +196,7 @@ def prepare(efivars: Path = efi.EFIVARS, keys_dir: Path = KEYS_DIR) -> tuple[Dec
         db = _db(efivars, "")
     elif not state.setup_mode:  # only for the summary's note: a malformed db does not stop an unsealed install
         with contextlib.suppress(ValueError):
-            db = efi.db_sha256s(efivars)
+            db = appliance.efivars.db_sha256s(efivars)
     decision = decide(state, db, enroll_set)
     if decision.action == "refuse":
         raise refusal(enroll_set)
@@ -243,30 +243,30 @@ def _not_enrolled(message: str, enroll_set: EnrollSet) -> UserError:
                           f"firmware in setup mode again and run the installer again; {README}")
 
 
-def write_keys(enroll_set: EnrollSet, efivars: Path = efi.EFIVARS) -> None:
+def write_keys(enroll_set: EnrollSet, efivars: Path = appliance.efivars.EFIVARS) -> None:
     """db, KEK, then PK, each as its attributes and its .auth bytes; a write the firmware refuses
     (EINVAL, EACCES, EIO from SetVariable) is a UserError naming the variable."""
     done: list[str] = []
     for var in VARIABLES:
         try:
-            _write_var(efi.var_path(var, GUIDS[var], efivars), struct.pack("<I", ATTRIBUTES) + enroll_set.payloads[var])
+            _write_var(appliance.efivars.var_path(var, GUIDS[var], efivars), struct.pack("<I", ATTRIBUTES) + enroll_set.payloads[var])
         except OSError as e:
             wrote = f"; {', '.join(done)} written before it" if done else ""
             raise _not_enrolled(f"the firmware refused {var} ({e.strerror or e}){wrote}", enroll_set) from None
         done.append(var)
 
 
-def verify_enrolled(enroll_set: EnrollSet, efivars: Path = efi.EFIVARS) -> None:
+def verify_enrolled(enroll_set: EnrollSet, efivars: Path = appliance.efivars.EFIVARS) -> None:
     """After write_keys: the firmware has left setup mode (it took PK) and its db holds the appliance's
     certificate; else UserError."""
-    state = efi.secure_boot_state(efivars)
+    state = appliance.efivars.secure_boot_state(efivars)
     if state.setup_mode is not False:
         raise _not_enrolled("db, KEK and PK written but the firmware is still in setup mode (it did not take PK)", enroll_set)
     if enroll_set.appliance_sha256 not in _db(efivars, " after enrolling"):
         raise _not_enrolled("db, KEK and PK written but the firmware's db does not hold the appliance's certificate", enroll_set)
 
 
-def enroll(enroll_set: EnrollSet, efivars: Path = efi.EFIVARS) -> None:
+def enroll(enroll_set: EnrollSet, efivars: Path = appliance.efivars.EFIVARS) -> None:
     write_keys(enroll_set, efivars)
     verify_enrolled(enroll_set, efivars)
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from appliance.errors import UserError
-from appliance.plan import Target
+from appliance.signed.install_plan import Target
 from installer.disks import Disk
 
 GIB = 1 << 30

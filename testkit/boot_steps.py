@@ -251,11 +251,11 @@ def _engine_partitions() -> dict[str, Any]:
     """Both engine slots' partitions: label, SHA-256 of every byte (a slot is 64 MiB in the demo)
     and the sectors written through each since boot; and the one appliance-engine-store.service
     opened this boot."""
-    from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
-    from applianctl.slots import engine as engine_slots
+    from appliance.signed.bundle_index import ENGINE_TYPE, ENGINE_VERITY_TYPE
+    from applianctl.slots import engine
 
     parts = [p for p in _partitions() if p.get("type", "").upper() in (ENGINE_TYPE, ENGINE_VERITY_TYPE)]
-    opened = engine_slots.opened()
+    opened = engine.opened()
     return {"running": opened.partition if opened is not None else None,
             "partitions": {p["node"]: {"label": p.get("name", ""), "sha256": run_text(["sha256sum", p["node"]], timeout=600).split(" ")[0],
                                        "written": _sectors_written(p["node"])} for p in parts}}

@@ -108,14 +108,14 @@ def demo_front(engine_port: int, work: Path, *, replicas: int = 1, affinity_head
     forwarding to 127.0.0.1:ENGINE_PORT; loopback admitted, no plain HTTP, no admin API. With
     REPLICAS, the layout REPLICASx1: the replicas at ENGINE_PORT, +2, +4, ... (Config.replica_port)
     behind the real HAProxy on the rendered balancer configuration, at the port after them."""
+    import appliance.config
     from appliance import balancer
-    from appliance import config as config_mod
     from appliance.caddyfile import render_caddyfile
     from applianctl import tls
     from testkit.standin import ROOT, free_port
 
     https_port = free_port()
-    config = config_mod.load(ROOT / "appliance.toml", "demo")
+    config = appliance.config.load(ROOT / "appliance.toml", "demo")
     config = dataclasses.replace(
         config,
         proxy=dataclasses.replace(config.proxy, https_port=https_port, http="close",

@@ -16,11 +16,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from appliance import bundle as bundle_format
-from appliance import manifest, paths
+from appliance import paths
 from appliance.config import Config, load
-from builder import keys
-from builder import release as rel
+from appliance.signed import bundle_index, release_manifest
+from builder import keys, release
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -128,7 +127,7 @@ def fake_build(out: Path, config: Config, key: Path, usr_bytes: int = 4096) -> P
     (out / f"appliance_{v}.usr.raw").write_bytes(bytes([7]) * usr_bytes + v.encode())
     (out / f"appliance_{v}.usr-verity.raw").write_bytes(b"verity" * 100 + v.encode())
     (out / f"appliance_{v}.usr-verity-sig.raw").write_bytes(signature_partition(usrhash_for(v)))
-    (out / bundle_format.mkosi_manifest_name(v)).write_text(json.dumps(package_manifest(v), indent=2))
+    (out / bundle_index.mkosi_manifest_name(v)).write_text(json.dumps(package_manifest(v), indent=2))
     make_pe(
         out / f"appliance_{v}.efi",
         {
@@ -147,7 +146,7 @@ def fake_build(out: Path, config: Config, key: Path, usr_bytes: int = 4096) -> P
     # drops), and its real dm-verity hash tree: the updater checks the root hash the manifest pins
     engine_raw = out / f"appliance_{v}.engine.raw"
     store_roothash = fake_engine_store(engine_raw, out / f"appliance_{v}.engine-verity.raw", config.engine.digest)
-    signer = manifest.key_id(manifest.load_private_key(key).public_key())
+    signer = release_manifest.key_id(release_manifest.load_private_key(key).public_key())
     body: dict[str, Any] = {
         "version": v,
         "min_version": config.appliance.min_version,
@@ -156,7 +155,7 @@ def fake_build(out: Path, config: Config, key: Path, usr_bytes: int = 4096) -> P
         "engine_image": {
             "reference": config.engine.reference,
             "digest": config.engine.digest,
-            "store_label": "engine_" + bundle_format.engine_short(config.engine.digest),
+            "store_label": "engine_" + bundle_index.engine_short(config.engine.digest),
             "store_roothash": store_roothash,
         },
         "model": {"id": config.model.id, "revision": config.model.revision},
@@ -164,8 +163,8 @@ def fake_build(out: Path, config: Config, key: Path, usr_bytes: int = 4096) -> P
         "files": [],
         "signer": signer,
     }
-    (out / "manifest.json").write_bytes(manifest.dumps(body))
-    (out / "manifest.json.sig").write_bytes(manifest.sign(body, key))
+    (out / "manifest.json").write_bytes(release_manifest.dumps(body))
+    (out / "manifest.json.sig").write_bytes(release_manifest.sign(body, key))
     return out
 
 
@@ -194,5 +193,5 @@ def bundle(tmp_path: Path, key: Path, version: str = "2.0.0", **kw: Any) -> Path
     if not engine:  # released for a target that has this engine already
         kw.setdefault("previous_bundle_or_engine_digests", [config.engine.digest])
     target = tmp_path / f"bundle-{version}"
-    rel.make_bundle(config, out, target, key, **kw)
+    release.make_bundle(config, out, target, key, **kw)
     return target

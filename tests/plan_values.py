@@ -13,7 +13,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from appliance import plan as plan_model
+from appliance.signed import install_plan
 
 
 def _s(data: bytes) -> bytes:
@@ -120,7 +120,7 @@ def string_leaves(doc: Any, prefix: str = "") -> Iterator[tuple[str, list[Any] |
             yield from string_leaves(v, key)
 
 
-def string_fields(cls: type = plan_model.Plan, prefix: str = "") -> set[str]:
+def string_fields(cls: type = install_plan.Plan, prefix: str = "") -> set[str]:
     """Every field of the plan's dataclasses that holds strings (a list of them counts once)."""
     out = set()
     for f in dataclasses.fields(cls):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from fakeprog import calls, fake_program
 
-from appliance import config as config_mod
+import appliance.config
 from appliance import paths
 from appliance.caddyfile import render_caddyfile
 from appliance.config import Config
@@ -57,7 +57,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     caddy = None
     sock_dir = Path(tempfile.mkdtemp(prefix="as-"))  # a unix socket path must stay short
     try:
-        demo = config_mod.load(ROOT / "appliance.toml", "demo")
+        demo = appliance.config.load(ROOT / "appliance.toml", "demo")
         config = dataclasses.replace(
             demo,
             proxy=dataclasses.replace(demo.proxy, https_port=free_port(), http="redirect", tls="internal"),

@@ -79,16 +79,16 @@ def test_bench_only_naming_no_benchmark_is_a_usage_fault(capsys: pytest.CaptureF
 
 
 def test_main_runs_every_benchmark_through_the_runner_and_records_the_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from bench import __main__ as bench_main
+    import bench.__main__
     from bench import report
 
     ran: list[str] = []
     docs = tmp_path / "benchmarks.md"
     docs.write_text(f"# Benchmarks\n\n{report.START}\nold\n{report.END}\n")
-    monkeypatch.setattr(bench_main, "BENCHES", _benches(ran))
+    monkeypatch.setattr(bench.__main__, "BENCHES", _benches(ran))
     monkeypatch.setattr(report, "commit", lambda: "unknown")  # git is a program: tests/test_bench_report.py runs it
     monkeypatch.delenv("BENCH_ONLY", raising=False)
-    assert bench_main.main(tmp_path / "out", docs) == 1
+    assert bench.__main__.main(tmp_path / "out", docs) == 1
     assert ran == ["bench_ok", "bench_raises", "bench_refused", "bench_last"]
     recorded = json.loads((tmp_path / "out/bench.json").read_text())
     assert recorded["ran"] == ran and set(recorded["not_measured"]) == {"bench_raises", "bench_refused"}
@@ -96,18 +96,18 @@ def test_main_runs_every_benchmark_through_the_runner_and_records_the_run(monkey
 
 
 def test_a_run_of_some_benchmarks_leaves_the_docs_as_they_are(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from bench import __main__ as bench_main
+    import bench.__main__
     from bench import report
 
     docs = tmp_path / "benchmarks.md"
     docs.write_text(f"{report.START}\nold\n{report.END}\n")
-    monkeypatch.setattr(bench_main, "BENCHES", _benches([]))
+    monkeypatch.setattr(bench.__main__, "BENCHES", _benches([]))
     monkeypatch.setattr(report, "commit", lambda: "unknown")
     monkeypatch.setenv("BENCH_ONLY", "bench_last")
-    assert bench_main.main(tmp_path / "out", docs) == 0
+    assert bench.__main__.main(tmp_path / "out", docs) == 0
     assert "old" in docs.read_text() and json.loads((tmp_path / "out/bench.json").read_text())["ran"] == ["bench_last"]
     monkeypatch.setenv("BENCH_ONLY", "bench_typo")
-    assert bench_main.main(tmp_path / "again", docs) == 2 and not (tmp_path / "again").exists()
+    assert bench.__main__.main(tmp_path / "again", docs) == 2 and not (tmp_path / "again").exists()
 
 
 # ------------------------------------------------------------------ ratios, percentiles, goals
@@ -341,7 +341,7 @@ def test_the_proxy_rows_fail_the_run_without_caddy(monkeypatch: pytest.MonkeyPat
 def test_two_releases_sharing_an_engine_ship_it_once_by_the_release_codes_own_decision(tmp_path: Path) -> None:
     from fake_release import demo_config, fake_build, make_signing
 
-    from appliance import manifest
+    from appliance.signed import release_manifest
     from bench.upgrade import as_built, bundle_figures, engine_bytes_of, next_version, two_releases
 
     key, _ = make_signing(tmp_path)
@@ -353,7 +353,7 @@ def test_two_releases_sharing_an_engine_ship_it_once_by_the_release_codes_own_de
     assert (full.version, upgrade.version, next_version("1.9.9")) == ("1.0.0", "1.0.1", "1.9.10")
     assert full.engine_digest == upgrade.engine_digest == demo_config("1.0.0").engine.digest
     assert engine_bytes_of(full) > 0 and engine_bytes_of(upgrade) == 0  # release.py read 1.0.0's index and left it out
-    signed = manifest.load(manifest.parse_canonical((tmp_path / "work/bundle-1.0.1/manifest.json").read_bytes()))
+    signed = release_manifest.load(release_manifest.parse_canonical((tmp_path / "work/bundle-1.0.1/manifest.json").read_bytes()))
     assert signed.version == "1.0.1"
     upgrade_bytes, full_bytes, shipped = bundle_figures(full, upgrade)
     assert upgrade_bytes < full_bytes and shipped == 0

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import bench.__main__
 from appliance import config
-from bench import __main__ as bench_main
 from bench.common import ROOT, Figure
 
 DEMO = config.load(ROOT / "appliance.toml", "demo")
@@ -29,7 +29,7 @@ def _measured(figures: list[Figure], count: int) -> None:
 
 def test_every_figure_has_a_test_here() -> None:
     text = Path(__file__).read_text()
-    assert [b.__name__ for b in bench_main.BENCHES if f"def test_{b.__name__}" not in text] == []
+    assert [b.__name__ for b in bench.__main__.BENCHES if f"def test_{b.__name__}" not in text] == []
 
 
 # ------------------------------------------------------------------ run small, for real
@@ -94,14 +94,15 @@ def test_bench_weights_check() -> None:
 @pytest.mark.programs
 def test_the_device_side_of_the_weights_check_refuses_changed_weights(tmp_path: Path) -> None:
     """The helper reads the check's result: weights it refuses are no figure."""
-    from appliance import weights
+    from appliance.signed import weights_manifest
     from bench.weights import _device
 
     snapshot = tmp_path / "snapshot"
     snapshot.mkdir()
     (snapshot / "model.safetensors").write_bytes(b"x" * 100)
-    manifest = weights.make(DEMO.model.id, DEMO.model.revision, [weights.WeightFile("model.safetensors", 99, "0" * 64, "1" * 64)])
-    (tmp_path / "weights.json").write_bytes(weights.dumps(manifest))
+    one_file = weights_manifest.WeightFile("model.safetensors", 99, "0" * 64, "1" * 64)
+    manifest = weights_manifest.make(DEMO.model.id, DEMO.model.revision, [one_file])
+    (tmp_path / "weights.json").write_bytes(weights_manifest.dumps(manifest))
     with pytest.raises(RuntimeError, match=r"the device's weights check: .*has 100 bytes, the signed manifest 99"):
         _device("check", str(tmp_path / "weights.json"), str(snapshot))
 
@@ -179,8 +180,8 @@ def test_bench_install(tmp_path: Path) -> None:
     definitions make /var with a key file (the image's say Encrypt=tpm2, which systemd-repart
     refuses without a TPM), the key file is handed into the chroot, the TPM2 enrollment is skipped
     and named, the firmware is left alone."""
-    from appliance import bundle
-    from bench import install as bench_install_module
+    import bench.install
+    from appliance.signed import bundle_index
     from builder import installer_uki
     from installer import install, secureboot
 
@@ -192,7 +193,7 @@ def test_bench_install(tmp_path: Path) -> None:
 
     root = tmp_path / "root"
     (root / "run").mkdir(parents=True)
-    runner = bench_install_module.LoopRunner(root, "/dev/loop7")
+    runner = bench.install.LoopRunner(root, "/dev/loop7")
     key = tmp_path / "var.key"
     key.write_bytes(b"k" * 64)
     assert runner.command(["systemd-repart", "--dry-run=no", f"--definitions={install.REPART_DEFINITIONS}", f"--key-file={key}",
@@ -206,26 +207,27 @@ def test_bench_install(tmp_path: Path) -> None:
     runner(["efibootmgr", "--quiet", "--create", "--disk", "/dev/loop7", "--part", "1", "--label", "Appliance"])
     assert "Boot0001* Appliance" in runner(["efibootmgr"]) and runner.boot == {"0000": "debian", "0001": "Appliance"}
 
-    sys_root, tpm, efivars = bench_install_module.host_stand_ins(tmp_path / "host")
+    sys_root, tpm, efivars = bench.install.host_stand_ins(tmp_path / "host")
     install.check_tpm(tpm)  # the TPM check passes
     assert secureboot.prepare(efivars)[0].action == "no-efi"  # no Secure Boot keys enrolled into this host's firmware
     assert not any(sys_root.iterdir())
 
     payload = install.Payload(image=tmp_path / "a.raw.zst", bmap=tmp_path / "a.bmap", version="1.0.0", usrhash="0" * 64,
-                              engine_label="engine_x", engine_roothash="0" * 64, image_file=bundle.BundleFile("a.raw.zst", "0" * 64, 1))
-    hand = bench_install_module.by_hand_argv(payload, root, "/dev/loop7")
+                              engine_label="engine_x", engine_roothash="0" * 64,
+                              image_file=bundle_index.BundleFile("a.raw.zst", "0" * 64, 1))
+    hand = bench.install.by_hand_argv(payload, root, "/dev/loop7")
     assert hand[1] == ["chroot", str(root), "systemd-repart", "--dry-run=no", "--definitions=/defs", "--key-file=/run/var.key",
                        "/dev/loop7"]
 
 
 def test_bench_slot_write() -> None:
-    from appliance import bundle
+    from appliance.signed import bundle_index
     from bench.common import sysupdate_argv
     from bench.upgrade import USR_TRANSFERS, usr_slot_table, usr_transfers
 
     table = usr_slot_table(3 << 30, 64 << 20)
-    assert table.splitlines()[-2:] == [f"size={(3 << 30) // 512}, type={bundle.USR_TYPE}, name=_empty",
-                                       f"size={(64 << 20) // 512}, type={bundle.USR_VERITY_TYPE}, name=_empty"]
+    assert table.splitlines()[-2:] == [f"size={(3 << 30) // 512}, type={bundle_index.USR_TYPE}, name=_empty",
+                                       f"size={(64 << 20) // 512}, type={bundle_index.USR_VERITY_TYPE}, name=_empty"]
     texts = usr_transfers("/dev/loop7")
     assert sorted(texts) == sorted(USR_TRANSFERS)
     for text in texts.values():

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from appliance import fetch
-from appliance.bundle import BundleFile, BundleIndex
 from appliance.errors import UserError
+from appliance.signed.bundle_index import BundleFile, BundleIndex
 from applianctl.update import download
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,10 +65,10 @@ class Recording(fetch.DirSource):
 
 
 def test_the_update_keeps_the_same_reserve_as_the_model_fetch() -> None:
-    from applianctl.model import fetch as model_fetch
+    import applianctl.model.fetch
 
     assert download.SPACE_MARGIN_BYTES == fetch.RESERVE_BYTES == 1 << 30
-    assert model_fetch.bounded.RESERVE_BYTES is fetch.RESERVE_BYTES
+    assert applianctl.model.fetch.appliance.fetch.RESERVE_BYTES is fetch.RESERVE_BYTES  # the one reserve, not a copy
 
 
 def test_a_staging_download_stops_at_the_reserve_keeps_its_part_file_and_resumes(tmp_path: Path) -> None:

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 import applianctl
+import applianctl.__main__
+import builder.__main__
 from appliance.errors import UserError
-from applianctl import __main__ as applianctl_main
 from applianctl import units
-from builder import __main__ as builder_main
 
 ROOT = Path(__file__).parents[1]
 
@@ -31,8 +31,8 @@ def _walk(parser: argparse.ArgumentParser, path: str = "") -> list[tuple[str, ar
 
 
 def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
-    return [("builder " + n, p) for n, p in _walk(builder_main.build_parser())] + [
-        ("applianctl " + n, p) for n, p in _walk(applianctl_main.build_parser())
+    return [("builder " + n, p) for n, p in _walk(builder.__main__.build_parser())] + [
+        ("applianctl " + n, p) for n, p in _walk(applianctl.__main__.build_parser())
     ]
 
 
@@ -61,21 +61,21 @@ def test_every_command_and_option_has_help() -> None:
     ],
 )
 def test_builder_global_options_before_or_after_the_verb(argv: list[str]) -> None:
-    args = builder_main.build_parser().parse_args(argv)
+    args = builder.__main__.build_parser().parse_args(argv)
     assert args.profile == "demo"
     assert args.debug == ("--debug" in argv)
     assert args.config == ("x.toml" if "x.toml" in argv else str(ROOT / "appliance.toml"))
 
 
 def test_builder_defaults_survive_a_command_without_the_options() -> None:
-    args = builder_main.build_parser().parse_args(["--profile", "demo", "--debug", "boot"])
+    args = builder.__main__.build_parser().parse_args(["--profile", "demo", "--debug", "boot"])
     assert (args.profile, args.debug) == ("demo", True)
-    args = builder_main.build_parser().parse_args(["boot"])
+    args = builder.__main__.build_parser().parse_args(["boot"])
     assert (args.profile, args.debug) == ("production", False)
 
 
 def test_applianctl_debug_before_or_after_the_verb() -> None:
-    parser = applianctl_main.build_parser()
+    parser = applianctl.__main__.build_parser()
     assert parser.parse_args(["status", "--debug"]).debug is True
     assert parser.parse_args(["--debug", "status"]).debug is True
     assert parser.parse_args(["status"]).debug is False
@@ -105,7 +105,7 @@ def test_status_that_crashes_is_unknown_3(tmp_path: Path, monkeypatch: pytest.Mo
     config = tmp_path / "appliance.json"
     config.write_text("[]")  # valid JSON, not a configuration: the probes cannot run
     monkeypatch.setenv("APPLIANCE_CONFIG", str(config))
-    assert applianctl_main.main(["status"]) == 3
+    assert applianctl.__main__.main(["status"]) == 3
 
 
 @pytest.mark.parametrize("case", ["no configuration", "not a configuration", "usage error", "bad value", "refused option", "crash"])
@@ -126,7 +126,7 @@ def test_status_that_cannot_run_says_what_and_what_to_do_in_two_lines(
         monkeypatch.setattr(collect, "load_device", crash)
     argv = {"usage error": ["status", "--no-such-option"], "bad value": ["status", "--timeout-scale", "abc"],
             "refused option": ["status", "--output", str(tmp_path / "out.prom")]}.get(case, ["status"])
-    assert applianctl_main.main(argv) == 3
+    assert applianctl.__main__.main(argv) == 3
     out, err = capsys.readouterr()
     lines = err.splitlines()
     assert out == "" and len(lines) == 2, err
@@ -138,9 +138,9 @@ def test_status_that_cannot_run_says_what_and_what_to_do_in_two_lines(
 
 def test_other_commands_keep_exit_2_for_bad_input() -> None:
     with pytest.raises(SystemExit) as e:
-        applianctl_main.main(["restart"])
+        applianctl.__main__.main(["restart"])
     assert e.value.code == 2
-    assert applianctl_main.main(["restart", "verify"]) == 2
+    assert applianctl.__main__.main(["restart", "verify"]) == 2
 
 
 def test_version_is_the_release_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -149,37 +149,37 @@ def test_version_is_the_release_version(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(paths, "CONFIG_JSON", tmp_path / "appliance.json")
     monkeypatch.setattr(paths, "MANIFEST", tmp_path / "manifest.json")
     with pytest.raises(SystemExit) as e:
-        applianctl_main.main(["--version"])
+        applianctl.__main__.main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out == f"applianctl {applianctl.__version__}\n"
     (tmp_path / "manifest.json").write_text(json.dumps({"version": "1.2.2"}))
     (tmp_path / "appliance.json").write_text(json.dumps({"appliance": {"version": "1.2.3"}}))
     with pytest.raises(SystemExit):
-        applianctl_main.main(["--version"])
+        applianctl.__main__.main(["--version"])
     assert capsys.readouterr().out == "applianctl 1.2.3\n"
     (tmp_path / "appliance.json").unlink()
     with pytest.raises(SystemExit):
-        applianctl_main.main(["--version"])
+        applianctl.__main__.main(["--version"])
     assert capsys.readouterr().out == "applianctl 1.2.2\n"
 
 
 @pytest.mark.parametrize("argv", [["--version", "--profile", "demo"], ["--profile", "demo", "--version"]])
 def test_builder_version_names_the_project_and_the_configuration(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
-        builder_main.main(argv)
+        builder.__main__.main(argv)
     assert e.value.code == 0
-    from appliance import config as config_model
+    import appliance.config
 
-    version = config_model.load(ROOT / "appliance.toml", "demo").appliance.version
+    version = appliance.config.load(ROOT / "appliance.toml", "demo").appliance.version
     out = capsys.readouterr().out
     assert out == f"builder {applianctl.__version__}; {ROOT / 'appliance.toml'} (demo): appliance.version {version}\n"
     # `build --version V` is still the release version to build as, not this option
-    assert builder_main.build_parser().parse_args(["build", "--version", "1.2.3"]).version == "1.2.3"
+    assert builder.__main__.build_parser().parse_args(["build", "--version", "1.2.3"]).version == "1.2.3"
 
 
 def test_builder_version_with_a_missing_configuration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
-        builder_main.main(["--version", "--config", str(tmp_path / "nonesuch.toml")])
+        builder.__main__.main(["--version", "--config", str(tmp_path / "nonesuch.toml")])
     assert e.value.code == 2
     out, err = capsys.readouterr()
     assert out == f"builder {applianctl.__version__}\n"
@@ -188,7 +188,7 @@ def test_builder_version_with_a_missing_configuration(tmp_path: Path, capsys: py
 
 @pytest.mark.parametrize("verb", ["start", "stop", "restart"])
 def test_start_stop_restart(verb: str) -> None:
-    args = applianctl_main.build_parser().parse_args([verb, "proxy"])
+    args = applianctl.__main__.build_parser().parse_args([verb, "proxy"])
     assert (args.func, args.verb) == (units.run_control, verb)
     # every replica, or one alone
     # every replica by name (systemctl's globs match only units in memory)
@@ -201,15 +201,15 @@ def test_start_stop_restart(verb: str) -> None:
 
 
 def test_logs_since() -> None:
-    args = applianctl_main.build_parser().parse_args(["logs", "proxy", "--since", "1 hour ago", "-n", "5"])
+    args = applianctl.__main__.build_parser().parse_args(["logs", "proxy", "--since", "1 hour ago", "-n", "5"])
     assert units.logs_argv(args) == [
         "journalctl", "--no-pager", "-u", "appliance-proxy.service", "-n", "5", "--since", "1 hour ago"
     ]
 
 
 def test_every_command_module_registers_its_command() -> None:
-    for command, module in applianctl_main.COMMAND_MODULES.items():
-        parser = applianctl_main.build_parser(command)
+    for command, module in applianctl.__main__.COMMAND_MODULES.items():
+        parser = applianctl.__main__.build_parser(command)
         assert command in _walk_names(parser), (command, module)
 
 

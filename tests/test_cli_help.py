@@ -17,21 +17,21 @@ from typing import Any
 
 import pytest
 
+import applianctl.__main__
+import builder.__main__
+import installer.__main__
 from appliance import cli_help, progress, terminal
-from applianctl import __main__ as applianctl_main
 from applianctl.engine import preflight, shm, smoke, startup
 from applianctl.records import PreflightResult, ShmCheck
-from applianctl.selftest import checks as selftest_checks
+from applianctl.selftest import checks
 from applianctl.status import collect, probes
-from builder import __main__ as builder_main
-from installer import __main__ as installer_main
 
 ROOT = Path(__file__).parents[1]
 
 PROGRAMS = {
-    "applianctl": applianctl_main.build_parser,
-    "python3 -m builder": builder_main.build_parser,
-    "python3 -m installer": installer_main.build_parser,
+    "applianctl": applianctl.__main__.build_parser,
+    "python3 -m builder": builder.__main__.build_parser,
+    "python3 -m installer": installer.__main__.build_parser,
 }
 
 # applianctl commands that report something, each with --json; and those that do not, with why.
@@ -112,7 +112,7 @@ def test_exit_statuses_stated_are_those_the_code_returns() -> None:
     assert set(dict(cli_help.read_help(status).exit_codes)) == {*collect.EXIT_STATUS.values(), collect.UNKNOWN_EXIT}
     (_, selftest), = [w for w in _every("applianctl") if w[0] == ("selftest",)]
     stated = set(dict(cli_help.read_help(selftest).exit_codes))
-    assert stated == {selftest_checks.EXIT_OK, selftest_checks.EXIT_FAILED, 2, selftest_checks.EXIT_COULD_NOT_RUN}
+    assert stated == {checks.EXIT_OK, checks.EXIT_FAILED, 2, checks.EXIT_COULD_NOT_RUN}
 
 
 def test_every_applianctl_command_that_reports_has_json() -> None:
@@ -222,7 +222,7 @@ def test_without_escapes_a_shorter_line_overwrites_a_longer_one(monkeypatch: pyt
 
 
 def test_bare_applianctl_is_a_usage_error_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
-    assert applianctl_main.main([]) == 2
+    assert applianctl.__main__.main([]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert err.startswith("usage: applianctl ") and "applianctl: error: a COMMAND is required" in err

@@ -8,11 +8,10 @@ from typing import Any
 
 import pytest
 
-from appliance import config as config_model
+import appliance.config
 from applianctl import console
 from applianctl.records import EffectiveSettings
-from applianctl.status import collect as status
-from applianctl.status import document, probes
+from applianctl.status import collect, document, probes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,14 +29,14 @@ def typed(doc: dict[str, Any]) -> document.StatusDocument:
 
 
 def test_console_text(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    config = config_model.load(REPO / "appliance.toml", "demo")
+    config = appliance.config.load(REPO / "appliance.toml", "demo")
     doc: dict[str, Any] = {"schema": 1, "state": "degraded", "reason": "engine: a\\b", "appliance": config.appliance.name,
                            "version": config.appliance.version, "profile": "demo", "generated_at": "2026-11-30T14:00:00Z",
                            "elapsed_s": 0.1, "parts": {
                                "engine": {"state": "degraded", "reason": "a\\b"},
                                "host": {"state": "ok", "reason": "", "addresses": ["192.0.2.10/24"]},
                                "tls": {"state": "down", "reason": "no CA yet"}}}
-    monkeypatch.setattr(status, "collect", lambda config, src: typed(doc))
+    monkeypatch.setattr(collect, "collect", lambda config, src: typed(doc))
     monkeypatch.setenv("APPLIANCE_STATE_DIR", str(tmp_path))
 
     text = console.text(config, probes.Sources())

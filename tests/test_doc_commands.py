@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from applianctl import __main__ as applianctl_main
-from builder import __main__ as builder_main
+import applianctl.__main__
+import builder.__main__
 
 ROOT = Path(__file__).parents[1]
 CMD = re.compile(r"(?:python3 -m builder|applianctl)(?: [^`\n;()]*)?")
@@ -92,7 +92,7 @@ def test_command_works_as_printed(where: str, command: str) -> None:
     words = shlex.split(command)
     if "--help" in words or words[1:] == ["--version"] or words[:4] == ["python3", "-m", "builder", "--version"]:
         on_device = words[0] == "applianctl"
-        parser = applianctl_main.build_parser() if on_device else builder_main.build_parser()
+        parser = applianctl.__main__.build_parser() if on_device else builder.__main__.build_parser()
         with pytest.raises(SystemExit) as e:  # argparse prints the help (or version) and exits 0
             parser.parse_args(words[1:] if on_device else words[3:])
         assert e.value.code == 0
@@ -102,10 +102,10 @@ def test_command_works_as_printed(where: str, command: str) -> None:
         return
     if words[0] == "applianctl":
         args = words[1:]
-        applianctl_main.build_parser(applianctl_main._command(args)).parse_args(args)  # SystemExit fails the test
+        applianctl.__main__.build_parser(applianctl.__main__._command(args)).parse_args(args)  # SystemExit fails the test
         return
     args = words[3:]
-    parsed = builder_main.build_parser().parse_args(args)
+    parsed = builder.__main__.build_parser().parse_args(args)
     if parsed.command == "validate" and parsed.profile == "production" and (missing := _operator_files_missing()):
         # The production profile needs third-party files the operator copies in: validate must
         # name each one, one line each, and exit 2 (not pass, not a traceback).
@@ -122,9 +122,9 @@ def test_command_works_as_printed(where: str, command: str) -> None:
 
 
 def _operator_files_missing() -> list[str]:
-    from appliance import config as config_model
+    import appliance.config
 
-    config = config_model.load(ROOT / "appliance.toml", "production")
+    config = appliance.config.load(ROOT / "appliance.toml", "production")
     return [f.file for f in (*config.engine.overlays, *config.engine.tuning) if not (ROOT / f.file).is_file()]
 
 
@@ -153,9 +153,9 @@ def test_install_md_has_a_plan_example() -> None:
 @pytest.mark.parametrize("index", range(len(_plan_examples())))
 def test_the_plan_examples_in_install_md_are_valid_plans(index: int, tmp_path: Path) -> None:
     # `python3 -m builder plan` reads the file with this loader: the example must pass it as written.
-    from appliance import plan as plan_model
+    from appliance.signed import install_plan
 
     path = tmp_path / "gpu-07.toml"
     path.write_text(_plan_examples()[index])
-    plan = plan_model.load_toml(path)
+    plan = install_plan.load_toml(path)
     assert plan.ssh is not None and plan.ssh.authorized_keys

@@ -21,15 +21,12 @@ from fake_release import demo_config, fake_build, make_signing, verity_format
 from fakeprog import fake_program
 from test_update import RUNNING, Device, run_update
 
-from appliance import bundle as bundle_format
-from appliance import manifest
-from appliance.bundle import engine_short, payload_names
+import applianctl.slots.engine
+import builder.release
 from appliance.errors import Refused, UserError
-from applianctl.slots import engine as engine_slots
-from applianctl.update import checks
-from applianctl.update import command as up
-from applianctl.update import staged as update_staged
-from builder import release as rel
+from appliance.signed import bundle_index, release_manifest
+from appliance.signed.bundle_index import engine_short, payload_names
+from applianctl.update import checks, command, staged
 
 pytestmark = pytest.mark.programs  # starts real programs (make unit, not make check)
 
@@ -61,19 +58,19 @@ def engine_bundle(tmp_path: Path, key: Path, digest: str = NEW, **engine_image: 
     if engine_image:
         body = json.loads((out / "manifest.json").read_bytes())
         body["engine_image"].update(engine_image)
-        (out / "manifest.json").write_bytes(manifest.dumps(body))
-        (out / "manifest.json.sig").write_bytes(manifest.sign(body, key))
+        (out / "manifest.json").write_bytes(release_manifest.dumps(body))
+        (out / "manifest.json.sig").write_bytes(release_manifest.sign(body, key))
     target = tmp_path / "bundle-engine"
-    rel.make_bundle(config, out, target, key)
+    builder.release.make_bundle(config, out, target, key)
     return target
 
 
-def index_of(b: Path, trusted: Path) -> bundle_format.BundleIndex:
-    return bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+def index_of(b: Path, trusted: Path) -> bundle_index.BundleIndex:
+    return bundle_index.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
 
 
-def release_of(b: Path) -> manifest.Manifest:
-    return manifest.load(manifest.parse_canonical((b / "manifest.json").read_bytes()))
+def release_of(b: Path) -> release_manifest.Manifest:
+    return release_manifest.load(release_manifest.parse_canonical((b / "manifest.json").read_bytes()))
 
 
 def refused_before_any_write(device: Device, b: Path, trusted: Path, match: str) -> Refused:
@@ -128,14 +125,14 @@ def test_download_only_refuses_it_and_apply_checks_again(tmp_path: Path, device:
     key, trusted = signing
     b = engine_bundle(tmp_path, key, store_roothash="0" * 64)
     with pytest.raises(Refused, match="does not hash"):
-        up.download_only(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None)
-    assert update_staged.read() is None
+        command.download_only(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None)
+    assert staged.read() is None
     # staged past the check (as by an older updater): --apply hashes the engine again before writing
     with monkeypatch.context() as m:
         m.setattr(checks, "check_engine_images", lambda *a: None)
-        assert up.download_only(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
+        assert command.download_only(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
     with pytest.raises(Refused, match="does not hash"):
-        up.apply(host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None)
+        command.apply(host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None)
     assert device.writes() == []
 
 
@@ -248,7 +245,7 @@ def test_a_slot_whose_full_digest_is_not_known_is_written_again(tmp_path: Path, 
     assert writes[:5] == [["blkdiscard", "--zeroout", "/dev/vda9"], ["blkdiscard", "--zeroout", "/dev/vda10"],
                           ["sfdisk", "--part-label", "/dev/vda", "9", "_empty"], ["sfdisk", "--part-label", "/dev/vda", "10", "_empty"],
                           ["systemd-sysupdate", "--no-pager", "--component=engine", "update", "abababababab"]]
-    assert engine_slots.recorded()["2.0.0"] == NEW, "from now on it is known"
+    assert applianctl.slots.engine.recorded()["2.0.0"] == NEW, "from now on it is known"
 
 
 def test_a_recorded_twin_of_the_slot_leaves_its_digest_unknown(tmp_path: Path, device: Device, signing: Any) -> None:
@@ -256,7 +253,7 @@ def test_a_recorded_twin_of_the_slot_leaves_its_digest_unknown(tmp_path: Path, d
     written again rather than taken as present."""
     key, trusted = signing
     device.set_gpt("appliance_1.0.0", "_empty", engine_b="engine_abababababab")
-    engine_slots.record({"1.4.0": NEW, "1.5.0": NEW[:19] + "c" + NEW[20:]}, keep={"1.4.0", "1.5.0"})
+    applianctl.slots.engine.record({"1.4.0": NEW, "1.5.0": NEW[:19] + "c" + NEW[20:]}, keep={"1.4.0", "1.5.0"})
     assert run_update(device, str(engine_bundle(tmp_path, key)), trusted) == 0
     assert ["systemd-sysupdate", "--no-pager", "--component=engine", "update", "abababababab"] in device.writes()
 

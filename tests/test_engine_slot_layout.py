@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
+import applianctl.slots.engine
 from appliance import config, paths
-from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from appliance.errors import UserError
+from appliance.signed.bundle_index import ENGINE_TYPE, ENGINE_VERITY_TYPE
 from applianctl.records import EngineSlotOpened
-from applianctl.slots import engine as engine_slots
 from applianctl.slots.partitions import Partition
 from builder import engine_store, render, validate
 
@@ -285,14 +285,14 @@ LABEL = "engine_6fe62b3716e5"  # the demo stand-in's, on every recorded disk
 @pytest.mark.parametrize("name", ["four-nvme.json", "installer-usb.json", "nvme-with-gpt.json", "one-nvme.json"])
 def test_the_slot_of_the_manifest_is_found_on_the_usr_disk(name: str) -> None:
     doc = _typed(_recorded(name))
-    disk = engine_slots.usr_disk_node(doc)["path"]
-    assert engine_slots.locate(doc, LABEL) == (f"{disk}4", f"{disk}5")
+    disk = applianctl.slots.engine.usr_disk_node(doc)["path"]
+    assert applianctl.slots.engine.locate(doc, LABEL) == (f"{disk}4", f"{disk}5")
 
 
 def test_an_untyped_slot_is_refused() -> None:
     """The recorded disks are today's images (linux-generic): the right label, the wrong type."""
     with pytest.raises(UserError) as e:
-        engine_slots.locate(_recorded("four-nvme.json"), LABEL)
+        applianctl.slots.engine.locate(_recorded("four-nvme.json"), LABEL)
     assert e.value.message == f"/dev/vda: no partition labelled {LABEL} with the engine type: refused"
     assert "0fc63daf-8483-4772-8e79-3d69d8477de4" in (e.value.hint or "")
 
@@ -304,7 +304,7 @@ def test_a_second_partition_with_the_label_is_refused() -> None:
     twin.update(path="/dev/vda10", name="vda10", children=[])
     vda["children"].append(twin)
     with pytest.raises(UserError, match=rf"2 partitions are labelled {LABEL}-verity \(/dev/vda5, /dev/vda10\): refused"):
-        engine_slots.locate(doc, LABEL)
+        applianctl.slots.engine.locate(doc, LABEL)
 
 
 def test_a_decoy_on_another_disk_is_never_opened() -> None:
@@ -317,17 +317,17 @@ def test_a_decoy_on_another_disk_is_never_opened() -> None:
     for i, part in enumerate(decoys):
         part.update(path=f"{other['path']}p{i + 7}", children=[])
     other["children"] += decoys
-    assert engine_slots.locate(doc, LABEL) == ("/dev/vda4", "/dev/vda5")
+    assert applianctl.slots.engine.locate(doc, LABEL) == ("/dev/vda4", "/dev/vda5")
     vda["children"] = [p for p in vda["children"] if not (p.get("partlabel") or "").startswith("engine_")]
     with pytest.raises(UserError, match=f"/dev/vda: no partition labelled {LABEL} with the engine type"):
-        engine_slots.locate(doc, LABEL)
+        applianctl.slots.engine.locate(doc, LABEL)
 
 
 def test_without_usr_or_with_a_bad_label_nothing_is_opened() -> None:
     with pytest.raises(UserError, match="no disk holds the mounted /usr"):
-        engine_slots.locate(_recorded("build-host.json"), LABEL)
+        applianctl.slots.engine.locate(_recorded("build-host.json"), LABEL)
     with pytest.raises(UserError, match="is not an engine slot label"):
-        engine_slots.locate(_typed(_recorded("four-nvme.json")), "appliance_1.0.0")
+        applianctl.slots.engine.locate(_typed(_recorded("four-nvme.json")), "appliance_1.0.0")
 
 
 class Runner:
@@ -346,7 +346,7 @@ class Runner:
 def test_open_pins_the_root_hash_and_records_the_slot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(paths, "RUN_DIR", tmp_path)
     runner = Runner(_typed(_recorded("four-nvme.json")))
-    record = engine_slots.open_slot(LABEL, "ab" * 32, runner)
+    record = applianctl.slots.engine.open_slot(LABEL, "ab" * 32, runner)
     assert runner.calls == [["lsblk", "--json", "-O", "-b"],
                             ["veritysetup", "open", "/dev/vda4", "appliance-engine-store", "/dev/vda5", "ab" * 32]]
     assert json.loads((tmp_path / "engine-slot.json").read_text()) == record == {
@@ -356,21 +356,21 @@ def test_open_pins_the_root_hash_and_records_the_slot(tmp_path: Path, monkeypatc
              Partition(5, "/dev/vda5", ENGINE_VERITY_TYPE, "", LABEL + "-verity", MIB),
              Partition(9, "/dev/vda9", ENGINE_TYPE, "", LABEL, 64 * MIB),
              Partition(10, "/dev/vda10", ENGINE_VERITY_TYPE, "", "_empty", MIB)]
-    assert [s.running for s in engine_slots.find(parts, None)] == [True, False]
+    assert [s.running for s in applianctl.slots.engine.find(parts, None)] == [True, False]
     other = EngineSlotOpened(LABEL, "/dev/vda9", "/dev/vda10", "ab" * 32)
-    assert [s.running for s in engine_slots.find(parts, None, other)] == [False, True]
-    assert [s.running for s in engine_slots.find(parts, "sha256:6fe62b3716e5" + "0" * 52, False)] == [True, False]
+    assert [s.running for s in applianctl.slots.engine.find(parts, None, other)] == [False, True]
+    assert [s.running for s in applianctl.slots.engine.find(parts, "sha256:6fe62b3716e5" + "0" * 52, False)] == [True, False]
 
 
 def test_open_refuses_before_running_anything_on_a_bad_root_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(paths, "RUN_DIR", tmp_path)
     runner = Runner(_typed(_recorded("four-nvme.json")))
     with pytest.raises(UserError, match="root hash 'AB"):
-        engine_slots.open_slot(LABEL, "AB" * 32, runner)
+        applianctl.slots.engine.open_slot(LABEL, "AB" * 32, runner)
     assert runner.calls == []
     failing = Runner(_typed(_recorded("four-nvme.json")), fail="veritysetup")
     with pytest.raises(UserError, match="veritysetup open failed"):
-        engine_slots.open_slot(LABEL, "ab" * 32, failing)
+        applianctl.slots.engine.open_slot(LABEL, "ab" * 32, failing)
     assert not (tmp_path / "engine-slot.json").exists(), "nothing opened, nothing recorded"
 
 
@@ -378,7 +378,7 @@ def test_the_unit_command_is_one_line_and_exit_2(tmp_path: Path, monkeypatch: py
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     doc = _recorded("four-nvme.json")  # untyped
     monkeypatch.setattr("appliance.run.run", Runner(doc))
-    assert engine_slots.main(["open", LABEL, "ab" * 32]) == 2
+    assert applianctl.slots.engine.main(["open", LABEL, "ab" * 32]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and err[0].startswith("error: /dev/vda: no partition labelled") and err[1].startswith("hint: ")
 

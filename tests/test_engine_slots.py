@@ -22,18 +22,16 @@ from fake_release import bundle, make_signing
 from fakeprog import fake_program
 from test_update import RUNNING
 
+import applianctl.slots.view
+import applianctl.update.command
 from appliance import paths
-from appliance.bundle import USR_TYPE, USR_VERITY_TYPE, engine_short
 from appliance.errors import UserError
-from applianctl.slots import command as slots_cmd
-from applianctl.slots import engine as engine_slots
-from applianctl.slots import release
-from applianctl.slots import view as slots
+from appliance.signed.bundle_index import USR_TYPE, USR_VERITY_TYPE, engine_short
+from applianctl.slots import command, engine, release
 from applianctl.slots.engine import EngineSlot, choose_engine_slot
 from applianctl.slots.machine import Host
 from applianctl.slots.partitions import Partition, parse_sfdisk
 from applianctl.status import os_slots
-from applianctl.update import command as up
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gpt"
 BOOTCTL = Path(__file__).resolve().parent / "fake_bootctl.py"
@@ -52,7 +50,7 @@ def table(name: str) -> list[Partition]:
 
 
 def test_the_engine_slots_of_a_first_boot_disk() -> None:
-    found = engine_slots.find(table("first-boot"), E1)
+    found = engine.find(table("first-boot"), E1)
     assert [(s.name, s.data.node, s.verity.node if s.verity else None, s.short, s.empty, s.typed, s.running) for s in found] == [
         ("A", "first-boot.img4", "first-boot.img5", "e68d18b2ba50", False, False, True),
         ("B", "first-boot.img9", "first-boot.img10", None, True, True, False),
@@ -60,41 +58,41 @@ def test_the_engine_slots_of_a_first_boot_disk() -> None:
 
 
 def test_the_engine_slots_once_both_are_written() -> None:
-    found = engine_slots.find(table("two-engines"), E2)
+    found = engine.find(table("two-engines"), E2)
     assert [(s.name, s.short, s.typed, s.running, s.verity.label if s.verity else None) for s in found] == [
         ("A", "e68d18b2ba50", True, False, "engine_e68d18b2ba50-verity"),
         ("B", "abababababab", True, True, "engine_abababababab-verity"),
     ]
-    assert not any(s.running for s in engine_slots.find(table("two-engines"), None)), "no running digest: none is known to run"
+    assert not any(s.running for s in engine.find(table("two-engines"), None)), "no running digest: none is known to run"
 
 
 def test_what_is_not_an_engine_slot() -> None:
     parts = table("first-boot")
     # /usr B and its verity are `_empty` too: by type they are /usr, not engine slots
     usr_b = [p for p in parts if p.label == "_empty" and p.type in (USR_TYPE, USR_VERITY_TYPE)]
-    assert len(usr_b) == 2 and not any(engine_slots.is_engine(p) or engine_slots.is_engine_verity(p) for p in usr_b)
+    assert len(usr_b) == 2 and not any(engine.is_engine(p) or engine.is_engine_verity(p) for p in usr_b)
     # an engine label on a /usr partition, a near-miss label on an untyped one: neither
     odd = [dataclasses.replace(parts[1], label="engine_e68d18b2ba50"), dataclasses.replace(parts[3], label="engine_E68D18B2BA50"),
            dataclasses.replace(parts[3], label="engine_e68d18b2ba5")]
-    assert engine_slots.find(odd, E1) == []
+    assert engine.find(odd, E1) == []
 
 
 def test_an_empty_slot_pairs_with_the_next_unpaired_verity_partition() -> None:
     parts = table("first-boot")
     # swap the labels of slot A's partitions to _empty on untyped partitions: not recognisable, so not slots
     untyped_empty = [dataclasses.replace(p, label="_empty") if p.number in (4, 5) else p for p in parts]
-    assert [s.data.number for s in engine_slots.find(untyped_empty, E1)] == [9]
-    assert engine_slots.find(untyped_empty, E1)[0].verity is not None
+    assert [s.data.number for s in engine.find(untyped_empty, E1)] == [9]
+    assert engine.find(untyped_empty, E1)[0].verity is not None
     # slot B without its verity partition
     no_verity = [p for p in parts if p.number != 10]
-    assert [s.verity for s in engine_slots.find(no_verity, E1)][1] is None
+    assert [s.verity for s in engine.find(no_verity, E1)][1] is None
 
 
 # ----------------------------------------------------------------------------------- choosing
 
 
 def _slots(name: str, running: str | None, known: tuple[str, ...] = ()) -> list[EngineSlot]:
-    return engine_slots.find(table(name), running, False, known)
+    return engine.find(table(name), running, False, known)
 
 
 def test_a_new_engine_goes_to_the_empty_slot() -> None:
@@ -139,7 +137,7 @@ def test_an_entry_whose_engine_is_not_known_leaves_only_an_empty_slot() -> None:
 def test_a_disk_with_one_engine_slot_says_how_to_get_the_second() -> None:
     one = [p for p in table("first-boot") if p.number not in (9, 10)]
     with pytest.raises(UserError, match=r"runs the engine$") as e:
-        choose_engine_slot(engine_slots.find(one, E1), {"1.0.0": E1}, E2)
+        choose_engine_slot(engine.find(one, E1), {"1.0.0": E1}, E2)
     assert "one engine slot" in e.value.hint
     with pytest.raises(UserError, match="this disk has none"):
         choose_engine_slot([], {"1.0.0": E1}, E2)
@@ -148,7 +146,7 @@ def test_a_disk_with_one_engine_slot_says_how_to_get_the_second() -> None:
 def test_a_slot_without_its_verity_partition_is_not_written() -> None:
     no_verity = [p for p in table("first-boot") if p.number != 10]
     with pytest.raises(UserError, match="slot B has no verity partition"):
-        choose_engine_slot(engine_slots.find(no_verity, E1), {"1.0.0": E1}, E2)
+        choose_engine_slot(engine.find(no_verity, E1), {"1.0.0": E1}, E2)
 
 
 def _verity(label: str) -> str:
@@ -171,9 +169,9 @@ def test_the_invariant_over_every_small_case() -> None:
                                                            ["sha256:" + "ef" * 32, E1, E1_TWIN], [(), (E1, E2, E3)]):
         names = {4: la, 5: _verity(la), 9: lb, 10: _verity(lb)}
         parts = [dataclasses.replace(p, label=names[p.number]) if p.number in names else p for p in base]
-        found = engine_slots.find(parts, run, False, known)
+        found = engine.find(parts, run, False, known)
         entries = {f"1.{i}": d for i, d in enumerate(used)}
-        allowed = [s for s in found if not s.running and not engine_slots.users(s, entries)
+        allowed = [s for s in found if not s.running and not engine.users(s, entries)
                    and (s.empty or None not in entries.values()) and s.verity is not None]
         same_label = [s for s in found if s.short == engine_short(new)]
         if same_label:
@@ -190,7 +188,7 @@ def test_the_invariant_over_every_small_case() -> None:
             assert choice.slot.digest == new, "present only by its full digest"
             continue
         assert choice.slot in allowed
-        assert not choice.slot.running and not engine_slots.users(choice.slot, entries)
+        assert not choice.slot.running and not engine.users(choice.slot, entries)
         assert not any(s.short == engine_short(new) for s in found if s is not choice.slot), "one slot per label"
         if choice.slot.empty is False and not same_label:
             assert not any(s.empty for s in allowed), "an empty slot comes first"
@@ -200,15 +198,15 @@ def test_the_invariant_over_every_small_case() -> None:
 def test_a_slots_full_digest_comes_from_signed_data_only() -> None:
     two = table("two-engines")
     # the running slot: the running manifest's digest; the other: the one recorded digest with its label's 12 hex digits
-    assert [s.digest for s in engine_slots.find(two, E2, False, (E1,))] == [E1, E2]
-    assert [s.digest for s in engine_slots.find(two, E2, False)] == [None, E2], "only the label: not known"
+    assert [s.digest for s in engine.find(two, E2, False, (E1,))] == [E1, E2]
+    assert [s.digest for s in engine.find(two, E2, False)] == [None, E2], "only the label: not known"
     # two signed digests for one label: which one the slot holds is not known
-    assert [s.digest for s in engine_slots.find(two, E2, False, (E1, E1_TWIN))] == [None, E2]
+    assert [s.digest for s in engine.find(two, E2, False, (E1, E1_TWIN))] == [None, E2]
     # one label on two slots: neither is known, not even the one taken as running
     twins = [dataclasses.replace(p, label={9: "engine_e68d18b2ba50", 10: "engine_e68d18b2ba50-verity"}.get(p.number, p.label))
              for p in two]
-    assert [(s.running, s.digest) for s in engine_slots.find(twins, E3, False, (E1,))] == [(False, None), (False, None)]
-    assert [(s.running, s.digest) for s in engine_slots.find(twins, E1, False, (E1,))] == [(True, None), (False, None)]
+    assert [(s.running, s.digest) for s in engine.find(twins, E3, False, (E1,))] == [(False, None), (False, None)]
+    assert [(s.running, s.digest) for s in engine.find(twins, E1, False, (E1,))] == [(True, None), (False, None)]
 
 
 def test_a_twin_of_an_engine_in_use_is_refused_and_a_free_twin_is_written_again() -> None:
@@ -255,8 +253,8 @@ def test_the_view_knows_which_version_uses_which_engine_slot(tmp_path: Path, mon
     disk = Disk(tmp_path, monkeypatch, "two-engines", ["appliance_1.0.0.efi", "appliance_2.0.0.efi"], B_HASH)
     monkeypatch.setattr(release, "running_manifest", lambda: dataclasses.replace(RUNNING, version="2.0.0",
                         engine_image=dataclasses.replace(RUNNING.engine_image, digest=E2)))
-    engine_slots.record({"1.0.0": E1, "2.0.0": E2}, keep={"1.0.0", "2.0.0"})
-    view = slots.read(disk.host, "2.0.0")
+    engine.record({"1.0.0": E1, "2.0.0": E2}, keep={"1.0.0", "2.0.0"})
+    view = applianctl.slots.view.read(disk.host, "2.0.0")
     assert view.errors == [] and view.booted is not None and view.booted.name == "B"
     doc = view.to_json()
     assert doc["running_engine"] == E2
@@ -271,15 +269,16 @@ def test_the_view_knows_which_version_uses_which_engine_slot(tmp_path: Path, mon
     assert view.bootable_engines() == {"1.0.0": E1, "2.0.0": E2}
     # 1.0.0 marked bad (out of tries): not bootable, so its engine does not count even if it stayed
     (disk.esp / "EFI/Linux/appliance_1.0.0.efi").rename(disk.esp / "EFI/Linux/appliance_1.0.0+0-3.efi")
-    bad = slots.read(disk.host, "2.0.0")
+    bad = applianctl.slots.view.read(disk.host, "2.0.0")
     assert bad.bootable_engines() == {"2.0.0": E2}
     assert choose_engine_slot(bad.engine_slots, bad.bootable_engines(), E3).slot.name == "A"
     (disk.esp / "EFI/Linux/appliance_1.0.0+0-3.efi").rename(disk.esp / "EFI/Linux/appliance_1.0.0.efi")
     # without the record, 1.0.0's engine is not known: only an empty slot would do, and there is none
     paths.engines_record_path().unlink()
     with pytest.raises(UserError, match="no engine slot may be written"):
-        choose_engine_slot(slots.read(disk.host, "2.0.0").engine_slots, slots.read(disk.host, "2.0.0").bootable_engines(), E3)
-    assert slots.read(disk.host, "2.0.0").engine_slot_for(E3).slot.name == "A", "1.0.0 leaves: its engine does not count"
+        seen = applianctl.slots.view.read(disk.host, "2.0.0")
+        choose_engine_slot(seen.engine_slots, seen.bootable_engines(), E3)
+    assert applianctl.slots.view.read(disk.host, "2.0.0").engine_slot_for(E3).slot.name == "A", "1.0.0 leaves: its engine does not count"
 
 
 def test_status_and_slots_show_both_engine_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -288,7 +287,7 @@ def test_status_and_slots_show_both_engine_slots(tmp_path: Path, monkeypatch: py
     summary = os_slots.slots_summary(disk.host, "1.0.0")
     part = os_slots.probe_slots(None, lambda: summary)  # type: ignore[arg-type]
     assert part.reason == "A 1.0.0 booted, good; B empty; engine A e68d18b2ba50 running (1.0.0), B empty"
-    lines = slots_cmd.render(slots.read(disk.host, "1.0.0"))
+    lines = command.render(applianctl.slots.view.read(disk.host, "1.0.0"))
     assert "engine slot A first-boot.img4 (8 MiB): e68d18b2ba50 used by 1.0.0 (running, untyped: labelled by an older image)" in lines
     assert "engine slot B first-boot.img9 (8 MiB): _empty" in lines
 
@@ -301,8 +300,9 @@ def test_an_update_records_which_engine_each_version_runs(tmp_path: Path, monkey
     device = Device(root, monkeypatch)
     key, trusted = make_signing(tmp_path)
     (device.esp / "EFI/Linux/appliance_0.9.0.efi").write_bytes(b"an entry of a version long gone")
-    engine_slots.record({"0.8.0": E3}, keep={"0.8.0"})
-    assert up.update(str(bundle(tmp_path, key, "2.0.0")), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
+    engine.record({"0.8.0": E3}, keep={"0.8.0"})
+    source = str(bundle(tmp_path, key, "2.0.0"))
+    assert applianctl.update.command.update(source, host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
     recorded = json.loads(paths.engines_record_path().read_text())["versions"]
     digest = RUNNING.engine_image.digest
     assert recorded == {"1.0.0": digest, "2.0.0": digest}, "the running version's and the new one's; 0.8.0 has no entry"

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from appliance import factory_etc as fe
-from appliance import manifest, paths
+from appliance import factory_etc, paths
 from appliance.errors import UserError
 from appliance.schema import dump_record
-from applianctl.engine import verify
+from appliance.signed import release_manifest
+from applianctl.slots import release_verify
 from applianctl.status import collect
 from builder import keys
 
@@ -66,22 +66,22 @@ def image(root: Path) -> Path:
 def tree(tmp_path: Path) -> Path:
     root = tmp_path / "root"
     image(root)
-    fe.write_factory(root)
+    factory_etc.write_factory(root)
     return root
 
 
-def record(root: Path) -> dict[str, fe.Entry]:
-    loaded = fe.load(root / fe.RECORD)
+def record(root: Path) -> dict[str, factory_etc.Entry]:
+    loaded = factory_etc.load(root / factory_etc.RECORD)
     assert loaded is not None
     return loaded
 
 
-def findings(root: Path) -> list[fe.Finding]:
-    return fe.compare(root / "etc", record(root))
+def findings(root: Path) -> list[factory_etc.Finding]:
+    return factory_etc.compare(root / "etc", record(root))
 
 
 def lines(root: Path) -> list[str]:
-    return [f.line() for f in fe.reported(findings(root))]
+    return [f.line() for f in factory_etc.reported(findings(root))]
 
 
 def tamper(root: Path) -> None:
@@ -104,10 +104,10 @@ TAMPERED = [
 ]
 
 
-def in_scope_state(root: Path) -> dict[str, fe.Entry]:
+def in_scope_state(root: Path) -> dict[str, factory_etc.Entry]:
     fd = os.open(root / "etc", os.O_RDONLY | os.O_DIRECTORY)
     try:
-        return fe.scan(fd, fe.in_scope)
+        return factory_etc.scan(fd, factory_etc.in_scope)
     finally:
         os.close(fd)
 
@@ -127,29 +127,29 @@ def snapshot(top: Path) -> dict[str, tuple[int, int, int]]:
 
 def test_the_record_describes_etc_and_the_copy_is_exact(tree: Path) -> None:
     rec = record(tree)
-    assert rec["systemd/system/foo.service"] == fe.Entry("file", "0644", hashlib.sha256(UNIT).hexdigest())
-    assert rec["systemd/system/ctrl-alt-del.target"] == fe.Entry("symlink", target="/dev/null")
-    assert rec["sudoers"].mode == "0440" and rec["sudoers.d"] == fe.Entry("dir", "0750")
+    assert rec["systemd/system/foo.service"] == factory_etc.Entry("file", "0644", hashlib.sha256(UNIT).hexdigest())
+    assert rec["systemd/system/ctrl-alt-del.target"] == factory_etc.Entry("symlink", target="/dev/null")
+    assert rec["sudoers"].mode == "0440" and rec["sudoers.d"] == factory_etc.Entry("dir", "0750")
     assert rec["motd"].type == "file"  # the whole /etc is recorded; only the places are compared
     assert "machine-id" not in rec and "ssh/ssh_host_ed25519_key" not in rec  # per machine: not copied
-    factory = tree / fe.FACTORY_DIR
+    factory = tree / factory_etc.FACTORY_DIR
     assert not (factory / "machine-id").exists() and not (factory / "ssh/ssh_host_ed25519_key").exists()
     assert os.readlink(factory / "systemd/system/ctrl-alt-del.target") == "/dev/null"
     assert (factory / "sudoers").stat().st_mode & 0o7777 == 0o440
     assert (factory / "systemd/system/foo.service").read_bytes() == UNIT
-    assert fe.compare(factory, rec) == []
+    assert factory_etc.compare(factory, rec) == []
 
 
 def test_the_record_is_canonical_json_in_the_documented_form(tree: Path) -> None:
-    data = (tree / fe.RECORD).read_bytes()
+    data = (tree / factory_etc.RECORD).read_bytes()
     doc = json.loads(data)
     assert list(doc) == ["files"] and list(doc["files"]) == sorted(doc["files"])
     assert data == json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     assert doc["files"]["systemd/system/ctrl-alt-del.target"] == {"type": "symlink", "target": "/dev/null"}
     assert doc["files"]["sudoers.d"] == {"type": "dir", "mode": "0750"}
     assert set(doc["files"]["sudoers"]) == {"type", "mode", "sha256"}
-    assert fe.dumps(record(tree)) == data
-    assert paths.FACTORY_ETC_RECORD.name == Path(fe.RECORD).name and Path(fe.RECORD).parent == Path("usr/lib/appliance")
+    assert factory_etc.dumps(record(tree)) == data
+    assert paths.FACTORY_ETC_RECORD.name == Path(factory_etc.RECORD).name and Path(factory_etc.RECORD).parent == Path("usr/lib/appliance")
 
 
 @pytest.mark.parametrize(
@@ -165,7 +165,7 @@ def test_the_record_is_canonical_json_in_the_documented_form(tree: Path) -> None
 )
 def test_a_damaged_record_is_refused(files: dict[str, Any], message: str) -> None:
     with pytest.raises(UserError) as e:
-        fe.loads(json.dumps({"files": files}).encode(), "factory-etc.json")
+        factory_etc.loads(json.dumps({"files": files}).encode(), "factory-etc.json")
     assert message in f"{e.value.message} {e.value.hint}" and "\n" not in e.value.message
 
 
@@ -173,7 +173,7 @@ def test_a_special_file_in_the_image_etc_fails_the_build(tmp_path: Path) -> None
     image(tmp_path)
     os.mkfifo(tmp_path / "etc/initctl")
     with pytest.raises(UserError, match="initctl: is other"):
-        fe.write_factory(tmp_path)
+        factory_etc.write_factory(tmp_path)
 
 
 def _release_plan(root: Path) -> None:
@@ -201,12 +201,12 @@ def test_finalize_records_the_factory_etc_before_it_signs(tmp_path: Path, monkey
     monkeypatch.setenv("BUILDROOT", str(root))
     monkeypatch.setenv("APPLIANCE_SIGNING_KEY", str(private))
     monkeypatch.setenv("OUTPUTDIR", str(tmp_path / "out"))
-    sign = manifest.sign
+    sign = release_manifest.sign
     seen: list[bool] = []
-    monkeypatch.setattr(manifest, "sign", lambda body, key: seen.append((root / fe.RECORD).is_file()) or sign(body, key))
+    monkeypatch.setattr(release_manifest, "sign", lambda body, key: seen.append((root / factory_etc.RECORD).is_file()) or sign(body, key))
     assert finalize.main() == 0
     assert seen == [True]
-    assert fe.compare(root / fe.FACTORY_DIR, record(root)) == []
+    assert factory_etc.compare(root / factory_etc.FACTORY_DIR, record(root)) == []
     assert (root / "usr/lib/appliance/manifest.json").is_file()
 
 
@@ -216,10 +216,10 @@ def test_finalize_records_the_factory_etc_before_it_signs(tmp_path: Path, monkey
 def test_the_findings_exactly(tree: Path) -> None:
     tamper(tree)
     assert findings(tree) == [
-        fe.Finding("added", "systemd/system/appliance-engine.service.d", directory=True),
-        fe.Finding("added", DROPIN),
-        fe.Finding("removed", "systemd/system/ctrl-alt-del.target"),
-        fe.Finding("changed", "systemd/system/foo.service"),
+        factory_etc.Finding("added", "systemd/system/appliance-engine.service.d", directory=True),
+        factory_etc.Finding("added", DROPIN),
+        factory_etc.Finding("removed", "systemd/system/ctrl-alt-del.target"),
+        factory_etc.Finding("changed", "systemd/system/foo.service"),
     ]
     assert lines(tree) == TAMPERED  # the directory holding the drop-in is said by the drop-in
 
@@ -266,7 +266,7 @@ def _replace_with_link(path: Path, real: Path) -> None:
 
 
 def test_per_host_files_are_never_reported_even_in_a_wider_place(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fe, "BEHAVIOUR_PLACES", (*fe.BEHAVIOUR_PLACES, "ssh", "hostname"))
+    monkeypatch.setattr(factory_etc, "BEHAVIOUR_PLACES", (*factory_etc.BEHAVIOUR_PLACES, "ssh", "hostname"))
     (tree / "etc/ssh/ssh_host_rsa_key").write_text("this host's\n")
     (tree / "etc/hostname").write_text("other\n")
     (tree / "etc/ssh/moduli").write_text("x")
@@ -310,17 +310,17 @@ def test_runtime_units_and_drop_ins(tmp_path: Path) -> None:
     (run / "systemd/transient/run-u1.service").write_text("[Service]\n")  # systemd-run's own
     (run / "containers/systemd/sub").mkdir(parents=True)
     (run / "containers/systemd/sub/x.container").write_text("[Container]\n")
-    assert [f.line() for f in fe.runtime(run)] == [
+    assert [f.line() for f in factory_etc.runtime(run)] == [
         "runtime /run/systemd/system/appliance-engine.service.d/x.conf",
         "runtime /run/systemd/system/multi-user.target.wants/evil.service",
         "runtime /run/containers/systemd/sub/x.container",
     ]
-    assert fe.runtime(tmp_path / "absent") == []
+    assert factory_etc.runtime(tmp_path / "absent") == []
 
 
 def test_systemd_booted_marker_alone_is_not_a_finding(tmp_path: Path) -> None:
     (tmp_path / "run/systemd/system").mkdir(parents=True)  # PID 1 makes it, empty, on every boot
-    assert fe.runtime(tmp_path / "run") == []
+    assert factory_etc.runtime(tmp_path / "run") == []
 
 
 # ----------------------------------------------------------------------------------- applianctl verify
@@ -337,8 +337,8 @@ def _signed_manifest(lib: Path, tmp_path: Path) -> None:
         "model": {"id": "standin/tiny-demo", "revision": "0" * 39 + "1"},
         "kernel_version": "6.12.38+deb13-amd64", "files": [], "signer": keys.public_key_id(public),
     }
-    (lib / "manifest.json").write_bytes(manifest.dumps(body))
-    (lib / "manifest.json.sig").write_bytes(manifest.sign(body, private))
+    (lib / "manifest.json").write_bytes(release_manifest.dumps(body))
+    (lib / "manifest.json.sig").write_bytes(release_manifest.sign(body, private))
 
 
 @pytest.fixture
@@ -358,11 +358,11 @@ def device(tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_verify_reports_what_overrides_the_image(device: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tamper(device)
-    result = verify.check()
+    result = release_verify.check()
     assert not result.ok
     assert result.overrides == tuple(TAMPERED)
     assert result.reason == "3 files outside the signed image change behaviour: " + ", ".join(TAMPERED)
-    assert verify.run(argparse.Namespace(command="verify", debug=False)) == 1
+    assert release_verify.run(argparse.Namespace(command="verify", debug=False)) == 1
     assert json.loads(paths.VERIFY_RESULT.read_text())["overrides"] == TAMPERED
     assert capsys.readouterr().err == f"applianctl verify: {result.reason}\n"
 
@@ -370,38 +370,39 @@ def test_verify_reports_what_overrides_the_image(device: Path, capsys: pytest.Ca
 def test_verify_names_one_drop_in(device: Path) -> None:
     (device / "etc/systemd/system/x.service.d").mkdir()
     (device / "etc/systemd/system/x.service.d/y.conf").write_text("[Service]\n")
-    assert verify.check().reason == "1 file outside the signed image changes behaviour: added /etc/systemd/system/x.service.d/y.conf"
+    reason = release_verify.check().reason
+    assert reason == "1 file outside the signed image changes behaviour: added /etc/systemd/system/x.service.d/y.conf"
 
 
 def test_verify_counts_runtime_units(device: Path, tmp_path: Path) -> None:
     (device / "run/systemd/system").mkdir(parents=True)
     (device / "run/systemd/system/appliance-engine.service").write_text("[Service]\n")
-    result = verify.check()
+    result = release_verify.check()
     assert not result.ok and result.overrides == ("runtime /run/systemd/system/appliance-engine.service",)
     (tmp_path / "elsewhere").mkdir()
     _plant_link(device / "etc/systemd/system", tmp_path / "elsewhere")  # what it covers in /etc is not in /run
-    assert verify.check().overrides == ("changed /etc/systemd/system", "runtime /run/systemd/system/appliance-engine.service")
+    assert release_verify.check().overrides == ("changed /etc/systemd/system", "runtime /run/systemd/system/appliance-engine.service")
 
 
 def test_verify_is_ok_on_the_factory_etc(device: Path) -> None:
-    result = verify.check()
+    result = release_verify.check()
     assert result.ok, result.reason
     assert result.overrides == ()
     assert result.reason == f"manifest 1.2.0 signed by {result.signer}: 0 files match; /etc as the factory's"
 
 
 def test_verify_without_a_record_says_so_and_passes(device: Path) -> None:
-    (device / fe.RECORD).unlink()
+    (device / factory_etc.RECORD).unlink()
     tamper(device)
-    result = verify.check()
+    result = release_verify.check()
     assert result.ok
     assert "/etc not compared" in result.reason and "absent" in result.reason
     assert "overrides" not in dump_record(result)  # as an older release wrote it
 
 
 def test_verify_fails_on_a_damaged_record(device: Path) -> None:
-    (device / fe.RECORD).write_text('{"files": {"x": {"type": "file"}}}')
-    result = verify.check()
+    (device / factory_etc.RECORD).write_text('{"files": {"x": {"type": "file"}}}')
+    result = release_verify.check()
     assert not result.ok and "factory-etc.json" in result.reason
 
 
@@ -410,7 +411,7 @@ def test_verify_caps_the_overrides_and_counts_the_rest(device: Path) -> None:
     dropins.mkdir()
     for i in range(60):
         (dropins / f"{i:02}.conf").write_text("[Service]\n")
-    result = verify.check()
+    result = release_verify.check()
     assert result.overrides is not None and len(result.overrides) == 51
     assert result.overrides[0] == "added /etc/systemd/system/appliance-engine.service.d/00.conf"
     assert result.overrides[-1] == "... and 10 more"
@@ -429,7 +430,7 @@ def test_status_says_when_etc_was_not_compared() -> None:
 def test_reset_restores_the_factory_places_and_keeps_the_rest(tree: Path, capsys: pytest.CaptureFixture[str]) -> None:
     factory = in_scope_state(tree)
     tamper(tree)
-    assert fe.reset(tree) == 0
+    assert factory_etc.reset(tree) == 0
     assert capsys.readouterr().out.splitlines() == [
         "etc-reset: deleted /etc/systemd/system/appliance-engine.service.d (not in the factory /etc)",
         "etc-reset: restored /etc/systemd/system/ctrl-alt-del.target (removed)",
@@ -445,17 +446,17 @@ def test_reset_restores_the_factory_places_and_keeps_the_rest(tree: Path, capsys
 
 def test_reset_twice_touches_nothing_the_second_time(tree: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tamper(tree)
-    fe.reset(tree)
+    factory_etc.reset(tree)
     capsys.readouterr()
     before = snapshot(tree)
-    assert fe.reset(tree) == 0
+    assert factory_etc.reset(tree) == 0
     assert capsys.readouterr().out == ""
     assert snapshot(tree) == before
 
 
 def test_reset_of_an_untouched_etc_touches_nothing(tree: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = snapshot(tree)
-    assert fe.reset(tree) == 0
+    assert factory_etc.reset(tree) == 0
     assert capsys.readouterr().out == ""
     assert snapshot(tree) == before
 
@@ -468,7 +469,7 @@ def test_reset_never_follows_a_link_out_of_etc(tree: Path, tmp_path: Path) -> No
     factory = in_scope_state(tree)
     _plant_link(tree / "etc/systemd/system", outside)
     before = snapshot(outside)
-    assert fe.reset(tree) == 0
+    assert factory_etc.reset(tree) == 0
     assert snapshot(outside) == before
     assert (outside / "foo.service").read_text() == "someone else's\n"
     assert not (tree / "etc/systemd/system").is_symlink()
@@ -480,7 +481,7 @@ def test_reset_replaces_a_directory_where_a_mask_was(tree: Path) -> None:
     mask.unlink()
     mask.mkdir()
     (mask / "inner.conf").write_text("x")
-    assert fe.reset(tree) == 0
+    assert factory_etc.reset(tree) == 0
     assert os.readlink(mask) == "/dev/null"
 
 
@@ -490,24 +491,24 @@ def test_reset_restores_modes_and_a_removed_place(tree: Path) -> None:
     factory = in_scope_state(tree)
     (tree / "etc/sudoers").chmod(0o666)
     shutil.rmtree(tree / "etc/ssh/sshd_config.d")
-    assert fe.reset(tree) == 0
+    assert factory_etc.reset(tree) == 0
     assert in_scope_state(tree) == factory
 
 
 def test_reset_refuses_a_factory_copy_that_is_not_the_recorded_one(tree: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tree / fe.FACTORY_DIR / "systemd/system/foo.service").write_text("not the factory's\n")
+    (tree / factory_etc.FACTORY_DIR / "systemd/system/foo.service").write_text("not the factory's\n")
     (tree / "etc/systemd/system/foo.service").unlink()
-    assert fe.reset(tree) == 1
+    assert factory_etc.reset(tree) == 1
     assert "cannot reset /etc/systemd/system/foo.service" in capsys.readouterr().out
     assert not (tree / "etc/systemd/system/foo.service").exists()
     assert not [p for p in (tree / "etc/systemd/system").iterdir() if p.name.startswith(".#")]
 
 
 def test_reset_without_a_record_does_nothing(tree: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tree / fe.RECORD).unlink()
+    (tree / factory_etc.RECORD).unlink()
     tamper(tree)
     before = snapshot(tree)
-    assert fe.reset(tree) == 0
+    assert factory_etc.reset(tree) == 0
     assert "nothing reset" in capsys.readouterr().out
     assert snapshot(tree) == before
 
@@ -515,19 +516,19 @@ def test_reset_without_a_record_does_nothing(tree: Path, capsys: pytest.CaptureF
 def test_reset_refuses_an_etc_that_is_a_link(tree: Path, tmp_path: Path) -> None:
     os.rename(tree / "etc", tmp_path / "elsewhere")
     (tree / "etc").symlink_to(tmp_path / "elsewhere")
-    assert fe.reset(tree) == 1
+    assert factory_etc.reset(tree) == 1
 
 
 # ----------------------------------------------------------------------------------- the command
 
 
 def test_etc_reset_is_a_hidden_command(tree: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from applianctl import __main__ as applianctl_main
+    import applianctl.__main__
 
-    assert applianctl_main.COMMAND_MODULES["etc-reset"] == "applianctl.engine.verify"
-    assert "etc-reset" not in applianctl_main.build_parser().format_help()
+    assert applianctl.__main__.COMMAND_MODULES["etc-reset"] == "applianctl.slots.release_verify"
+    assert "etc-reset" not in applianctl.__main__.build_parser().format_help()
     tamper(tree)
-    assert applianctl_main.main(["etc-reset", "--root", str(tree)]) == 0
+    assert applianctl.__main__.main(["etc-reset", "--root", str(tree)]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 3
     assert findings(tree) == []
 

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from appliance import fetch as uf
+from appliance import fetch
 from appliance.errors import Refused, UserError
 
 LIMIT = 1 << 16
@@ -153,8 +153,8 @@ def plain() -> Iterator[Server]:
     s.close()
 
 
-def source(server: Server, ca: Path, seconds: float = 30.0, base: str = "bundle/") -> uf.HttpsSource:
-    return uf.HttpsSource(server.url + base, str(ca), uf.Deadline(seconds))
+def source(server: Server, ca: Path, seconds: float = 30.0, base: str = "bundle/") -> fetch.HttpsSource:
+    return fetch.HttpsSource(server.url + base, str(ca), fetch.Deadline(seconds))
 
 
 # ----------------------------------------------------------------------------------- HTTPS
@@ -225,7 +225,7 @@ def test_a_redirect_on_the_same_server_is_followed(https: Server, pki: dict[str,
 
 def test_plain_http_is_refused_before_any_request(plain: Server) -> None:
     with pytest.raises(UserError, match="only https:// is accepted"):
-        uf.open_source(plain.url + "bundle/", None, uf.Deadline(10))
+        fetch.open_source(plain.url + "bundle/", None, fetch.Deadline(10))
     assert plain.requests == []
 
 
@@ -242,7 +242,7 @@ def _slow(h: http.server.BaseHTTPRequestHandler) -> None:
 def test_a_slow_loris_body_ends_at_the_deadline(https: Server, pki: dict[str, Path], tmp_path: Path) -> None:
     https.routes["/bundle/big.raw"] = _slow
     t0 = time.monotonic()
-    with pytest.raises(uf.DeadlineExceeded, match=r"deadline of 1\.5 s"):
+    with pytest.raises(fetch.DeadlineExceeded, match=r"deadline of 1\.5 s"):
         source(https, pki["ca"], seconds=1.5).fetch("big.raw", tmp_path / "big.raw.part", 1 << 20)
     assert time.monotonic() - t0 < 4
 
@@ -250,7 +250,7 @@ def test_a_slow_loris_body_ends_at_the_deadline(https: Server, pki: dict[str, Pa
 def test_a_slow_loris_index_ends_at_the_deadline(https: Server, pki: dict[str, Path]) -> None:
     https.routes["/bundle/bundle.json"] = _slow
     t0 = time.monotonic()
-    with pytest.raises(uf.DeadlineExceeded):
+    with pytest.raises(fetch.DeadlineExceeded):
         source(https, pki["ca"], seconds=1.0).read_small("bundle.json", 1 << 20)
     assert time.monotonic() - t0 < 3
 
@@ -271,7 +271,7 @@ def test_the_given_ca_wins_over_the_environment(
     # and a CA in the environment does not make an untrusted server trusted
     monkeypatch.setenv(variable, str(pki["ca"]))
     with pytest.raises(UserError, match="not trusted"):
-        uf.HttpsSource(https.url + "bundle/", None, uf.Deadline(10)).read_small("bundle.json", LIMIT)
+        fetch.HttpsSource(https.url + "bundle/", None, fetch.Deadline(10)).read_small("bundle.json", LIMIT)
     with pytest.raises(UserError, match="not trusted"):
         source(https, pki["other"]).read_small("bundle.json", LIMIT)
 
@@ -282,7 +282,7 @@ def test_the_given_ca_wins_over_the_environment(
 )
 def test_odd_urls_are_refused(spec: str) -> None:
     with pytest.raises(UserError):
-        uf.open_source(spec, None, uf.Deadline(10))
+        fetch.open_source(spec, None, fetch.Deadline(10))
 
 
 # ----------------------------------------------------------------------------------- directories
@@ -295,7 +295,7 @@ def test_a_symlinked_file_in_a_directory_source_is_refused(tmp_path: Path) -> No
     os.symlink(tmp_path / "secret", bundle / "bundle.json")
     (bundle / "real.raw").write_bytes(b"z" * 10)
     os.symlink(bundle / "real.raw", bundle / "linked.raw")
-    src = uf.open_source(str(bundle), None, uf.Deadline(10))
+    src = fetch.open_source(str(bundle), None, fetch.Deadline(10))
     with pytest.raises(Refused, match="is a symbolic link"):
         src.read_small("bundle.json", LIMIT)
     with pytest.raises(Refused, match="is a symbolic link"):
@@ -309,7 +309,7 @@ def test_a_symlinked_bundle_directory_is_refused(tmp_path: Path) -> None:
     (tmp_path / "bundle").mkdir()
     os.symlink(tmp_path / "bundle", tmp_path / "link")
     with pytest.raises(UserError, match="is a symbolic link"):
-        uf.open_source(str(tmp_path / "link"), None, uf.Deadline(10))
+        fetch.open_source(str(tmp_path / "link"), None, fetch.Deadline(10))
 
 
 def test_a_device_or_fifo_in_a_directory_source_is_refused(tmp_path: Path) -> None:
@@ -317,18 +317,18 @@ def test_a_device_or_fifo_in_a_directory_source_is_refused(tmp_path: Path) -> No
     bundle.mkdir()
     os.mkfifo(bundle / "bundle.json")
     with pytest.raises(Refused, match="not a regular file"):
-        uf.open_source(str(bundle), None, uf.Deadline(10)).read_small("bundle.json", LIMIT)
+        fetch.open_source(str(bundle), None, fetch.Deadline(10)).read_small("bundle.json", LIMIT)
 
 
 def test_an_oversized_index_in_a_directory_is_refused(tmp_path: Path) -> None:
     (tmp_path / "bundle.json").write_bytes(b" " * (LIMIT + 1))
     with pytest.raises(Refused, match="larger than"):
-        uf.open_source(str(tmp_path), None, uf.Deadline(10)).read_small("bundle.json", LIMIT)
+        fetch.open_source(str(tmp_path), None, fetch.Deadline(10)).read_small("bundle.json", LIMIT)
 
 
 def test_a_download_reports_progress_in_the_journal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "f.raw").write_bytes(b"q" * 5000)
-    uf.open_source(str(tmp_path), None, uf.Deadline(10)).fetch("f.raw", tmp_path / "out.part", 5000)
+    fetch.open_source(str(tmp_path), None, fetch.Deadline(10)).fetch("f.raw", tmp_path / "out.part", 5000)
     err = capsys.readouterr().err.splitlines()
     assert err and err[-1].startswith("downloading f.raw: 4.9 KiB/4.9 KiB (100%)") and "done in" in err[-1]
 
@@ -366,16 +366,16 @@ def test_a_ranged_read_over_https_starts_at_the_offset_or_says_it_does_not(https
         assert b.offset == 1000 and b"".join(b) == data[1000:]
     with src.open("whole.raw", 1000) as b:
         assert b.offset == 0 and b"".join(b) == data
-    with pytest.raises(uf.RangeRefused):
+    with pytest.raises(fetch.RangeRefused):
         src.open("r.raw", len(data) + 5)
-    with pytest.raises(uf.HttpStatus) as e:
+    with pytest.raises(fetch.HttpStatus) as e:
         src.open("gone.raw")
     assert (e.value.status, e.value.url, str(e.value)) == (404, https.url + "bundle/gone.raw", "HTTP 404")
 
 
 def test_a_ranged_read_of_a_directory_file(tmp_path: Path) -> None:
     (tmp_path / "f.raw").write_bytes(b"0123456789" * 100)
-    src = uf.DirSource(str(tmp_path), uf.Deadline(10))
+    src = fetch.DirSource(str(tmp_path), fetch.Deadline(10))
     with src.open("f.raw", 995, chunk=3) as b:
         assert b.offset == 995 and list(b) == [b"567", b"89"]
     with pytest.raises(Refused, match="missing from the bundle"):
@@ -403,7 +403,7 @@ def test_a_directory_source_never_leaves_its_root(tmp_path: Path) -> None:
     (bundle / "real").mkdir()
     (bundle / "real/f.raw").write_bytes(b"inside!")
     os.symlink(outside, bundle / "sub")  # a link on the way, not at the file
-    src = uf.DirSource(str(bundle), uf.Deadline(10))
+    src = fetch.DirSource(str(bundle), fetch.Deadline(10))
     assert src.read_small("real/f.raw", LIMIT) == b"inside!"  # beneath the root, a real directory: read
     with pytest.raises(Refused) as e:
         src.read_small("sub/f.raw", LIMIT)
@@ -423,9 +423,9 @@ def test_a_link_to_a_shorter_file_leaves_none_of_its_bytes_in_a_partial_file(tmp
     os.symlink(tmp_path / "secret", bundle / "usr.raw")
     staging = tmp_path / "staging"
     staging.mkdir()
-    src = uf.DirSource(str(bundle), uf.Deadline(10))
+    src = fetch.DirSource(str(bundle), fetch.Deadline(10))
     with pytest.raises(Refused, match="is a symbolic link"):
-        uf.fetch_proven(src, "usr.raw", 1000, "0" * 64, staging)
+        fetch.fetch_proven(src, "usr.raw", 1000, "0" * 64, staging)
     assert [p.read_bytes() for p in staging.iterdir()] in ([], [b""])
 
 
@@ -449,18 +449,18 @@ def test_a_partial_file_is_0600_until_proven_then_0644(tmp_path: Path, umask0: N
     staging.mkdir()
     data = b"r" * 5000
     (bundle / "f.raw").write_bytes(data[:3000])  # cut short: the partial file stays, for a resume
-    src = uf.DirSource(str(bundle), uf.Deadline(10))
+    src = fetch.DirSource(str(bundle), fetch.Deadline(10))
     with pytest.raises(Refused, match="smaller than"):
-        uf.fetch_proven(src, "f.raw", len(data), hashlib.sha256(data).hexdigest(), staging)
+        fetch.fetch_proven(src, "f.raw", len(data), hashlib.sha256(data).hexdigest(), staging)
     part = staging / "f.raw.part"
     assert part.read_bytes() == data[:3000] and stat.S_IMODE(part.stat().st_mode) == 0o600
     assert chmodded == []  # created 0600, not made so after: nobody could open it in between
     part.chmod(0o644)  # as an older release left it: made root's only again on resume
     with pytest.raises(Refused, match="smaller than"):
-        uf.fetch_proven(src, "f.raw", len(data), hashlib.sha256(data).hexdigest(), staging)
+        fetch.fetch_proven(src, "f.raw", len(data), hashlib.sha256(data).hexdigest(), staging)
     assert stat.S_IMODE(part.stat().st_mode) == 0o600
     (bundle / "f.raw").write_bytes(data)
-    done = uf.fetch_proven(src, "f.raw", len(data), hashlib.sha256(data).hexdigest(), staging)
+    done = fetch.fetch_proven(src, "f.raw", len(data), hashlib.sha256(data).hexdigest(), staging)
     assert done.read_bytes() == data and stat.S_IMODE(done.stat().st_mode) == 0o644 and not part.exists()
 
 
@@ -480,7 +480,7 @@ def test_a_link_at_the_partial_file_is_refused_not_followed(tmp_path: Path) -> N
     victim.write_bytes(b"precious")
     os.symlink(victim, tmp_path / "f.raw.part")
     with pytest.raises(Refused, match=r"f\.raw\.part: is a symbolic link \(not followed\)"):
-        uf.DirSource(str(tmp_path), uf.Deadline(10)).fetch("f.raw", tmp_path / "f.raw.part", 3)
+        fetch.DirSource(str(tmp_path), fetch.Deadline(10)).fetch("f.raw", tmp_path / "f.raw.part", 3)
     assert victim.read_bytes() == b"precious"
 
 
@@ -492,14 +492,14 @@ def test_a_zero_size_file_in_the_index_is_fetched_as_an_empty_file(https: Server
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     (bundle / "empty.raw").write_bytes(b"")
-    for i, src in enumerate((uf.DirSource(str(bundle), uf.Deadline(10)), source(https, pki["ca"]))):
+    for i, src in enumerate((fetch.DirSource(str(bundle), fetch.Deadline(10)), source(https, pki["ca"]))):
         staging = tmp_path / f"staging{i}"
         staging.mkdir()
-        assert uf.missing_bytes("empty.raw", 0, staging) == 0
-        done = uf.fetch_proven(src, "empty.raw", 0, EMPTY_SHA256, staging)
+        assert fetch.missing_bytes("empty.raw", 0, staging) == 0
+        done = fetch.fetch_proven(src, "empty.raw", 0, EMPTY_SHA256, staging)
         assert done == staging / "empty.raw" and done.read_bytes() == b"" and sorted(staging.iterdir()) == [done]
-        assert uf.fetch_proven(src, "empty.raw", 0, EMPTY_SHA256, staging) == done  # again: proven in place
+        assert fetch.fetch_proven(src, "empty.raw", 0, EMPTY_SHA256, staging) == done  # again: proven in place
         with pytest.raises(Refused, match=r"does not match bundle\.json"):  # an index whose hash is not the empty one's
-            uf.fetch_proven(src, "other.raw", 0, "0" * 64, staging)
+            fetch.fetch_proven(src, "other.raw", 0, "0" * 64, staging)
         assert not (staging / "other.raw").exists() and not (staging / "other.raw.part").exists()
     assert https.requests == []  # nothing to ask the server for

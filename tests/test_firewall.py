@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import config as config_mod
+from appliance import config
 from appliance.config import Config
 from builder import engine_store, render
 
@@ -39,7 +39,7 @@ needs_nft = pytest.mark.skipif(not os.access(NFT, os.X_OK), reason="needs nft (a
 
 
 def _config(profile: str = "production", *, ssh: bool = False, http: str | None = None) -> Config:
-    c = config_mod.load(TOML, profile)
+    c = config.load(TOML, profile)
     if ssh:
         c = dataclasses.replace(c, os=dataclasses.replace(c.os, ssh_authorized_keys=(SSH_KEY,)))
     if http:

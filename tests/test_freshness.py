@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: MIT
-"""The bundle's timestamp (appliance/freshness.py): its format, `builder release` writing the first
+"""The bundle's timestamp (appliance/signed/timestamp.py): its format, `builder release` writing the first
 one and `builder timestamp` signing it again with the timestamp key's next sequence number. What
 the updater does with it is in test_update.py."""
 
@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from fake_release import bundle, demo_config, fake_build, make_signing
 
-from appliance import freshness, manifest, paths
+import builder.__main__
+from appliance import paths
 from appliance.errors import Refused, UserError
-from builder import __main__ as builder_main
-from builder import keys
-from builder import release as rel
+from appliance.signed import release_manifest, timestamp
+from builder import keys, release
 
 DAY = 86400
 
@@ -29,15 +29,15 @@ def signing_fixture(tmp_path: Path) -> tuple[Path, Path]:
     return make_signing(tmp_path)
 
 
-def _read(b: Path, trusted: Path) -> freshness.Timestamp:
+def _read(b: Path, trusted: Path) -> timestamp.Timestamp:
     """B's timestamp, as the updater checks it: against the timestamp keys beside TRUSTED."""
-    return freshness.verify((b / "timestamp.json").read_bytes(), (b / "timestamp.json.sig").read_bytes(),
+    return timestamp.verify((b / "timestamp.json").read_bytes(), (b / "timestamp.json.sig").read_bytes(),
                             paths.timestamp_keys_dir(trusted))
 
 
 def _builder(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     capsys.readouterr()
-    code = builder_main.main(argv)
+    code = builder.__main__.main(argv)
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -50,11 +50,11 @@ def test_a_release_carries_a_fresh_timestamp_for_its_index(tmp_path: Path, signi
     b = bundle(tmp_path, key, "2.0.0")
     ts = _read(b, trusted)
     index = (b / "bundle.json").read_bytes()
-    freshness.check_names(ts, index, "2.0.0")
+    timestamp.check_names(ts, index, "2.0.0")
     assert (ts.version, ts.sequence) == ("2.0.0", 1)
-    assert ts.expires_s - freshness.parse_utc(ts.signed_at) == freshness.DEFAULT_DAYS * DAY
+    assert ts.expires_s - timestamp.parse_utc(ts.signed_at) == timestamp.DEFAULT_DAYS * DAY
     assert ts.signer == keys.public_key_id(key.with_name("timestamp.pub")) != keys.public_key_id(key.with_suffix(".pub"))
-    assert (b / "timestamp.json").read_bytes() == manifest.canonical(json.loads((b / "timestamp.json").read_text()))
+    assert (b / "timestamp.json").read_bytes() == release_manifest.canonical(json.loads((b / "timestamp.json").read_text()))
     assert _read(bundle(tmp_path, key, "3.0.0"), trusted).sequence == 2, "one counter per timestamp key"
 
 
@@ -63,7 +63,7 @@ def test_a_release_refuses_the_release_key_as_its_timestamp_key(tmp_path: Path, 
     config = demo_config("2.0.0")
     out = fake_build(tmp_path / "out", config, key)
     with pytest.raises(UserError, match=r"release\.key is the release key [0-9a-f]{16}: timestamps need a key of their own") as e:
-        rel.make_bundle(config, out, tmp_path / "b", key, [config.engine.digest], timestamp_key=key)
+        release.make_bundle(config, out, tmp_path / "b", key, [config.engine.digest], timestamp_key=key)
     assert "keys generate --timestamp" in e.value.hint
     assert not (tmp_path / "b").exists()
 
@@ -113,8 +113,8 @@ def test_builder_timestamp_signs_the_next_sequence_and_replaces_the_files_whole(
     assert (keys.sequence_path(timestamp_key).stat().st_mode & 0o777) == 0o600
     code, _, err = _builder(["timestamp", str(b), "--key", str(timestamp_key), "--days", "30"], capsys)
     ts = _read(b, trusted)
-    assert code == 0 and ts.sequence == 3 and ts.expires_s - freshness.parse_utc(ts.signed_at) == 30 * DAY
-    freshness.check_names(ts, (b / "bundle.json").read_bytes(), "2.0.0")
+    assert code == 0 and ts.sequence == 3 and ts.expires_s - timestamp.parse_utc(ts.signed_at) == 30 * DAY
+    timestamp.check_names(ts, (b / "bundle.json").read_bytes(), "2.0.0")
 
 
 def test_a_failed_timestamp_write_keeps_the_old_one_and_never_hands_out_its_number_again(
@@ -124,19 +124,19 @@ def test_a_failed_timestamp_write_keeps_the_old_one_and_never_hands_out_its_numb
     b = bundle(tmp_path, key, "2.0.0")
     timestamp_key = key.with_name("timestamp.key")
     before = (b / "timestamp.json").read_bytes(), (b / "timestamp.json.sig").read_bytes()
-    real = rel.atomic_write
+    real = release.atomic_write
 
     def cut(path: Path, data: bytes, *args: Any, **kw: Any) -> None:
         if path.name.startswith("timestamp.json"):
             raise OSError("power cut")
         real(path, data, *args, **kw)
 
-    monkeypatch.setattr(rel, "atomic_write", cut)
+    monkeypatch.setattr(release, "atomic_write", cut)
     with pytest.raises(OSError, match="power cut"):
-        rel.sign_timestamp(b, timestamp_key)
+        release.sign_timestamp(b, timestamp_key)
     assert ((b / "timestamp.json").read_bytes(), (b / "timestamp.json.sig").read_bytes()) == before
-    monkeypatch.setattr(rel, "atomic_write", real)
-    assert rel.sign_timestamp(b, timestamp_key).sequence == 3, "2 was handed out to the failed run"
+    monkeypatch.setattr(release, "atomic_write", real)
+    assert release.sign_timestamp(b, timestamp_key).sequence == 3, "2 was handed out to the failed run"
     assert _read(b, trusted).sequence == 3
 
 
@@ -146,7 +146,7 @@ def test_a_damaged_sequence_counter_is_refused_not_restarted(tmp_path: Path, sig
     timestamp_key = key.with_name("timestamp.key")
     keys.sequence_path(timestamp_key).write_text("seven\n")
     with pytest.raises(UserError, match=r"timestamp\.key\.sequence: 'seven' is not a sequence number") as e:
-        rel.sign_timestamp(b, timestamp_key)
+        release.sign_timestamp(b, timestamp_key)
     assert "the highest one its timestamps carry" in e.value.hint
 
 
@@ -189,11 +189,12 @@ def _signed(tmp_path: Path, signing: Any, **changes: Any) -> tuple[bytes, bytes,
     """A timestamp with CHANGES to its fields, signed by the timestamp key: (data, sig, its keys dir)."""
     key, trusted = signing
     timestamp_key = key.with_name("timestamp.key")
-    doc = freshness.make(b"{}", "2.0.0", 1, keys.public_key_id(timestamp_key.with_suffix(".pub")), now=1_800_000_000)
+    doc = timestamp.make(b"{}", "2.0.0", 1, keys.public_key_id(timestamp_key.with_suffix(".pub")), now=1_800_000_000)
     doc.update(changes)
     doc = {k: v for k, v in doc.items() if v is not None}
-    data = manifest.canonical(doc)
-    return data, manifest.encode_signature(manifest.load_private_key(timestamp_key).sign(data)), paths.timestamp_keys_dir(trusted)
+    data = release_manifest.canonical(doc)
+    signature = release_manifest.load_private_key(timestamp_key).sign(data)
+    return data, release_manifest.encode_signature(signature), paths.timestamp_keys_dir(trusted)
 
 
 @pytest.mark.parametrize(
@@ -213,44 +214,44 @@ def test_a_signed_timestamp_of_the_wrong_form_is_one_refusal(tmp_path: Path, sig
                                                              says: str) -> None:
     data, sig, keys_dir = _signed(tmp_path, signing, **changes)
     with pytest.raises(Refused, match=says) as e:
-        freshness.verify(data, sig, keys_dir)
+        timestamp.verify(data, sig, keys_dir)
     assert "\n" not in e.value.message and e.value.hint
 
 
 def test_a_changed_timestamp_fails_its_signature(tmp_path: Path, signing: Any) -> None:
     data, sig, keys_dir = _signed(tmp_path, signing)
-    assert freshness.verify(data, sig, keys_dir).sequence == 1
+    assert timestamp.verify(data, sig, keys_dir).sequence == 1
     forged = data.replace(b'"sequence":1', b'"sequence":9')
     with pytest.raises(Refused, match="signature does not match any trusted timestamp key"):
-        freshness.verify(forged, sig, keys_dir)
+        timestamp.verify(forged, sig, keys_dir)
     with pytest.raises(UserError, match="no trusted timestamp keys"):
-        freshness.verify(data, sig, tmp_path / "an image without timestamp keys")
+        timestamp.verify(data, sig, tmp_path / "an image without timestamp keys")
 
 
 def test_a_timestamp_names_its_index_by_hash_and_version(tmp_path: Path, signing: Any) -> None:
     data, sig, keys_dir = _signed(tmp_path, signing, version="9.9")  # names b"{}" by hash
-    ts = freshness.verify(data, sig, keys_dir)
+    ts = timestamp.verify(data, sig, keys_dir)
     with pytest.raises(Refused, match=r"is for another bundle\.json"):
-        freshness.check_names(ts, b"{ }", "9.9")
+        timestamp.check_names(ts, b"{ }", "9.9")
     with pytest.raises(Refused, match=r"timestamp\.json says version 9\.9, bundle\.json 2\.0\.0"):
-        freshness.check_names(ts, b"{}", "2.0.0")
-    freshness.check_names(ts, b"{}", "9.9")
+        timestamp.check_names(ts, b"{}", "2.0.0")
+    timestamp.check_names(ts, b"{}", "9.9")
 
 
 def test_the_clock_and_the_sequence_rules(tmp_path: Path, signing: Any) -> None:
     data, sig, keys_dir = _signed(tmp_path, signing)
-    ts = freshness.verify(data, sig, keys_dir)
+    ts = timestamp.verify(data, sig, keys_dir)
     built = "2026-01-01T00:00:00Z"
-    freshness.check_clock(ts, ts.expires_s - 1, built)  # the last second it is valid
+    timestamp.check_clock(ts, ts.expires_s - 1, built)  # the last second it is valid
     with pytest.raises(Refused, match=f"the index expired at {ts.expires}; the clock says {ts.expires}"):
-        freshness.check_clock(ts, ts.expires_s, built)
+        timestamp.check_clock(ts, ts.expires_s, built)
     with pytest.raises(UserError, match="earlier than this release's build time") as e:
-        freshness.check_clock(ts, freshness.parse_utc(built) - 1, built)
+        timestamp.check_clock(ts, timestamp.parse_utc(built) - 1, built)
     assert type(e.value) is UserError, "not the bundle's fault: exit 2"
-    freshness.check_sequence(ts, None)
-    freshness.check_sequence(ts, 1)  # the same timestamp again (the timer, an unchanged server)
+    timestamp.check_sequence(ts, None)
+    timestamp.check_sequence(ts, 1)  # the same timestamp again (the timer, an unchanged server)
     with pytest.raises(Refused, match="sequence 1, lower than the 2"):
-        freshness.check_sequence(ts, 2)
+        timestamp.check_sequence(ts, 2)
 
 
 def test_a_timestamp_signed_later_than_the_clock_allows_is_refused(tmp_path: Path, signing: Any) -> None:
@@ -258,16 +259,16 @@ def test_a_timestamp_signed_later_than_the_clock_allows_is_refused(tmp_path: Pat
     skew a signing host may have; the build-time check still comes first."""
     built = "2026-01-01T00:00:00Z"
     data, sig, keys_dir = _signed(tmp_path, signing)
-    ts = freshness.verify(data, sig, keys_dir)
-    signed = freshness.parse_utc(ts.signed_at)
-    freshness.check_clock(ts, signed - freshness.MAX_CLOCK_SKEW_S, built)  # a signing host a little ahead
+    ts = timestamp.verify(data, sig, keys_dir)
+    signed = timestamp.parse_utc(ts.signed_at)
+    timestamp.check_clock(ts, signed - timestamp.MAX_CLOCK_SKEW_S, built)  # a signing host a little ahead
     with pytest.raises(Refused, match=rf"timestamp\.json was signed at {ts.signed_at}, later than the clock says "
                                       r"\(.*\) by more than 5 minutes") as e:
-        freshness.check_clock(ts, signed - freshness.MAX_CLOCK_SKEW_S - 1, built)
+        timestamp.check_clock(ts, signed - timestamp.MAX_CLOCK_SKEW_S - 1, built)
     assert "timedatectl" in e.value.hint and "builder timestamp" in e.value.hint and "\n" not in e.value.message
     data, sig, keys_dir = _signed(tmp_path, signing, signed_at="2099-01-01T00:00:00Z", expires="2099-01-08T00:00:00Z")
     with pytest.raises(Refused, match="signed at 2099-01-01T00:00:00Z"):
-        freshness.check_clock(freshness.verify(data, sig, keys_dir), signed, built)
+        timestamp.check_clock(timestamp.verify(data, sig, keys_dir), signed, built)
 
 
 def test_the_counter_is_counted_under_the_key_files_lock(tmp_path: Path, signing: Any, monkeypatch: pytest.MonkeyPatch) -> None:

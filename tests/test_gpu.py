@@ -20,7 +20,7 @@ import pytest
 from fakeprog import calls, fake_program
 from repository import FIXTURES as ALL_FIXTURES
 
-from appliance import config as config_model
+import appliance.config
 from appliance.config import Config
 from appliance.config.model import Gpu
 from applianctl.status import gpu, probes
@@ -35,7 +35,7 @@ ROCM_SMI_TEXT = ROCM_SMI_FILE.read_text()
 STATIC_ROCM6 = [{"gpu": 0, "vram": STATIC_VRAM}]
 def gpu_config(required: bool = True, min_vram_headroom_mib: int = 1024) -> Config:
     """The demo profile's real configuration with the given [gpu] settings."""
-    loaded = config_model.load(Path(__file__).parents[1] / "appliance.toml", "demo")
+    loaded = appliance.config.load(Path(__file__).parents[1] / "appliance.toml", "demo")
     return dataclasses.replace(loaded, gpu=Gpu(required=required, min_vram_headroom_mib=min_vram_headroom_mib))
 
 

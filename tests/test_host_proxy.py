@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 from cryptography import x509
 
+import appliance.config
 from appliance import caddyfile, host_settings, paths
-from appliance import config as config_mod
-from appliance import plan as plan_model
 from appliance.errors import ConfigError, UserError
+from appliance.signed import install_plan
 from applianctl import host, tls
 from applianctl.records import HostResult
 from applianctl.slots import assess
@@ -60,13 +60,13 @@ class Host:
     def result(self) -> Path:
         return self.run_dir / "host.json"
 
-    def install(self, plan: plan_model.Plan) -> None:
-        data, sig = plan_model.sign(plan, self.private_key)
+    def install(self, plan: install_plan.Plan) -> None:
+        data, sig = install_plan.sign(plan, self.private_key)
         self.host_dir.mkdir(parents=True, exist_ok=True)
-        (self.host_dir / plan_model.PLAN_JSON).write_bytes(data)
-        (self.host_dir / plan_model.PLAN_SIG).write_bytes(sig)
+        (self.host_dir / install_plan.PLAN_JSON).write_bytes(data)
+        (self.host_dir / install_plan.PLAN_SIG).write_bytes(sig)
 
-    def apply(self, config: config_mod.Config) -> HostResult:
+    def apply(self, config: appliance.config.Config) -> HostResult:
         return host.apply(config, self.host_dir, self.root / "network", self.result, self.trusted, set_hostname=False)
 
     def proxy_files(self) -> list[str]:
@@ -92,17 +92,17 @@ def machine(tmp_path: Path) -> Host:
     return Host(tmp_path / "machine", private, trusted)
 
 
-def _image(tls_mode: str = "internal") -> config_mod.Config:
+def _image(tls_mode: str = "internal") -> appliance.config.Config:
     """The demo image's configuration (mode internal), or the same with ACME."""
-    config = config_mod.load(REPO / "appliance.toml", "demo")
+    config = appliance.config.load(REPO / "appliance.toml", "demo")
     if tls_mode == "acme":
         config = dataclasses.replace(config, proxy=dataclasses.replace(config.proxy, tls="acme", acme_email="ops@example.net"))
     return config
 
 
-def _plan(**proxy: Any) -> plan_model.Plan:
+def _plan(**proxy: Any) -> install_plan.Plan:
     # Built directly (not from TOML): the hostile cases must reach the signature and the device's checks.
-    return plan_model.Plan(hostname="gpu-07", proxy=host_settings.Proxy(**proxy))
+    return install_plan.Plan(hostname="gpu-07", proxy=host_settings.Proxy(**proxy))
 
 
 def _caddy(args: list[str], path: Path, home: Path) -> subprocess.CompletedProcess[str]:
@@ -237,15 +237,15 @@ def test_a_signed_plan_whose_proxy_values_do_not_render_fails_the_unit_and_keeps
         host.privileged(machine.result, runner=lambda argv: None)
     assert named == ["gpu-07"]
     # status shows it: part host degraded, with the reason
-    from applianctl.status import host as status_host
+    import applianctl.status.host
     from applianctl.status import probes
 
-    part = status_host.probe_host(image, probes.Sources(run=lambda argv, timeout: (1, "")), machine.result)
+    part = applianctl.status.host.probe_host(image, probes.Sources(run=lambda argv, timeout: (1, "")), machine.result)
     assert part.state == probes.DEGRADED and part.reason == doc.reason and part.to_json()["source"] == "plan"
 
 
 def test_a_signed_plan_this_version_refuses_outright_applies_nothing_and_fails_the_unit(machine: Host) -> None:
-    machine.install(plan_model.Plan(hostname="a" * 65))  # signed unchecked: no host may take this name
+    machine.install(install_plan.Plan(hostname="a" * 65))  # signed unchecked: no host may take this name
     doc = machine.apply(_image())
     assert doc.ok is False and doc.source == "plan" and doc.settings is None
     assert "hostname" in doc.reason and doc.reason.endswith("nothing of it applies"), doc.reason
@@ -255,10 +255,10 @@ def test_a_signed_plan_this_version_refuses_outright_applies_nothing_and_fails_t
 
 def test_a_plan_not_signed_by_a_trusted_key_leaves_the_defaults_without_failing_the_unit(machine: Host, tmp_path: Path) -> None:
     other, _ = keys.generate(tmp_path / "other")
-    data, sig = plan_model.sign(_plan(hostname=PLAN_NAME), other)
+    data, sig = install_plan.sign(_plan(hostname=PLAN_NAME), other)
     machine.host_dir.mkdir(parents=True)
-    (machine.host_dir / plan_model.PLAN_JSON).write_bytes(data)
-    (machine.host_dir / plan_model.PLAN_SIG).write_bytes(sig)
+    (machine.host_dir / install_plan.PLAN_JSON).write_bytes(data)
+    (machine.host_dir / install_plan.PLAN_SIG).write_bytes(sig)
     doc = machine.apply(_image())
     assert doc.ok is False and doc.source == "image defaults"
     assert host.privileged(machine.result, runner=lambda argv: None) == []
@@ -292,7 +292,7 @@ def test_the_device_checks_the_settings_file_again(appliance_json: Callable[[str
 def test_readers_see_the_plans_values(machine: Host, appliance_json: Callable[[str], Path], tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     image_json = appliance_json("demo")
-    image = config_mod.load_image(image_json)
+    image = appliance.config.load_image(image_json)
     machine.install(_plan(hostname=PLAN_NAME, allowed_cidrs=PLAN_CIDRS))
     assert machine.apply(image).ok is True
     monkeypatch.setenv("APPLIANCE_CONFIG", str(image_json))
@@ -318,7 +318,7 @@ def test_readers_see_the_plans_values(machine: Host, appliance_json: Callable[[s
 def test_without_a_plan_everything_is_the_images(machine: Host, appliance_json: Callable[[str], Path],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     image_json = appliance_json("demo")
-    image = config_mod.load_image(image_json)
+    image = appliance.config.load_image(image_json)
     machine.run_dir.mkdir(parents=True)
     for name in (host.CADDYFILE, host.PROXY_ENV, host.HOST_SETTINGS):  # an earlier boot's plan, since removed
         (machine.run_dir / name).write_text("stale")
@@ -332,7 +332,7 @@ def test_without_a_plan_everything_is_the_images(machine: Host, appliance_json: 
     assert assess.client_target(host_settings.load_device()).server_name == image.proxy.hostname
 
     # A plan without proxy settings: the image's Caddyfile stays in use too.
-    machine.install(plan_model.Plan(hostname="gpu-07"))
+    machine.install(install_plan.Plan(hostname="gpu-07"))
     assert machine.apply(image).ok is True
     assert machine.proxy_files() == []
     assert host_settings.load_device() == image
@@ -380,8 +380,8 @@ def test_the_plans_update_url_windows_metrics_and_logs_reach_every_reader(machin
                                                                         appliance_json: Callable[[str], Path]) -> None:
     from plan_values import CA_PEM
 
-    window = config_mod.model.MaintenanceWindow(start="22:30", duration_min=120, days=("sat",))
-    machine.install(plan_model.Plan(
+    window = appliance.config.model.MaintenanceWindow(start="22:30", duration_min=120, days=("sat",))
+    machine.install(install_plan.Plan(
         update=host_settings.Update(url="https://updates.example.net/stable/channel.json", maintenance_windows=(window,)),
         metrics=host_settings.Metrics(allowed_cidrs=("198.51.100.7/32",), client_ca=CA_PEM),
         logs=host_settings.Logs(upload_url=COLLECTOR, upload_ca=CA_PEM)))
@@ -406,7 +406,7 @@ def test_the_plans_weights_source_is_the_fetchs_default_source(machine: Host, ap
     from applianctl.model.store import HOST_SOURCE, Store
 
     mirror = "https://weights.example.net/dsv4/"
-    machine.install(plan_model.Plan(weights=host_settings.Weights(source=mirror)))
+    machine.install(install_plan.Plan(weights=host_settings.Weights(source=mirror)))
     result = machine.apply(_image())
     assert result.ok, result.reason
     device = host_settings.load_device(appliance_json("demo"), machine.run_dir / host.HOST_SETTINGS)
@@ -424,10 +424,10 @@ def test_the_plans_weights_source_is_the_fetchs_default_source(machine: Host, ap
 def test_without_a_collector_nothing_is_left_for_the_upload_unit(machine: Host) -> None:
     from plan_values import CA_PEM
 
-    machine.install(plan_model.Plan(logs=host_settings.Logs(upload_url=COLLECTOR, upload_ca=CA_PEM)))
+    machine.install(install_plan.Plan(logs=host_settings.Logs(upload_url=COLLECTOR, upload_ca=CA_PEM)))
     assert machine.apply(_image()).ok
     assert (machine.run_dir / paths.JOURNAL_UPLOAD_ENV.name).exists()
-    machine.install(plan_model.Plan(hostname="gpu-08"))  # a new plan without logs: the image's (none)
+    machine.install(install_plan.Plan(hostname="gpu-08"))  # a new plan without logs: the image's (none)
     assert machine.apply(_image()).ok
     assert not (machine.run_dir / paths.JOURNAL_UPLOAD_ENV.name).exists()
     assert not (machine.run_dir / paths.JOURNAL_UPLOAD_CA.name).exists()
@@ -435,7 +435,7 @@ def test_without_a_collector_nothing_is_left_for_the_upload_unit(machine: Host) 
 
 
 def test_a_plan_with_an_upload_url_and_no_ca_is_refused_with_the_image_settings_kept(machine: Host) -> None:
-    machine.install(plan_model.Plan(hostname="gpu-09", logs=host_settings.Logs(upload_url=COLLECTOR)))
+    machine.install(install_plan.Plan(hostname="gpu-09", logs=host_settings.Logs(upload_url=COLLECTOR)))
     result = machine.apply(_image())
     assert not result.ok and "logs.upload_url needs logs.upload_ca" in result.reason
     assert not (machine.run_dir / paths.JOURNAL_UPLOAD_ENV.name).exists()
@@ -446,7 +446,7 @@ def test_a_plan_with_an_upload_url_and_no_ca_is_refused_with_the_image_settings_
                                  "not a certificate", "-----BEGIN CERTIFICATE-----\n}\n-----END CERTIFICATE-----\n"])
 def test_a_ca_that_is_not_pem_certificates_is_refused_by_the_plan(pem: str) -> None:
     with pytest.raises(ConfigError) as e:
-        plan_model.from_plain({"metrics": {"client_ca": pem}}, "plan.toml")
+        install_plan.from_plain({"metrics": {"client_ca": pem}}, "plan.toml")
     assert "metrics.client_ca" in e.value.message and "PEM" in (e.value.hint or "")
 
 
@@ -458,7 +458,7 @@ def test_a_ca_that_is_not_pem_certificates_is_refused_by_the_plan(pem: str) -> N
 ])
 def test_per_host_values_the_device_could_not_use_are_refused_by_the_plan(section: str, key: str, value: Any) -> None:
     with pytest.raises(ConfigError) as e:
-        plan_model.from_plain({section: {key: value}}, "plan.toml")
+        install_plan.from_plain({section: {key: value}}, "plan.toml")
     assert f"{section}." in e.value.message and e.value.hint
 
 
@@ -507,17 +507,17 @@ def _toml(doc: dict[str, Any]) -> str:
     ({"weights": {"source": "/srv/weights"}}, True),
 ])
 def test_builder_plan_signs_exactly_what_the_device_renders(machine: Host, tmp_path: Path, doc: dict[str, Any], renders: bool) -> None:
-    from builder import plan as builder_plan
+    from builder import sign_plan
 
     image = _image()
     doc = {"hostname": "gpu-07", **doc} if "hostname" not in doc else doc
     # the device: the same values signed without any check, as an older builder could have
-    signer = plan_model.manifest.key_id(plan_model.manifest.load_private_key(machine.private_key).public_key())
-    data = plan_model.manifest.canonical({**doc, "signer": signer})
+    signer = install_plan.release_manifest.key_id(install_plan.release_manifest.load_private_key(machine.private_key).public_key())
+    data = install_plan.release_manifest.canonical({**doc, "signer": signer})
     machine.host_dir.mkdir(parents=True)
-    (machine.host_dir / plan_model.PLAN_JSON).write_bytes(data)
-    (machine.host_dir / plan_model.PLAN_SIG).write_bytes(
-        plan_model.manifest.encode_signature(plan_model.manifest.load_private_key(machine.private_key).sign(data)))
+    (machine.host_dir / install_plan.PLAN_JSON).write_bytes(data)
+    (machine.host_dir / install_plan.PLAN_SIG).write_bytes(
+        install_plan.release_manifest.encode_signature(install_plan.release_manifest.load_private_key(machine.private_key).sign(data)))
     applied = machine.apply(image)
     assert applied.source == "plan" and applied.ok is renders, applied.reason
     # `builder plan`: signs it only if the device renders it
@@ -525,10 +525,10 @@ def test_builder_plan_signs_exactly_what_the_device_renders(machine: Host, tmp_p
     source.write_text(_toml(doc))
     out = tmp_path / "signed"
     if renders:
-        builder_plan.write(source, machine.private_key, out, image)
-        assert (out / plan_model.PLAN_JSON).exists()
+        sign_plan.write(source, machine.private_key, out, image)
+        assert (out / install_plan.PLAN_JSON).exists()
     else:
         with pytest.raises(ConfigError) as e:
-            builder_plan.write(source, machine.private_key, out, image)
+            sign_plan.write(source, machine.private_key, out, image)
         assert "\n" not in e.value.message and e.value.hint and e.value.exit_status == 2
         assert not out.exists()

@@ -246,7 +246,7 @@ def test_the_default_boot_entry_is_a_main_profile_never_a_factory_reset(producti
     must each start a main entry."""
     import fnmatch
 
-    from appliance.bundle import DEFAULT_ENTRY
+    from appliance.signed.bundle_index import DEFAULT_ENTRY
 
     lines = (production_tree / "efi/loader/loader.conf").read_text().splitlines()
     assert f"default {DEFAULT_ENTRY}" in lines

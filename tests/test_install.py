@@ -18,9 +18,9 @@ from typing import Any
 import plan_values
 import pytest
 
-from appliance import bundle, host_settings
-from appliance import plan as plan_model
+from appliance import host_settings
 from appliance.errors import UserError
+from appliance.signed import bundle_index, install_plan
 from builder import keys
 from installer import disks, install, select
 
@@ -84,7 +84,7 @@ def _payload(tmp_path: Path) -> install.Payload:
     image.write_bytes(b"zstd frames of the disk image" * 100)
     bmap = tmp_path / "appliance_1.0.0.raw.bmap"
     bmap.write_text(f'<?xml version="1.0" ?>\n<bmap version="2.0">\n    <ImageSize> {4 * GIB} </ImageSize>\n</bmap>\n')
-    listed = bundle.BundleFile(image.name, hashlib.sha256(image.read_bytes()).hexdigest(), image.stat().st_size)
+    listed = bundle_index.BundleFile(image.name, hashlib.sha256(image.read_bytes()).hexdigest(), image.stat().st_size)
     return install.Payload(image, bmap, "1.0.0", USRHASH, "engine_0123456789ab", "c" * 64, listed)
 
 
@@ -98,18 +98,18 @@ def _trusted(tmp_path: Path) -> tuple[Path, Path]:
     return private, trusted
 
 
-def _sign(tmp_path: Path, plan: plan_model.Plan, name: str = "plan") -> Path:
+def _sign(tmp_path: Path, plan: install_plan.Plan, name: str = "plan") -> Path:
     private, _ = _trusted(tmp_path)
     plan_dir = tmp_path / name
     plan_dir.mkdir()
-    data, sig = plan_model.sign(plan, private)
-    (plan_dir / plan_model.PLAN_JSON).write_bytes(data)
-    (plan_dir / plan_model.PLAN_SIG).write_bytes(sig)
+    data, sig = install_plan.sign(plan, private)
+    (plan_dir / install_plan.PLAN_JSON).write_bytes(data)
+    (plan_dir / install_plan.PLAN_SIG).write_bytes(sig)
     return plan_dir
 
 
-def _plan(tmp_path: Path, hostname: str = "gpu-07", key: str = KEY, name: str = "plan") -> tuple[plan_model.Plan, Path]:
-    plan = plan_model.Plan(hostname=hostname, target=plan_model.Target(serial="S64ANS0T512345"),
+def _plan(tmp_path: Path, hostname: str = "gpu-07", key: str = KEY, name: str = "plan") -> tuple[install_plan.Plan, Path]:
+    plan = install_plan.Plan(hostname=hostname, target=install_plan.Target(serial="S64ANS0T512345"),
                            network=host_settings.Network(interfaces=("ens1f0",), addresses=("192.0.2.10/24",)),
                            ssh=host_settings.Ssh(authorized_keys=(key,)))
     return plan, _sign(tmp_path, plan, name)
@@ -158,7 +158,7 @@ def test_install_writes_verifies_records_the_plan_and_boots_first(tmp_path: Path
     assert verity[0] == ["veritysetup", "verify", "/dev/vda2", "/dev/vda3", USRHASH]
     assert verity[1] == ["veritysetup", "verify", "/dev/vda4", "/dev/vda5", "c" * 64]
     assert next(c for c in rec.calls if c[0] == "mount")[1] == "/dev/mapper/appliance-var-install"
-    assert rec.var == {f"lib/appliance/host/{n}": (plan_dir / n).read_bytes() for n in (plan_model.PLAN_JSON, plan_model.PLAN_SIG)}
+    assert rec.var == {f"lib/appliance/host/{n}": (plan_dir / n).read_bytes() for n in (install_plan.PLAN_JSON, install_plan.PLAN_SIG)}
     create = next(c for c in rec.calls if "--create" in c)
     assert create[create.index("--disk") + 1] == "/dev/vda" and create[create.index("--part") + 1] == "1"
     assert next(c for c in rec.calls if "--bootorder" in c)[-1] == "0003,0001,0000"
@@ -224,7 +224,7 @@ def test_the_disk_must_hold_engine_slot_b_as_the_configuration_sizes_it(tmp_path
 def test_every_plan_field_at_its_most_hostile_goes_through_the_install_and_its_summary(tmp_path: Path) -> None:
     """Nothing after bmaptool's first write may fail on a plan value: a plan with every field set to
     the longest or strangest value the plan accepts installs, and its summary renders."""
-    plan = plan_model.from_plain(plan_values.HOSTILE, "plan.json")
+    plan = install_plan.from_plain(plan_values.HOSTILE, "plan.json")
     assert plan_values.every_field_set(plan) == []  # a field added to the plan is added to HOSTILE too
     target = plan.target
     assert target is not None
@@ -250,7 +250,7 @@ def test_every_plan_field_at_its_most_hostile_goes_through_the_install_and_its_s
         assert f"{install.ssh_fingerprint(key)} {comment.lstrip(' ')}\n" in page + "\n"  # OpenSSH's comment: after the spaces
     # and a plan that sets nothing but the target
     choice = select.choose(disks.from_lsblk(listing, udev), target, boot_partuuid="", required_bytes=1, version="1.0.0")
-    bare = plan_model.Plan(target=target)
+    bare = install_plan.Plan(target=target)
     assert "SSH keys    0" in install.summary(choice, _payload(tmp_path), bare, [], 1.0, "?")
 
 
@@ -262,14 +262,14 @@ REAL_INSTALL = install.install
 
 def _main(tmp_path: Path, plan_dir: Path, monkeypatch: pytest.MonkeyPatch, trusted: Path) -> tuple[int, Recorder]:
     """python3 -m installer --medium --plan PLAN_DIR with this test's runner and listing in place of the tools."""
-    from installer import __main__ as installer_main
+    import installer.__main__
 
     rec = Recorder({"blockdevices": [next(n for n in _as_spare_disk(_host_listing(), WRITTEN)["blockdevices"] if n["name"] == "vda")]})
-    monkeypatch.setattr(installer_main.paths, "TRUSTED_KEYS_DIR", trusted)
+    monkeypatch.setattr(installer.__main__.paths, "TRUSTED_KEYS_DIR", trusted)
     monkeypatch.setattr(install, "load_payload", lambda medium, keys: _payload(tmp_path))
     monkeypatch.setattr(install, "install", lambda *a, **kw: REAL_INSTALL(
         *a, **kw, runner=rec, listing=(_as_spare_disk(_host_listing()), {}), boot_partuuid="", out=lambda _: None))
-    status = installer_main.main(["--medium", str(tmp_path), "--plan", str(plan_dir), "--no-reboot"])
+    status = installer.__main__.main(["--medium", str(tmp_path), "--plan", str(plan_dir), "--no-reboot"])
     return status, rec
 
 
@@ -287,10 +287,10 @@ def test_the_installer_writes_nothing_for_a_plan_it_does_not_trust(tmp_path: Pat
     def plan_dir(name: str, key: Path, change: Callable[[bytes], bytes] = lambda d: d, sig: bool = True) -> Path:
         d = tmp_path / name
         d.mkdir()
-        data, signature = plan_model.sign(plan, key)
-        (d / plan_model.PLAN_JSON).write_bytes(change(data))
+        data, signature = install_plan.sign(plan, key)
+        (d / install_plan.PLAN_JSON).write_bytes(change(data))
         if sig:
-            (d / plan_model.PLAN_SIG).write_bytes(signature)
+            (d / install_plan.PLAN_SIG).write_bytes(signature)
         return d
 
     status, rec = _main(tmp_path, plan_dir("good", private), monkeypatch, trusted)
@@ -315,7 +315,7 @@ def _installed(tmp_path: Path, old_plan: bool = True) -> tuple[dict[str, Any], R
     var = {}
     if old_plan:
         _, old_dir = _plan(tmp_path, hostname="gpu-06", key=OLD_KEY, name="old-plan")
-        var = {f"lib/appliance/host/{n}": (old_dir / n).read_bytes() for n in (plan_model.PLAN_JSON, plan_model.PLAN_SIG)}
+        var = {f"lib/appliance/host/{n}": (old_dir / n).read_bytes() for n in (install_plan.PLAN_JSON, install_plan.PLAN_SIG)}
     return installed, Recorder({"blockdevices": [next(n for n in installed["blockdevices"] if n["name"] == "vda")]}, var)
 
 
@@ -330,7 +330,7 @@ def test_the_same_version_again_writes_the_new_plan_and_shows_what_is_on_the_dis
     assert status == 0
     assert rec.tools == ["veritysetup", "veritysetup", "mount", "umount",
                          "efibootmgr", "efibootmgr --create", "efibootmgr", "efibootmgr --bootorder", "systemctl"]
-    assert rec.var == {f"lib/appliance/host/{n}": (plan_dir / n).read_bytes() for n in (plan_model.PLAN_JSON, plan_model.PLAN_SIG)}
+    assert rec.var == {f"lib/appliance/host/{n}": (plan_dir / n).read_bytes() for n in (install_plan.PLAN_JSON, install_plan.PLAN_SIG)}
     page = out[-1]
     assert "Appliance 1.0.0 re-installed" in page and "only the plan written" in page
     assert "gpu-07" in page and install.ssh_fingerprint(KEY) in page
@@ -346,7 +346,7 @@ def test_the_summary_shows_the_plan_read_back_from_the_disk_or_nothing(tmp_path:
     real_write = install.atomic_write
 
     def torn(path: Path, data: bytes, mode: int = 0o644, group: int | None = None) -> None:
-        real_write(path, data[:-2] if path.name == plan_model.PLAN_JSON else data, mode, group)
+        real_write(path, data[:-2] if path.name == install_plan.PLAN_JSON else data, mode, group)
 
     monkeypatch.setattr(install, "atomic_write", torn)
     out: list[str] = []
@@ -372,7 +372,7 @@ def test_the_same_version_again_in_a_dry_run_writes_nothing(tmp_path: Path) -> N
 def test_the_same_version_with_wipe_set_is_written_whole(tmp_path: Path) -> None:
     installed, rec = _installed(tmp_path, old_plan=False)
     plan, _ = _plan(tmp_path)
-    wiped = plan_model.Plan(hostname=plan.hostname, target=plan_model.Target(serial="S64ANS0T512345", wipe_existing_data=True))
+    wiped = install_plan.Plan(hostname=plan.hostname, target=install_plan.Target(serial="S64ANS0T512345", wipe_existing_data=True))
     out: list[str] = []
     install.install(_payload(tmp_path), wiped, _sign(tmp_path, wiped, "wiped"), runner=rec, listing=(installed, {}),
                     boot_partuuid="", trusted_keys=_trusted(tmp_path)[1], reboot=False, out=out.append)
@@ -409,11 +409,11 @@ def _medium(tmp_path: Path) -> tuple[Path, Path, Path]:
 
     key, trusted = make_signing(tmp_path / "signing")
     medium = fake_bundle(tmp_path, key, with_install_image=True)
-    plan = plan_model.Plan(hostname="gpu-07", target=plan_model.Target(serial="S64ANS0T512345"))
-    data, sig = plan_model.sign(plan, key)
+    plan = install_plan.Plan(hostname="gpu-07", target=install_plan.Target(serial="S64ANS0T512345"))
+    data, sig = install_plan.sign(plan, key)
     (medium / "plan").mkdir()
-    (medium / "plan" / plan_model.PLAN_JSON).write_bytes(data)
-    (medium / "plan" / plan_model.PLAN_SIG).write_bytes(sig)
+    (medium / "plan" / install_plan.PLAN_JSON).write_bytes(data)
+    (medium / "plan" / install_plan.PLAN_SIG).write_bytes(sig)
     return medium, medium / "plan", trusted
 
 
@@ -421,21 +421,21 @@ def _run_medium(medium: Path, plan_dir: Path, trusted: Path, monkeypatch: pytest
     """python3 -m installer --medium MEDIUM, the real load_payload, this test's runner and listing."""
     from fake_release import demo_config, usrhash_for
 
-    from installer import __main__ as installer_main
+    import installer.__main__
 
     # the disk as bmaptool and systemd-repart leave it: the partitions this release's index and manifest name
-    usr, usr_verity = bundle.partuuids_from_usrhash(usrhash_for("2.0.0"))
-    engine = "engine_" + bundle.engine_short(demo_config("2.0.0").engine.digest)
+    usr, usr_verity = bundle_index.partuuids_from_usrhash(usrhash_for("2.0.0"))
+    engine = "engine_" + bundle_index.engine_short(demo_config("2.0.0").engine.digest)
     layout = copy.deepcopy(WRITTEN)
     layout[1].update(partuuid=usr, partlabel="appliance_2.0.0")
     layout[2].update(partuuid=usr_verity, partlabel="appliance_2.0.0_verity")
     layout[3].update(partlabel=engine)
     layout[4].update(partlabel=engine + "-verity")
     rec = Recorder({"blockdevices": [next(n for n in _as_spare_disk(_host_listing(), layout)["blockdevices"] if n["name"] == "vda")]})
-    monkeypatch.setattr(installer_main.paths, "TRUSTED_KEYS_DIR", trusted)
+    monkeypatch.setattr(installer.__main__.paths, "TRUSTED_KEYS_DIR", trusted)
     monkeypatch.setattr(install, "install", lambda *a, **kw: REAL_INSTALL(
         *a, **kw, runner=rec, listing=(_as_spare_disk(_host_listing()), {}), boot_partuuid="", out=lambda _: None))
-    return installer_main.main(["--medium", str(medium), "--plan", str(plan_dir), "--no-reboot"]), rec
+    return installer.__main__.main(["--medium", str(medium), "--plan", str(plan_dir), "--no-reboot"]), rec
 
 
 @pytest.mark.programs
@@ -444,7 +444,7 @@ def test_the_mediums_image_and_block_map_are_checked_before_the_first_write(
     medium, plan_dir, trusted = _medium(tmp_path)
     status, rec = _run_medium(medium, plan_dir, trusted, monkeypatch)
     assert status == 0 and rec.tools[0] == "bmaptool"  # this harness does reach the writes
-    image, bmap = (medium / n for n in bundle.install_names("2.0.0").values())
+    image, bmap = (medium / n for n in bundle_index.install_names("2.0.0").values())
     assert rec.calls[0] == ["bmaptool", "copy", "--bmap", str(bmap), str(image), "/dev/vda"]
     capsys.readouterr()
     for changed, said in ((bmap, "raw.bmap: SHA-256"), (image, "raw.zst: SHA-256")):

@@ -16,11 +16,11 @@ import pytest
 from fake_release import bundle, demo_config, make_signing
 from test_fetch import Server, body, make_ca, make_server_cert
 
-from appliance import bundle as bundle_format
+import installer.__main__
 from appliance.errors import Refused, UserError
-from applianctl.update import download as update_stage
-from builder import plan as builder_plan
-from installer import __main__ as installer_main
+from appliance.signed import bundle_index
+from applianctl.update import download
+from builder import sign_plan
 from installer import install, remote
 
 pytestmark = pytest.mark.programs  # starts real programs (make unit, not make check)
@@ -57,10 +57,10 @@ def serve(server: Server, directory: Path, prefix: str = "/v1/") -> str:
 def test_release_adds_the_install_image_which_the_updater_never_fetches(tmp_path: Path, signing: tuple[Path, Path]) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key, with_install_image=True)
-    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
-    names = bundle_format.install_names("2.0.0")
+    index = bundle_index.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    names = bundle_index.install_names("2.0.0")
     assert set(names.values()) <= {f.name for f in index.files}
-    assert not set(names.values()) & {f.name for f in update_stage.to_fetch(index)}
+    assert not set(names.values()) & {f.name for f in download.to_fetch(index)}
     unpacked = subprocess.run(["zstd", "-d", "-c", str(b / names["install-image"])], capture_output=True, check=True).stdout
     assert unpacked == (tmp_path / "out-2.0.0" / "appliance_2.0.0.raw").read_bytes()
     assert install.image_size(b / names["install-bmap"]) == 8 << 20
@@ -72,7 +72,7 @@ def test_an_index_with_half_the_install_image_is_refused(tmp_path: Path, signing
     doc = json.loads((b / "bundle.json").read_text())
     doc["files"] = [f for f in doc["files"] if not f["name"].endswith(".raw.bmap")]
     with pytest.raises(Refused, match="not that of a release bundle"):
-        bundle_format.load_index(doc)
+        bundle_index.load_index(doc)
 
 
 def test_the_installer_downloads_only_what_an_install_needs(tmp_path: Path, signing: tuple[Path, Path],
@@ -94,7 +94,7 @@ def test_a_changed_install_image_is_refused_and_not_kept(tmp_path: Path, signing
     server, ca = https
     b = bundle(tmp_path, key, with_install_image=True)
     url = serve(server, b)
-    image = bundle_format.install_names("2.0.0")["install-image"]
+    image = bundle_index.install_names("2.0.0")["install-image"]
     data = bytearray((b / image).read_bytes())
     data[-1] ^= 1
     server.routes[f"/v1/{image}"] = body(bytes(data))
@@ -132,15 +132,15 @@ def test_without_a_medium_the_verified_plans_update_url_is_used(tmp_path: Path, 
     url = serve(server, bundle(tmp_path, key, with_install_image=True))
     toml = tmp_path / "plan.toml"
     toml.write_text(f'hostname = "gpu-09"\n[update]\nurl = "{url}"\n[target]\nserial = "S1"\n')
-    builder_plan.write(toml, key, tmp_path / "plan", demo_config("1.0.0"))
+    sign_plan.write(toml, key, tmp_path / "plan", demo_config("1.0.0"))
     creds = tmp_path / "creds"
     creds.mkdir()
     (creds / "appliance.install-plan").write_bytes((tmp_path / "plan" / "plan.json").read_bytes())
     (creds / "appliance.install-plan.sig").write_bytes((tmp_path / "plan" / "plan.json.sig").read_bytes())
     (creds / remote.CA_CREDENTIAL).write_bytes(ca.read_bytes())
     monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
-    monkeypatch.setattr(installer_main, "find_medium", lambda: None)
-    monkeypatch.setattr(installer_main.paths, "TRUSTED_KEYS_DIR", trusted)
+    monkeypatch.setattr(installer.__main__, "find_medium", lambda: None)
+    monkeypatch.setattr(installer.__main__.paths, "TRUSTED_KEYS_DIR", trusted)
     monkeypatch.setattr(remote, "RELEASE_DIR", tmp_path / "release")
     seen: dict[str, object] = {}
 
@@ -148,9 +148,9 @@ def test_without_a_medium_the_verified_plans_update_url_is_used(tmp_path: Path, 
         seen["payload"], seen["plan"] = payload, plan
         return 0
 
-    monkeypatch.setattr(installer_main.install, "install", fake_install)
+    monkeypatch.setattr(installer.__main__.install, "install", fake_install)
     # the server's CA is a private one: the download succeeds only with the credential's CA
-    assert installer_main.main(["--no-reboot"]) == 0
+    assert installer.__main__.main(["--no-reboot"]) == 0
     payload = seen["payload"]
     assert isinstance(payload, install.Payload) and payload.version == "2.0.0"
     assert payload.image == tmp_path / "release" / "appliance_2.0.0.raw.zst"
@@ -162,9 +162,9 @@ def test_without_a_medium_or_a_url_nothing_is_written(tmp_path: Path, signing: t
     key, trusted = signing
     toml = tmp_path / "plan.toml"
     toml.write_text('[target]\nserial = "S1"\n')
-    builder_plan.write(toml, key, tmp_path / "plan", demo_config("1.0.0"))
-    monkeypatch.setattr(installer_main, "find_medium", lambda: None)
-    monkeypatch.setattr(installer_main.paths, "TRUSTED_KEYS_DIR", trusted)
-    assert installer_main.main(["--plan", str(tmp_path / "plan")]) == 2
+    sign_plan.write(toml, key, tmp_path / "plan", demo_config("1.0.0"))
+    monkeypatch.setattr(installer.__main__, "find_medium", lambda: None)
+    monkeypatch.setattr(installer.__main__.paths, "TRUSTED_KEYS_DIR", trusted)
+    assert installer.__main__.main(["--plan", str(tmp_path / "plan")]) == 2
     err = capsys.readouterr().err
     assert "no release URL" in err and "hint:" in err and "Traceback" not in err

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 from fake_release import bundle, demo_config, make_signing
 
-from appliance import plan as plan_model
 from appliance.errors import UserError
-from builder import installer_media, keys
-from builder import plan as builder_plan
+from appliance.signed import install_plan
+from builder import installer_media, keys, sign_plan
 
 pytestmark = pytest.mark.programs  # starts real programs (make unit, not make check)
 
@@ -53,7 +52,7 @@ def _plan(tmp_path: Path) -> Path:
     private, _ = keys.generate(tmp_path / "keys")
     toml = tmp_path / "gpu-07.toml"
     toml.write_text('hostname = "gpu-07"\n[target]\nserial = "S1"\n')
-    builder_plan.write(toml, private, tmp_path / "gpu-07", demo_config("1.0.0"))
+    sign_plan.write(toml, private, tmp_path / "gpu-07", demo_config("1.0.0"))
     return tmp_path / "gpu-07"
 
 
@@ -85,7 +84,7 @@ def test_usb_iso_and_efi_forms(tmp_path: Path) -> None:
     assert "appliance_1.0.0.raw " not in listing + " "  # the uncompressed image, which no signed index lists, stays off
     plan_json = subprocess.run(["debugfs", "-R", "cat /plan/plan.json", str(payload_img)], capture_output=True, check=True).stdout
     plan_sig = subprocess.run(["debugfs", "-R", "cat /plan/plan.json.sig", str(payload_img)], capture_output=True, check=True).stdout
-    assert plan_model.verify(plan_json, plan_sig, _trusted(tmp_path)).hostname == "gpu-07"
+    assert install_plan.verify(plan_json, plan_sig, _trusted(tmp_path)).hostname == "gpu-07"
     bmap = written["bmap"].read_text()
     assert "<BlockMap>" in bmap and re.search(r"<ChecksumType>\s*sha256\s*</ChecksumType>", bmap)
     mapped = int(re.findall(r"<MappedBlocksCount>\s*(\d+)", bmap)[0])

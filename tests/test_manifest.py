@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: MIT
-"""The signed release manifest (appliance/manifest.py), signing keys (builder/keys.py) and
-`applianctl verify` (applianctl/engine/verify.py)."""
+"""The signed release manifest (appliance/signed/release_manifest.py), signing keys (builder/keys.py) and
+`applianctl verify` (applianctl/slots/release_verify.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from appliance import manifest, paths
+from appliance import paths
 from appliance.errors import UserError
-from applianctl.engine import verify
+from appliance.signed import release_manifest
+from applianctl.slots import release_verify
 from builder import keys
 
 OVERLAY = b"print('overlay')\n"
@@ -100,7 +101,7 @@ def make_manifest(signer: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def signed(keypair: tuple[Path, Path]) -> tuple[dict[str, Any], bytes, bytes]:
     m = make_manifest(keys.public_key_id(keypair[1]))
-    return m, manifest.dumps(m), manifest.sign(m, keypair[0])
+    return m, release_manifest.dumps(m), release_manifest.sign(m, keypair[0])
 
 
 # ----------------------------------------------------------------------------- canonical form
@@ -115,10 +116,10 @@ json_values = st.recursive(
 @settings(max_examples=60)
 @given(json_values)
 def test_canonical_round_trip(value: Any) -> None:
-    data = manifest.canonical(value)
+    data = release_manifest.canonical(value)
     assert json.loads(data.decode("utf-8")) == value
-    assert manifest.parse_canonical(data) == value
-    assert manifest.canonical(manifest.parse_canonical(data)) == data
+    assert release_manifest.parse_canonical(data) == value
+    assert release_manifest.canonical(release_manifest.parse_canonical(data)) == data
 
 
 @settings(max_examples=60)
@@ -126,17 +127,17 @@ def test_canonical_round_trip(value: Any) -> None:
 def test_canonical_ignores_key_order(value: dict[str, Any], rnd: Any) -> None:
     items = list(value.items())
     rnd.shuffle(items)
-    assert manifest.canonical(dict(items)) == manifest.canonical(value)
+    assert release_manifest.canonical(dict(items)) == release_manifest.canonical(value)
 
 
 def test_canonical_form_is_compact_sorted_utf8() -> None:
-    assert manifest.canonical({"b": 1, "a": ["é", None, True]}) == '{"a":["é",null,true],"b":1}'.encode()
+    assert release_manifest.canonical({"b": 1, "a": ["é", None, True]}) == '{"a":["é",null,true],"b":1}'.encode()
 
 
 @pytest.mark.parametrize("value", [1.5, {"a": 0.0}, [float("nan")], {1: "x"}, {"a": b"bytes"}])
 def test_canonical_refuses_non_json(value: Any) -> None:
-    with pytest.raises(manifest.ManifestError):
-        manifest.canonical(value)
+    with pytest.raises(release_manifest.ManifestError):
+        release_manifest.canonical(value)
 
 
 @pytest.mark.parametrize(
@@ -144,8 +145,8 @@ def test_canonical_refuses_non_json(value: Any) -> None:
     [b'{"a": 1}', b'{"b":1,"a":2}', b'{"a":1,"a":1}', b'{"a":1.0}', b'{"a":NaN}', b'{"a":"\\u00e9"}', b"\xff", b"{"],
 )
 def test_parse_refuses_non_canonical(data: bytes) -> None:
-    with pytest.raises(manifest.ManifestError):
-        manifest.parse_canonical(data)
+    with pytest.raises(release_manifest.ManifestError):
+        release_manifest.parse_canonical(data)
 
 
 # ----------------------------------------------------------------------------- schema
@@ -153,7 +154,7 @@ def test_parse_refuses_non_canonical(data: bytes) -> None:
 
 def test_valid_manifest_passes(keypair: tuple[Path, Path]) -> None:
     m = make_manifest(keys.public_key_id(keypair[1]))
-    assert manifest.loads(manifest.dumps(m)) == m
+    assert release_manifest.loads(release_manifest.dumps(m)) == m
 
 
 @pytest.mark.parametrize(
@@ -181,15 +182,15 @@ def test_valid_manifest_passes(keypair: tuple[Path, Path]) -> None:
 def test_schema_refusals(keypair: tuple[Path, Path], change: Any) -> None:
     m = make_manifest(keys.public_key_id(keypair[1]))
     change(m)
-    with pytest.raises(manifest.ManifestError):
-        manifest.dumps(m)
+    with pytest.raises(release_manifest.ManifestError):
+        release_manifest.dumps(m)
 
 
 def test_unknown_field_is_named(keypair: tuple[Path, Path]) -> None:
     m = make_manifest(keys.public_key_id(keypair[1]))
     m["model"]["quantization"] = "fp8"
-    with pytest.raises(manifest.ManifestError, match=r"unknown field 'model\.quantization'"):
-        manifest.dumps(m)
+    with pytest.raises(release_manifest.ManifestError, match=r"unknown field 'model\.quantization'"):
+        release_manifest.dumps(m)
 
 
 # ----------------------------------------------------------------------------- keys
@@ -233,13 +234,13 @@ def test_sign_refuses_group_readable_key(tmp_path: Path, keypair: tuple[Path, Pa
     copy_ = tmp_path / "loose.key"
     copy_.write_bytes(keypair[0].read_bytes())
     copy_.chmod(0o640)
-    with pytest.raises(manifest.ManifestError, match="readable by others"):
-        manifest.sign(make_manifest(keys.public_key_id(keypair[1])), copy_)
+    with pytest.raises(release_manifest.ManifestError, match="readable by others"):
+        release_manifest.sign(make_manifest(keys.public_key_id(keypair[1])), copy_)
 
 
 def test_sign_refuses_wrong_signer(keypair: tuple[Path, Path]) -> None:
-    with pytest.raises(manifest.ManifestError, match="names signer"):
-        manifest.sign(make_manifest("0123456789abcdef"), keypair[0])
+    with pytest.raises(release_manifest.ManifestError, match="names signer"):
+        release_manifest.sign(make_manifest("0123456789abcdef"), keypair[0])
 
 
 # ----------------------------------------------------------------------------- sign / verify
@@ -248,7 +249,7 @@ def test_sign_refuses_wrong_signer(keypair: tuple[Path, Path]) -> None:
 def test_sign_verify_round_trip(signed: tuple[dict[str, Any], bytes, bytes], trusted: Path) -> None:
     m, data, sig = signed
     assert sig.endswith(b"\n") and len(base64.b64decode(sig)) == 64
-    assert manifest.verify(data, sig, trusted) == manifest.load(m)
+    assert release_manifest.verify(data, sig, trusted) == release_manifest.load(m)
 
 
 @settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -262,18 +263,18 @@ def test_any_single_byte_change_is_detected(
     index = data.draw(st.integers(min_value=0, max_value=len(target) - 1))
     new = data.draw(st.integers(min_value=0, max_value=255).filter(lambda b: b != target[index]))
     changed = target[:index] + bytes([new]) + target[index + 1 :]
-    with pytest.raises(manifest.ManifestError):
+    with pytest.raises(release_manifest.ManifestError):
         if in_sig:
-            manifest.verify(body, changed, trusted)
+            release_manifest.verify(body, changed, trusted)
         else:
-            manifest.verify(changed, sig, trusted)
+            release_manifest.verify(changed, sig, trusted)
 
 
 def test_untrusted_key_is_refused(trusted: Path, other_keypair: tuple[Path, Path]) -> None:
     m = make_manifest(keys.public_key_id(other_keypair[1]))
-    sig = manifest.sign(m, other_keypair[0])
-    with pytest.raises(manifest.ManifestError, match="not trusted"):
-        manifest.verify(manifest.dumps(m), sig, trusted)
+    sig = release_manifest.sign(m, other_keypair[0])
+    with pytest.raises(release_manifest.ManifestError, match="not trusted"):
+        release_manifest.verify(release_manifest.dumps(m), sig, trusted)
 
 
 def test_rotation_trusts_both_keys(
@@ -283,7 +284,7 @@ def test_rotation_trusts_both_keys(
         (tmp_path / keys.trusted_name(pub)).write_bytes(pub.read_bytes())
     for private, pub in (keypair, other_keypair):
         m = make_manifest(keys.public_key_id(pub))
-        assert manifest.verify(manifest.dumps(m), manifest.sign(m, private), tmp_path).signer == keys.public_key_id(
+        assert release_manifest.verify(release_manifest.dumps(m), release_manifest.sign(m, private), tmp_path).signer == keys.public_key_id(
             pub
         )
 
@@ -305,24 +306,24 @@ def test_malformed_signature_is_refused(
     signed: tuple[dict[str, Any], bytes, bytes], trusted: Path, mangle: Any
 ) -> None:
     _, data, sig = signed
-    with pytest.raises(manifest.ManifestError, match="signature"):
-        manifest.verify(data, mangle(sig), trusted)
+    with pytest.raises(release_manifest.ManifestError, match="signature"):
+        release_manifest.verify(data, mangle(sig), trusted)
 
 
 def test_unknown_field_refused_even_when_signed(keypair: tuple[Path, Path], trusted: Path) -> None:
     m = make_manifest(keys.public_key_id(keypair[1]))
     m["surprise"] = "x"
-    data = manifest.canonical(m)
-    key = manifest.load_private_key(keypair[0])
-    sig = manifest.encode_signature(key.sign(data))
-    with pytest.raises(manifest.ManifestError, match="unknown field 'surprise'"):
-        manifest.verify(data, sig, trusted)
+    data = release_manifest.canonical(m)
+    key = release_manifest.load_private_key(keypair[0])
+    sig = release_manifest.encode_signature(key.sign(data))
+    with pytest.raises(release_manifest.ManifestError, match="unknown field 'surprise'"):
+        release_manifest.verify(data, sig, trusted)
 
 
 def test_no_trusted_keys(signed: tuple[dict[str, Any], bytes, bytes], tmp_path: Path) -> None:
     _, data, sig = signed
-    with pytest.raises(manifest.ManifestError, match="no trusted keys"):
-        manifest.verify(data, sig, tmp_path)
+    with pytest.raises(release_manifest.ManifestError, match="no trusted keys"):
+        release_manifest.verify(data, sig, tmp_path)
 
 
 # ----------------------------------------------------------------------------- applianctl verify
@@ -356,7 +357,7 @@ def device(
 
 
 def run_verify(capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any], str]:
-    code = verify.run(argparse.Namespace(command="verify", debug=False))
+    code = release_verify.run(argparse.Namespace(command="verify", debug=False))
     result = json.loads(paths.VERIFY_RESULT.read_text())
     return code, result, capsys.readouterr().err
 
@@ -411,28 +412,28 @@ def symlink_over(path: Path) -> None:
 
 def test_verify_parser() -> None:
     parser = argparse.ArgumentParser()
-    verify.add_parser(parser.add_subparsers(dest="command"))
-    assert parser.parse_args(["verify"]).func is verify.run
+    release_verify.add_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["verify"]).func is release_verify.run
     from applianctl.__main__ import COMMAND_MODULES
 
-    assert COMMAND_MODULES["verify"] == "applianctl.engine.verify"
+    assert COMMAND_MODULES["verify"] == "applianctl.slots.release_verify"
 
 
 def test_manifest_copy_is_not_mutated_by_dumps(keypair: tuple[Path, Path]) -> None:
     m = make_manifest(keys.public_key_id(keypair[1]))
     before = copy.deepcopy(m)
-    manifest.dumps(m)
+    release_manifest.dumps(m)
     assert m == before
 
 
 @pytest.mark.parametrize("version", ["1" * 5000, "1" * 10, "1.2.3.4.5", "", "1.x", "1..2", " 1"])
 def test_version_tuple_refuses_what_is_not_a_version_before_int(version: str) -> None:
     # 5,000 digits is past Python's int-string limit: one refusal, never a ValueError traceback
-    with pytest.raises(manifest.ManifestError, match="expected up to four numbers of up to 9 digits") as e:
-        manifest.version_tuple(version)
+    with pytest.raises(release_manifest.ManifestError, match="expected up to four numbers of up to 9 digits") as e:
+        release_manifest.version_tuple(version)
     assert "\n" not in e.value.message and len(e.value.message) < 200 and e.value.hint
 
 
 def test_version_tuple_of_versions() -> None:
-    assert manifest.version_tuple("1.2") == (1, 2, 0, 0)
-    assert manifest.version_tuple("999999999.0.0.1") == (999999999, 0, 0, 1)
+    assert release_manifest.version_tuple("1.2") == (1, 2, 0, 0)
+    assert release_manifest.version_tuple("999999999.0.0.1") == (999999999, 0, 0, 1)

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from requests.adapters import HTTPAdapter
 
-from appliance import config as config_mod
+import appliance.config
 from appliance.caddyfile import render_caddyfile
 from applianctl import tls
 from testkit import caddy
@@ -117,7 +117,7 @@ def _site(tmp: Path, client_ca: str = "") -> Iterator[Site]:
     node, node_port = _serve(NODE_TEXT, node_seen)
     engine, engine_port = _serve(ENGINE_TEXT, engine_seen)
     https_port, http_port, metrics_port = (free_port() for _ in range(3))
-    config = config_mod.load(ROOT / "appliance.toml", "demo")
+    config = appliance.config.load(ROOT / "appliance.toml", "demo")
     config = dataclasses.replace(
         config,
         proxy=dataclasses.replace(config.proxy, https_port=https_port, allowed_cidrs=("127.0.0.0/8",)),

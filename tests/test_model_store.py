@@ -16,12 +16,11 @@ from typing import Any
 import pytest
 from test_weights import MODEL, REV, SIZES, FakeVerity, _snapshot, _store
 
-from appliance import weights as wm
+import applianctl.model.store
 from appliance.errors import UserError
-from appliance.manifest import ManifestError
-from applianctl.model import fetch as model_fetch
-from applianctl.model import store as model_store
-from applianctl.model import verify as model_verify
+from appliance.signed import weights_manifest
+from appliance.signed.release_manifest import ManifestError
+from applianctl.model import fetch, verify
 from applianctl.records import WeightsFetch
 
 PRECIOUS = b"not the store's\n"
@@ -46,7 +45,7 @@ def _link(at: Path, to: Path) -> Path:
 
 
 # Each sets up one thing in the store and returns (the path refused, what it is, what it should be).
-Plant = Callable[[model_store.Store, Path], tuple[Path, str, str]]
+Plant = Callable[[applianctl.model.store.Store, Path], tuple[Path, str, str]]
 PLANTS: dict[str, Plant] = {
     "a symlinked snapshot subdirectory": lambda s, t: (_link(s.snapshot / "sub", _outside(t)), "a symbolic link", "a directory"),
     "a symlinked snapshot": lambda s, t: (_link(s.snapshot, _outside(t)), "a symbolic link", "a directory"),
@@ -85,7 +84,7 @@ def test_anything_but_directories_and_regular_files_in_the_store_is_refused_nami
     store, verity = _store(tmp_path, manifest), FakeVerity()
     path, kind, want = PLANTS[plant](store, tmp_path)
     with pytest.raises(UserError) as e:
-        model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity, workers=1)
+        fetch.fetch(store, fetch.DirSource(str(src)), verity, workers=1)
     assert e.value.message == f"{path}: is {kind}, not {want} (nothing in the model store is followed or replaced)"
     rm = "rm -r" if kind == "a directory" else "rm"
     assert e.value.hint == f"remove it: {rm} {path}; then run applianctl model fetch again"
@@ -96,8 +95,8 @@ def test_anything_but_directories_and_regular_files_in_the_store_is_refused_nami
         shutil.rmtree(path)
     else:
         path.unlink()
-    model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity, workers=1)
-    assert model_verify.check(store, verity).ok
+    fetch.fetch(store, fetch.DirSource(str(src)), verity, workers=1)
+    assert verify.check(store, verity).ok
 
 
 def test_a_link_put_in_place_of_the_partial_directory_after_a_cut_is_not_followed(tmp_path: Path) -> None:
@@ -105,16 +104,16 @@ def test_a_link_put_in_place_of_the_partial_directory_after_a_cut_is_not_followe
 
     src, manifest = _snapshot(tmp_path, SIZES)
     store, verity = _store(tmp_path, manifest), FakeVerity()
-    source = CutSource(model_fetch.DirSource(str(src)), "a.safetensors", 2 * model_fetch.CHUNK_BYTES + 5)
+    source = CutSource(fetch.DirSource(str(src)), "a.safetensors", 2 * fetch.CHUNK_BYTES + 5)
     with pytest.raises(PowerCut):
-        model_fetch.fetch(store, source, verity, workers=1)
+        fetch.fetch(store, source, verity, workers=1)
     outside = _outside(tmp_path)
     store.partial.rename(outside / "moved")  # swapped for a link between two runs
     _link(store.partial, outside / "moved")
     before = {p: p.read_bytes() for p in (outside / "moved").rglob("*") if p.is_file()}
     source.cut = 1 << 62
     with pytest.raises(UserError, match=r"\.partial/a{40}: is a symbolic link, not a directory"):
-        model_fetch.fetch(store, source, verity, workers=1)
+        fetch.fetch(store, source, verity, workers=1)
     assert {p: p.read_bytes() for p in (outside / "moved").rglob("*") if p.is_file()} == before
 
 
@@ -123,7 +122,7 @@ def test_the_store_directory_itself_a_link_is_refused(tmp_path: Path) -> None:
     store = _store(tmp_path, manifest)
     _link(store.root, _outside(tmp_path))
     with pytest.raises(UserError, match=r"huggingface: is a symbolic link, not a directory") as e:
-        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity())
+        fetch.fetch(store, fetch.DirSource(str(src)), FakeVerity())
     assert e.value.hint == f"remove it: rm {store.root}; then run applianctl model fetch again"
     assert list((tmp_path / "outside").iterdir()) == []
 
@@ -147,29 +146,30 @@ def _plain(path: str) -> dict[str, object]:
 ])
 def test_a_name_the_file_system_cannot_hold_is_refused_when_the_manifest_is_loaded(path: str, expected: str) -> None:
     with pytest.raises(ManifestError, match=r"^weights manifest: files\[0\]\.path = '.*: expected ") as e:
-        wm.from_plain(_plain(path))
+        weights_manifest.from_plain(_plain(path))
     assert expected in e.value.message and "\n" not in e.value.message and len(e.value.message) < 200
 
 
 def test_names_at_the_limits_load() -> None:
-    assert wm.from_plain(_plain("x" * 255)).files[0].path == "x" * 255
-    assert len(wm.from_plain(_plain("/".join(["d" * 99] * 40) + "/" + "x" * 95)).files[0].path) == 4095
+    assert weights_manifest.from_plain(_plain("x" * 255)).files[0].path == "x" * 255
+    assert len(weights_manifest.from_plain(_plain("/".join(["d" * 99] * 40) + "/" + "x" * 95)).files[0].path) == 4095
 
 
 def test_the_store_checks_its_own_prefix_and_suffixes_against_the_limits() -> None:
     cache = Path("/var/lib/appliance/huggingface")
     snapshot, partial = cache / "hub/models--org--model/snapshots" / REV, cache / ".partial" / REV
-    fits = wm.make(MODEL, REV, [wm.WeightFile("x" * (255 - len(".part.journal")), 1, "0" * 64)])
-    model_store.check_names(fits, snapshot, partial)
-    long_name = wm.make(MODEL, REV, [wm.WeightFile("x" * 250, 1, "0" * 64)])  # its journal: 263 bytes
+    fits = weights_manifest.make(MODEL, REV, [weights_manifest.WeightFile("x" * (255 - len(".part.journal")), 1, "0" * 64)])
+    applianctl.model.store.check_names(fits, snapshot, partial)
+    long_name = weights_manifest.make(MODEL, REV, [weights_manifest.WeightFile("x" * 250, 1, "0" * 64)])  # its journal: 263 bytes
     journal_too_long = (r"^/usr/lib/appliance/weights.json: 'x{30,}\.\.\.: "
                         r"its partial file's journal would be a name of 263 bytes, more than 255$")
     with pytest.raises(ManifestError, match=journal_too_long) as e:
-        model_store.check_names(long_name, snapshot, partial)
+        applianctl.model.store.check_names(long_name, snapshot, partial)
     assert e.value.hint.startswith("the weights manifest names a file this device cannot store")
     deep = "/".join(["d" * 99] * 40) + "/" + "x" * 90  # 4,090 bytes: the manifest's limit, not the store's
     with pytest.raises(ManifestError, match=r": on the disk it would be a path of 41[0-9]{2} bytes, more than 4095$"):
-        model_store.check_names(wm.make(MODEL, REV, [wm.WeightFile(deep, 1, "0" * 64)]), snapshot, partial)
+        deep_manifest = weights_manifest.make(MODEL, REV, [weights_manifest.WeightFile(deep, 1, "0" * 64)])
+        applianctl.model.store.check_names(deep_manifest, snapshot, partial)
 
 
 # ----------------------------------------------------------------------------------- the per-host source
@@ -180,7 +180,7 @@ def _config_for_source(source: str) -> Any:
     return SimpleNamespace(model=SimpleNamespace(source=source))
 
 
-def _host_store(tmp_path: Path) -> model_store.Store:
+def _host_store(tmp_path: Path) -> applianctl.model.store.Store:
     _, manifest = _snapshot(tmp_path, {"config.json": 10})
     store = _store(tmp_path, manifest)
     store.host_dir.mkdir(parents=True)
@@ -189,16 +189,16 @@ def _host_store(tmp_path: Path) -> model_store.Store:
 
 def test_the_per_host_source_is_one_line(tmp_path: Path) -> None:
     store = _host_store(tmp_path)
-    (store.host_dir / model_store.HOST_SOURCE).write_text("https://mirror.example/org/model\n")
+    (store.host_dir / applianctl.model.store.HOST_SOURCE).write_text("https://mirror.example/org/model\n")
     assert store.default_source(_config_for_source("")) == "https://mirror.example/org/model"
-    (store.host_dir / model_store.HOST_SOURCE).unlink()
+    (store.host_dir / applianctl.model.store.HOST_SOURCE).unlink()
     assert store.default_source(_config_for_source("/media/usb")) == "/media/usb"
 
 
 @pytest.mark.parametrize("fault", ["a symbolic link", "a FIFO", "too large", "a directory"])
 def test_a_per_host_source_someone_else_could_have_put_there_is_refused_in_one_line(tmp_path: Path, fault: str) -> None:
     store = _host_store(tmp_path)
-    path = store.host_dir / model_store.HOST_SOURCE
+    path = store.host_dir / applianctl.model.store.HOST_SOURCE
     if fault == "a symbolic link":
         (tmp_path / "elsewhere").write_text("https://evil.example/org/model\n")
         path.symlink_to(tmp_path / "elsewhere")
@@ -207,8 +207,8 @@ def test_a_per_host_source_someone_else_could_have_put_there_is_refused_in_one_l
         os.mkfifo(path)  # would block a plain read for ever
         expected = "is a FIFO, not a regular file"
     elif fault == "too large":
-        path.write_bytes(b"x" * (model_store.MAX_HOST_SOURCE_BYTES + 1))
-        expected = f"{model_store.MAX_HOST_SOURCE_BYTES + 1} bytes, more than {model_store.MAX_HOST_SOURCE_BYTES}"
+        path.write_bytes(b"x" * (applianctl.model.store.MAX_HOST_SOURCE_BYTES + 1))
+        expected = f"{applianctl.model.store.MAX_HOST_SOURCE_BYTES + 1} bytes, more than {applianctl.model.store.MAX_HOST_SOURCE_BYTES}"
     else:
         path.mkdir()
         expected = "is a directory, not a regular file"
@@ -219,7 +219,7 @@ def test_a_per_host_source_someone_else_could_have_put_there_is_refused_in_one_l
 
 def test_a_journal_or_a_weight_file_that_became_a_directory_meanwhile_is_refused_not_replaced(tmp_path: Path) -> None:
     root = tmp_path / "cache"
-    with model_store.StoreDir(root) as fs:
+    with applianctl.model.store.StoreDir(root) as fs:
         (root / "j").mkdir()
         with pytest.raises(UserError, match=r"/j: is a directory, not a regular file"):
             fs.write_atomic("j", b"{}")
@@ -232,7 +232,7 @@ def test_a_journal_or_a_weight_file_that_became_a_directory_meanwhile_is_refused
 
 def test_a_store_file_is_opened_without_following_a_link_and_only_when_regular(tmp_path: Path) -> None:
     root = tmp_path / "cache"
-    with model_store.StoreDir(root) as fs:  # what every open in the store goes through, whatever was checked before it
+    with applianctl.model.store.StoreDir(root) as fs:  # what every open in the store goes through, whatever was checked before it
         _link(root / "part", _victim(tmp_path))
         with pytest.raises(UserError, match=r"/cache/part: is a symbolic link, not a regular file"):
             fs.open_file("part", os.O_RDWR | os.O_CREAT)
@@ -247,7 +247,7 @@ def test_a_store_file_is_opened_without_following_a_link_and_only_when_regular(t
 # ----------------------------------------------------------------------------------- a directory source never leaves its root
 
 
-def _store_bytes(store: model_store.Store) -> list[bytes]:
+def _store_bytes(store: applianctl.model.store.Store) -> list[bytes]:
     return [p.read_bytes() for p in store.root.rglob("*") if p.is_file() and not p.is_symlink()]
 
 
@@ -269,7 +269,7 @@ def test_a_directory_source_with_a_link_in_the_path_is_refused_and_none_of_its_b
         linked = f"{src}/sub"
     name = "a.safetensors" if where == "the file" else "sub/b.safetensors"
     with pytest.raises(UserError) as e:
-        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity(), workers=1)
+        fetch.fetch(store, fetch.DirSource(str(src)), FakeVerity(), workers=1)
     assert e.value.message == f"{name}: {linked} is a symbolic link (a source directory is read without following links)"
     assert e.value.hint == f"copy the snapshot with its links resolved (cp -rL {src} DIR), then fetch from DIR"
     assert not any(secret in data for data in _store_bytes(store))
@@ -278,7 +278,7 @@ def test_a_directory_source_with_a_link_in_the_path_is_refused_and_none_of_its_b
 def test_a_directory_source_opens_nothing_but_names_beneath_it(tmp_path: Path) -> None:
     src, _ = _snapshot(tmp_path, SIZES)
     (tmp_path / "secret").write_bytes(PRECIOUS)
-    source = model_fetch.DirSource(str(src))
+    source = fetch.DirSource(str(src))
     for name in ("../secret", f"{tmp_path}/secret", "sub/../../secret"):
         with pytest.raises(UserError, match=r"is not a relative path without '\.\.'"):
             source.open(name)
@@ -313,9 +313,9 @@ def test_partial_files_are_0600_until_proven_and_sealed_then_0644(tmp_path: Path
 
     src, manifest = _snapshot(tmp_path, SIZES)
     store, verity = _store(tmp_path, manifest), FakeVerity()
-    source = CutSource(model_fetch.DirSource(str(src)), "a.safetensors", model_fetch.CHUNK_BYTES + 5)
+    source = CutSource(fetch.DirSource(str(src)), "a.safetensors", fetch.CHUNK_BYTES + 5)
     with pytest.raises(PowerCut):
-        model_fetch.fetch(store, source, verity, workers=1)
+        fetch.fetch(store, source, verity, workers=1)
     part = store.partial / "a.safetensors.part"
     journal = store.partial / "a.safetensors.part.journal"
     assert part.stat().st_size > 0 and journal.exists()
@@ -323,9 +323,9 @@ def test_partial_files_are_0600_until_proven_and_sealed_then_0644(tmp_path: Path
     assert [name for name in chmodded if name.endswith(".part")] == []  # created 0600, not made so after
     part.chmod(0o644)  # as an older release left it: root's only again once resumed
     source.cut = 1 << 62
-    model_fetch.fetch(store, source, verity, workers=1)
+    fetch.fetch(store, source, verity, workers=1)
     assert {oct(p.stat().st_mode & 0o777) for p in store.snapshot.rglob("*") if p.is_file()} == {"0o644"}
-    assert model_verify.check(store, verity).ok
+    assert verify.check(store, verity).ok
 
 
 def test_a_partial_file_left_0644_by_an_older_release_is_made_0600_when_resumed(tmp_path: Path) -> None:
@@ -333,13 +333,13 @@ def test_a_partial_file_left_0644_by_an_older_release_is_made_0600_when_resumed(
 
     src, manifest = _snapshot(tmp_path, SIZES)
     store, verity = _store(tmp_path, manifest), FakeVerity()
-    source = CutSource(model_fetch.DirSource(str(src)), "a.safetensors", model_fetch.CHUNK_BYTES + 5)
+    source = CutSource(fetch.DirSource(str(src)), "a.safetensors", fetch.CHUNK_BYTES + 5)
     with pytest.raises(PowerCut):
-        model_fetch.fetch(store, source, verity, workers=1)
+        fetch.fetch(store, source, verity, workers=1)
     part = store.partial / "a.safetensors.part"
     part.chmod(0o644)
     with pytest.raises(PowerCut):  # cut again, at once: what the resume did to the partial file shows
-        model_fetch.fetch(store, source, verity, workers=1)
+        fetch.fetch(store, source, verity, workers=1)
     assert part.stat().st_mode & 0o777 == 0o600
 
 
@@ -351,30 +351,31 @@ def test_a_record_is_not_written_through_a_linked_host_directory(tmp_path: Path,
     src, manifest = _snapshot(tmp_path, SIZES, with_fsverity=False)  # no digests: the fetch records the measured ones
     store = _store(tmp_path, manifest)
     elsewhere = _outside(tmp_path)  # e.g. /etc: what a link on /var must not turn the root-run fetch's writes to
-    store = model_store.Store(manifest, store.snapshot, store.partial, tmp_path / "state/lib/host")
+    store = applianctl.model.store.Store(manifest, store.snapshot, store.partial, tmp_path / "state/lib/host")
     at = store.host_dir if linked == "the host directory" else store.host_dir.parent
     _link(at, elsewhere)
     with pytest.raises(UserError) as e:
-        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity(), workers=1)
+        fetch.fetch(store, fetch.DirSource(str(src)), FakeVerity(), workers=1)
     assert e.value.message == f"{at}: is a symbolic link, not a directory (nothing in the model store is followed or replaced)"
     assert e.value.hint == f"remove it: rm {at}; then run applianctl model fetch again"
     assert list(elsewhere.rglob("*")) == [] and not store.snapshot.exists()  # refused before the download
     with pytest.raises(UserError, match="is a symbolic link, not a directory"):  # the fetch command's own record too
-        model_store.write_host_record(store.host_dir, model_store.FETCH_STATE, WeightsFetch("/src", REV, "2000-01-01T00:00:00Z"))
+        applianctl.model.store.write_host_record(
+            store.host_dir, applianctl.model.store.FETCH_STATE, WeightsFetch("/src", REV, "2000-01-01T00:00:00Z"))
     assert list(elsewhere.rglob("*")) == []
     at.unlink()  # as the hint says
-    model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity(), workers=1)
-    assert set(store.recorded()) == set(SIZES) and (store.host_dir / model_store.RECORDED).stat().st_mode & 0o777 == 0o644
+    fetch.fetch(store, fetch.DirSource(str(src)), FakeVerity(), workers=1)
+    assert set(store.recorded()) == set(SIZES) and (store.host_dir / applianctl.model.store.RECORDED).stat().st_mode & 0o777 == 0o644
 
 
 def test_the_store_is_not_reached_through_a_linked_directory_above_it(tmp_path: Path) -> None:
     src, manifest = _snapshot(tmp_path, SIZES)
     cache = _store(tmp_path, manifest)
-    store = model_store.Store(manifest, cache.snapshot, cache.partial, tmp_path / "state/host")  # a real host directory
+    store = applianctl.model.store.Store(manifest, cache.snapshot, cache.partial, tmp_path / "state/host")  # a real host directory
     outside = _outside(tmp_path)
     _link(store.root.parent, outside)  # .../var -> outside: the cache would land outside /var
     with pytest.raises(UserError, match=rf"^{tmp_path}/var: is a symbolic link, not a directory"):
-        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity(), workers=1)
+        fetch.fetch(store, fetch.DirSource(str(src)), FakeVerity(), workers=1)
     assert list(outside.iterdir()) == []
 
 
@@ -384,8 +385,8 @@ def test_the_store_is_not_reached_through_a_linked_directory_above_it(tmp_path: 
 def test_a_zero_size_file_in_the_weights_manifest_is_fetched_as_an_empty_file(tmp_path: Path) -> None:
     src, manifest = _snapshot(tmp_path, {**SIZES, "empty.txt": 0, "sub/__init__.py": 0})
     store, verity = _store(tmp_path, manifest), FakeVerity()
-    summary = model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity, workers=2)
+    summary = fetch.fetch(store, fetch.DirSource(str(src)), verity, workers=2)
     assert summary["fetched_files"] == len(SIZES) + 2
     assert (store.snapshot / "empty.txt").read_bytes() == b"" and (store.snapshot / "sub/__init__.py").read_bytes() == b""
-    assert model_verify.check(store, verity).ok
-    assert model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)["fetched_files"] == 0
+    assert verify.check(store, verity).ok
+    assert fetch.fetch(store, fetch.DirSource(str(src)), verity)["fetched_files"] == 0

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from repository import FIXTURES
 
-from appliance import sums
 from appliance.config import Config, load
 from appliance.config.model import PinnedFile
 from appliance.errors import ConfigError, UserError
+from appliance.signed import sums
 from builder import pins
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,15 +19,14 @@ from typing import Any
 import pytest
 from plan_values import HOSTILE, string_fields, string_leaves
 
-from appliance import config as config_model
-from appliance import host_settings, manifest
-from appliance import plan as plan_model
+import appliance.config
+from appliance import host_settings
 from appliance.errors import ConfigError, UserError
 from appliance.host_settings import Update
 from appliance.schema import CONTROL
+from appliance.signed import install_plan, release_manifest
 from applianctl import host
-from builder import keys
-from builder import plan as builder_plan
+from builder import keys, sign_plan
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIK0wmN/Cr3JXqmLW7u+g9pTh+wyqDHpSQEIQczXkVx9q ops@example.net"
@@ -65,14 +64,14 @@ dns = ["192.0.2.53"]
 """
 
 
-def _plan(tmp_path: Path, text: str) -> plan_model.Plan:
+def _plan(tmp_path: Path, text: str) -> install_plan.Plan:
     path = tmp_path / "plan.toml"
     path.write_text(textwrap.dedent(text))
-    return plan_model.load_toml(path)
+    return install_plan.load_toml(path)
 
 
-def _config() -> config_model.Config:
-    return config_model.load(REPO / "appliance.toml", "demo")
+def _config() -> appliance.config.Config:
+    return appliance.config.load(REPO / "appliance.toml", "demo")
 
 
 # ------------------------------------------------------------------------------ checking
@@ -138,21 +137,21 @@ def release_keys(tmp_path: Path) -> tuple[Path, Path]:
 def test_signed_plan_round_trips_and_every_change_is_refused(tmp_path: Path, release_keys: tuple[Path, Path]) -> None:
     private, trusted = release_keys
     plan = _plan(tmp_path, BOND_VLAN)
-    data, sig = plan_model.sign(plan, private)
-    assert plan_model.verify(data, sig, trusted) == plan
+    data, sig = install_plan.sign(plan, private)
+    assert install_plan.verify(data, sig, trusted) == plan
 
     # one byte changed in the plan (the address), the signature, or the canonical form
-    with pytest.raises(plan_model.PlanRefused, match="not signed by a key this release trusts"):
-        plan_model.verify(data.replace(b"192.0.2.10/24", b"192.0.2.11/24"), sig, trusted)
+    with pytest.raises(install_plan.PlanRefused, match="not signed by a key this release trusts"):
+        install_plan.verify(data.replace(b"192.0.2.10/24", b"192.0.2.11/24"), sig, trusted)
     bad_sig = bytearray(sig)
     bad_sig[5] = ord("A") if bad_sig[5] != ord("A") else ord("B")
-    with pytest.raises(plan_model.PlanRefused):
-        plan_model.verify(data, bytes(bad_sig), trusted)
+    with pytest.raises(install_plan.PlanRefused):
+        install_plan.verify(data, bytes(bad_sig), trusted)
     # signed by another key: refused even though the signature itself is valid
     other, _ = keys.generate(tmp_path / "other")
-    data2, sig2 = plan_model.sign(plan, other)
-    with pytest.raises(plan_model.PlanRefused, match="not signed by a key this release trusts"):
-        plan_model.verify(data2, sig2, trusted)
+    data2, sig2 = install_plan.sign(plan, other)
+    with pytest.raises(install_plan.PlanRefused, match="not signed by a key this release trusts"):
+        install_plan.verify(data2, sig2, trusted)
 
 
 @pytest.mark.parametrize("signer", ["0123456789abcdef", None], ids=["another-key", "none"])
@@ -160,27 +159,27 @@ def test_a_plan_must_name_the_key_that_signed_it(tmp_path: Path, release_keys: t
     """Signed by a trusted key, but naming another signer (or none): refused, as the release
     manifest and the bundle index are."""
     private, trusted = release_keys
-    doc = plan_model.to_document(_plan(tmp_path, STATIC), signer or "")
+    doc = install_plan.to_document(_plan(tmp_path, STATIC), signer or "")
     if signer is None:
         del doc["signer"]
-    data = manifest.canonical(doc)
-    sig = manifest.encode_signature(manifest.load_private_key(private).sign(data))
-    with pytest.raises(plan_model.PlanRefused, match="names another signer than the key that signed it") as e:
-        plan_model.verify(data, sig, trusted)
+    data = release_manifest.canonical(doc)
+    sig = release_manifest.encode_signature(release_manifest.load_private_key(private).sign(data))
+    with pytest.raises(install_plan.PlanRefused, match="names another signer than the key that signed it") as e:
+        install_plan.verify(data, sig, trusted)
     assert "\n" not in e.value.message and e.value.hint
     host_dir = tmp_path / "host"
     host_dir.mkdir()
-    (host_dir / plan_model.PLAN_JSON).write_bytes(data)
-    (host_dir / plan_model.PLAN_SIG).write_bytes(sig)
-    with pytest.raises(plan_model.PlanRefused, match="names another signer"):
-        plan_model.load_signed(host_dir, trusted)
+    (host_dir / install_plan.PLAN_JSON).write_bytes(data)
+    (host_dir / install_plan.PLAN_SIG).write_bytes(sig)
+    with pytest.raises(install_plan.PlanRefused, match="names another signer"):
+        install_plan.load_signed(host_dir, trusted)
 
 
 def test_an_unsigned_plan_is_refused_and_the_defaults_stay(tmp_path: Path, release_keys: tuple[Path, Path]) -> None:
     _, trusted = release_keys
     host_dir = tmp_path / "host"
     host_dir.mkdir()
-    (host_dir / plan_model.PLAN_JSON).write_bytes(plan_model.dumps(_plan(tmp_path, STATIC), "0" * 16))
+    (host_dir / install_plan.PLAN_JSON).write_bytes(install_plan.dumps(_plan(tmp_path, STATIC), "0" * 16))
     netdir, result = tmp_path / "run-network", tmp_path / "host.json"
     doc = host.apply(_config(), host_dir, netdir, result, trusted, set_hostname=False)
     assert doc.ok is False and "plan.json.sig: missing" in doc.reason
@@ -194,10 +193,10 @@ def test_apply_renders_the_signed_plan_and_replaces_an_older_rendering(tmp_path:
     netdir.mkdir()
     (netdir / f"{host.PREFIX}-vlan99.netdev").write_text("stale")  # from an earlier boot's plan
     (netdir / "50-other.network").write_text("not ours")
-    data, sig = plan_model.sign(_plan(tmp_path, BOND_VLAN), private)
+    data, sig = install_plan.sign(_plan(tmp_path, BOND_VLAN), private)
     host_dir.mkdir()
-    (host_dir / plan_model.PLAN_JSON).write_bytes(data)
-    (host_dir / plan_model.PLAN_SIG).write_bytes(sig)
+    (host_dir / install_plan.PLAN_JSON).write_bytes(data)
+    (host_dir / install_plan.PLAN_SIG).write_bytes(sig)
     doc = host.apply(_config(), host_dir, netdir, result, trusted, set_hostname=False)
     assert doc.ok is True and doc.source == "plan"
     names = sorted(p.name for p in netdir.iterdir())
@@ -302,31 +301,31 @@ def test_the_networkd_check_can_fail(tmp_path: Path) -> None:
 
 
 def test_status_part_host_follows_what_apply_wrote(tmp_path: Path, release_keys: tuple[Path, Path]) -> None:
-    from applianctl.status import host as probes_host
+    import applianctl.status.host
     from applianctl.status import probes
     def ip(argv: object, timeout: float) -> tuple[int, str]:
         return 0, json.dumps([{"ifname": "vlan120", "addr_info": [{"local": "192.0.2.10", "prefixlen": 24}]}])
 
     src = probes.Sources(run=ip)
     config, result = _config(), tmp_path / "host.json"
-    absent = probes_host.probe_host(config, src, result)
+    absent = applianctl.status.host.probe_host(config, src, result)
     assert absent.state == probes.NOT_CONFIGURED and absent.to_json()["settings"]["hostname"] == config.os.hostname
 
     private, trusted = release_keys
     host_dir = tmp_path / "host"
     host_dir.mkdir()
-    data, sig = plan_model.sign(_plan(tmp_path, BOND_VLAN), private)
-    (host_dir / plan_model.PLAN_JSON).write_bytes(data)
-    (host_dir / plan_model.PLAN_SIG).write_bytes(sig)
+    data, sig = install_plan.sign(_plan(tmp_path, BOND_VLAN), private)
+    (host_dir / install_plan.PLAN_JSON).write_bytes(data)
+    (host_dir / install_plan.PLAN_SIG).write_bytes(sig)
     host.apply(config, host_dir, tmp_path / "net", result, trusted, set_hostname=False)
-    ok = probes_host.probe_host(config, src, result)
+    ok = applianctl.status.host.probe_host(config, src, result)
     assert ok.state == probes.OK and ok.to_json()["source"] == "plan" and ok.to_json()["addresses"] == ["192.0.2.10/24"]
     assert ok.to_json()["settings"]["network"] == (
         "bond0 (802.3ad: ens1f0, 52:54:00:12:34:57), VLAN 120, MTU 9000: 192.0.2.10/24, 2001:db8::10/64 via 192.0.2.1, 2001:db8::1")
 
-    (host_dir / plan_model.PLAN_JSON).write_bytes(data.replace(b"gpu-07", b"gpu-08"))  # changed after signing
+    (host_dir / install_plan.PLAN_JSON).write_bytes(data.replace(b"gpu-07", b"gpu-08"))  # changed after signing
     host.apply(config, host_dir, tmp_path / "net", result, trusted, set_hostname=False)
-    refused = probes_host.probe_host(config, src, result)
+    refused = applianctl.status.host.probe_host(config, src, result)
     assert refused.state == probes.DEGRADED and "not signed by a key this release trusts" in refused.reason
     assert refused.to_json()["settings"]["hostname"] == config.os.hostname  # the image's defaults apply
 
@@ -346,11 +345,11 @@ def _with(doc: dict[str, Any], n: int, f: Callable[[str], str]) -> dict[str, Any
 def test_a_control_character_in_any_string_of_the_plan_is_refused(char: str) -> None:
     leaves = list(string_leaves(HOSTILE))
     assert {key.split("[")[0] for key, _, _ in leaves} == string_fields()  # every string field of the plan is tried
-    assert plan_model.from_plain(HOSTILE, "plan.json")
+    assert install_plan.from_plain(HOSTILE, "plan.json")
     for n, (key, _, _) in enumerate(leaves):
         for f in (lambda v: v + char, lambda v: v[:1] + char + v[1:]):
             with pytest.raises(ConfigError) as e:
-                plan_model.from_plain(_with(HOSTILE, n, f), "plan.json")
+                install_plan.from_plain(_with(HOSTILE, n, f), "plan.json")
             # refused by the loader's walk over every string, whatever the field's own check says
             assert f"plan.json: {key} = " in e.value.message and "text without control characters" in e.value.hint, key
             assert not CONTROL.search(e.value.message + e.value.hint)  # shown escaped, never raw on a console
@@ -369,7 +368,7 @@ def test_the_walk_refuses_control_characters_where_no_field_check_would() -> Non
     assert schema.Loader("doc").load(Free, doc).text == "a\x1bb"  # an unchecked field takes anything...
     for bad in (doc, {"texts": ["ok", "\x00"]}, {"inner": {"url": "\x85"}}):
         with pytest.raises(UserError, match="invalid") as e:  # ...but not in a printable document
-            plan_model._PlanLoader(Path("doc")).load(Free, bad)
+            install_plan._PlanLoader(Path("doc")).load(Free, bad)
         assert "control characters" in e.value.hint
 
 
@@ -381,10 +380,10 @@ def test_a_key_with_a_control_character_is_refused_from_toml_and_from_a_signed_p
         _plan(tmp_path, f'[ssh]\nauthorized_keys = ["{KEY}{escaped}[2J"]')
     # signed as it is (a Plan made in code skips the loader): the device still refuses it
     private, trusted = release_keys
-    plan = plan_model.Plan(ssh=host_settings.Ssh(authorized_keys=(f"{KEY}{char}[2J",)))
-    data, sig = plan_model.sign(plan, private)
+    plan = install_plan.Plan(ssh=host_settings.Ssh(authorized_keys=(f"{KEY}{char}[2J",)))
+    data, sig = install_plan.sign(plan, private)
     with pytest.raises(ConfigError, match=r"ssh.authorized_keys\[0\]"):
-        plan_model.verify(data, sig, trusted)
+        install_plan.verify(data, sig, trusted)
 
 
 # ------------------------------------------------------------------------------ size
@@ -393,42 +392,42 @@ def test_a_key_with_a_control_character_is_refused_from_toml_and_from_a_signed_p
 def test_builder_plan_signs_the_largest_plan_the_device_reads_and_no_larger(
         tmp_path: Path, release_keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     private, trusted = release_keys
-    key = manifest.load_private_key(private)
-    signer = manifest.key_id(key.public_key())
+    key = release_manifest.load_private_key(private)
+    signer = release_manifest.key_id(key.public_key())
 
     def toml(comment_bytes: int) -> Path:
         path = tmp_path / f"plan-{comment_bytes}.toml"
         path.write_text(f'[ssh]\nauthorized_keys = ["{KEY} {"x" * comment_bytes}"]\n')
         return path
 
-    exact = plan_model.MAX_PLAN_BYTES - len(plan_model.dumps(plan_model.load_toml(toml(1)), signer)) + 1
+    exact = install_plan.MAX_PLAN_BYTES - len(install_plan.dumps(install_plan.load_toml(toml(1)), signer)) + 1
     out = tmp_path / "signed"
-    plan = builder_plan.write(toml(exact), private, out, _config())
-    assert len((out / plan_model.PLAN_JSON).read_bytes()) == plan_model.MAX_PLAN_BYTES
-    assert plan_model.load_signed(out, trusted) == plan  # the device reads the largest plan builder signs
+    plan = sign_plan.write(toml(exact), private, out, _config())
+    assert len((out / install_plan.PLAN_JSON).read_bytes()) == install_plan.MAX_PLAN_BYTES
+    assert install_plan.load_signed(out, trusted) == plan  # the device reads the largest plan builder signs
 
     # a byte more: `builder plan` refuses it, writing nothing (it was signed, then refused by the device)
-    with pytest.raises(ConfigError, match=f"more than the {plan_model.MAX_PLAN_BYTES} the appliance reads") as e:
-        builder_plan.write(toml(exact + 1), private, tmp_path / "too-large", _config())
+    with pytest.raises(ConfigError, match=f"more than the {install_plan.MAX_PLAN_BYTES} the appliance reads") as e:
+        sign_plan.write(toml(exact + 1), private, tmp_path / "too-large", _config())
     assert "\n" not in e.value.message and e.value.hint and e.value.exit_status == 2
     assert not (tmp_path / "too-large").exists()
     # and the device refuses a plan that large even when a trusted key signed it
-    big = plan_model.dumps(plan_model.load_toml(toml(exact + 1)), signer)
-    big_sig = manifest.encode_signature(key.sign(big))
-    with pytest.raises(plan_model.PlanRefused, match=f"{len(big)} bytes, more than {plan_model.MAX_PLAN_BYTES}"):
-        plan_model.verify(big, big_sig, trusted)
-    (out / plan_model.PLAN_JSON).write_bytes(big)
-    (out / plan_model.PLAN_SIG).write_bytes(big_sig)
-    with pytest.raises(plan_model.PlanRefused, match="more than"):
-        plan_model.load_signed(out, trusted)
+    big = install_plan.dumps(install_plan.load_toml(toml(exact + 1)), signer)
+    big_sig = release_manifest.encode_signature(key.sign(big))
+    with pytest.raises(install_plan.PlanRefused, match=f"{len(big)} bytes, more than {install_plan.MAX_PLAN_BYTES}"):
+        install_plan.verify(big, big_sig, trusted)
+    (out / install_plan.PLAN_JSON).write_bytes(big)
+    (out / install_plan.PLAN_SIG).write_bytes(big_sig)
+    with pytest.raises(install_plan.PlanRefused, match="more than"):
+        install_plan.load_signed(out, trusted)
 
     # one constant: lowered, both sides follow
-    monkeypatch.setattr(plan_model, "MAX_PLAN_BYTES", plan_model.MAX_PLAN_BYTES - 1)
+    monkeypatch.setattr(install_plan, "MAX_PLAN_BYTES", install_plan.MAX_PLAN_BYTES - 1)
     with pytest.raises(ConfigError, match="more than"):
-        builder_plan.write(toml(exact), private, tmp_path / "lowered", _config())
-    data = plan_model.dumps(plan, signer)
-    with pytest.raises(plan_model.PlanRefused, match="more than"):
-        plan_model.verify(data, manifest.encode_signature(key.sign(data)), trusted)
+        sign_plan.write(toml(exact), private, tmp_path / "lowered", _config())
+    data = install_plan.dumps(plan, signer)
+    with pytest.raises(install_plan.PlanRefused, match="more than"):
+        install_plan.verify(data, release_manifest.encode_signature(key.sign(data)), trusted)
 
 
 # ------------------------------------------------------------------------------ what the plan itself refuses
@@ -444,5 +443,5 @@ def test_values_no_image_could_render_are_refused_by_the_plan_itself(doc: dict[s
     allowlist, an e-mail domain in upper case (the Caddyfile's form is lower case), a host name
     longer than the kernel takes."""
     with pytest.raises(ConfigError) as e:
-        plan_model.from_plain(doc, "plan.toml")
+        install_plan.from_plain(doc, "plan.toml")
     assert key in e.value.message and "\n" not in e.value.message and e.value.hint

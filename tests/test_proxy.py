@@ -32,8 +32,8 @@ import requests
 from cryptography import x509
 from requests.adapters import HTTPAdapter
 
-from appliance import caddyfile as proxy_mod
-from appliance import config as config_mod
+import appliance.caddyfile
+import appliance.config
 from appliance import paths
 from appliance.caddyfile import render_caddyfile
 from appliance.config import Config
@@ -59,7 +59,7 @@ def _env(home: Path) -> dict[str, str]:
 def _demo() -> Config:
     """The demo profile with one engine: the live tests run one stand-in behind the proxy (the
     demo's two replicas are rendered by test_rendered_text and run by tests/test_replicas.py)."""
-    demo = config_mod.load(TOML, "demo")
+    demo = appliance.config.load(TOML, "demo")
     return dataclasses.replace(demo, topology=dataclasses.replace(demo.topology, gpus=1, layout="1x1"))
 
 
@@ -87,7 +87,7 @@ VARIANTS = [
 
 
 def _render(profile: str, mode: str, http: str, metrics: tuple[str, ...], certs: Path) -> tuple[Config, str]:
-    config = config_mod.load(TOML, profile)
+    config = appliance.config.load(TOML, profile)
     email = config.proxy.acme_email or "ops@example.net"
     config = _variant(config, tls=mode, http=http, metrics_cidrs=metrics, acme_email=email)
     return config, render_caddyfile(config, tls_dir=certs)
@@ -153,12 +153,12 @@ def test_every_variant_is_valid_for_caddy(
     assert json.dumps(site_routes[-1]["handle"]).count('"status_code": 403') == 1
     # Before anything else: a request target not in canonical form gets 400.
     assert site_routes[0]["match"] == [
-        {"not": [{"vars_regexp": {"{http.request.orig_uri}": {"pattern": proxy_mod.CANONICAL_RE}}}]}
+        {"not": [{"vars_regexp": {"{http.request.orig_uri}": {"pattern": appliance.caddyfile.CANONICAL_RE}}}]}
     ]
     assert '"status_code": 400' in json.dumps(site_routes[0]["handle"])
     engine = next(r for r in site_routes if '"reverse_proxy"' in json.dumps(r["handle"]))
     assert engine["match"][0]["vars_regexp"] == {
-        "{http.request.orig_uri}": {"pattern": proxy_mod.allowed_re(list(config.proxy.allowed_paths))}
+        "{http.request.orig_uri}": {"pattern": appliance.caddyfile.allowed_re(list(config.proxy.allowed_paths))}
     }
     assert engine["match"][0]["remote_ip"]["ranges"][-2:] == ["127.0.0.1/32", "::1/128"]
 
@@ -253,20 +253,20 @@ def _toml_with(tmp_path: Path, key: str, value: str | list[str]) -> Path:
 
 def test_toml_helper_changes_the_value(tmp_path: Path) -> None:
     path = _toml_with(tmp_path, "allowed_cidrs", ["10.1.0.0/16", "fd00::/8"])
-    assert config_mod.load(path).proxy.allowed_cidrs == ("10.1.0.0/16", "fd00::/8")
+    assert appliance.config.load(path).proxy.allowed_cidrs == ("10.1.0.0/16", "fd00::/8")
 
 
 @pytest.mark.parametrize(("key", "value"), LOAD_CASES)
 def test_config_load_refuses_injection(tmp_path: Path, key: str, value: str | list[str]) -> None:
     path = _toml_with(tmp_path, key, value)
     with pytest.raises(ConfigError) as e:
-        config_mod.load(path)
+        appliance.config.load(path)
     assert f"proxy.{key}" in e.value.message
 
 
 @pytest.mark.parametrize(("key", "value"), RENDER_CASES)
 def test_render_refuses_injection_whatever_config_lets_through(key: str, value: str | list[str]) -> None:
-    config = config_mod.load(TOML)  # production: acme, so acme_email is rendered too
+    config = appliance.config.load(TOML)  # production: acme, so acme_email is rendered too
     config = _variant(config, **{key: tuple(value) if isinstance(value, list) else value})
     with pytest.raises(ConfigError) as e:
         render_caddyfile(config)
@@ -907,8 +907,8 @@ def test_canonical_regexp_without_caddy(target: bytes, expect: str) -> None:
     """The same table against the rendered regexps in Python's re (RE2 agrees on these constructs)."""
     config = _demo()
     text = target.decode("latin-1")
-    canonical = re.fullmatch(proxy_mod.CANONICAL_RE, text) is not None
-    allowed = re.fullmatch(proxy_mod.allowed_re(list(config.proxy.allowed_paths)), text) is not None
+    canonical = re.fullmatch(appliance.caddyfile.CANONICAL_RE, text) is not None
+    allowed = re.fullmatch(appliance.caddyfile.allowed_re(list(config.proxy.allowed_paths)), text) is not None
     assert allowed == (expect == "pass")
     if allowed:
         assert canonical
@@ -1020,24 +1020,24 @@ def test_get_and_post_still_reach_the_engine(raw_live: RawLive, method: bytes) -
 
 
 def test_body_limit_is_derived_from_the_context_length() -> None:
-    config = config_mod.load(TOML)
-    assert proxy_mod.max_model_len(config.engine.args) == 262144
-    assert proxy_mod.max_body_bytes(config) == 262144 * proxy_mod.BYTES_PER_TOKEN == 8 << 20
+    config = appliance.config.load(TOML)
+    assert appliance.caddyfile.max_model_len(config.engine.args) == 262144
+    assert appliance.caddyfile.max_body_bytes(config) == 262144 * appliance.caddyfile.BYTES_PER_TOKEN == 8 << 20
     demo = _demo()
-    assert proxy_mod.max_body_bytes(demo) == proxy_mod.MIN_BODY  # 4096 tokens: the 1 MiB floor
-    assert proxy_mod.max_model_len(["--max-model-len=32k"]) == 32000  # vLLM: k = 1000, K = 1024
-    assert proxy_mod.max_model_len(["--max-model-len=32K"]) == 32768
-    assert proxy_mod.max_model_len(["--max-model-len", "1M"]) == 1 << 20
-    assert proxy_mod.max_model_len([]) is None
+    assert appliance.caddyfile.max_body_bytes(demo) == appliance.caddyfile.MIN_BODY  # 4096 tokens: the 1 MiB floor
+    assert appliance.caddyfile.max_model_len(["--max-model-len=32k"]) == 32000  # vLLM: k = 1000, K = 1024
+    assert appliance.caddyfile.max_model_len(["--max-model-len=32K"]) == 32768
+    assert appliance.caddyfile.max_model_len(["--max-model-len", "1M"]) == 1 << 20
+    assert appliance.caddyfile.max_model_len([]) is None
     no_len = dataclasses.replace(config, engine=dataclasses.replace(config.engine, args=()))
-    assert proxy_mod.max_body_bytes(no_len) == proxy_mod.FALLBACK_CONTEXT * proxy_mod.BYTES_PER_TOKEN
+    assert appliance.caddyfile.max_body_bytes(no_len) == appliance.caddyfile.FALLBACK_CONTEXT * appliance.caddyfile.BYTES_PER_TOKEN
     text = render_caddyfile(_variant(config, tls="internal", http="close"))
     assert f"max_size {8 << 20}\n" in text and f"max_buffer_size {(8 << 20) + 1}\n" in text
 
 
 @pytest.mark.parametrize("limit", [1, 9, 10, 999, 1000, 1048576, 8388608, 4194305])
 def test_greater_than_regexp(limit: int) -> None:
-    pattern = re.compile(proxy_mod.greater_than_re(limit))
+    pattern = re.compile(appliance.caddyfile.greater_than_re(limit))
     for n in {*range(max(0, limit - 120), limit + 120), 0, limit * 10, limit * 10 - 1, 10 ** len(str(limit))}:
         assert bool(pattern.match(str(n))) == (n > limit), n
         assert bool(pattern.match("000" + str(n))) == (n > limit), n
@@ -1062,7 +1062,7 @@ def test_proxy_buffers_request_bodies_and_outlives_no_engine_connection() -> Non
 @needs_caddy
 def test_declared_body_over_the_limit_gets_413_json_and_never_reaches_the_engine(raw_live: RawLive) -> None:
     config = _demo()
-    limit = proxy_mod.max_body_bytes(config)
+    limit = appliance.caddyfile.max_body_bytes(config)
     body = b'{"prompt": "' + b"x" * (16 << 20) + b'"}'
     status, headers, payload, probe = _raw_response(
         raw_live, b"/v1/completions", method=b"POST", body=body,
@@ -1078,7 +1078,7 @@ def test_declared_body_over_the_limit_gets_413_json_and_never_reaches_the_engine
 
 @needs_caddy
 def test_chunked_body_over_the_limit_is_refused_with_json(raw_live: RawLive) -> None:
-    limit = proxy_mod.max_body_bytes(_demo())
+    limit = appliance.caddyfile.max_body_bytes(_demo())
     data = b"z" * (limit + 1)
     chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data)
     status, headers, payload, probe = _raw_response(

@@ -58,7 +58,7 @@ OLD_READERS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "last-assessment.json": {"ok": bool, "version": str, "reason": str},
     "last-rollback.json": {"from_version": str, "to_version": str, "at": str},
     "staged.json": {"version": str, "directory": str},  # update/staged.read()
-    "freshness.json": {"sequences": dict},  # new in this release: update/plan.py accepted_sequences()
+    "freshness.json": {"sequences": dict},  # new in this release: update/update_plan.py accepted_sequences()
 }
 
 
@@ -219,10 +219,10 @@ NEWER = {"format": 2, "added_later": {"by": "the next release"}}
 def test_this_release_reads_what_a_newer_one_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """After a rollback the older slot reads the newer one's state: a newer format and keys it does
     not know are read leniently (the keys it knows are checked and used), never refused."""
+    import applianctl.update.staged
     from appliance import paths
     from applianctl import host
     from applianctl.slots import history
-    from applianctl.update import staged as update_staged
 
     monkeypatch.setattr(paths, "STATE_DIR", tmp_path / "state")
     paths.update_dir().mkdir(parents=True)
@@ -237,8 +237,8 @@ def test_this_release_reads_what_a_newer_one_wrote(tmp_path: Path, monkeypatch: 
 
     sample = _sample("staged.json")
     (paths.staged_update_dir() / sample["directory"]).mkdir(parents=True)
-    update_staged.record_path().write_text(json.dumps({**sample, **NEWER}))
-    state = update_staged.read()
+    applianctl.update.staged.record_path().write_text(json.dumps({**sample, **NEWER}))
+    state = applianctl.update.staged.read()
     assert state is not None and state.problem is None and state.usable is not None and state.usable.version == "2.0.0"
     assert state.to_json() == {**sample, "format": 1}
 

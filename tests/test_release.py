@@ -17,11 +17,9 @@ from typing import Any
 import pytest
 from fake_release import bundle, demo_config, fake_build, make_signing, package_manifest, usrhash_for
 
-from appliance import bundle as bundle_format
-from appliance import manifest
 from appliance.errors import Refused, UserError
-from builder import build as build_module
-from builder import release as rel
+from appliance.signed import bundle_index, release_manifest
+from builder import build, release
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +35,7 @@ def signing(tmp_path: Path) -> tuple[Path, Path]:
 def test_bundle_round_trip(tmp_path: Path, signing: tuple[Path, Path]) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key)
-    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    index = bundle_index.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
     assert index.version == "2.0.0" and index.profile == "demo"
     assert index.usrhash == usrhash_for("2.0.0")
     names = sorted(p.name for p in b.iterdir())
@@ -49,7 +47,7 @@ def test_bundle_round_trip(tmp_path: Path, signing: tuple[Path, Path]) -> None:
     sums = dict(reversed(line.split("  ")) for line in (b / "SHA256SUMS").read_text().splitlines())
     assert set(sums) == {f.name for f in index.files} - {"SHA256SUMS"} | {"appliance_2.0.0.packages.json"}
     assert index.manifest_sha256 == hashlib.sha256((b / "manifest.json").read_bytes()).hexdigest()
-    assert (b / "bundle.json").read_bytes() == manifest.canonical(json.loads((b / "bundle.json").read_text()))
+    assert (b / "bundle.json").read_bytes() == release_manifest.canonical(json.loads((b / "bundle.json").read_text()))
     assert not list(tmp_path.glob(".bundle-*"))  # no temporary directory left behind
 
 
@@ -61,7 +59,7 @@ def test_bundle_replaces_atomically_and_keeps_old_on_failure(tmp_path: Path, sig
     broken = tmp_path / "broken"
     broken.mkdir()
     with pytest.raises(UserError):
-        rel.make_bundle(config, broken, b, key)
+        release.make_bundle(config, broken, b, key)
     assert (b / "bundle.json").read_bytes() == before
 
 
@@ -101,7 +99,7 @@ def test_engine_image_only_when_its_digest_is_new(tmp_path: Path, signing: tuple
     assert any(f["name"].startswith("engine_") for f in idx1["files"])
     # same engine as the previous bundle: no engine bytes
     second = bundle(tmp_path, key, "2.1.0", engine=True, previous_bundle_or_engine_digests=first)
-    idx2 = bundle_format.verify_index((second / "bundle.json").read_bytes(), (second / "bundle.json.sig").read_bytes(), trusted)
+    idx2 = bundle_index.verify_index((second / "bundle.json").read_bytes(), (second / "bundle.json.sig").read_bytes(), trusted)
     assert not any(f.name.startswith("engine_") for f in idx2.files)
     assert idx2.engine_digest == idx1["engine_digest"]
     # a new engine digest: shipped
@@ -114,7 +112,7 @@ def test_release_refuses_a_build_of_another_version(tmp_path: Path, signing: tup
     key, _ = signing
     out = fake_build(tmp_path / "out", demo_config("2.0.0"), key)
     with pytest.raises(UserError, match="version"):
-        rel.make_bundle(demo_config("3.0.0"), out, tmp_path / "b", key)
+        release.make_bundle(demo_config("3.0.0"), out, tmp_path / "b", key)
 
 
 def test_cli_parser_wires_release(tmp_path: Path) -> None:
@@ -122,9 +120,9 @@ def test_cli_parser_wires_release(tmp_path: Path) -> None:
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
-    rel.add_parser(sub)
+    release.add_parser(sub)
     args = parser.parse_args(["release", "--output", str(tmp_path / "b"), "--previous", "1.0.0"])
-    assert args.func is rel.cmd_release and args.previous == "1.0.0"
+    assert args.func is release.cmd_release and args.previous == "1.0.0"
 
 
 # ----------------------------------------------------------------------------------- the index's schema
@@ -147,17 +145,17 @@ def test_cli_parser_wires_release(tmp_path: Path) -> None:
 def test_index_schema_refusals_are_one_line(tmp_path: Path, signing: tuple[Path, Path], change: Any, match: str) -> None:
     key, _ = signing
     index = json.loads((bundle(tmp_path, key) / "bundle.json").read_text())
-    assert bundle_format.load_index(index).version == "2.0.0"
+    assert bundle_index.load_index(index).version == "2.0.0"
     change(index)
     with pytest.raises(Refused, match=match) as e:
-        bundle_format.validate_index(index)
+        bundle_index.validate_index(index)
     assert e.value.exit_status == 1 and "\n" not in e.value.message and e.value.hint
 
 
 def test_manifest_loads_as_the_typed_model(tmp_path: Path, signing: tuple[Path, Path]) -> None:
     key, _ = signing
-    data = manifest.parse_canonical((bundle(tmp_path, key) / "manifest.json").read_bytes())
-    model = manifest.load(data)
+    data = release_manifest.parse_canonical((bundle(tmp_path, key) / "manifest.json").read_bytes())
+    model = release_manifest.load(data)
     assert model.version == data["version"] and model.engine_image.digest == data["engine_image"]["digest"]
     assert [f.path for f in model.files] == [f["path"] for f in data["files"]]
 
@@ -165,7 +163,7 @@ def test_manifest_loads_as_the_typed_model(tmp_path: Path, signing: tuple[Path, 
 def test_the_kernel_image_facts_are_read_back(tmp_path: Path, signing: tuple[Path, Path]) -> None:
     key, _ = signing
     b = bundle(tmp_path, key)
-    facts = bundle_format.uki_facts(b / "appliance_2.0.0.efi")
+    facts = bundle_index.uki_facts(b / "appliance_2.0.0.efi")
     assert facts == {"usrhash": usrhash_for("2.0.0"), "image_version": "2.0.0"}
 
 
@@ -196,7 +194,7 @@ def test_the_release_command_summarises_the_bundle_and_reports_progress(
             "--signing-key", str(key), "--output", str(b), "--engine-digest", config.engine.digest]
     assert main(argv) == 0
     stdout, stderr = capsys.readouterr()
-    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    index = bundle_index.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
     total = sum(f.size for f in index.files)
     assert stdout == f"bundle {version} (demo) at {b}: {len(index.files)} files, {total} bytes, without an engine image\n"
     assert [line.split(":")[0] for line in stderr.splitlines()] == ["copying payloads", "hashing payloads"]
@@ -228,14 +226,14 @@ PACKAGES = "appliance_2.0.0.packages.json"
 def test_a_bundle_carries_the_package_manifest_bound_by_the_signed_index(tmp_path: Path, signing: tuple[Path, Path]) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key)
-    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    index = bundle_index.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
     assert json.loads((b / PACKAGES).read_text()) == package_manifest("2.0.0")  # mkosi's manifest as it was
     # the signed index lists SHA256SUMS (size, SHA-256), which lists the package manifest's SHA-256
     listed = {f.name: f for f in index.files}
     sums_data = (b / "SHA256SUMS").read_bytes()
     assert (hashlib.sha256(sums_data).hexdigest(), len(sums_data)) == (listed["SHA256SUMS"].sha256, listed["SHA256SUMS"].size)
     assert f"{hashlib.sha256((b / PACKAGES).read_bytes()).hexdigest()}  {PACKAGES}" in sums_data.decode().splitlines()
-    packages = bundle_format.read_packages(b, index)
+    packages = bundle_index.read_packages(b, index)
     assert (packages[0].name, packages[0].architecture) == ("systemd", "amd64") and len(packages) == 3
 
 
@@ -247,9 +245,9 @@ def test_the_updater_never_sees_the_package_manifest(tmp_path: Path, signing: tu
 
     key, trusted = signing
     b = bundle(tmp_path, key, engine=True, with_install_image=True)
-    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    index = bundle_index.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
     names = {f.name for f in index.files}
-    assert PACKAGES not in names and names == set(bundle_format.payload_names("2.0.0", index.engine_digest, True, True).values())
+    assert PACKAGES not in names and names == set(bundle_index.payload_names("2.0.0", index.engine_digest, True, True).values())
     assert PACKAGES not in {f.name for f in download.to_fetch(index, engine=True)}
 
 
@@ -277,10 +275,10 @@ def _tamper_manifest_and_sums(b: Path) -> None:
 def test_a_tampered_package_manifest_fails_verification(tmp_path: Path, signing: tuple[Path, Path], tamper: Any, match: str) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key)
-    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    index = bundle_index.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
     tamper(b)
     with pytest.raises(Refused, match=match) as e:
-        bundle_format.read_packages(b, index)
+        bundle_index.read_packages(b, index)
     assert "\n" not in e.value.message and e.value.hint
 
 
@@ -312,14 +310,14 @@ def test_release_refuses_a_build_without_a_valid_package_manifest(
     else:
         path.write_bytes(content)
     with pytest.raises(UserError, match=match) as e:
-        rel.make_bundle(config, out, tmp_path / "b", key, [config.engine.digest])
+        release.make_bundle(config, out, tmp_path / "b", key, [config.engine.digest])
     assert "\n" not in e.value.message and "ManifestFormat=json" in e.value.hint
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.*"))
 
 
-@pytest.mark.parametrize("manifest", [None, "{", "1.9.0", "ok"])
+@pytest.mark.parametrize("written", [None, "{", "1.9.0", "ok"])
 def test_build_refuses_mkosi_output_without_a_package_manifest(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, manifest: str | None
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, written: str | None
 ) -> None:
     """build.build with mkosi stood in for: the package manifest lands in the output with the disk
     image, and an output without one (or with a broken one) is refused, nothing replaced."""
@@ -332,23 +330,23 @@ def test_build_refuses_mkosi_output_without_a_package_manifest(
         staging = final.with_name("demo.tmp")
         (staging / "appliance_2.0.0.raw").write_bytes(b"disk")
         (staging / "tools").mkdir()
-        if manifest is not None:
-            text = {"ok": json.dumps(package_manifest("2.0.0")), "1.9.0": json.dumps(package_manifest("1.9.0"))}.get(manifest, manifest)
+        if written is not None:
+            text = {"ok": json.dumps(package_manifest("2.0.0")), "1.9.0": json.dumps(package_manifest("1.9.0"))}.get(written, written)
             (staging / "appliance_2.0.0.manifest").write_text(text)
 
     for name, value in (("signing_key_for", lambda config, key: tmp_path / "release.key"),
                         ("prepare", lambda *a: (tmp_path, tmp_path, tmp_path)), ("mkosi_command", lambda: ["mkosi"]),
                         ("mkosi_arguments", lambda *a: []), ("checked", fake_mkosi)):
-        monkeypatch.setattr(build_module, name, value)
-    if manifest == "ok":
-        result = build_module.build(config, output=final)
+        monkeypatch.setattr(build, name, value)
+    if written == "ok":
+        result = build.build(config, output=final)
         assert json.loads((result.output_dir / "appliance_2.0.0.manifest").read_text()) == package_manifest("2.0.0")
         assert not (final / "previous").exists()
         return
     match = {None: "mkosi wrote no package manifest at", "{": r"appliance_2\.0\.0\.manifest: not JSON",
-             "1.9.0": r"config\.version = '1\.9\.0': the manifest of another build than 2\.0\.0"}[manifest]
+             "1.9.0": r"config\.version = '1\.9\.0': the manifest of another build than 2\.0\.0"}[written]
     with pytest.raises(UserError, match=match) as e:
-        build_module.build(config, output=final)
+        build.build(config, output=final)
     assert "ManifestFormat=json" in e.value.hint and "\n" not in e.value.message
     assert [p.name for p in final.iterdir()] == ["previous"] and not final.with_name("demo.tmp").exists()
 

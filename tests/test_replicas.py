@@ -30,8 +30,7 @@ import requests
 from repository import FIXTURES
 from test_proxy import _adapt
 
-from appliance import balancer
-from appliance import config as config_mod
+from appliance import balancer, config
 from appliance.caddyfile import render_caddyfile
 from appliance.errors import ConfigError
 from bench import paced_engine
@@ -48,8 +47,8 @@ CHAT = "/v1/chat/completions"
 BODY = {"model": paced_engine.MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-def _layout(replicas: int, affinity_header: str = "") -> config_mod.Config:
-    demo = config_mod.load(ROOT / "appliance.toml", "demo")
+def _layout(replicas: int, affinity_header: str = "") -> config.Config:
+    demo = config.load(ROOT / "appliance.toml", "demo")
     return dataclasses.replace(demo, topology=dataclasses.replace(demo.topology, gpus=replicas, layout=f"{replicas}x1"),
                                proxy=dataclasses.replace(demo.proxy, affinity_header=affinity_header))
 
@@ -157,7 +156,7 @@ def test_an_affinity_header_that_is_not_a_header_name_is_refused_in_one_line(tmp
     path = tmp_path / "appliance.toml"
     path.write_text(text.replace('affinity_header = ""', f"affinity_header = {hostile!r}".replace("'", '"').replace("\n", "\\n")))
     with pytest.raises(ConfigError) as e:
-        config_mod.load(path, "demo")
+        config.load(path, "demo")
     assert "affinity_header" in e.value.message and "\n" not in e.value.message and e.value.hint
 
 
@@ -330,7 +329,7 @@ def test_the_warm_up_request_admits_the_stand_in_engine(tmp_path: Path) -> None:
 
     from builder import render
 
-    demo = config_mod.load(ROOT / "appliance.toml", "demo")
+    demo = config.load(ROOT / "appliance.toml", "demo")
     pattern = re.compile(balancer.WARMED_RE)
     port = free_port()
     proc = start_standin(port, name=demo.served_model)

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from appliance import manifest, paths, rollout
+from appliance import paths, rollout
 from appliance.errors import Refused
+from appliance.signed import release_manifest
 from builder import keys
 
 DAY = 86400
@@ -128,19 +129,19 @@ def test_a_hostile_or_malformed_index_is_refused_in_one_line() -> None:
 
 def test_the_index_is_trusted_only_by_its_signature_and_never_goes_back(tmp_path: Path) -> None:
     private, _ = keys.generate(tmp_path / "k")
-    key = manifest.load_private_key(private)
-    kid = manifest.key_id(key.public_key())
+    key = release_manifest.load_private_key(private)
+    kid = release_manifest.key_id(key.public_key())
     trusted = {kid: key.public_key()}
     doc = _channel(_release("1.1.0", state="active"), sequence=5, signer=kid)
     data = rollout.dumps(doc)
-    sig = manifest.encode_signature(key.sign(data))
+    sig = release_manifest.encode_signature(key.sign(data))
     assert rollout.verify(data, sig, trusted).sequence == 5
     with pytest.raises(Refused, match="does not match any key this version trusts"):
         rollout.verify(data.replace(b'"active"', b'"paused"'), sig, trusted)
     stranger, _ = keys.generate(tmp_path / "s")
-    other = manifest.load_private_key(stranger)
+    other = release_manifest.load_private_key(stranger)
     with pytest.raises(Refused, match="does not match any key"):
-        rollout.verify(data, manifest.encode_signature(other.sign(data)), trusted)
+        rollout.verify(data, release_manifest.encode_signature(other.sign(data)), trusted)
     channel = rollout.verify(data, sig, trusted)
     rollout.check_sequence(channel, 5)
     with pytest.raises(Refused, match="lower than the 6 this appliance accepted before"):
@@ -220,15 +221,15 @@ state = "{state}"
 def test_the_builder_signs_the_channel_one_sequence_higher_each_time(tmp_path: Path) -> None:
     from fake_release import make_signing
 
-    from builder import channel as builder_channel
+    from builder import sign_channel
 
     key, trusted = make_signing(tmp_path)
     server = _server(tmp_path, key, ("2.0.0",))
-    first = builder_channel.make(_channel_file(tmp_path, ROLLING.format(state="active", paused="")), server, key, now=T0)
+    first = sign_channel.make(_channel_file(tmp_path, ROLLING.format(state="active", paused="")), server, key, now=T0)
     paused = ROLLING.format(state="paused", paused="paused_at = \"2026-12-02T00:00:00Z\"\n")
-    second = builder_channel.make(_channel_file(tmp_path, paused), server, key, now=T0 + DAY)
+    second = sign_channel.make(_channel_file(tmp_path, paused), server, key, now=T0 + DAY)
     assert (first.sequence, second.sequence) == (1, 2)
-    keys_ = manifest.trusted_keys(trusted)
+    keys_ = release_manifest.trusted_keys(trusted)
     signed = rollout.verify((server / "channel.json").read_bytes(), (server / "channel.json.sig").read_bytes(), keys_)
     assert signed.releases[0].rollout is not None and signed.releases[0].rollout.state == "paused"
 
@@ -237,18 +238,18 @@ def test_the_builder_refuses_a_release_whose_bundle_is_not_beside_the_index(tmp_
     from fake_release import make_signing
 
     from appliance.errors import UserError
-    from builder import channel as builder_channel
+    from builder import sign_channel
 
     key, _ = make_signing(tmp_path)
     server = _server(tmp_path, key, ("2.0.0",))
     text = ROLLING.format(state="active", paused="").replace('"2.0.0/"', '"3.0.0/"').replace('version = "2.0.0"', 'version = "3.0.0"')
     with pytest.raises(UserError, match=r"release 3\.0\.0: no bundle at") as e:
-        builder_channel.make(_channel_file(tmp_path, text), server, key, now=T0)
+        sign_channel.make(_channel_file(tmp_path, text), server, key, now=T0)
     assert "\n" not in e.value.message and not (server / "channel.json").exists()
     with pytest.raises(UserError, match=r"holds version 2\.0\.0"):
-        builder_channel.make(_channel_file(tmp_path, text.replace('"3.0.0/"', '"2.0.0/"')), server, key, now=T0)
+        sign_channel.make(_channel_file(tmp_path, text.replace('"3.0.0/"', '"2.0.0/"')), server, key, now=T0)
     with pytest.raises(UserError, match="expected active or paused or stopped"):
-        builder_channel.make(_channel_file(tmp_path, ROLLING.format(state="later", paused="")), server, key, now=T0)
+        sign_channel.make(_channel_file(tmp_path, ROLLING.format(state="later", paused="")), server, key, now=T0)
 
 
 def test_an_appliance_outside_the_share_does_not_update_and_a_newly_signed_index_lets_it(
@@ -259,7 +260,7 @@ def test_an_appliance_outside_the_share_does_not_update_and_a_newly_signed_index
 
     from appliance.fetch import Deadline
     from applianctl.update import channel
-    from builder import channel as builder_channel
+    from builder import sign_channel
 
     monkeypatch.setattr(paths, "STATE_DIR", tmp_path / "state")
     key, trusted = make_signing(tmp_path)
@@ -270,25 +271,25 @@ def test_an_appliance_outside_the_share_does_not_update_and_a_newly_signed_index
         return channel.resolve(str(server / "channel.json"), ca=None, deadline=Deadline(60), keys_dir=trusted,
                                running_version="1.0.0", machine=machine, now=now, windows=())
 
-    builder_channel.make(_channel_file(tmp_path, ROLLING.format(state="active", paused="")), server, key, now=T0)
+    sign_channel.make(_channel_file(tmp_path, ROLLING.format(state="active", paused="")), server, key, now=T0)
     early = resolve(T0 + DAY)
     assert early.bundle is None and "installs: at 2026-12-0" in early.describe(T0 + DAY)
     # the operator pauses it on day 2: this appliance (place 0.5-0.6) is not reached on day 8 either
     paused = ROLLING.format(state="paused", paused="paused_at = \"2026-12-03T00:00:00Z\"\n")
-    builder_channel.make(_channel_file(tmp_path, paused), server, key, now=T0 + 2 * DAY)
+    sign_channel.make(_channel_file(tmp_path, paused), server, key, now=T0 + 2 * DAY)
     stays = resolve(T0 + 8 * DAY)
     assert stays.bundle is None and "waits until a newly signed index resumes it" in stays.describe(T0 + 8 * DAY)
     # resumed with a start that reaches it at once: installs the bundle beside the index
     resumed = ROLLING.format(state="active", paused="").replace("864000", "60")
-    builder_channel.make(_channel_file(tmp_path, resumed), server, key, now=T0 + 8 * DAY)
+    sign_channel.make(_channel_file(tmp_path, resumed), server, key, now=T0 + 8 * DAY)
     now = resolve(T0 + 8 * DAY)
     assert now.bundle == str(server) + "/2.0.0/" and now.installs_at is not None and now.installs_at <= T0 + 8 * DAY
     assert channel.accepted_sequence("stable") == 3
     # the first index, served again, is refused
-    replayed = {**manifest.parse_canonical((server / "channel.json").read_bytes()), "sequence": 1}
+    replayed = {**release_manifest.parse_canonical((server / "channel.json").read_bytes()), "sequence": 1}
     (server / "channel.json").write_bytes(rollout.dumps(replayed))
-    key_ = manifest.load_private_key(key)
-    (server / "channel.json.sig").write_bytes(manifest.encode_signature(key_.sign((server / "channel.json").read_bytes())))
+    key_ = release_manifest.load_private_key(key)
+    (server / "channel.json.sig").write_bytes(release_manifest.encode_signature(key_.sign((server / "channel.json").read_bytes())))
     with pytest.raises(Refused, match="lower than the 3 this appliance accepted before"):
         resolve(T0 + 9 * DAY)
 
@@ -303,15 +304,15 @@ class _Server:
         from fake_release import make_signing
 
         self.key, self.trusted = make_signing(tmp_path)
-        self.private = manifest.load_private_key(self.key)
-        self.kid = manifest.key_id(self.private.public_key())
+        self.private = release_manifest.load_private_key(self.key)
+        self.kid = release_manifest.key_id(self.private.public_key())
         self.dir = tmp_path / "server"
         self.dir.mkdir()
 
     def sign(self, doc: dict[str, Any], *, raw: bool = False) -> None:
-        data = manifest.canonical(doc) if raw else rollout.dumps(doc)
+        data = release_manifest.canonical(doc) if raw else rollout.dumps(doc)
         (self.dir / rollout.CHANNEL).write_bytes(data)
-        (self.dir / rollout.CHANNEL_SIG).write_bytes(manifest.encode_signature(self.private.sign(data)))
+        (self.dir / rollout.CHANNEL_SIG).write_bytes(release_manifest.encode_signature(self.private.sign(data)))
 
     def index(self, *releases: dict[str, Any], sequence: int, signed: int = T0, days: int = 7) -> dict[str, Any]:
         return _channel(*releases, sequence=sequence, signer=self.kid, signed_at=rollout.utc(signed),
@@ -450,11 +451,11 @@ def test_an_index_without_an_expiry_or_valid_too_long_is_refused() -> None:
 
 def test_an_index_signed_later_than_the_clock_allows_is_refused(server: _Server) -> None:
     """Signed "in 2099", its validity would count from then: refused beyond the clock skew allowed."""
-    from appliance import freshness
+    from appliance.signed import timestamp
 
-    server.sign(server.index(OPEN, sequence=1, signed=T0 + freshness.MAX_CLOCK_SKEW_S))
+    server.sign(server.index(OPEN, sequence=1, signed=T0 + timestamp.MAX_CLOCK_SKEW_S))
     assert server.resolve(T0).bundle is not None  # a signing host a little ahead: within the skew
-    server.sign(server.index(OPEN, sequence=2, signed=T0 + freshness.MAX_CLOCK_SKEW_S + 1))
+    server.sign(server.index(OPEN, sequence=2, signed=T0 + timestamp.MAX_CLOCK_SKEW_S + 1))
     with pytest.raises(Refused, match=r"channel\.json was signed at 2026-12-01T00:05:01Z, later than the clock says "
                                       r"\(2026-12-01T00:00:00Z\) by more than 5 minutes") as e:
         server.resolve(T0)
@@ -535,25 +536,25 @@ def test_the_builder_signs_an_expiry_and_counts_on_from_any_index_there(tmp_path
     from fake_release import make_signing
 
     from appliance.errors import UserError
-    from builder import channel as builder_channel
+    from builder import sign_channel
 
     key, _ = make_signing(tmp_path)
     server = _server(tmp_path, key, ("2.0.0",))
     source = _channel_file(tmp_path, ROLLING.format(state="active", paused=""))
-    first = builder_channel.make(source, server, key, now=T0)
+    first = sign_channel.make(source, server, key, now=T0)
     assert (first.signed_at, first.expires_at) == (START, "2026-12-08T00:00:00Z")  # 7 days by default
-    assert builder_channel.make(source, server, key, now=T0, days=30).expires_at == "2026-12-31T00:00:00Z"
+    assert sign_channel.make(source, server, key, now=T0, days=30).expires_at == "2026-12-31T00:00:00Z"
     for days in (0, 367, -1):
         with pytest.raises(UserError, match=f"--days {days}: expected a number of days from 1 to 366"):
-            builder_channel.make(source, server, key, now=T0, days=days)
+            sign_channel.make(source, server, key, now=T0, days=days)
     # an index of the format before expiries: the count goes on from it, not from 1
     index = server / rollout.CHANNEL
-    older = {k: v for k, v in manifest.parse_canonical(index.read_bytes()).items() if k != "expires_at"}
-    index.write_bytes(manifest.canonical({**older, "format": 1, "sequence": 41}))
-    assert builder_channel.make(source, server, key, now=T0).sequence == 42
+    older = {k: v for k, v in release_manifest.parse_canonical(index.read_bytes()).items() if k != "expires_at"}
+    index.write_bytes(release_manifest.canonical({**older, "format": 1, "sequence": 41}))
+    assert sign_channel.make(source, server, key, now=T0).sequence == 42
     # one whose sequence cannot be read is refused: counted from 1 again, appliances would refuse it
-    for damaged in (b"{not json", manifest.canonical({**older, "sequence": "41"})):
+    for damaged in (b"{not json", release_manifest.canonical({**older, "sequence": "41"})):
         index.write_bytes(damaged)
         with pytest.raises(UserError, match=r"channel\.json") as e:
-            builder_channel.make(source, server, key, now=T0)
+            sign_channel.make(source, server, key, now=T0)
         assert "put the last index signed back" in e.value.hint and index.read_bytes() == damaged

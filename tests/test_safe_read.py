@@ -15,11 +15,10 @@ from typing import Any
 
 import pytest
 
-from appliance import config as config_model
-from appliance import host_settings, manifest, safe_read
-from appliance import plan as plan_model
+from appliance import config, host_settings, safe_read
 from appliance.errors import ConfigError, UserError
 from appliance.schema import load_record
+from appliance.signed import install_plan, release_manifest
 from applianctl import host
 from applianctl.records import HostResult, VerifyResult
 from applianctl.status.files import probe_check
@@ -156,24 +155,24 @@ def trusted(tmp_path: Path) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("name", [plan_model.PLAN_JSON, plan_model.PLAN_SIG])
+@pytest.mark.parametrize("name", [install_plan.PLAN_JSON, install_plan.PLAN_SIG])
 @pytest.mark.parametrize("fault", list(HOSTILE))
 def test_a_hostile_plan_is_refused_in_one_line_and_the_defaults_stay(tmp_path: Path, trusted: Path, fault: str, name: str) -> None:
     make, words = HOSTILE[fault]
     host_dir = tmp_path / "host"
     host_dir.mkdir()
-    other = plan_model.PLAN_SIG if name == plan_model.PLAN_JSON else plan_model.PLAN_JSON
-    (host_dir / other).write_bytes(manifest.encode_signature(bytes(64)) if other == plan_model.PLAN_SIG else b"{}")
+    other = install_plan.PLAN_SIG if name == install_plan.PLAN_JSON else install_plan.PLAN_JSON
+    (host_dir / other).write_bytes(release_manifest.encode_signature(bytes(64)) if other == install_plan.PLAN_SIG else b"{}")
     make(host_dir / name)
-    with pytest.raises(plan_model.PlanRefused) as e:
-        plan_model.load_signed(host_dir, trusted)
+    with pytest.raises(install_plan.PlanRefused) as e:
+        install_plan.load_signed(host_dir, trusted)
     _one_line(e.value)
     if fault in FILE_FAULTS:
         assert words in e.value.message
     else:  # the content is judged only once the signature holds: these bytes are signed by no key
         assert re.search(r"not signed by a key this release trusts|signature is malformed|more than 4096", e.value.message)
     result = tmp_path / "host.json"
-    doc = host.apply(config_model.load(REPO / "appliance.toml", "demo"), host_dir, tmp_path / "net", result, trusted,
+    doc = host.apply(config.load(REPO / "appliance.toml", "demo"), host_dir, tmp_path / "net", result, trusted,
                      set_hostname=False)
     assert doc.ok is False and doc.reason.startswith("plan refused: ") and doc.source == "image defaults"
     assert load_record(HostResult, result, lenient=True) == doc
@@ -183,17 +182,17 @@ def test_a_link_where_the_plan_would_be_is_refused_not_ignored(tmp_path: Path, t
     """Before, a dangling link read as "no plan"; now the link itself is the fault."""
     host_dir = tmp_path / "host"
     host_dir.mkdir()
-    (host_dir / plan_model.PLAN_JSON).symlink_to(tmp_path / "nowhere")
-    with pytest.raises(plan_model.PlanRefused, match="is a symbolic link"):
-        plan_model.load_signed(host_dir, trusted)
-    (host_dir / plan_model.PLAN_JSON).unlink()
-    assert plan_model.load_signed(host_dir, trusted) is None
+    (host_dir / install_plan.PLAN_JSON).symlink_to(tmp_path / "nowhere")
+    with pytest.raises(install_plan.PlanRefused, match="is a symbolic link"):
+        install_plan.load_signed(host_dir, trusted)
+    (host_dir / install_plan.PLAN_JSON).unlink()
+    assert install_plan.load_signed(host_dir, trusted) is None
 
 
 @pytest.mark.parametrize("body", [b"[" * 10_000 + b"]" * 10_000, b"7" * 5000])
 def test_a_signed_form_too_deep_or_too_long_is_refused_by_the_parser(body: bytes) -> None:
-    with pytest.raises(manifest.ManifestError, match=r"nested deeper than 32|5000 digits") as e:
-        manifest.parse_canonical(body)
+    with pytest.raises(release_manifest.ManifestError, match=r"nested deeper than 32|5000 digits") as e:
+        release_manifest.parse_canonical(body)
     _one_line(e.value)
 
 
@@ -231,14 +230,14 @@ def test_every_oneshot_that_runs_applianctl_has_a_start_timeout() -> None:
 def test_a_hostile_staged_release_manifest_is_refused_in_one_line(tmp_path: Path, fault: str) -> None:
     from types import SimpleNamespace
 
-    from appliance.bundle import payload_names
     from appliance.errors import Refused
+    from appliance.signed.bundle_index import payload_names
     from applianctl.update.checks import check_staged
 
     make, words = HOSTILE[fault]
     index: Any = SimpleNamespace(version="2.0.0", engine_digest="", manifest_sha256="0" * 64)
     names = payload_names(index.version, index.engine_digest, False)
-    (tmp_path / names["manifest-sig"]).write_bytes(manifest.encode_signature(bytes(64)))
+    (tmp_path / names["manifest-sig"]).write_bytes(release_manifest.encode_signature(bytes(64)))
     make(tmp_path / names["manifest"])
     with pytest.raises(Refused, match=re.escape(words)) as e:
         check_staged(index, tmp_path, tmp_path)

@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_install import WRITTEN, Recorder, _as_spare_disk, _host_listing, _payload, _plan, _trusted
 
-from appliance import efivars as efi
+import appliance.efivars
 from appliance.errors import UserError
 from installer import install, secureboot
 
@@ -55,7 +55,7 @@ def _sha(der: bytes) -> str:
     return hashlib.sha256(der).hexdigest()
 
 
-def _esl(entries: list[bytes], sig_type: str = efi.CERT_X509_GUID, header: bytes = b"") -> bytes:
+def _esl(entries: list[bytes], sig_type: str = appliance.efivars.CERT_X509_GUID, header: bytes = b"") -> bytes:
     """One EFI_SIGNATURE_LIST holding ENTRIES (each after its owner GUID), all of one size."""
     size = 16 + len(entries[0])
     body = b"".join(uuid.UUID(int=7).bytes_le + e for e in entries)
@@ -92,15 +92,15 @@ def _keys(directory: Path, db: list[bytes] | None = None, *, signature: bytes = 
 
 def _set(efivars: Path, name: str, guid: str, data: bytes, attributes: int = BOOT_SERVICE_RUNTIME) -> None:
     efivars.mkdir(parents=True, exist_ok=True)
-    efi.var_path(name, guid, efivars).write_bytes(struct.pack("<I", attributes) + data)
+    appliance.efivars.var_path(name, guid, efivars).write_bytes(struct.pack("<I", attributes) + data)
 
 
 def _firmware(tmp_path: Path, *, secure_boot: bool, setup_mode: bool, db: list[bytes] | None = None) -> Path:
     efivars = tmp_path / "efivars"
-    _set(efivars, "SecureBoot", efi.GLOBAL_GUID, bytes([secure_boot]))
-    _set(efivars, "SetupMode", efi.GLOBAL_GUID, bytes([setup_mode]))
+    _set(efivars, "SecureBoot", appliance.efivars.GLOBAL_GUID, bytes([secure_boot]))
+    _set(efivars, "SetupMode", appliance.efivars.GLOBAL_GUID, bytes([setup_mode]))
     if db is not None:
-        _set(efivars, "db", efi.IMAGE_SECURITY_GUID, _chain(db), 0x27)
+        _set(efivars, "db", appliance.efivars.IMAGE_SECURITY_GUID, _chain(db), 0x27)
     return efivars
 
 
@@ -123,7 +123,7 @@ def firmware(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Written]
                 raise OSError(22, "Invalid argument")
             real(path, data[:4] + secureboot.auth_signature_lists(data[4:]))
             if name == "PK" and takes_pk:
-                _set(path.parent, "SetupMode", efi.GLOBAL_GUID, b"\x00")
+                _set(path.parent, "SetupMode", appliance.efivars.GLOBAL_GUID, b"\x00")
 
         monkeypatch.setattr(secureboot, "_write_var", fake)
         return writes
@@ -147,9 +147,10 @@ def test_setup_mode_writes_db_then_kek_then_pk_each_as_attributes_0x27_and_the_a
 
     monkeypatch.setattr(secureboot, "_write_var", recorded)
     secureboot.write_keys(keys, efivars)
-    assert order == [f"db-{efi.IMAGE_SECURITY_GUID}", f"KEK-{efi.GLOBAL_GUID}", f"PK-{efi.GLOBAL_GUID}"]
+    guids = appliance.efivars.IMAGE_SECURITY_GUID, appliance.efivars.GLOBAL_GUID
+    assert order == [f"db-{guids[0]}", f"KEK-{guids[1]}", f"PK-{guids[1]}"]
     for var in ("db", "KEK", "PK"):
-        written = efi.var_path(var, secureboot.GUIDS[var], efivars).read_bytes()
+        written = appliance.efivars.var_path(var, secureboot.GUIDS[var], efivars).read_bytes()
         assert written == b"\x27\x00\x00\x00" + (tmp_path / "keys" / f"{var}.auth").read_bytes()
 
 
@@ -160,14 +161,14 @@ def test_the_check_afterwards_fails_until_the_firmware_left_setup_mode_and_db_ho
     with pytest.raises(UserError, match=r"still in setup mode \(it did not take PK\).*not enrolled \(the disk is written\)") as e:
         secureboot.verify_enrolled(keys, efivars)
     assert "BMC" in e.value.hint and 'README "Secure Boot"' in e.value.hint
-    _set(efivars, "SetupMode", efi.GLOBAL_GUID, b"\x00")
-    _set(efivars, "db", efi.IMAGE_SECURITY_GUID, _chain([CERTS[n] for n in MICROSOFT]), 0x27)
+    _set(efivars, "SetupMode", appliance.efivars.GLOBAL_GUID, b"\x00")
+    _set(efivars, "db", appliance.efivars.IMAGE_SECURITY_GUID, _chain([CERTS[n] for n in MICROSOFT]), 0x27)
     with pytest.raises(UserError, match="db does not hold the appliance's certificate"):
         secureboot.verify_enrolled(keys, efivars)
-    _set(efivars, "db", efi.IMAGE_SECURITY_GUID, b"\x01" * 10, 0x27)
+    _set(efivars, "db", appliance.efivars.IMAGE_SECURITY_GUID, b"\x01" * 10, 0x27)
     with pytest.raises(UserError, match=r"the firmware's db variable after enrolling: signature list at byte 0: 10 bytes"):
         secureboot.verify_enrolled(keys, efivars)
-    _set(efivars, "db", efi.IMAGE_SECURITY_GUID, _chain(DB), 0x27)
+    _set(efivars, "db", appliance.efivars.IMAGE_SECURITY_GUID, _chain(DB), 0x27)
     secureboot.verify_enrolled(keys, efivars)
 
 
@@ -178,8 +179,8 @@ def test_enroll_with_a_firmware_that_takes_the_keys_and_one_that_ignores_pk(tmp_
     secureboot.enroll(keys, efivars)
     assert [n.split("-")[0] for n, _ in writes] == ["db", "KEK", "PK"]
     assert all(data == struct.pack("<I", 0x27) + keys.payloads[n.split("-")[0]] for n, data in writes)
-    assert efi.secure_boot_state(efivars) == efi.SecureBootState(efi=True, secure_boot=False, setup_mode=False)
-    assert efi.db_sha256s(efivars) == [_sha(d) for d in DB]
+    assert appliance.efivars.secure_boot_state(efivars) == appliance.efivars.SecureBootState(efi=True, secure_boot=False, setup_mode=False)
+    assert appliance.efivars.db_sha256s(efivars) == [_sha(d) for d in DB]
 
     efivars = _firmware(tmp_path / "ignores", secure_boot=False, setup_mode=True)
     firmware(takes_pk=False)
@@ -201,7 +202,7 @@ def test_a_write_the_firmware_refuses_names_the_variable_and_pk_is_never_written
 def test_a_variable_that_will_not_open_is_the_same_refusal(tmp_path: Path) -> None:
     efivars = _firmware(tmp_path, secure_boot=False, setup_mode=True)
     keys = secureboot.load(_keys(tmp_path / "keys"))
-    efi.var_path("PK", efi.GLOBAL_GUID, efivars).mkdir()
+    appliance.efivars.var_path("PK", appliance.efivars.GLOBAL_GUID, efivars).mkdir()
     with pytest.raises(UserError, match=r"the firmware refused PK \(Is a directory\); db, KEK written before it"):
         secureboot.write_keys(keys, efivars)
 
@@ -211,7 +212,7 @@ def test_a_variable_that_will_not_open_is_the_same_refusal(tmp_path: Path) -> No
 
 def test_decide() -> None:
     keys = secureboot.EnrollSet(Path("/k"), _sha(CERTS["appliance db"]), {}, {})
-    state = efi.SecureBootState
+    state = appliance.efivars.SecureBootState
     ours, theirs = [_sha(CERTS["appliance db"])], [_sha(CERTS[MICROSOFT[0]])]
     assert secureboot.decide(state(False, None, None), ours, keys).action == "no-efi"
     assert secureboot.decide(state(True, False, True), [], keys).action == "enroll"
@@ -223,14 +224,14 @@ def test_decide() -> None:
 
 
 def test_secure_boot_state_reads_the_global_variables(tmp_path: Path) -> None:
-    assert efi.secure_boot_state(tmp_path / "none") == efi.SecureBootState(False, None, None)
+    assert appliance.efivars.secure_boot_state(tmp_path / "none") == appliance.efivars.SecureBootState(False, None, None)
     efivars = _firmware(tmp_path, secure_boot=True, setup_mode=False)
-    assert efi.secure_boot_state(efivars) == efi.SecureBootState(True, True, False)
-    assert efi.read_var("SecureBoot", efi.GLOBAL_GUID, efivars) == b"\x01"
-    assert efi.read_var("PK", efi.GLOBAL_GUID, efivars) is None and efi.db_sha256s(efivars) == []
-    efi.var_path("SetupMode", efi.GLOBAL_GUID, efivars).write_bytes(b"\x06\x00")
+    assert appliance.efivars.secure_boot_state(efivars) == appliance.efivars.SecureBootState(True, True, False)
+    assert appliance.efivars.read_var("SecureBoot", appliance.efivars.GLOBAL_GUID, efivars) == b"\x01"
+    assert appliance.efivars.read_var("PK", appliance.efivars.GLOBAL_GUID, efivars) is None and appliance.efivars.db_sha256s(efivars) == []
+    appliance.efivars.var_path("SetupMode", appliance.efivars.GLOBAL_GUID, efivars).write_bytes(b"\x06\x00")
     with pytest.raises(UserError, match="2 bytes, shorter than the 4 bytes of its attributes"):
-        efi.secure_boot_state(efivars)
+        appliance.efivars.secure_boot_state(efivars)
 
 
 # ------------------------------------------------------------------------------ the install
@@ -271,7 +272,7 @@ def test_secure_boot_on_without_the_appliance_in_db_stops_the_install_before_any
         assert "\n" not in e.value.message and e.value.exit_status == 2
         assert "BMC" in e.value.hint and "setup mode" in e.value.hint and 'README "Secure Boot"' in e.value.hint
         assert not DISK_TOOLS & {c[0] for c in rec.calls} and rec.calls == []
-    assert not efi.var_path("PK", efi.GLOBAL_GUID, efivars).exists()
+    assert not appliance.efivars.var_path("PK", appliance.efivars.GLOBAL_GUID, efivars).exists()
 
 
 def test_an_install_in_setup_mode_enrolls_after_the_boot_entry_and_before_the_summary(
@@ -339,10 +340,10 @@ def test_secure_boot_off_installs_and_says_so_loudly(tmp_path: Path, firmware: C
 
 def test_a_malformed_db_stops_an_enforcing_install_and_not_an_unsealed_one(tmp_path: Path) -> None:
     efivars = _firmware(tmp_path, secure_boot=True, setup_mode=False)
-    _set(efivars, "db", efi.IMAGE_SECURITY_GUID, _header(0) + b"\x00" * 48, 0x27)
+    _set(efivars, "db", appliance.efivars.IMAGE_SECURITY_GUID, _header(0) + b"\x00" * 48, 0x27)
     with pytest.raises(UserError, match="the firmware's db variable: signature list at byte 0: SignatureListSize 0"):
         _install(tmp_path, efivars, _keys(tmp_path / "keys"))
-    _set(efivars, "SecureBoot", efi.GLOBAL_GUID, b"\x00")
+    _set(efivars, "SecureBoot", appliance.efivars.GLOBAL_GUID, b"\x00")
     status, _, out = _install(tmp_path / "again", efivars, tmp_path / "keys")
     assert status == 0 and " secure boot OFF" in out[-1]
 
@@ -404,12 +405,12 @@ def test_an_operator_who_opted_out_of_microsoft_sees_appliance_only(tmp_path: Pa
 
 def test_signature_lists_give_the_x509_hashes_and_skip_other_types() -> None:
     data = _chain(DB) + _esl([b"\xaa" * 32, b"\xbb" * 32], SHA256_TYPE) + _esl([CERTS["appliance KEK"]], header=b"hdr!")
-    assert efi.signature_list_sha256s(data) == [*(_sha(d) for d in DB), _sha(CERTS["appliance KEK"])]
-    assert efi.signature_list_sha256s(b"") == []
+    assert appliance.efivars.signature_list_sha256s(data) == [*(_sha(d) for d in DB), _sha(CERTS["appliance KEK"])]
+    assert appliance.efivars.signature_list_sha256s(b"") == []
 
 
 def _header(list_size: int, header_size: int = 0, sig_size: int = 48) -> bytes:
-    return uuid.UUID(efi.CERT_X509_GUID).bytes_le + struct.pack("<III", list_size, header_size, sig_size)
+    return uuid.UUID(appliance.efivars.CERT_X509_GUID).bytes_le + struct.pack("<III", list_size, header_size, sig_size)
 
 
 @pytest.mark.parametrize(("data", "said"), [
@@ -425,7 +426,7 @@ def _header(list_size: int, header_size: int = 0, sig_size: int = 48) -> bytes:
 ])
 def test_a_malformed_signature_list_is_a_value_error(data: bytes, said: str) -> None:
     with pytest.raises(ValueError, match=said) as e:
-        efi.signature_list_sha256s(data)
+        appliance.efivars.signature_list_sha256s(data)
     assert "\n" not in str(e.value)
 
 
@@ -437,7 +438,7 @@ def test_any_bytes_end_in_hashes_or_a_value_error(prefix: bytes, patches: list[t
         if at + 4 <= len(data):
             data[at:at + 4] = struct.pack("<I", value)
     try:
-        hashes_ = efi.signature_list_sha256s(bytes(data))
+        hashes_ = appliance.efivars.signature_list_sha256s(bytes(data))
     except ValueError:
         return
     assert len(hashes_) <= len(data) // 17

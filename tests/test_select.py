@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from appliance.plan import Target
+from appliance.signed.install_plan import Target
 from installer import disks, select
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "disks"

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from repository import FIXTURES
 
-from applianctl import __main__ as applianctl_main
+import applianctl.__main__
 from applianctl.selftest import command, readings
 from applianctl.selftest.checks import FAILED, NOT_CHECKED, OK, Expectations, Report, gpu_key, run
 from applianctl.selftest.facts import read
@@ -499,7 +499,7 @@ def test_collect_keeps_its_deadline_when_a_tool_hangs(tmp_path: Path) -> None:
 
 def test_command_exit_statuses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     monkeypatch.setattr(command, "collect", lambda run, timeout: healthy())
-    assert applianctl_main.main(["selftest", "--json"]) == 0
+    assert applianctl.__main__.main(["selftest", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["ok"], out["failed_gpus"], out["gpus"][0]["bdf"]) == (True, [], "0000:05:00.0")
     stored = tmp_path / "selftest.json"
@@ -507,13 +507,13 @@ def test_command_exit_statuses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
 
     rising = edited("metric", lambda doc: doc[1]["ecc"].update(total_correctable_count=3))
     monkeypatch.setattr(command, "collect", lambda run, timeout: rising)
-    assert applianctl_main.main(["selftest", "--previous", str(stored)]) == 1
+    assert applianctl.__main__.main(["selftest", "--previous", str(stored)]) == 1
     text = capsys.readouterr().out
     assert "GPU 1 (0000:26:00.0): failed\n  ecc-correctable-rising: GPU 1: correctable ECC errors rose from 0 to 3" in text
     assert text.rstrip().endswith("failed GPUs: 1")
 
     monkeypatch.setattr(command, "collect", lambda run, timeout: Readings(problems=("amd-smi static: amd-smi is not installed",)))
-    assert applianctl_main.main(["selftest"]) == 3
+    assert applianctl.__main__.main(["selftest"]) == 3
     assert "could not run: amd-smi static: amd-smi is not installed" in capsys.readouterr().out
 
 
@@ -523,7 +523,7 @@ def test_command_without_a_gpu_is_exit_3_with_a_hint(monkeypatch: pytest.MonkeyP
     # a machine with no AMD GPU (a QEMU guest): no KFD topology, no tool lists a GPU
     nothing = Readings(problems=("amd-smi static: amd-smi is not installed",), kfd_nodes={})
     monkeypatch.setattr(command, "collect", lambda run, timeout: nothing)
-    assert applianctl_main.main(["selftest", *(["--json"] if json_out else [])]) == 3
+    assert applianctl.__main__.main(["selftest", *(["--json"] if json_out else [])]) == 3
     out, err = capsys.readouterr()
     assert ("could not run: amd-smi static" in out) if not json_out else json.loads(out)["could_not_run"]
     assert err.startswith("hint: no amdgpu/KFD device: on a machine without an AMD GPU the self-test cannot run (in QEMU that is expected)")
@@ -531,19 +531,19 @@ def test_command_without_a_gpu_is_exit_3_with_a_hint(monkeypatch: pytest.MonkeyP
     # the KFD sees GPUs but the tools list none: the hint is the tools, not the hardware
     tools_missing = healthy(static=None, metric=None, problems=("amd-smi static: amd-smi is not installed",))
     monkeypatch.setattr(command, "collect", lambda run, timeout: tools_missing)
-    assert applianctl_main.main(["selftest"]) == 3
+    assert applianctl.__main__.main(["selftest"]) == 3
     assert capsys.readouterr().err.startswith("hint: the KFD sees a GPU but neither amd-smi nor rocm-smi listed it")
 
 
 def test_command_bad_previous_report_is_exit_2_with_a_hint(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     bad = tmp_path / "selftest.json"
     bad.write_text("{not json")
-    assert applianctl_main.main(["selftest", "--previous", str(bad)]) == 2
+    assert applianctl.__main__.main(["selftest", "--previous", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"applianctl: {bad}: not JSON")
     assert "hint: pass a report `applianctl selftest --json` printed" in err
     bad.write_text("[]")
-    assert applianctl_main.main(["selftest", "--previous", str(bad)]) == 2
+    assert applianctl.__main__.main(["selftest", "--previous", str(bad)]) == 2
 
 
 def test_command_that_breaks_could_not_run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -551,7 +551,7 @@ def test_command_that_breaks_could_not_run(monkeypatch: pytest.MonkeyPatch, caps
         raise RuntimeError("boom")
 
     monkeypatch.setattr(command, "collect", broken)
-    assert applianctl_main.main(["selftest"]) == 3
+    assert applianctl.__main__.main(["selftest"]) == 3
     err = capsys.readouterr().err.splitlines()
     assert err == ["applianctl selftest: could not run: RuntimeError: boom",
                    "hint: the self-test broke: run `applianctl --debug selftest` for the traceback"]
@@ -571,11 +571,10 @@ def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     that sets gpu.required."""
     import dataclasses
 
-    from appliance import config as config_mod
-    from appliance import paths
+    from appliance import config, paths
 
     def set_required(required: bool) -> None:
-        c = config_mod.load(Path(__file__).resolve().parents[1] / "appliance.toml", "production")
+        c = config.load(Path(__file__).resolve().parents[1] / "appliance.toml", "production")
         c = dataclasses.replace(c, topology=dataclasses.replace(c.topology, gpus=2, layout="2x1"),
                                 gpu=dataclasses.replace(c.gpu, required=required))
         (tmp_path / "lib/appliance.json").write_text(json.dumps(c.to_json()))
@@ -592,7 +591,7 @@ def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def _boot(monkeypatch: pytest.MonkeyPatch, found: Readings) -> int:
     monkeypatch.setattr(command, "collect", lambda run, timeout: found)
-    return applianctl_main.main(["selftest", "--at-boot"])
+    return applianctl.__main__.main(["selftest", "--at-boot"])
 
 
 def _gpu_part() -> Any:
@@ -616,9 +615,9 @@ def test_at_boot_a_failed_gpu_the_engines_use_keeps_them_stopped_and_status_name
     # stays stopped (its unit's gate fails); replica 0 on GPU 0 still starts, so the unit passes
     assert _boot(monkeypatch, edited("metric", lambda doc: doc[1]["ecc"].update(total_correctable_count=3))) == 0
     assert "GPU(s) 1 failed: replica(s) 1 stay stopped" in capsys.readouterr().err
-    assert applianctl_main.main(["selftest", "--replica", "1"]) == 1
+    assert applianctl.__main__.main(["selftest", "--replica", "1"]) == 1
     assert "replica 1 runs on GPU(s) 1, which failed" in capsys.readouterr().err
-    assert applianctl_main.main(["selftest", "--replica", "0"]) == 0
+    assert applianctl.__main__.main(["selftest", "--replica", "0"]) == 0
     assert paths.gpu_selftest_baseline_path().read_text() == baseline  # a rise stays a rise until someone looks
     report = json.loads(paths.GPU_SELFTEST.read_text())
     assert report["failed_used_gpus"] == [1]
@@ -632,13 +631,13 @@ def test_at_boot_failed_gpus_under_every_replica_keep_the_unit_failed(device: An
 
     assert _boot(monkeypatch, edited("metric", lambda doc: [doc[g]["ecc"].update(total_uncorrectable_count=1) for g in (0, 1)])) == 1
     assert "replica(s) 0, 1 stay stopped" in capsys.readouterr().err
-    assert [applianctl_main.main(["selftest", "--replica", str(i)]) for i in (0, 1)] == [1, 1]
+    assert [applianctl.__main__.main(["selftest", "--replica", str(i)]) for i in (0, 1)] == [1, 1]
     # a damaged report keeps the replica out; no report (no self-test this boot) is no verdict
     paths.GPU_SELFTEST.write_text("{not json")
-    assert applianctl_main.main(["selftest", "--replica", "0"]) == 1
+    assert applianctl.__main__.main(["selftest", "--replica", "0"]) == 1
     paths.GPU_SELFTEST.unlink()
-    assert applianctl_main.main(["selftest", "--replica", "0"]) == 0
-    assert applianctl_main.main(["selftest", "--replica", "2"]) == 2  # the topology has two
+    assert applianctl.__main__.main(["selftest", "--replica", "0"]) == 0
+    assert applianctl.__main__.main(["selftest", "--replica", "2"]) == 2  # the topology has two
 
 
 def test_at_boot_a_failed_gpu_no_engine_uses_is_reported_not_fatal(device: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -673,7 +672,7 @@ def test_a_previous_report_with_counts_that_are_not_counts_is_exit_2(capsys: pyt
     bad = tmp_path / "selftest.json"
     for counts, shown in (({"gpu:0": -5}, "-5"), ({"gpu:0": "3"}, "'3'"), ([1], r"\[...\]")):
         bad.write_text(json.dumps({"ok": True, "correctable_counts": counts}))
-        assert applianctl_main.main(["selftest", "--previous", str(bad)]) == 2
+        assert applianctl.__main__.main(["selftest", "--previous", str(bad)]) == 2
         err = capsys.readouterr().err
         assert re.match(rf"applianctl: {re.escape(str(bad))}: correctable_counts(\.gpu:0)? = {shown}: invalid\n", err), err
         assert "hint: pass a report `applianctl selftest --json` printed" in err

@@ -18,10 +18,10 @@ import pytest
 from fake_release import usrhash_for
 from fakeprog import fake_program
 
+import applianctl.slots.view
 from appliance import paths
-from appliance.bundle import USR_TYPE, USR_VERITY_TYPE, partuuids_from_usrhash
+from appliance.signed.bundle_index import USR_TYPE, USR_VERITY_TYPE, partuuids_from_usrhash
 from applianctl.slots import release
-from applianctl.slots import view as slots
 from applianctl.slots.entries import BAD, GOOD, ON_TRIAL, parse_bootctl_list
 from applianctl.slots.machine import EFI_LOADER_GUID, Host, boot_counting
 from applianctl.slots.sysupdate import sysupdate_list
@@ -117,7 +117,7 @@ def test_bootctl_257_json_is_read_and_loader_entries_ignored(machine: Machine) -
 
 
 def test_the_view_joins_slots_entries_and_this_boot(machine: Machine) -> None:
-    view = slots.read(machine.host, "2.0.0")
+    view = applianctl.slots.view.read(machine.host, "2.0.0")
     assert view.errors == [] and view.entries_source == "bootctl"
     assert [(s.name, s.version, s.booted) for s in view.slots] == [("A", "1.0.0", False), ("B", "2.0.0", True)]
     assert view.booted is not None and view.booted.name == "B" and view.other is not None and view.other.name == "A"
@@ -132,7 +132,7 @@ def test_judged_good_is_read_from_the_entry_now_not_from_the_boot_variables(mach
     """systemd-bless-boot renames the entry; LoaderBootCountPath still names the counted file."""
     machine.use_live_bootctl()
     (machine.esp / "EFI/Linux/appliance_2.0.0+2-1.efi").rename(machine.esp / "EFI/Linux/appliance_2.0.0.efi")
-    view = slots.read(machine.host, "2.0.0")
+    view = applianctl.slots.view.read(machine.host, "2.0.0")
     assert boot_counting(machine.host) is not None, "this boot was counted"
     assert view.running_state()[0] == GOOD
 
@@ -140,7 +140,7 @@ def test_judged_good_is_read_from_the_entry_now_not_from_the_boot_variables(mach
 def test_a_running_entry_out_of_tries_is_bad(machine: Machine) -> None:
     machine.use_live_bootctl()
     (machine.esp / "EFI/Linux/appliance_2.0.0+2-1.efi").rename(machine.esp / "EFI/Linux/appliance_2.0.0+0.efi")
-    view = slots.read(machine.host, "2.0.0")
+    view = applianctl.slots.view.read(machine.host, "2.0.0")
     assert view.running_state()[0] == BAD
     # systemd-boot sorts an entry out of tries last: the other version is the default now
     assert [(e.version, e.is_default) for e in view.entries] == [("2.0.0", False), ("1.0.0", True)]
@@ -149,7 +149,7 @@ def test_a_running_entry_out_of_tries_is_bad(machine: Machine) -> None:
 def test_without_bootctl_the_esp_is_read_and_the_view_says_so(machine: Machine) -> None:
     (machine.bin / "bootctl").unlink()
     machine.host.bootctl = str(machine.bin / "bootctl")  # not installed
-    view = slots.read(machine.host, "2.0.0")
+    view = applianctl.slots.view.read(machine.host, "2.0.0")
     assert view.entries_source.startswith("ESP scan (bootctl:")
     assert [(e.version, e.state) for e in view.entries] == [("2.0.0", ON_TRIAL), ("1.0.0", GOOD)]
     assert view.running_state()[0] == ON_TRIAL
@@ -159,7 +159,7 @@ def test_bootctl_output_that_contradicts_the_file_name_is_not_believed(machine: 
     data = json.loads(machine.recorded.read_text())
     del data[0]["triesLeft"]  # says "not counting" for a file that carries +2-1
     machine.recorded.write_text(json.dumps(data))
-    view = slots.read(machine.host, "2.0.0")
+    view = applianctl.slots.view.read(machine.host, "2.0.0")
     assert view.entries_source.startswith("ESP scan") and "disagrees" in view.entries_source
     assert view.running_state()[0] == ON_TRIAL
 
@@ -167,7 +167,7 @@ def test_bootctl_output_that_contradicts_the_file_name_is_not_believed(machine: 
 def test_no_entry_for_the_running_version_is_unknown(machine: Machine) -> None:
     machine.use_live_bootctl()
     (machine.esp / "EFI/Linux/appliance_2.0.0+2-1.efi").unlink()
-    state, why = slots.read(machine.host, "2.0.0").running_state()
+    state, why = applianctl.slots.view.read(machine.host, "2.0.0").running_state()
     assert state == "unknown" and "no boot entry for the running version 2.0.0" in why
 
 
@@ -235,5 +235,5 @@ def test_a_kernel_image_listed_once_per_boot_menu_profile_is_one_entry(machine: 
 def test_a_boot_through_a_boot_menu_profile_is_a_boot_of_its_version(machine: Machine) -> None:
     """systemd-boot names a UKI profile's entry FILE@PROFILE in LoaderEntrySelected."""
     efi_var(machine.host.efivars, "LoaderEntrySelected", "appliance_2.0.0.efi@factory-reset")
-    view = slots.read(machine.host, "2.0.0")
+    view = applianctl.slots.view.read(machine.host, "2.0.0")
     assert view.booted_entry == "appliance_2.0.0.efi" and view.booted is not None and view.booted.name == "B"

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import pytest
 from standin_engine import MODEL, free_port, start_standin, stop
 
-from appliance import config as builder_config
+import appliance.config
 from appliance import paths
 from applianctl.engine import smoke
 
@@ -37,7 +37,7 @@ def engine() -> Iterator[str]:
 
 @pytest.fixture
 def configured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    data = builder_config.load(ROOT / "appliance.toml", "demo").to_json()
+    data = appliance.config.load(ROOT / "appliance.toml", "demo").to_json()
     (tmp_path / "appliance.json").write_text(json.dumps(data))
     monkeypatch.setenv("APPLIANCE_CONFIG", str(tmp_path / "appliance.json"))
     monkeypatch.setattr(paths, "TLS_DIR", tmp_path / "tls")

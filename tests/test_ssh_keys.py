@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance import plan as plan_model
 from appliance.config import checks
 from appliance.errors import ConfigError
+from appliance.signed import install_plan
 from installer import install
 
 pytestmark = pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="needs ssh-keygen (openssh-client: make setup)")
@@ -222,8 +222,8 @@ def test_a_bad_key_in_a_plan_is_one_line_with_a_hint_before_anything_is_signed(g
         path = tmp_path / "plan.toml"
         path.write_text(f'[ssh]\nauthorized_keys = ["{line}"]\n')
         with pytest.raises(ConfigError) as e:
-            plan_model.load_toml(path)
+            install_plan.load_toml(path)
         assert "ssh.authorized_keys[0]" in e.value.message and "\n" not in e.value.message
         assert reason in e.value.hint and e.value.exit_status == 2
     path.write_text(f'[ssh]\nauthorized_keys = ["{_line(kind, blob)}"]\n')
-    assert plan_model.load_toml(path).ssh is not None
+    assert install_plan.load_toml(path).ssh is not None

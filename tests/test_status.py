@@ -28,20 +28,18 @@ from mock_systemd import MockSystemd, start_mock_systemd, stop_mock_systemd
 from repository import FIXTURES
 from standin_engine import MODEL, free_port, start_standin, stop
 
-from appliance import config as builder_config
+import appliance.config
+import applianctl.status.disk
+import applianctl.status.engine
+import applianctl.status.proxy
+import applianctl.status.shm
+import applianctl.status.tls
 from appliance import paths
-from appliance.bundle import ENGINE_TYPE, ENGINE_VERITY_TYPE, USR_TYPE, USR_VERITY_TYPE
 from appliance.config import Config
 from appliance.config.model import Topology
+from appliance.signed.bundle_index import ENGINE_TYPE, ENGINE_VERITY_TYPE, USR_TYPE, USR_VERITY_TYPE
 from applianctl.slots.machine import EFI_LOADER_GUID, Host
-from applianctl.status import collect as status
-from applianctl.status import disk as probes_disk
-from applianctl.status import document, os_slots, probes, schema_doc
-from applianctl.status import engine as probes_engine
-from applianctl.status import files as probes_files
-from applianctl.status import proxy as probes_proxy
-from applianctl.status import shm as probes_shm
-from applianctl.status import tls as probes_tls
+from applianctl.status import collect, document, files, os_slots, probes, schema_doc
 
 ROOT = Path(__file__).parents[1]
 ROCM_SMI_TEXT = (FIXTURES / "gpu" / "rocm-smi-concise-and-showmeminfo-vram-mi300x-x8-spx-rocm633.txt").read_text()
@@ -116,7 +114,7 @@ def hung_engine() -> Iterator[str]:
 def config(tmp_path: Path) -> Config:
     """The demo profile's real configuration with one engine (the demo runs two replicas:
     test_engine_replicas_*), and the model cache in the temporary tree."""
-    loaded = one_engine(builder_config.load(ROOT / "appliance.toml", "demo"))
+    loaded = one_engine(appliance.config.load(ROOT / "appliance.toml", "demo"))
     (tmp_path / "hf").mkdir()
     return dataclasses.replace(loaded, model=dataclasses.replace(loaded.model, cache_dir=str(tmp_path / "hf")))
 
@@ -165,8 +163,8 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: Config) -> Pat
         monkeypatch.setattr(paths, name, value)
     # The build host's own free space must not decide these tests (CI ran once with 4.9 GiB free
     # on a 252 GiB disk, under the 5 % floor); test_disk raises the floor to see `degraded`.
-    monkeypatch.setattr(probes_disk, "DISK_MIN_FREE_BYTES", 0)
-    monkeypatch.setattr(probes_disk, "DISK_MIN_FREE_FRACTION", 0.0)
+    monkeypatch.setattr(applianctl.status.disk, "DISK_MIN_FREE_BYTES", 0)
+    monkeypatch.setattr(applianctl.status.disk, "DISK_MIN_FREE_FRACTION", 0.0)
     (tmp_path / "os-release").write_text(f"ID=debian\nIMAGE_VERSION={config.appliance.version}\n")
     (tmp_path / "esp" / "EFI" / "Linux").mkdir(parents=True)
     fake_program(tmp_path, "sfdisk", script_body=FAKE_SFDISK)
@@ -236,7 +234,7 @@ def running_caddy(base: Path, https_port: int, engine_port: int) -> Iterator[Liv
     if caddy is None:
         pytest.skip("needs Debian's caddy (apt install caddy)")
     live = LiveProxy(https_port, engine_port, base / "tls")
-    loaded = one_engine(builder_config.load(ROOT / "appliance.toml", "demo"))
+    loaded = one_engine(appliance.config.load(ROOT / "appliance.toml", "demo"))
     config = dataclasses.replace(
         loaded,
         proxy=dataclasses.replace(loaded.proxy, https_port=https_port),
@@ -291,11 +289,11 @@ def test_healthy_appliance_is_ok(
     config = behind(config, live_proxy, monkeypatch)
     write_healthy(tree, config)
     src = sources(tree, engine, systemd_mock)
-    status.collect(config, src)  # warm up imports and connections
+    collect.collect(config, src)  # warm up imports and connections
     # The 300 ms latency target is a benchmark (make bench), not a timed test.
-    doc = status.collect(config, src).to_json()
+    doc = collect.collect(config, src).to_json()
     assert doc["state"] == probes.OK, json.dumps(doc["parts"], indent=1)
-    assert list(doc["parts"]) == list(status.PARTS)
+    assert list(doc["parts"]) == list(collect.PARTS)
     eng = doc["parts"]["engine"]
     assert eng["models"] == [MODEL]
     assert eng["metrics"]["requests_running"] == 0
@@ -306,7 +304,7 @@ def test_healthy_appliance_is_ok(
     write_config(tree, config, monkeypatch)
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
-    assert status.run(argparse.Namespace(json=True), src) == 0
+    assert collect.run(argparse.Namespace(json=True), src) == 0
     assert json.loads(out.getvalue())["schema"] == 1
 
 
@@ -319,7 +317,7 @@ def test_hung_engine_answers_within_2_seconds_and_is_down(
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
     started = time.monotonic()
-    code = status.run(argparse.Namespace(json=False), sources(tree, hung_engine, systemd_mock))
+    code = collect.run(argparse.Namespace(json=False), sources(tree, hung_engine, systemd_mock))
     assert time.monotonic() - started < 2.0
     assert code == 2
     text = out.getvalue()
@@ -346,11 +344,11 @@ def test_a_probe_that_hangs_or_raises_is_down_and_costs_only_the_deadline() -> N
 def test_every_part_renders_when_its_probe_timed_out() -> None:
     """A probe past its deadline leaves only a state and a reason (the host probe timed out under
     load on a test VM): the text must still render, or status and the console fail with it."""
-    bare = {name: probes.Part(probes.DOWN, "no answer within 2 s") for name in status.PARTS}
+    bare = {name: probes.Part(probes.DOWN, "no answer within 2 s") for name in collect.PARTS}
     doc = made_up(state=probes.DOWN, reason="os: no answer", parts=bare)
     out = io.StringIO()
-    status.render(doc, out, colour=False)
-    assert out.getvalue().count("no answer within 2 s") == len(status.PARTS)
+    collect.render(doc, out, colour=False)
+    assert out.getvalue().count("no answer within 2 s") == len(collect.PARTS)
     assert "KeyError" not in out.getvalue()
 
 
@@ -364,7 +362,7 @@ def test_every_part_renders_when_its_probe_timed_out() -> None:
 )
 def test_overall_state_and_exit_status(states: list[str], overall: str, code: int) -> None:
     assert probes.worst(states) == overall
-    assert status.EXIT_STATUS[overall] == code
+    assert collect.EXIT_STATUS[overall] == code
 
 
 @pytest.mark.programs
@@ -382,11 +380,11 @@ def test_degraded_exit_status_and_colour(
     write_config(tree, config, monkeypatch)
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
-    assert status.run(argparse.Namespace(json=True), sources(tree, engine, systemd_mock)) == 1
+    assert collect.run(argparse.Namespace(json=True), sources(tree, engine, systemd_mock)) == 1
     doc = json.loads(out.getvalue())
     assert (doc["state"], doc["reason"]) == (probes.DEGRADED, "startup: loading weights")
     coloured = io.StringIO()
-    status.render(document.load(doc), coloured, colour=True)
+    collect.render(document.load(doc), coloured, colour=True)
     assert "\033[33mdegraded" in coloured.getvalue()
 
 
@@ -395,10 +393,10 @@ def test_degraded_exit_status_and_colour(
 
 def test_engine_refused_is_down_unless_it_is_loading(tree: Path, config: Config) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    part = probes_engine.probe_engine(config, sources(tree, url))
+    part = applianctl.status.engine.probe_engine(config, sources(tree, url))
     assert (part.state, part.reason) == (probes.DOWN, f"{url}/health: connection refused")
     paths.STARTUP_REPORT.write_text(json.dumps({"state": "loading"}))
-    doc = status.collect(config, dataclasses.replace(sources(tree, url), bus=lambda: None)).to_json()
+    doc = collect.collect(config, dataclasses.replace(sources(tree, url), bus=lambda: None)).to_json()
     assert doc["parts"]["engine"]["state"] == probes.DEGRADED
     assert doc["parts"]["engine"]["reason"].startswith("starting")
 
@@ -407,7 +405,7 @@ def test_engine_serving_another_model_is_degraded(tree: Path, config: Config) ->
     port = free_port()
     proc = start_standin(port, name="someone/else")
     try:
-        part = probes_engine.probe_engine(config, sources(tree, f"http://127.0.0.1:{port}"))
+        part = applianctl.status.engine.probe_engine(config, sources(tree, f"http://127.0.0.1:{port}"))
     finally:
         stop(proc)
     assert (part.state, part.reason) == (probes.DEGRADED, f"/v1/models does not list {MODEL}")
@@ -418,9 +416,9 @@ def test_engine_replicas_each_probed_one_down_is_degraded_all_down_is_down(tree:
     nothing listens. Each is named; the exposition has one series per replica and state."""
     from applianctl.status import exposition
 
-    two = builder_config.load(ROOT / "appliance.toml", "demo")
+    two = appliance.config.load(ROOT / "appliance.toml", "demo")
     dead = f"http://127.0.0.1:{free_port()}"
-    part = probes_engine.probe_engine(two, sources(tree, engine, replica_urls=(dead,)))
+    part = applianctl.status.engine.probe_engine(two, sources(tree, engine, replica_urls=(dead,)))
     assert part.state == probes.DEGRADED, part
     assert part.reason == f"1 of 2 replicas serve; replica 1: {dead}/health: connection refused"
     assert [(r["replica"], r["url"], r["state"], r["gpus"]) for r in part.to_json()["replicas"]] == [
@@ -430,11 +428,11 @@ def test_engine_replicas_each_probed_one_down_is_degraded_all_down_is_down(tree:
     assert 'appliance_replica_state{replica="1",gpus="1",state="down"} 1' in text.splitlines()
     assert 'appliance_replica_state{replica="0",gpus="0",state="ok"} 1' in text.splitlines()
     # both serving: ok; neither: down, the start-in-progress cross-check still possible (all refused)
-    assert probes_engine.probe_engine(two, sources(tree, engine, replica_urls=(engine,))).state == probes.OK
-    down = probes_engine.probe_engine(two, sources(tree, dead, replica_urls=(dead,)))
+    assert applianctl.status.engine.probe_engine(two, sources(tree, engine, replica_urls=(engine,))).state == probes.OK
+    down = applianctl.status.engine.probe_engine(two, sources(tree, dead, replica_urls=(dead,)))
     assert down.state == probes.DOWN and down.to_json()["refused"] is True, down
     assert down.reason == f"replica 0: {dead}/health: connection refused; replica 1: {dead}/health: connection refused"
-    assert status.summary("engine", part.to_json()).startswith("replicas 1/2 serving; models standin/tiny-demo;")
+    assert collect.summary("engine", part.to_json()).startswith("replicas 1/2 serving; models standin/tiny-demo;")
 
 
 # ----------------------------------------------------------------------------------- os
@@ -506,33 +504,33 @@ def test_os_version_mismatch_is_degraded(tree: Path, config: Config) -> None:
 
 
 def test_startup_report_states(tree: Path, config: Config) -> None:
-    assert probes_engine.probe_startup(config).state == probes.NOT_CONFIGURED
+    assert applianctl.status.engine.probe_startup(config).state == probes.NOT_CONFIGURED
     figures = {"model_memory_gib": 0.5, "kv_cache_tokens": 32768, "cuda_graphs": "FULL", "ready": True}
     report = {"state": "degraded", "reason": "KV cache 32768 tokens < 65536", "figures": figures}
     paths.STARTUP_REPORT.write_text(json.dumps(report))
-    part = probes_engine.probe_startup(config)
+    part = applianctl.status.engine.probe_startup(config)
     assert (part.state, part.reason) == (probes.DEGRADED, "KV cache 32768 tokens < 65536")
     assert part.to_json()["figures"]["kv_cache_tokens"] == {"value": 32768, "expected": 65536}
     paths.STARTUP_REPORT.write_text(json.dumps({**report, "state": "ok", "reason": ""}))
-    assert probes_engine.probe_startup(config).state == probes.OK
+    assert applianctl.status.engine.probe_startup(config).state == probes.OK
     paths.STARTUP_REPORT.write_text("{half")
-    assert probes_engine.probe_startup(config).state == probes.DEGRADED
+    assert applianctl.status.engine.probe_startup(config).state == probes.DEGRADED
 
 
 @pytest.mark.parametrize("name", ["VERIFY_RESULT", "PREFLIGHT_RESULT", "SHM_CHECK"])
 def test_check_files(tree: Path, name: str) -> None:
     path: Path = getattr(paths, name)
-    assert probes_files.probe_check(path, "x").state == probes.NOT_CONFIGURED
+    assert files.probe_check(path, "x").state == probes.NOT_CONFIGURED
     path.write_text(json.dumps({"ok": True, "reason": "", "version": "1.0.0"}))
-    part = probes_files.probe_check(path, "x")
+    part = files.probe_check(path, "x")
     assert part.to_json() == {"state": probes.OK, "reason": "", "version": "1.0.0"}
     path.write_text(json.dumps({"ok": False, "reason": "signature does not match any trusted key"}))
-    assert probes_files.probe_check(path, "x").to_json() == {
+    assert files.probe_check(path, "x").to_json() == {
         "state": probes.DOWN,
         "reason": "signature does not match any trusted key",
     }
     path.write_text("[]")
-    assert probes_files.probe_check(path, "x").state == probes.DEGRADED
+    assert files.probe_check(path, "x").state == probes.DEGRADED
 
 
 MAP_AND_WAIT = """
@@ -547,7 +545,7 @@ sys.stdin.read()
 
 def test_shm_offload_files_stale_or_in_use(tree: Path, config: Config) -> None:
     src = probes.Sources(proc=Path("/proc"))
-    assert probes_shm.probe_shm(config, src).state == probes.OK
+    assert applianctl.status.shm.probe_shm(config, src).state == probes.OK
     live = paths.SHM_DIR / "vllm_offload_live.mmap"
     live.write_bytes(b"\0" * 4096)
     # Another process maps it, like an engine (the scanner does not count status itself).
@@ -556,11 +554,11 @@ def test_shm_offload_files_stale_or_in_use(tree: Path, config: Config) -> None:
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline() == b"mapped\n"
-        part = probes_shm.probe_shm(config, src)
+        part = applianctl.status.shm.probe_shm(config, src)
         assert part.state == probes.OK, part.reason
         assert part.to_json()["offload_files"][0]["in_use"] is True
         (paths.SHM_DIR / "vllm_offload_dead.mmap").write_bytes(b"\0" * 4096)
-        part = probes_shm.probe_shm(config, src)
+        part = applianctl.status.shm.probe_shm(config, src)
     finally:
         holder.communicate(b"")
     assert part.state == probes.DEGRADED
@@ -571,39 +569,39 @@ def test_shm_offload_files_stale_or_in_use(tree: Path, config: Config) -> None:
 def test_shm_too_small_absent_or_unused(tree: Path, config: Config) -> None:
     src = probes.Sources(proc=Path("/proc"))
     big = with_offload(config, "1000000")
-    assert probes_shm.probe_shm(big, src).state == probes.DEGRADED
+    assert applianctl.status.shm.probe_shm(big, src).state == probes.DEGRADED
     paths.SHM_DIR.rmdir()
-    assert probes_shm.probe_shm(config, src).state == probes.DOWN
+    assert applianctl.status.shm.probe_shm(config, src).state == probes.DOWN
     none = with_offload(config, "0")
-    assert probes_shm.probe_shm(none, src).state == probes.NOT_CONFIGURED
+    assert applianctl.status.shm.probe_shm(none, src).state == probes.NOT_CONFIGURED
 
 
 def test_disk(tree: Path, config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
     (Path(config.model.cache_dir) / "blob").write_bytes(b"x" * 10000)
-    part = probes_disk.probe_disk(config)
+    part = applianctl.status.disk.probe_disk(config)
     assert part.state == probes.OK, part.reason
     assert part.to_json()["model_cache"]["cache_bytes"] >= 10000
-    monkeypatch.setattr(probes_disk, "DISK_MIN_FREE_BYTES", 1 << 60)
-    assert probes_disk.probe_disk(config).state == probes.DEGRADED
-    assert probes_disk.probe_disk(config, tree / "missing").state == probes.DOWN
+    monkeypatch.setattr(applianctl.status.disk, "DISK_MIN_FREE_BYTES", 1 << 60)
+    assert applianctl.status.disk.probe_disk(config).state == probes.DEGRADED
+    assert applianctl.status.disk.probe_disk(config, tree / "missing").state == probes.DOWN
 
 
 def test_tls(tree: Path, config: Config) -> None:
-    part = probes_tls.probe_tls(config)
+    part = applianctl.status.tls.probe_tls(config)
     assert (part.state, part.reason) == (
         probes.NOT_CONFIGURED,
         f"{paths.TLS_DIR / 'ca.crt'} absent: no appliance CA yet",
     )
     make_ca(paths.TLS_DIR / "ca.crt", days=365)
-    part = probes_tls.probe_tls(config)
+    part = applianctl.status.tls.probe_tls(config)
     assert part.state == probes.OK
     assert len(part.to_json()["ca_sha256"]) == 95 and part.to_json()["ca_days_left"] in (364, 365)
     make_ca(paths.TLS_DIR / "ca.crt", days=10)
-    assert probes_tls.probe_tls(config).state == probes.DEGRADED
+    assert applianctl.status.tls.probe_tls(config).state == probes.DEGRADED
     later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=20)
-    assert probes_tls.probe_tls(config, now=later).state == probes.DOWN
+    assert applianctl.status.tls.probe_tls(config, now=later).state == probes.DOWN
     (paths.TLS_DIR / "ca.crt").write_text("not a certificate")
-    assert probes_tls.probe_tls(config).state == probes.DOWN
+    assert applianctl.status.tls.probe_tls(config).state == probes.DOWN
 
 
 def test_the_slots_line_names_versions_the_booted_slot_and_trials() -> None:
@@ -625,18 +623,18 @@ def test_the_slots_line_names_versions_the_booted_slot_and_trials() -> None:
 def test_proxy_through_the_real_caddy(tree: Path, config: Config, live_proxy: LiveProxy, monkeypatch: pytest.MonkeyPatch) -> None:
     config = behind(config, live_proxy, monkeypatch)
     src = sources(tree, "http://127.0.0.1:1")
-    part = probes_proxy.probe_proxy(config, src)
+    part = applianctl.status.proxy.probe_proxy(config, src)
     assert part.state == probes.OK, part.reason
     assert part.to_json()["listening"] is True
     assert config.proxy.hostname in part.to_json()["certificate"]["names"]
     assert part.to_json()["certificate"]["days_left"] > 30
     assert part.to_json()["request"]["path"] == config.engine.health.path
     assert part.to_json()["request"]["status"] == 200
-    line = status.summary("proxy", part.to_json())
+    line = collect.summary("proxy", part.to_json())
     assert line.startswith(f"certificate for {config.proxy.hostname}") and f"GET {config.engine.health.path} HTTP 200" in line
     # The server certificate runs out: degraded before it does.
     later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=part.to_json()["certificate"]["days_left"] - 3)
-    soon = probes_proxy.probe_proxy(config, src, now=later)
+    soon = applianctl.status.proxy.probe_proxy(config, src, now=later)
     assert soon.state == probes.DEGRADED and "expires on" in soon.reason
 
 
@@ -647,15 +645,15 @@ def test_proxy_not_listening_untrusted_or_wrong_name(
     config = behind(config, live_proxy, monkeypatch)
     src = sources(tree, "http://127.0.0.1:1")
     closed = dataclasses.replace(config, proxy=dataclasses.replace(config.proxy, https_port=free_port()))
-    part = probes_proxy.probe_proxy(closed, src)
+    part = applianctl.status.proxy.probe_proxy(closed, src)
     assert (part.state, part.to_json()["listening"]) == (probes.DOWN, False)
     assert part.reason == f"nothing listens on port {closed.proxy.https_port}"
     other_name = dataclasses.replace(config, proxy=dataclasses.replace(config.proxy, hostname="elsewhere.example"))
-    part = probes_proxy.probe_proxy(other_name, src)
+    part = applianctl.status.proxy.probe_proxy(other_name, src)
     assert part.state == probes.DOWN and "certificate not trusted for elsewhere.example" in part.reason
     monkeypatch.setattr(paths, "TLS_DIR", tree / "state" / "tls")
     make_ca(paths.TLS_DIR / "ca.crt", days=365)  # another CA: the proxy's certificate is not from it
-    part = probes_proxy.probe_proxy(config, src)
+    part = applianctl.status.proxy.probe_proxy(config, src)
     assert part.state == probes.DOWN and "certificate not trusted" in part.reason
 
 
@@ -666,7 +664,7 @@ def test_proxy_that_cannot_reach_the_engine_is_degraded(
     """The real Caddy in front of a port nobody listens on: it answers 502 or 503."""
     with running_caddy(tmp_path, free_port(), free_port()) as dead:
         config = behind(config, dead, monkeypatch)
-        part = probes_proxy.probe_proxy(config, sources(tree, "http://127.0.0.1:1"))
+        part = applianctl.status.proxy.probe_proxy(config, sources(tree, "http://127.0.0.1:1"))
     assert part.state == probes.DEGRADED, part.reason
     code = part.to_json()["request"]["status"]
     assert code in (502, 503)  # 503 once Caddy's active health check has marked the engine down
@@ -746,27 +744,27 @@ def test_the_schema_doc_matches_what_status_prints_both_ways(
     from applianctl.records import Freshness
 
     write_record(paths.freshness_path(), Freshness(sequences={"0123456789abcdef": 7}, version="1.0.0", accepted_at="t"))
-    healthy = status.collect(config, sources(tree, engine, systemd_mock)).to_json()
+    healthy = collect.collect(config, sources(tree, engine, systemd_mock)).to_json()
     # The same appliance with the engine refusing and no model cache: the keys only those show.
     Path(config.model.cache_dir).rmdir()
-    broken = status.collect(config, sources(tree, f"http://127.0.0.1:{free_port()}", systemd_mock)).to_json()
+    broken = collect.collect(config, sources(tree, f"http://127.0.0.1:{free_port()}", systemd_mock)).to_json()
     docs = (healthy, broken)
     # read back through the document's classes, strictly: the classes name every key printed
     assert [document.load(json.loads(json.dumps(doc))).to_json() for doc in docs] == list(docs)
 
     order, keys = documented()
-    assert order == list(status.PARTS)
+    assert order == list(collect.PARTS)
     top = json.loads(re.search(r"```json\n(.*?)```", SCHEMA_DOC.read_text(), re.S).group(1))  # type: ignore[union-attr]
     assert all(set(doc) == set(top) for doc in docs)
-    seen: dict[str, set[str]] = {name: set() for name in status.PARTS}
+    seen: dict[str, set[str]] = {name: set() for name in collect.PARTS}
     for doc in docs:
         for name, part in doc["parts"].items():
             assert {"state", "reason"} <= set(part)
             key_names({k: v for k, v in part.items() if k not in ("state", "reason")}, seen[name])
-    undocumented = {name: sorted(seen[name] - keys[name]) for name in status.PARTS if seen[name] - keys[name]}
+    undocumented = {name: sorted(seen[name] - keys[name]) for name in collect.PARTS if seen[name] - keys[name]}
     # A row that names several parts (verify, preflight, shm-check) is printed by any of them.
     rows: dict[frozenset[str], set[str]] = {}
-    for name in status.PARTS:
+    for name in collect.PARTS:
         rows.setdefault(frozenset(keys[name]), set()).update(seen[name])
     never_printed = {tuple(sorted(row)): sorted(row - printed) for row, printed in rows.items() if row - printed}
     assert undocumented == {}
@@ -809,9 +807,9 @@ def test_the_prometheus_output_says_what_the_json_says(
     write_config(tree, config, monkeypatch)
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
-    assert status.run(argparse.Namespace(json=False, prometheus=True), src) == 0
+    assert collect.run(argparse.Namespace(json=False, prometheus=True), src) == 0
     families = {f.name: f for f in text_string_to_metric_families(out.getvalue())}
-    doc = status.collect(config, src).to_json()  # the same tree: the same states
+    doc = collect.collect(config, src).to_json()  # the same tree: the same states
     states = {(s.labels["part"], s.labels["state"]): s.value for s in families["appliance_part_state"].samples}
     assert {part for part, _ in states} == set(doc["parts"])
     for part, body in doc["parts"].items():
@@ -840,13 +838,13 @@ def test_the_textfile_for_node_exporter_is_the_same_text_written_whole(
     write_config(tree, config, monkeypatch)
     out = tree / "metrics" / "appliance.prom"
     out.parent.mkdir()
-    assert status.run(argparse.Namespace(json=False, prometheus=True, output=str(out)), src) == 0
+    assert collect.run(argparse.Namespace(json=False, prometheus=True, output=str(out)), src) == 0
     families = {f.name: f for f in text_string_to_metric_families(out.read_text())}
     assert {"appliance_part_state", "appliance_info", "appliance_gpu_metrics_up"} <= set(families)
     assert [s.value for s in families["appliance_gpu_metrics_up"].samples] == [0]
     assert sorted(p.name for p in out.parent.iterdir()) == ["appliance.prom"]
     with pytest.raises(UserError) as e:
-        status.run(argparse.Namespace(json=False, prometheus=False, output=str(out)), src)
+        collect.run(argparse.Namespace(json=False, prometheus=False, output=str(out)), src)
     assert "--prometheus" in (e.value.hint or "")
 
 

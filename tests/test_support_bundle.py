@@ -19,7 +19,7 @@ import pytest
 from fakeprog import calls, fake_program
 
 from appliance.errors import UserError
-from applianctl.status import bundle as support
+from applianctl.support_bundle import tarball
 
 RECOVERY = "cbdefghi-jklnrtuv-cbdefghi-jklnrtuv-cbdefghi-jklnrtuv-cbdefghi-jklnrtuv"
 PEM = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7\n-----END PRIVATE KEY-----"
@@ -50,7 +50,7 @@ def _bundle(tools: Path, tmp_path: Path, since: str = "2 hours ago") -> tuple[di
     manifest.write_text('{"version": "1.0.0"}')
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    path = support.write(support.gather(since, files=(("manifest.json", manifest), ("startup-report.json", tmp_path / "none"))), out)
+    path = tarball.write(tarball.gather(since, files=(("manifest.json", manifest), ("startup-report.json", tmp_path / "none"))), out)
     with tarfile.open(path) as tar:
         members = {m.name.split("/", 1)[1]: tar.extractfile(m).read().decode() for m in tar.getmembers()}  # type: ignore[union-attr]
     return members, path
@@ -64,7 +64,7 @@ def test_the_bundle_holds_every_source_and_no_secret(tools: Path, tmp_path: Path
     everything = "\n".join(members.values())
     for secret in SECRETS:
         assert secret not in everything, secret
-    assert "ready on 127.0.0.1:8000" in members["journal.txt"] and support.REDACTED in members["journal.txt"]
+    assert "ready on 127.0.0.1:8000" in members["journal.txt"] and tarball.REDACTED in members["journal.txt"]
     assert json.loads(members["status.json"]) == {"state": "ok"}
     assert ["journalctl", "--since", "2 hours ago", "-o", "short-iso-precise", "--no-pager"] in calls(tools / "calls.log")
 
@@ -83,28 +83,28 @@ def test_a_source_that_fails_is_named_with_why_and_the_rest_is_gathered(tools: P
 def test_a_bundle_that_cannot_be_written_leaves_nothing_behind(tools: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    gathered = support.gather("1 day ago", commands=(), files=())
+    gathered = tarball.gather("1 day ago", commands=(), files=())
     gathered.files["big"] = b"x" * 1000
 
     def disk_full(self: object, *args: object, **kw: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(support.tarfile.TarFile, "addfile", disk_full)
+    monkeypatch.setattr(tarball.tarfile.TarFile, "addfile", disk_full)
     with pytest.raises(UserError, match=r"cannot be written \(No space left on device\)"):
-        support.write(gathered, out)
+        tarball.write(gathered, out)
     assert list(out.iterdir()) == []
 
 
 def test_bad_options_are_one_line_and_exit_2(tools: Path, tmp_path: Path) -> None:
     with pytest.raises(UserError, match="no such directory"):
-        support.run(argparse.Namespace(since="1 day ago", output=str(tmp_path / "missing")))
+        tarball.run(argparse.Namespace(since="1 day ago", output=str(tmp_path / "missing")))
     with pytest.raises(UserError, match="--since needs a time"):
-        support.run(argparse.Namespace(since="x\nExecStart=", output=str(tmp_path)))
+        tarball.run(argparse.Namespace(since="x\nExecStart=", output=str(tmp_path)))
 
 
 def test_redaction_keeps_what_is_not_a_secret() -> None:
     text = "engine ready; version 1.0.0; digest sha256:" + "ab" * 32 + "; token bucket refilled; recovery key shown once"
-    assert support.redact(text) == text
+    assert tarball.redact(text) == text
 
 
 SHADOW = "root:$6$saltsalt$Zm9vYmFyYmF6cXV4aGFzaGVkcGFzc3dvcmQ:19000:0:99999:7:::\n"
@@ -135,7 +135,7 @@ def test_a_link_a_fifo_and_a_directory_are_skipped_and_named(tools: Path, tmp_pa
     out.mkdir()
     files = (("startup-report.json", tmp_path / "link.json"), ("manifest.json", tmp_path / "fifo.json"),
              ("dir.json", tmp_path / "dir.json"))
-    path = support.write(support.gather("1 day ago", commands=(), files=files), out)
+    path = tarball.write(tarball.gather("1 day ago", commands=(), files=files), out)
     with tarfile.open(path) as tar:
         members = {m.name.split("/", 1)[1]: tar.extractfile(m).read().decode() for m in tar.getmembers()}  # type: ignore[union-attr]
     assert set(members) == {"journal.txt", "index.json"}
@@ -149,10 +149,10 @@ def test_a_link_a_fifo_and_a_directory_are_skipped_and_named(tools: Path, tmp_pa
 
 @pytest.mark.programs
 def test_a_file_larger_than_the_limit_is_cut_at_a_whole_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(support, "MAX_SOURCE_BYTES", 20)
+    monkeypatch.setattr(tarball, "MAX_SOURCE_BYTES", 20)
     big = tmp_path / "big.json"
     big.write_text("line one\nline two\nDB_PASSWORD=hunter2\n")
-    gathered = support.gather("1 day ago", commands=(), files=(("big.json", big),))
+    gathered = tarball.gather("1 day ago", commands=(), files=(("big.json", big),))
     assert gathered.files["big.json"] == b"line one\nline two\n"
     assert gathered.index["sources"]["big.json"]["cut_to_first_bytes"] == 20
 
@@ -161,16 +161,16 @@ def test_the_tarball_is_its_owners_alone_from_its_first_byte(tools: Path, tmp_pa
     out = tmp_path / "out"
     out.mkdir()
     seen: list[int] = []
-    addfile = support.tarfile.TarFile.addfile
+    addfile = tarball.tarfile.TarFile.addfile
 
     def watching(self: tarfile.TarFile, *args: Any, **kw: Any) -> None:
         seen.extend(p.stat().st_mode & 0o777 for p in out.iterdir())
         addfile(self, *args, **kw)
 
-    monkeypatch.setattr(support.tarfile.TarFile, "addfile", watching)
+    monkeypatch.setattr(tarball.tarfile.TarFile, "addfile", watching)
     old = os.umask(0o022)
     try:
-        path = support.write(support.gather("1 day ago", commands=(), files=()), out)
+        path = tarball.write(tarball.gather("1 day ago", commands=(), files=()), out)
     finally:
         os.umask(old)
     assert seen and set(seen) == {0o600}
@@ -207,7 +207,7 @@ def test_every_family_of_secret_is_absent_from_every_member(tmp_path: Path, monk
     report.write_text(planted)
     out = tmp_path / "out"
     out.mkdir()
-    path = support.write(support.gather("1 day ago", commands=(("status.json", ("applianctl", "status", "--json")),
+    path = tarball.write(tarball.gather("1 day ago", commands=(("status.json", ("applianctl", "status", "--json")),
                                                                ("units.txt", ("systemctl", "list-units"))),
                                         files=(("startup-report.json", report),)), out)
     with tarfile.open(path) as tar:
@@ -219,7 +219,7 @@ def test_every_family_of_secret_is_absent_from_every_member(tmp_path: Path, monk
         if member != "index.json":
             assert "ready on 127.0.0.1:8000" in text and "https://alice:" in text and "db1" in text, member
     status = json.loads(members["status.json"])  # redacted by its keys: still JSON, its flags kept
-    assert status["var_recovery_key"] is True and status["hf_token"] == support.REDACTED and status["state"] == "ok"
+    assert status["var_recovery_key"] is True and status["hf_token"] == tarball.REDACTED and status["state"] == "ok"
     assert "Path=/" not in members["units.txt"]  # a cookie's line is all cookie
 
 
@@ -228,12 +228,12 @@ def test_a_private_key_cut_by_the_tail_limit_is_hidden(tmp_path: Path, monkeypat
     bin_dir = tmp_path / "bin"
     fake_program(bin_dir, "journalctl", stdout=f"early\n{key}late line\n")
     monkeypatch.setenv("PATH", str(bin_dir))
-    monkeypatch.setattr(support, "MAX_SOURCE_BYTES", len(key) - 10)  # the BEGIN and the first line are cut off
+    monkeypatch.setattr(tarball, "MAX_SOURCE_BYTES", len(key) - 10)  # the BEGIN and the first line are cut off
     out = tmp_path / "out"
     out.mkdir()
-    gathered = support.gather("1 day ago", commands=(), files=())
+    gathered = tarball.gather("1 day ago", commands=(), files=())
     assert "BEGIN" not in gathered.files["journal.txt"].decode() and PRIVATE[::-1] in gathered.files["journal.txt"].decode()
-    with tarfile.open(support.write(gathered, out)) as tar:
+    with tarfile.open(tarball.write(gathered, out)) as tar:
         journal = next(tar.extractfile(m).read().decode() for m in tar.getmembers() if m.name.endswith("journal.txt"))  # type: ignore[union-attr]
     assert PRIVATE[::-1] not in journal and journal.endswith("late line\n")
 
@@ -242,7 +242,7 @@ def test_a_line_cut_at_its_start_by_the_tail_limit_is_dropped(tmp_path: Path, mo
     bin_dir = tmp_path / "bin"
     fake_program(bin_dir, "journalctl", stdout="early\nengine: DB_PASSWORD=s3cretvalue\nlate line\n")
     monkeypatch.setenv("PATH", str(bin_dir))
-    monkeypatch.setattr(support, "MAX_SOURCE_BYTES", len("WORD=s3cretvalue\nlate line\n"))  # the name is cut off, not its value
-    gathered = support.gather("1 day ago", commands=(), files=())
+    monkeypatch.setattr(tarball, "MAX_SOURCE_BYTES", len("WORD=s3cretvalue\nlate line\n"))  # the name is cut off, not its value
+    gathered = tarball.gather("1 day ago", commands=(), files=())
     assert gathered.files["journal.txt"] == b"late line\n"
-    assert gathered.index["sources"]["journal.txt"]["cut_to_last_bytes"] == support.MAX_SOURCE_BYTES
+    assert gathered.index["sources"]["journal.txt"]["cut_to_last_bytes"] == tarball.MAX_SOURCE_BYTES

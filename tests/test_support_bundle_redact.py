@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from applianctl.status.redact import REDACTED, redact, redact_member
+from applianctl.support_bundle.redact import REDACTED, redact, redact_member
 
 R = REDACTED
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
+import applianctl.__main__
 from appliance import paths
 from appliance.config import load
 from appliance.errors import UserError
-from applianctl import __main__ as applianctl_main
 from applianctl import tls
 
 HOST = "appliance.local"
@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
 
 
 def test_registered_with_applianctl() -> None:
-    assert applianctl_main.COMMAND_MODULES["tls"] == "applianctl.tls"
+    assert applianctl.__main__.COMMAND_MODULES["tls"] == "applianctl.tls"
 
 
 def _cert(path: Path) -> x509.Certificate:

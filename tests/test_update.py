@@ -29,11 +29,15 @@ from fake_release import bundle, demo_config, fake_build, make_signing, store_ro
 from fakeprog import fake_program, sh_record
 from test_fetch import make_ca, make_server_cert
 
-from appliance import atomic as state
-from appliance import bundle as bundle_format
-from appliance import fetch as update_fetch
-from appliance import freshness, manifest, paths
-from appliance.bundle import (
+import applianctl.slots.engine
+import applianctl.update.command
+import applianctl.update.staged
+import builder.keys
+import builder.release
+from appliance import atomic, fetch, paths
+from appliance.errors import Refused, UserError
+from appliance.signed import bundle_index, release_manifest, timestamp
+from appliance.signed.bundle_index import (
     ENGINE_TYPE,
     ENGINE_VERITY_TYPE,
     USR_TYPE,
@@ -43,17 +47,11 @@ from appliance.bundle import (
     partuuids_from_usrhash,
     source_names,
 )
-from appliance.errors import Refused, UserError
 from applianctl.records import LastRollback
-from applianctl.slots import engine as engine_slots
 from applianctl.slots import release, rollback
 from applianctl.slots.machine import EFI_LOADER_GUID, Host, boot_counting
 from applianctl.status import os_slots
-from applianctl.update import command as up
-from applianctl.update import download as update_stage
-from applianctl.update import staged as update_staged
-from builder import keys as builder_keys
-from builder import release as rel
+from applianctl.update import download
 
 GIB = 1024**3
 TRANSFERS = Path(__file__).resolve().parents[1] / "image/mkosi.extra/usr/lib/sysupdate.d"
@@ -163,13 +161,13 @@ def signing_fixture(tmp_path: Path) -> tuple[Path, Path]:
     return make_signing(tmp_path)
 
 
-def running_manifest(version: str = "1.0.0") -> manifest.Manifest:
+def running_manifest(version: str = "1.0.0") -> release_manifest.Manifest:
     """The running version's release manifest, as release.running_manifest() reads it from /usr."""
     config = demo_config(version)
     digest = config.engine.digest
     engine = {"reference": config.engine.reference, "digest": digest, "store_label": f"engine_{engine_short(digest)}",
               "store_roothash": store_roothash_for(digest)}
-    return manifest.load({
+    return release_manifest.load({
         "version": version, "min_version": "0", "build_time": "2026-01-01T00:00:00Z", "profile": "demo", "engine_image": engine,
         "model": {"id": config.model.id, "revision": config.model.revision}, "kernel_version": "6.12.38+deb13-amd64",
         "files": [], "signer": "0123456789abcdef",
@@ -180,7 +178,8 @@ RUNNING = running_manifest()
 
 
 def run_update(device: Device, source: str, trusted: Path, **kw: Any) -> int:
-    return up.update(source, host=device.host, keys_dir=trusted, running=kw.pop("running", RUNNING), say=lambda s: None, **kw)
+    return applianctl.update.command.update(
+        source, host=device.host, keys_dir=trusted, running=kw.pop("running", RUNNING), say=lambda s: None, **kw)
 
 
 # ----------------------------------------------------------------------------------- the good path
@@ -239,7 +238,7 @@ def test_a_new_engine_goes_into_the_free_engine_slot_first_then_usr(tmp_path: Pa
     assert not any(c[-2:] in (["7", "_empty"], ["8", "_empty"]) for c in device.calls())
     assert device.sources()[0] == ["engine_abababababab.raw", "engine_abababababab.verity.raw"]  # the engine component's
     # which engine each version runs, for the next choice
-    assert engine_slots.recorded()["2.0.0"] == "sha256:" + "ab" * 32
+    assert applianctl.slots.engine.recorded()["2.0.0"] == "sha256:" + "ab" * 32
 
 
 def test_an_engine_the_appliance_has_in_its_other_slot_is_not_downloaded_again(tmp_path: Path, device: Device,
@@ -248,7 +247,7 @@ def test_an_engine_the_appliance_has_in_its_other_slot_is_not_downloaded_again(t
     b = bundle(tmp_path, key, "2.0.0", engine=True, digest="sha256:" + "ab" * 32)
     device.set_gpt("appliance_1.0.0", "_empty", engine_b="engine_abababababab")
     # slot B's full digest is known from signed data (an earlier install recorded it), not only its label
-    engine_slots.record({"1.5.0": "sha256:" + "ab" * 32}, keep={"1.5.0"})
+    applianctl.slots.engine.record({"1.5.0": "sha256:" + "ab" * 32}, keep={"1.5.0"})
     assert run_update(device, str(b), trusted) == 0
     assert not any(a.startswith("--component") for c in device.sysupdate_calls() for a in c)
     assert not list(paths.update_staging_dir().glob("*/engine_*"))
@@ -342,15 +341,15 @@ def test_a_bundle_larger_than_the_inactive_slot_is_refused(tmp_path: Path, devic
 
 
 def test_an_unknown_file_in_the_index_is_refused_before_any_download(tmp_path: Path, device: Device, signing: Any) -> None:
-    from appliance import manifest
+    from appliance.signed import release_manifest
 
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")
     index = json.loads((b / "bundle.json").read_text())
     index["files"].append({"name": "evil.sh", "sha256": "0" * 64, "size": 1})
-    data = manifest.canonical(index)
+    data = release_manifest.canonical(index)
     (b / "bundle.json").write_bytes(data)
-    (b / "bundle.json.sig").write_bytes(manifest.encode_signature(manifest.load_private_key(key).sign(data)))
+    (b / "bundle.json.sig").write_bytes(release_manifest.encode_signature(release_manifest.load_private_key(key).sign(data)))
     _refused(device, str(b), trusted, "not that of a release bundle")
 
 
@@ -362,11 +361,11 @@ def test_a_signed_index_with_a_5000_digit_version_is_one_refusal(tmp_path: Path,
     b = bundle(tmp_path, key, "2.0.0")
     index = json.loads((b / "bundle.json").read_text())
     index[key_name] = "9" * 5000
-    data = manifest.canonical(index)
+    data = release_manifest.canonical(index)
     (b / "bundle.json").write_bytes(data)
-    (b / "bundle.json.sig").write_bytes(manifest.encode_signature(manifest.load_private_key(key).sign(data)))
+    (b / "bundle.json.sig").write_bytes(release_manifest.encode_signature(release_manifest.load_private_key(key).sign(data)))
     with pytest.raises(Refused, match=f"bundle.json: {key_name} = '9+\\.\\.\\.: expected up to four numbers of up to 9 digits"):
-        bundle_format.verify_index(data, (b / "bundle.json.sig").read_bytes(), trusted)
+        bundle_index.verify_index(data, (b / "bundle.json.sig").read_bytes(), trusted)
     _refused(device, str(b), trusted, "expected up to four numbers of up to 9 digits")
 
 
@@ -402,7 +401,7 @@ def test_a_disk_installed_without_the_boot_menu_pin_gets_it_before_the_slot_is_w
 ) -> None:
     """The new version's kernel image carries factory reset profiles, which systemd-boot 257 sorts
     before its main entry: the update pins loader.conf's default first, keeping the rest."""
-    from appliance.bundle import DEFAULT_ENTRY
+    from appliance.signed.bundle_index import DEFAULT_ENTRY
 
     key, trusted = signing
     conf = device.esp / "loader/loader.conf"
@@ -425,8 +424,8 @@ def test_the_usr_images_ship_without_their_trailing_zeros(tmp_path: Path, signin
         data_len = f.seek(0, 2)
         f.truncate(3 * GIB)
     b = tmp_path / "bundle"
-    rel.make_bundle(config, out, b, key)
-    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    builder.release.make_bundle(config, out, b, key)
+    index = bundle_index.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
     shipped = (b / "appliance_2.0.0.usr.raw").stat().st_size
     assert shipped == -(-data_len // 4096) * 4096
     assert index.partition_sizes["appliance_2.0.0.usr.raw"] == 3 * GIB
@@ -447,26 +446,26 @@ def test_one_plan_decides_for_every_verb(tmp_path: Path, device: Device, signing
     is the plan's, and each verb says so the same way without writing a slot."""
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")
-    plan = up.check(str(b), host=device.host, keys_dir=trusted, running=RUNNING)
+    plan = applianctl.update.command.check(str(b), host=device.host, keys_dir=trusted, running=RUNNING)
     assert sorted(plan.to_json()) == ["already_installed", "blocked", "downgrade", "download_bytes", "engine", "engine_slot",
                                       "engine_written", "expires", "files", "rolled_back", "running_version", "sequence", "signer",
                                       "slot", "slot_holds", "source", "version"]
     assert plan.already_installed is False and plan.download_bytes == sum(f.size for f in plan.files)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.downgrade = True  # type: ignore[misc]
-    assert up.download_only(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
+    assert applianctl.update.command.download_only(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
     device.set_gpt("appliance_1.0.0", "appliance_2.0.0")
     (device.esp / "EFI/Linux/appliance_2.0.0+3-0.efi").write_bytes(b"uki 2")
-    plan = up.check(str(b), host=device.host, keys_dir=trusted, running=RUNNING)
+    plan = applianctl.update.command.check(str(b), host=device.host, keys_dir=trusted, running=RUNNING)
     assert plan.already_installed and plan.to_json()["already_installed"] is True
-    for verb in (up.update, up.download_only):
+    for verb in (applianctl.update.command.update, applianctl.update.command.download_only):
         said: list[str] = []
         assert verb(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=said.append) == 0
         assert said == ["version 2.0.0 is already installed in slot B; reboot to start it"]
     said = []
-    assert up.apply(host=device.host, keys_dir=trusted, running=RUNNING, say=said.append) == 0
+    assert applianctl.update.command.apply(host=device.host, keys_dir=trusted, running=RUNNING, say=said.append) == 0
     assert said == ["version 2.0.0 is already installed in slot B; reboot to start it"]
-    assert device.writes() == [] and update_staged.read() is None, "the staged copy of what is installed is discarded"
+    assert device.writes() == [] and applianctl.update.staged.read() is None, "the staged copy of what is installed is discarded"
 
 
 # ----------------------------------------------------------------------------------- HTTP, resumed
@@ -540,7 +539,7 @@ def test_a_download_interrupted_mid_file_is_resumed_with_a_range_request(
     usr = "appliance_2.0.0.usr.raw"
     server.cut.add(usr)
     # first run: only one attempt, the connection drops halfway: the update stops, the part stays
-    monkeypatch.setattr(update_fetch, "FETCH_ATTEMPTS", 1)
+    monkeypatch.setattr(fetch, "FETCH_ATTEMPTS", 1)
     with pytest.raises(UserError, match="download"):
         run_update(device, server.url, trusted, ca=str(server.ca))
     part = paths.update_staging_dir() / "2.0.0" / (usr + ".part")
@@ -610,7 +609,7 @@ def test_transfer_definitions_parse_and_match_what_update_stages(tmp_path: Path,
     assert sorted(p.name for p in TRANSFERS.glob("*.transfer"))[-1] == "90-uki.transfer"
     # the staged names match the source patterns (@v -> version, @u -> a UUID)
     b = bundle(tmp_path, key, "2.0.0")
-    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    index = bundle_index.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
     staged = set(source_names(index).values())
     for t in (usr, verity, sig, uki):
         glob = t["Source"]["MatchPattern"].replace("@v", "2.0.0").replace("@u", "*")
@@ -623,9 +622,9 @@ def test_transfer_definitions_parse_and_match_what_update_stages(tmp_path: Path,
 def test_slots_summary_and_rollback(device: Device) -> None:
     device.set_gpt("appliance_1.0.0", "appliance_2.0.0")
     (device.esp / "EFI/Linux/appliance_2.0.0+0-3.efi").write_bytes(b"uki 2")
-    state.write_json_atomic(paths.last_update_path(), {"version": "2.0.0", "from_version": "1.0.0"})
+    atomic.write_json_atomic(paths.last_update_path(), {"version": "2.0.0", "from_version": "1.0.0"})
     failed = {"version": "2.0.0", "ok": False, "reason": "rolled back: engine not healthy within 600 s"}
-    state.write_json_atomic(paths.last_assessment_path(), failed)
+    atomic.write_json_atomic(paths.last_assessment_path(), failed)
     summary = os_slots.slots_summary(device.host, running_version="1.0.0")
     assert summary["booted_slot"] == "A"
     assert [(s["slot"], s["version"], s["state"]) for s in summary["slots"]] == [("A", "1.0.0", "good"), ("B", "2.0.0", "bad")]
@@ -646,9 +645,9 @@ def test_an_operator_rollback_is_reported_as_such_and_not_as_a_fault(device: Dev
 
     device.set_gpt("appliance_1.0.0", "appliance_2.0.0")
     (device.esp / "EFI/Linux/appliance_2.0.0.efi").write_bytes(b"uki 2")  # judged good, then left by hand
-    state.write_json_atomic(paths.last_update_path(), {"version": "2.0.0", "from_version": "1.0.0"})
-    state.write_json_atomic(paths.last_assessment_path(), {"version": "2.0.0", "ok": True})
-    state.write_json_atomic(paths.last_rollback_path(),
+    atomic.write_json_atomic(paths.last_update_path(), {"version": "2.0.0", "from_version": "1.0.0"})
+    atomic.write_json_atomic(paths.last_assessment_path(), {"version": "2.0.0", "ok": True})
+    atomic.write_json_atomic(paths.last_rollback_path(),
                             {"from_version": "2.0.0", "to_version": "1.0.0", "reason": "operator rollback", "at": "2026-11-30T12:00:00Z"})
     summary = os_slots.slots_summary(device.host, running_version="1.0.0")
     assert (summary["rolled_back"], summary["rolled_back_by"]) == (True, "operator")
@@ -658,7 +657,7 @@ def test_an_operator_rollback_is_reported_as_such_and_not_as_a_fault(device: Dev
     # back on 2.0.0 (rolled forward by hand): nothing was rolled back
     assert os_slots.slots_summary(device.host, running_version="2.0.0")["rolled_back"] is False
     # the appliance's own rollback of a later update is a fault again
-    state.write_json_atomic(paths.last_assessment_path(), {"version": "2.0.0", "ok": False, "reason": "engine not healthy"})
+    atomic.write_json_atomic(paths.last_assessment_path(), {"version": "2.0.0", "ok": False, "reason": "engine not healthy"})
     summary = os_slots.slots_summary(device.host, running_version="1.0.0")
     assert summary["rolled_back_by"] == "appliance"
     assert os_slots.probe_slots(cast(Config, None), lambda: summary).state == probes.DEGRADED
@@ -835,41 +834,41 @@ def test_check_without_a_way_to_the_server_names_the_host_and_what_failed(
 def test_not_enough_free_space_is_refused_before_downloading(
     tmp_path: Path, device: Device, signing: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from applianctl.update import download as update_stage
+    from applianctl.update import download
 
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0", usr_bytes=300_000)
     need = sum(f.stat().st_size for f in b.iterdir()
                if not f.name.startswith(("bundle.json", "timestamp.json")) and not f.name.endswith(".packages.json"))
-    real = update_stage.free_bytes
+    real = download.free_bytes
     asked: list[Path] = []
 
     def free(path: Path) -> int:
         asked.append(path)
         assert real(path) > 0
-        return need + update_stage.SPACE_MARGIN_BYTES - 1  # one byte short of the bundle plus the margin
+        return need + download.SPACE_MARGIN_BYTES - 1  # one byte short of the bundle plus the margin
 
-    monkeypatch.setattr(update_stage, "free_bytes", free)
+    monkeypatch.setattr(download, "free_bytes", free)
     with pytest.raises(UserError, match="MiB free, the bundle needs") as e:
         run_update(device, str(b), trusted)
     assert "plus a margin of 1024 MiB" in e.value.message and e.value.exit_status == 2  # the reserve the model fetch keeps too
     assert asked and asked[0] == paths.update_staging_dir() / "2.0.0", "the file system of the staging directory (/var)"
     assert not list(paths.update_staging_dir().rglob("*.part")) and not list(paths.update_staging_dir().rglob("*.raw"))
     assert device.sysupdate_calls() == []
-    monkeypatch.setattr(update_stage, "free_bytes", lambda path: need + update_stage.SPACE_MARGIN_BYTES)
+    monkeypatch.setattr(download, "free_bytes", lambda path: need + download.SPACE_MARGIN_BYTES)
     assert run_update(device, str(b), trusted) == 0
 
 
 def test_a_version_with_leading_zeros_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
-    from appliance import manifest
+    from appliance.signed import release_manifest
 
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")
     index = json.loads((b / "bundle.json").read_text())
     index["min_version"] = "01.0"
-    data = manifest.canonical(index)
+    data = release_manifest.canonical(index)
     (b / "bundle.json").write_bytes(data)
-    (b / "bundle.json.sig").write_bytes(manifest.encode_signature(manifest.load_private_key(key).sign(data)))
+    (b / "bundle.json.sig").write_bytes(release_manifest.encode_signature(release_manifest.load_private_key(key).sign(data)))
     _refused(device, str(b), trusted, "no leading zeros")
 
 
@@ -879,18 +878,18 @@ DAY = 86400
 
 
 def _timestamp(b: Path, release_key: Path, *, signed_at: float | None = None, days: int = 7, by: Path | None = None,
-               index: Path | None = None) -> freshness.Timestamp:
+               index: Path | None = None) -> timestamp.Timestamp:
     """B's timestamp replaced by one for INDEX (default: B's bundle.json), signed at SIGNED_AT by
     BY (default: the timestamp key beside RELEASE_KEY) with that key's next sequence number."""
     key = by or release_key.with_name("timestamp.key")
     data = (index or b / "bundle.json").read_bytes()
-    signer = manifest.key_id(manifest.load_private_key(key).public_key())
-    doc = freshness.make(data, json.loads(data)["version"], builder_keys.next_sequence(key), signer,
+    signer = release_manifest.key_id(release_manifest.load_private_key(key).public_key())
+    doc = timestamp.make(data, json.loads(data)["version"], builder.keys.next_sequence(key), signer,
                          now=time.time() if signed_at is None else signed_at, days=days)
-    ts, sig = freshness.sign(doc, key)
+    ts, sig = timestamp.sign(doc, key)
     (b / "timestamp.json").write_bytes(ts)
     (b / "timestamp.json.sig").write_bytes(sig)
-    return freshness.load(doc)
+    return timestamp.load(doc)
 
 
 def _accepted() -> dict[str, int]:
@@ -903,11 +902,11 @@ def test_an_expired_index_is_refused_by_every_verb_that_reads_it(tmp_path: Path,
     b = bundle(tmp_path, key, "2.0.0")
     ts = _timestamp(b, key, signed_at=time.time() - 8 * DAY)  # 7 days' validity, signed 8 days ago
     _refused(device, str(b), trusted, rf"^the index expired at {ts.expires}; the clock says 20")
-    for verb in (up.check, up.download_only):
+    for verb in (applianctl.update.command.check, applianctl.update.command.download_only):
         with pytest.raises(Refused, match="the index expired at") as e:
             verb(str(b), host=device.host, keys_dir=trusted, running=RUNNING)
         assert "builder timestamp" in e.value.hint and "clock" in e.value.hint
-    assert not paths.update_staging_dir().exists() and update_staged.read() is None, "refused before any download"
+    assert not paths.update_staging_dir().exists() and applianctl.update.staged.read() is None, "refused before any download"
     _timestamp(b, key)  # signed again: fresh
     assert run_update(device, str(b), trusted) == 0
 
@@ -916,17 +915,17 @@ def test_an_index_older_than_the_last_accepted_is_refused(tmp_path: Path, device
     key, trusted = signing
     older = bundle(tmp_path, key, "2.0.0")  # timestamp sequence 1
     newer = bundle(tmp_path, key, "3.0.0")  # sequence 2
-    up.check(str(newer), host=device.host, keys_dir=trusted, running=RUNNING)
+    applianctl.update.command.check(str(newer), host=device.host, keys_dir=trusted, running=RUNNING)
     assert not paths.freshness_path().exists(), "--check accepts nothing"
     assert run_update(device, str(newer), trusted) == 0
-    signer = manifest.key_id(manifest.load_private_key(key.with_name("timestamp.key")).public_key())
+    signer = release_manifest.key_id(release_manifest.load_private_key(key.with_name("timestamp.key")).public_key())
     assert _accepted() == {signer: 2}
     with pytest.raises(Refused, match=r"^timestamp\.json has sequence 1, lower than the 2 this appliance accepted before") as e:
         run_update(device, str(older), trusted)
     assert e.value.exit_status == 1 and "builder timestamp" in e.value.hint
     assert len(device.sysupdate_calls()) == 1, "only the accepted update wrote the slot"
     with pytest.raises(Refused, match="lower than the 2"):
-        up.download_only(str(older), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None)
+        applianctl.update.command.download_only(str(older), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None)
     assert _timestamp(older, key).sequence == 3  # offered again on purpose: `builder timestamp`
     assert run_update(device, str(older), trusted) == 0
     assert _accepted() == {signer: 3}
@@ -936,10 +935,10 @@ def test_a_download_only_records_the_sequence_it_accepted(tmp_path: Path, device
     key, trusted = signing
     older = bundle(tmp_path, key, "2.0.0")
     newer = bundle(tmp_path, key, "3.0.0")
-    assert up.download_only(str(newer), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
+    assert applianctl.update.command.download_only(str(newer), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
     assert list(_accepted().values()) == [2]
     with pytest.raises(Refused, match="lower than the 2"):
-        up.check(str(older), host=device.host, keys_dir=trusted, running=RUNNING)
+        applianctl.update.command.check(str(older), host=device.host, keys_dir=trusted, running=RUNNING)
 
 
 def test_a_timestamp_for_another_bundle_json_is_refused(tmp_path: Path, device: Device, signing: Any) -> None:
@@ -954,7 +953,7 @@ def test_a_timestamp_signed_by_the_release_key_is_refused(tmp_path: Path, device
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")
     _timestamp(b, key, by=key)  # the release key: trusted for bundle.json, never for freshness
-    release_id = manifest.key_id(manifest.load_private_key(key).public_key())
+    release_id = release_manifest.key_id(release_manifest.load_private_key(key).public_key())
     _refused(device, str(b), trusted, rf"^timestamp\.json is signed by key {release_id}, which this version does not trust for timestamps")
 
 
@@ -979,13 +978,13 @@ def test_apply_of_a_staged_bundle_does_not_depend_on_its_expiry(tmp_path: Path, 
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")
-    assert up.download_only(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
-    staged = update_staged.directory(update_staged.read().usable)  # type: ignore[union-attr]
+    assert applianctl.update.command.download_only(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
+    staged = applianctl.update.staged.directory(applianctl.update.staged.read().usable)  # type: ignore[union-attr]
     assert (staged / "timestamp.json").read_bytes() == (b / "timestamp.json").read_bytes(), "kept as what was accepted"
-    monkeypatch.setattr(freshness, "system_clock", lambda: time.time() + 30 * DAY)  # long expired now
+    monkeypatch.setattr(timestamp, "system_clock", lambda: time.time() + 30 * DAY)  # long expired now
     with pytest.raises(Refused, match="expired"):
-        up.check(str(b), host=device.host, keys_dir=trusted, running=RUNNING)
-    assert up.apply(host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
+        applianctl.update.command.check(str(b), host=device.host, keys_dir=trusted, running=RUNNING)
+    assert applianctl.update.command.apply(host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
     assert len(device.sysupdate_calls()) == 1
 
 
@@ -1006,8 +1005,8 @@ def test_a_version_rolled_back_from_is_refused_unless_forced(
     _rolled_back_in_slot_b(device)
     _refused(device, str(b), trusted, r"^version 2\.0\.0 was rolled back: its boot entry appliance_2\.0\.0\+0-3\.efi is out of tries")
     with pytest.raises(Refused, match="was rolled back") as e:
-        up.download_only(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None)
-    assert "--force" in e.value.hint and update_staged.read() is None
+        applianctl.update.command.download_only(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None)
+    assert "--force" in e.value.hint and applianctl.update.staged.read() is None
     code, out, err = _cli(["update", "--check", str(b), "--json"], device, trusted, monkeypatch, capsys)
     plan = json.loads(out)
     assert code == 2 and plan["blocked"].startswith("version 2.0.0 was rolled back") and plan["already_installed"] is False
@@ -1023,10 +1022,10 @@ def test_a_version_rolled_back_from_is_refused_unless_forced(
 def test_the_last_rollback_record_names_a_version_rolled_back_from(tmp_path: Path, device: Device, signing: Any) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")
-    state.write_record(paths.last_rollback_path(), LastRollback("2.0.0", "1.0.0", "operator rollback", "2026-11-30T10:00:00Z"))
+    atomic.write_record(paths.last_rollback_path(), LastRollback("2.0.0", "1.0.0", "operator rollback", "2026-11-30T10:00:00Z"))
     _refused(device, str(b), trusted, r"^version 2\.0\.0 was rolled back at 2026-11-30T10:00:00Z")
     # a rollback that led elsewhere (to another running version) says nothing about this one
-    state.write_record(paths.last_rollback_path(), LastRollback("2.0.0", "0.9.0", "operator rollback", "2026-11-30T10:00:00Z"))
+    atomic.write_record(paths.last_rollback_path(), LastRollback("2.0.0", "0.9.0", "operator rollback", "2026-11-30T10:00:00Z"))
     assert run_update(device, str(b), trusted) == 0
 
 
@@ -1057,7 +1056,7 @@ def test_the_update_unit_runs_only_after_the_boot_was_judged() -> None:
     assert "boot-complete.target" in after and "systemd-bless-boot.service" in after
     service = unit["Service"]
     assert service["ExecStart"] == ["/usr/bin/applianctl update --from-config --yes"]
-    assert service["TimeoutStartSec"] == ["4h 10min"] and up.DEFAULT_DEADLINE_S < 4 * 3600 + 600
+    assert service["TimeoutStartSec"] == ["4h 10min"] and applianctl.update.command.DEFAULT_DEADLINE_S < 4 * 3600 + 600
     assert service["MemoryMax"] == ["512M"]
     assert service["CapabilityBoundingSet"] == ["CAP_SYS_ADMIN CAP_LINUX_IMMUTABLE"]
     assert service["ProtectSystem"] == ["strict"] and service["NoNewPrivileges"] == ["yes"]
@@ -1081,18 +1080,18 @@ def test_the_units_are_sandboxed_to_at_most_3(name: str) -> None:
 def test_staging_reports_each_download_and_each_verification(tmp_path: Path, signing: Any, capsys: pytest.CaptureFixture[str]) -> None:
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")
-    index = bundle_format.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
+    index = bundle_index.verify_index((b / "bundle.json").read_bytes(), (b / "bundle.json.sig").read_bytes(), trusted)
     staging = tmp_path / "staging"
     staging.mkdir()
-    source = update_fetch.open_source(str(b), None, update_fetch.Deadline(60))
+    source = fetch.open_source(str(b), None, fetch.Deadline(60))
     capsys.readouterr()
-    update_stage.stage(index, source, staging)
-    names = [f.name for f in update_stage.to_fetch(index)]
+    download.stage(index, source, staging)
+    names = [f.name for f in download.to_fetch(index)]
     err = capsys.readouterr().err.splitlines()
     assert [line.split(":")[0] for line in err] == [f"{verb} {n}" for n in names for verb in ("downloading", "verifying")]
     assert all(" (100%), " in line and ", done in " in line for line in err)
     # run again: what is staged is hashed again (with progress), nothing is downloaded
-    update_stage.stage(index, source, staging)
+    download.stage(index, source, staging)
     assert [line.split(":")[0] for line in capsys.readouterr().err.splitlines()] == [f"verifying {n}" for n in names]
 
 
@@ -1114,7 +1113,7 @@ def test_the_engine_components_transfers_match_the_bundle_and_the_slots() -> Non
     """What the updater links and what systemd-sysupdate's engine component matches are the same
     names, and its targets are the engine slots' own types with the labels the slots model reads."""
     directory = TRANSFERS.parent / "sysupdate.engine.d"
-    names = bundle_format.payload_names("2.0.0", "sha256:" + "ab" * 32, True)
+    names = bundle_index.payload_names("2.0.0", "sha256:" + "ab" * 32, True)
     seen = {}
     for path in sorted(directory.glob("*.transfer")):
         t = configparser.ConfigParser(interpolation=None)
@@ -1125,8 +1124,8 @@ def test_the_engine_components_transfers_match_the_bundle_and_the_slots() -> Non
         assert target["Type"] == "partition" and target["Path"] == "auto" and "ProtectVersion" not in t["Transfer"]
         seen[source] = (target["MatchPartitionType"].upper(), target["MatchPattern"].replace("@v", "abababababab"))
     assert seen == {
-        names["engine"]: (bundle_format.ENGINE_TYPE, "engine_abababababab"),
-        names["engine-verity"]: (bundle_format.ENGINE_VERITY_TYPE, "engine_abababababab-verity"),
+        names["engine"]: (bundle_index.ENGINE_TYPE, "engine_abababababab"),
+        names["engine-verity"]: (bundle_index.ENGINE_VERITY_TYPE, "engine_abababababab-verity"),
     }
 
 
@@ -1138,9 +1137,9 @@ def resign_index(b: Path, release_key: Path, change: Callable[[dict[str, Any]], 
     it too): an index the release key vouches for that says something else than its files."""
     doc = json.loads((b / "bundle.json").read_bytes())
     change(doc)
-    data = manifest.canonical(doc)
+    data = release_manifest.canonical(doc)
     (b / "bundle.json").write_bytes(data)
-    (b / "bundle.json.sig").write_bytes(manifest.encode_signature(manifest.load_private_key(release_key).sign(data)))
+    (b / "bundle.json.sig").write_bytes(release_manifest.encode_signature(release_manifest.load_private_key(release_key).sign(data)))
     _timestamp(b, release_key)
 
 
@@ -1158,8 +1157,8 @@ def test_a_manifest_other_than_the_one_the_index_names_is_refused_though_signed(
     named = hashlib.sha256((b / "manifest.json").read_bytes()).hexdigest()
     body = json.loads((b / "manifest.json").read_bytes())
     body["build_time"] = "2026-02-02T00:00:00Z"
-    (b / "manifest.json").write_bytes(manifest.dumps(body))
-    (b / "manifest.json.sig").write_bytes(manifest.sign(body, key))
+    (b / "manifest.json").write_bytes(release_manifest.dumps(body))
+    (b / "manifest.json.sig").write_bytes(release_manifest.sign(body, key))
     resign_index(b, key, lambda doc: (listed(doc, b / "manifest.json"), listed(doc, b / "manifest.json.sig")))
     assert json.loads((b / "bundle.json").read_bytes())["manifest_sha256"] == named  # still the first build's
     _refused(device, str(b), trusted, "manifest.json does not match bundle.json's manifest_sha256")

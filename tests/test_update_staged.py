@@ -15,14 +15,14 @@ import pytest
 from fake_release import bundle, make_signing, usrhash_for
 from test_update import RUNNING, Device, _esp, _on_trial
 
+import applianctl.update.staged
 from appliance import atomic, host_settings, paths
-from appliance.bundle import partuuids_from_usrhash, verify_index
 from appliance.errors import ConfigError, Refused, UserError
+from appliance.signed.bundle_index import partuuids_from_usrhash, verify_index
 from applianctl.records import Staged
 from applianctl.slots import release
 from applianctl.status import os_slots
-from applianctl.update import command as up
-from applianctl.update import staged as update_staged
+from applianctl.update import command
 
 
 @pytest.fixture
@@ -39,17 +39,18 @@ def signing(tmp_path: Path) -> tuple[Path, Path]:
 
 def staged_record() -> Staged:
     """The staged record, which must be there and usable."""
-    state = update_staged.read()
+    state = applianctl.update.staged.read()
     assert state is not None and state.problem is None and state.record is not None, state
     return state.record
 
 
 def download(device: Device, source: Path, trusted: Path, **kw: Any) -> int:
-    return up.download_only(str(source), host=device.host, keys_dir=trusted, running=kw.pop("running", RUNNING), say=lambda s: None, **kw)
+    return command.download_only(
+        str(source), host=device.host, keys_dir=trusted, running=kw.pop("running", RUNNING), say=lambda s: None, **kw)
 
 
 def apply(device: Device, trusted: Path, **kw: Any) -> int:
-    return up.apply(host=device.host, keys_dir=trusted, running=kw.pop("running", RUNNING), say=lambda s: None, **kw)
+    return command.apply(host=device.host, keys_dir=trusted, running=kw.pop("running", RUNNING), say=lambda s: None, **kw)
 
 
 def staged_dirs() -> list[str]:
@@ -78,7 +79,7 @@ def test_download_only_stages_a_verified_bundle_and_touches_no_slot(tmp_path: Pa
     payload = [f for f in fetched if not f.name.startswith(("bundle.json", "timestamp.json"))]
     assert (record.version, record.files, record.bytes) == ("2.0.0", len(payload), sum(f.stat().st_size for f in payload))
     assert record.source == str(b) and record.staged_at.endswith("Z")
-    staged = update_staged.directory(record)
+    staged = applianctl.update.staged.directory(record)
     assert sorted(p.name for p in staged.iterdir()) == sorted(p.name for p in fetched)
     for f in fetched:
         assert (staged / f.name).read_bytes() == f.read_bytes()
@@ -97,7 +98,7 @@ def test_download_only_is_allowed_while_on_trial_but_apply_is_not(tmp_path: Path
     assert e.value.exit_status == 2 and e.value.hint and "\n" not in e.value.message
     no_slot_written(device)
     assert _esp(device) == esp
-    assert update_staged.read() is not None, "a refused apply keeps what was staged"
+    assert applianctl.update.staged.read() is not None, "a refused apply keeps what was staged"
 
 
 def test_download_only_refuses_what_update_refuses_before_downloading(tmp_path: Path, device: Device, signing: Any) -> None:
@@ -106,7 +107,7 @@ def test_download_only_refuses_what_update_refuses_before_downloading(tmp_path: 
         download(device, bundle(tmp_path, key, "1.0.0"), trusted)
     with pytest.raises(UserError, match="no engine slot may be written"):
         download(device, bundle(tmp_path, key, "2.0.0", engine=True, digest="sha256:" + "ab" * 32), trusted)
-    assert update_staged.read() is None and staged_dirs() == []
+    assert applianctl.update.staged.read() is None and staged_dirs() == []
     assert not paths.update_staging_dir().exists() or not any(paths.update_staging_dir().rglob("*.raw*"))
 
 
@@ -134,7 +135,8 @@ def test_a_second_download_replaces_the_first_and_a_failed_one_leaves_it(
         download(device, bundle(tmp_path, key, "2.2.0"), trusted)
     monkeypatch.setattr(atomic, "write_json_atomic", real)
     assert staged_record() == first
-    update_staged.verify_in_place(verify_index(*_signed(update_staged.directory(first)), trusted), update_staged.directory(first))
+    first_dir = applianctl.update.staged.directory(first)
+    applianctl.update.staged.verify_in_place(verify_index(*_signed(first_dir), trusted), first_dir)
     assert len(staged_dirs()) == 2, "the unnamed directory of the cut run"
     # a good second download: the record switches, the previous staging and the orphan are gone
     assert download(device, bundle(tmp_path, key, "2.3.0"), trusted) == 0
@@ -153,13 +155,13 @@ def test_the_same_version_again_is_neither_downloaded_nor_hashed_again(
     key, trusted = signing
     b = bundle(tmp_path, key, "2.0.0")
     assert download(device, b, trusted) == 0
-    first = update_staged.read()
+    first = applianctl.update.staged.read()
     capsys.readouterr()
     said: list[str] = []
-    assert up.download_only(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=said.append) == 0
+    assert command.download_only(str(b), host=device.host, keys_dir=trusted, running=RUNNING, say=said.append) == 0
     assert said and said[0].startswith("version 2.0.0 is already staged")
     assert capsys.readouterr().err == "", "no download or verification progress"
-    assert update_staged.read() == first
+    assert applianctl.update.staged.read() == first
 
 
 # ----------------------------------------------------------------------------------- apply
@@ -182,7 +184,7 @@ def test_apply_installs_what_was_staged(tmp_path: Path, device: Device, signing:
     assert calls.index(["blkdiscard", "--zeroout", "/dev/vda5"]) < calls.index(["systemd-sysupdate", "--no-pager", "update", "2.0.0"])
     last = json.loads(paths.last_update_path().read_text())
     assert (last["version"], last["slot"], last["source"], last["staged_at"]) == ("2.0.0", "B", str(b), record.staged_at)
-    assert update_staged.read() is None and staged_dirs() == [], "applied: nothing staged any more"
+    assert applianctl.update.staged.read() is None and staged_dirs() == [], "applied: nothing staged any more"
     assert not paths.update_source_dir().exists()
 
 
@@ -206,7 +208,7 @@ def test_a_staged_file_changed_on_var_is_refused_before_the_slot_is_touched(
     b = bundle(tmp_path, key, "2.0.0")
     assert download(device, b, trusted) == 0
     record = staged_record()
-    path = update_staged.directory(record) / victim
+    path = applianctl.update.staged.directory(record) / victim
     data = bytearray(path.read_bytes())
     data[len(data) // 2 if victim != "bundle.json.sig" else 10] ^= 0x01
     path.write_bytes(bytes(data))
@@ -216,7 +218,7 @@ def test_a_staged_file_changed_on_var_is_refused_before_the_slot_is_touched(
     no_slot_written(device)
     assert not paths.last_update_path().exists()
     # discarded: downloading it again fetches it whole (not "already staged"), and then it applies
-    assert update_staged.read() is None and staged_dirs() == []
+    assert applianctl.update.staged.read() is None and staged_dirs() == []
     assert download(device, b, trusted) == 0
     assert apply(device, trusted) == 0 and len(device.sysupdate_calls()) == 1
 
@@ -226,17 +228,17 @@ def test_a_staged_file_replaced_by_a_link_or_cut_short_is_refused(tmp_path: Path
     b = bundle(tmp_path, key, "2.0.0")
     assert download(device, b, trusted) == 0
     record = staged_record()
-    usr = update_staged.directory(record) / "appliance_2.0.0.usr.raw"
+    usr = applianctl.update.staged.directory(record) / "appliance_2.0.0.usr.raw"
     copy = tmp_path / "usr-copy"
     copy.write_bytes(usr.read_bytes())
     usr.unlink()
     usr.symlink_to(copy)
     with pytest.raises(Refused, match="not a regular file"):
         apply(device, trusted)
-    assert update_staged.read() is None, "discarded"
+    assert applianctl.update.staged.read() is None, "discarded"
     assert download(device, b, trusted) == 0
     record = staged_record()
-    usr = update_staged.directory(record) / "appliance_2.0.0.usr.raw"
+    usr = applianctl.update.staged.directory(record) / "appliance_2.0.0.usr.raw"
     usr.write_bytes(usr.read_bytes()[:-1])
     with pytest.raises(Refused, match=r"bytes, bundle\.json says"):
         apply(device, trusted)
@@ -272,8 +274,8 @@ def test_a_staged_downgrade_needs_allow_downgrade_at_both_steps(tmp_path: Path, 
 def test_a_direct_update_discards_a_staged_one_it_supersedes(tmp_path: Path, device: Device, signing: Any) -> None:
     key, trusted = signing
     assert download(device, bundle(tmp_path, key, "2.0.0"), trusted) == 0
-    assert up.update(str(bundle(tmp_path, key, "2.1.0")), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
-    assert update_staged.read() is None and staged_dirs() == []
+    assert command.update(str(bundle(tmp_path, key, "2.1.0")), host=device.host, keys_dir=trusted, running=RUNNING, say=lambda s: None) == 0
+    assert applianctl.update.staged.read() is None and staged_dirs() == []
 
 
 # ----------------------------------------------------------------------------------- command line, timer, status
@@ -302,8 +304,8 @@ def _cli(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
 def test_combinations_that_mean_nothing_are_refused_in_one_line(
     argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(up, "apply", lambda **kw: pytest.fail("must be refused before anything runs"))
-    monkeypatch.setattr(up, "download_only", lambda *a, **kw: pytest.fail("must be refused before anything runs"))
+    monkeypatch.setattr(command, "apply", lambda **kw: pytest.fail("must be refused before anything runs"))
+    monkeypatch.setattr(command, "download_only", lambda *a, **kw: pytest.fail("must be refused before anything runs"))
     code, out, err = _cli(argv, monkeypatch, capsys)
     lines = err.splitlines()
     assert code == 2 and out == "" and len(lines) == 2
@@ -335,8 +337,8 @@ def test_the_timer_does_what_update_timer_action_says(
     path.write_text(json.dumps(data))
     monkeypatch.setenv("APPLIANCE_CONFIG", str(path))
     seen: list[tuple[str, str]] = []
-    monkeypatch.setattr(up, "update", lambda spec, **kw: seen.append(("update", spec)) or 0)
-    monkeypatch.setattr(up, "download_only", lambda spec, **kw: seen.append(("download_only", spec)) or 0)
+    monkeypatch.setattr(command, "update", lambda spec, **kw: seen.append(("update", spec)) or 0)
+    monkeypatch.setattr(command, "download_only", lambda spec, **kw: seen.append(("download_only", spec)) or 0)
     code, _, err = _cli(["update", "--from-config", "--yes"], monkeypatch, capsys)
     assert code == 0, err
     assert seen == [(called, "https://updates.example.net/demo/")]

@@ -18,8 +18,8 @@ from test_update import Device, run_update
 from test_update import device as device
 from test_update import signing_fixture as signing_fixture
 
-from appliance import bundle as bundle_format
 from appliance.errors import Refused
+from appliance.signed import bundle_index
 from applianctl.status import sealed
 from builder import build, initrd_package
 
@@ -63,7 +63,7 @@ def test_the_initrd_package_holds_the_reader_and_requires_it_for_usr(tmp_path: P
     dropin = _conf(initrd_package.SOURCE / "usr/lib/systemd/system/systemd-veritysetup@usr.service.d/appliance-signature.conf")
     assert dropin["Unit"]["Requires"] == "appliance-usr-signature.service"  # fail closed: no signature, no /usr
     script = (initrd_package.SOURCE / "usr/lib/appliance/usr-signature").read_text()
-    assert "root-hash-signature=" in script and bundle_format.USR_VERITY_SIG_TYPE.lower() in script
+    assert "root-hash-signature=" in script and bundle_index.USR_VERITY_SIG_TYPE.lower() in script
     # the same tree makes the same package; a changed file, another version (mkosi's cache never hides it)
     again = initrd_package.make(tmp_path / "again")
     assert again.name == deb.name and again.read_bytes() == deb.read_bytes()
@@ -76,12 +76,12 @@ def test_the_initrd_package_holds_the_reader_and_requires_it_for_usr(tmp_path: P
 def test_the_signed_root_hash_is_read_and_anything_else_refused(tmp_path: Path) -> None:
     good = tmp_path / "sig.raw"
     good.write_bytes(signature_partition("ab" * 32))
-    assert bundle_format.signed_root_hash(good) == "ab" * 32
+    assert bundle_index.signed_root_hash(good) == "ab" * 32
     for content, says in ((b"\0" * 16384, "not the JSON"), (b'{"rootHash": "xyz", "signature": "A"}', "64 hex digits"),
                           (b'{"rootHash": "' + b"ab" * 32 + b'"}', "signature"), (b"x" * 70000, "more than")):
         good.write_bytes(content)
         with pytest.raises(ValueError, match=says):
-            bundle_format.signed_root_hash(good)
+            bundle_index.signed_root_hash(good)
 
 
 def test_the_update_writes_the_signature_with_the_slot(tmp_path: Path, device: Device, signing: Any) -> None:
@@ -108,7 +108,7 @@ def test_a_signature_of_another_root_hash_is_refused_before_any_write(tmp_path: 
             bundle(tmp_path, key, "2.0.0")
         assert "build it again" in getattr(e.value, "hint", "")
         # released anyway (the builder's check skipped): the updater refuses it after download, before any write
-        mp.setattr(bundle_format, "signed_root_hash", lambda path: usrhash_for("2.0.0"))
+        mp.setattr(bundle_index, "signed_root_hash", lambda path: usrhash_for("2.0.0"))
         b = bundle(tmp_path / "forced", key, "2.0.0")
     with pytest.raises(Refused, match=r"signs another root hash than bundle\.json's usrhash"):
         run_update(device, str(b), trusted)
@@ -182,9 +182,9 @@ def test_the_reader_hands_the_signature_of_the_booted_root_hash_to_dm_verity(tmp
     other = signature_partition("ab" * 32)  # the other slot's, for another root hash
     mine = signature_partition(ROOT_HASH)
     signature = base64.b64decode(json_module.loads(mine.rstrip(b"\0"))["signature"])
-    sig_type = bundle_format.USR_VERITY_SIG_TYPE.lower()
+    sig_type = bundle_index.USR_VERITY_SIG_TYPE.lower()
     proc, _ = _initrd(tmp_path, f"usrhash={ROOT_HASH} rw systemd.verity_usr_options=root-hash-signature={target}",
-                        {"vda2": (bundle_format.USR_TYPE.lower(), b"usr"), "vda4": (sig_type, other), "vda11": (sig_type, mine)})
+                        {"vda2": (bundle_index.USR_TYPE.lower(), b"usr"), "vda4": (sig_type, other), "vda11": (sig_type, mine)})
     assert proc.returncode == 0, proc.stderr
     assert target.read_bytes() == signature and "from " + str(tmp_path / "disk/vda11") in proc.stderr
 
@@ -194,11 +194,11 @@ def test_the_reader_hands_the_signature_of_the_booted_root_hash_to_dm_verity(tmp
 def test_without_a_signature_for_the_booted_root_hash_the_reader_fails(tmp_path: Path, case: str) -> None:
     """Fail closed: systemd-veritysetup@usr requires the reader, so /usr is not opened."""
     target = tmp_path / "run/usr-roothash.p7s"
-    sig_type = bundle_format.USR_VERITY_SIG_TYPE.lower()
+    sig_type = bundle_index.USR_VERITY_SIG_TYPE.lower()
     content = {"missing": signature_partition("cd" * 32),
                "empty-signature": json.dumps({"rootHash": ROOT_HASH, "signature": ""}).encode()}[case]
     proc, _ = _initrd(tmp_path, f"usrhash={ROOT_HASH} systemd.verity_usr_options=root-hash-signature={target}",
-                      {"vda2": (bundle_format.USR_TYPE.lower(), b"usr"), "vda4": (sig_type, content)})
+                      {"vda2": (bundle_index.USR_TYPE.lower(), b"usr"), "vda4": (sig_type, content)})
     assert proc.returncode == 1 and "/usr is not opened" in proc.stderr, proc.stderr
     assert not target.exists()
 

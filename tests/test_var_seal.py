@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance import efivars as efi
-from appliance import luks, paths
+from appliance import efivars, luks, paths
 from appliance.errors import UserError
-from applianctl.var import seal as var_seal
+from applianctl.var import tpm_seal
 
 KEY = "-".join(["cbdefghi", "jklnrtuv"] * 4)
 NEW_KEY = "-".join(["vutrnlkj", "ihgfedcb"] * 4)
@@ -29,7 +28,7 @@ def _firmware(tmp_path: Path, *, secure_boot: bool, setup_mode: bool = False) ->
     d = tmp_path / f"efivars-{secure_boot}-{setup_mode}"
     d.mkdir(exist_ok=True)
     for name, value in (("SecureBoot", secure_boot), ("SetupMode", setup_mode)):
-        efi.var_path(name, efi.GLOBAL_GUID, d).write_bytes(struct.pack("<I", 6) + bytes([value]))
+        efivars.var_path(name, efivars.GLOBAL_GUID, d).write_bytes(struct.pack("<I", 6) + bytes([value]))
     return d
 
 
@@ -143,7 +142,7 @@ def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _seal(fake: FakeLuks, key: Path, efivars_dir: Path, shown: list[str]) -> dict[str, object]:
-    return var_seal.seal(fake, DEVICE, public_key=key, efivars_dir=efivars_dir, show=lambda k: shown.append(k) or ["/dev/console"])
+    return tpm_seal.seal(fake, DEVICE, public_key=key, efivars_dir=efivars_dir, show=lambda k: shown.append(k) or ["/dev/console"])
 
 
 def test_the_first_sealed_boot_replaces_the_installers_slot_with_one_bound_to_pcr_7(tmp_path: Path, device: Path) -> None:
@@ -187,18 +186,18 @@ def test_an_image_booted_as_built_gets_a_recovery_key_shown_once_on_the_console(
 def test_the_command_prints_what_it_did_and_never_the_key(tmp_path: Path, device: Path, monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     fake = FakeLuks(list(FIRST_BOOT))
-    monkeypatch.setattr(var_seal, "_run", fake)
-    monkeypatch.setattr(var_seal, "PCR_PUBLIC_KEY", device)
-    monkeypatch.setattr(efi, "EFIVARS", _firmware(tmp_path, secure_boot=True))
+    monkeypatch.setattr(tpm_seal, "_run", fake)
+    monkeypatch.setattr(tpm_seal, "PCR_PUBLIC_KEY", device)
+    monkeypatch.setattr(efivars, "EFIVARS", _firmware(tmp_path, secure_boot=True))
     consoles = [tmp_path / "console", tmp_path / "tty1"]
     consoles[0].write_text("")
-    monkeypatch.setattr(var_seal, "CONSOLES", tuple(consoles))
+    monkeypatch.setattr(tpm_seal, "CONSOLES", tuple(consoles))
     import argparse
-    assert var_seal.cmd_var_seal(argparse.Namespace(reseal=False)) == 0
+    assert tpm_seal.cmd_var_seal(argparse.Namespace(reseal=False)) == 0
     out = capsys.readouterr().out
     assert "a recovery key made" in out and KEY not in out
     assert KEY in consoles[0].read_text()  # the console got it; the missing tty1 is skipped
-    record = json.loads(var_seal.record_path().read_text())
+    record = json.loads(tpm_seal.record_path().read_text())
     assert KEY not in json.dumps(record) and record["recovery"] is True
 
 
@@ -284,12 +283,12 @@ def test_a_changed_pcr_7_is_reported_with_the_way_to_seal_again(tmp_path: Path, 
     """A firmware or Secure Boot key change moves PCR 7: that boot needed the recovery key, and
     status says how to seal /var to the new value (the PCR 7 it was sealed to is kept on /var)."""
     pcr7 = tmp_path / "pcr-sha256-7"
-    monkeypatch.setattr(var_seal, "PCR7", pcr7)
+    monkeypatch.setattr(tpm_seal, "PCR7", pcr7)
     pcr7.write_text("AB" * 32 + "\n")
     firmware = _firmware(tmp_path, secure_boot=True)
     fake = FakeLuks(list(INSTALLED))
     assert _seal(fake, device, firmware, [])["problems"] == []  # sealed now, to this PCR 7
-    assert json.loads(var_seal.renewed_path().read_text())["sealed_pcr7"] == "ab" * 32
+    assert json.loads(tpm_seal.renewed_path().read_text())["sealed_pcr7"] == "ab" * 32
     assert _seal(fake, device, firmware, [])["problems"] == []  # the same PCR 7 on the next boot
     pcr7.write_text("CD" * 32 + "\n")  # a firmware update
     record = _seal(fake, device, firmware, [])
@@ -351,14 +350,14 @@ def test_a_damaged_seal_record_never_renews_the_operators_key_again(tmp_path: Pa
     """Taken as none, the record would renew the key once more after the last reset: the one the
     operator wrote down wiped, a new one shown on a console nobody may be watching."""
     pcr7 = tmp_path / "pcr-sha256-7"
-    monkeypatch.setattr(var_seal, "PCR7", pcr7)
+    monkeypatch.setattr(tpm_seal, "PCR7", pcr7)
     pcr7.write_text("ab" * 32 + "\n")
     fake, shown = FakeLuks([luks.Method("tpm2", 0, (7,), (11,)), luks.Method("recovery", 1)]), []
     firmware = _firmware(tmp_path, secure_boot=True)
     _reset_by_operator()
     _seal(fake, device, firmware, shown)
     assert shown == [KEY]  # renewed once for that reset
-    where = var_seal.renewed_path()
+    where = tpm_seal.renewed_path()
     where.unlink()
     if damage == "a directory":
         where.mkdir()

@@ -23,16 +23,17 @@ from typing import Any
 
 import pytest
 
-from appliance import fetch as bounded
-from appliance import fsverity
-from appliance import weights as wm
+import appliance.signed.weights_manifest
+import applianctl.model.fetch
+import applianctl.model.store
+from appliance import fetch, fsverity
 from appliance.errors import UserError
-from appliance.manifest import ManifestError
 from appliance.schema import dump_record
+from appliance.signed.release_manifest import ManifestError
+from appliance.signed.weights_manifest import WeightFile, WeightsManifest
 from applianctl import tls
-from applianctl.model import fetch as model_fetch
-from applianctl.model import store as model_store
-from applianctl.model import verify as model_verify
+from applianctl.model import verify
+from applianctl.model.fetch import CHUNK_BYTES
 from builder import weights, weights_mirror
 from builder.weights_mirror import Mirror
 
@@ -116,7 +117,7 @@ def test_pin_from_hub_objects_uses_lfs_sha256_and_downloads_small_files(monkeypa
     assert by["sub/model.safetensors"].fsverity == ""  # not computed without the file: the device records it
     assert by["config.json"].sha256 == hashlib.sha256(FILES["config.json"]).hexdigest()
     assert model.total_bytes == sum(len(d) for d in FILES.values())
-    assert wm.loads(wm.dumps(model)) == model
+    assert appliance.signed.weights_manifest.loads(appliance.signed.weights_manifest.dumps(model)) == model
 
 
 @pytest.mark.parametrize("fault", ["not found", "no network"])
@@ -156,9 +157,9 @@ def test_pin_from_a_local_copy_adds_fsverity_and_refuses_a_differing_copy(tmp_pa
 
 
 def test_weights_manifest_refusals() -> None:
-    good = wm.make(MODEL, REV, [wm.WeightFile("a", 1, "0" * 64)])
+    good = appliance.signed.weights_manifest.make(MODEL, REV, [WeightFile("a", 1, "0" * 64)])
     plain = {"model": MODEL, "revision": REV, "total_bytes": 1, "files": [{"path": "a", "size": 1, "sha256": "0" * 64}]}
-    assert wm.from_plain(plain) == dataclasses.replace(good)
+    assert appliance.signed.weights_manifest.from_plain(plain) == dataclasses.replace(good)
     for change, message in (
         ({"total_bytes": 2}, "total_bytes = 2, but the files add up to 1"),
         ({"files": [{"path": "../a", "size": 1, "sha256": "0" * 64}]}, r"files\[0\].path"),
@@ -166,15 +167,15 @@ def test_weights_manifest_refusals() -> None:
         ({"files": [{"path": "a", "size": 1, "sha256": "0" * 64}] * 2, "total_bytes": 2}, "a is listed twice"),
     ):
         with pytest.raises(ManifestError, match=message):
-            wm.from_plain({**plain, **change})
+            appliance.signed.weights_manifest.from_plain({**plain, **change})
     with pytest.raises(ManifestError, match="canonical"):
-        wm.loads(wm.dumps(good) + b" ")
+        appliance.signed.weights_manifest.loads(appliance.signed.weights_manifest.dumps(good) + b" ")
 
 
 def test_demo_manifest_is_committed_and_deterministic() -> None:
     from builder.weights import ROOT
 
-    committed = wm.loads((ROOT / "weights/demo.json").read_bytes())
+    committed = appliance.signed.weights_manifest.loads((ROOT / "weights/demo.json").read_bytes())
     assert committed == weights.demo_manifest(committed.model, committed.revision)
     assert 120 << 20 < committed.total_bytes < 136 << 20 and len(committed.files) == 5
 
@@ -201,38 +202,38 @@ class FakeVerity:
             os.close(fd)
 
 
-def _snapshot(tmp_path: Path, sizes: dict[str, int], with_fsverity: bool = True) -> tuple[Path, wm.WeightsManifest]:
+def _snapshot(tmp_path: Path, sizes: dict[str, int], with_fsverity: bool = True) -> tuple[Path, WeightsManifest]:
     src = tmp_path / "src"
     files = []
     for i, (name, size) in enumerate(sizes.items()):
         data = (hashlib.sha256(f"{i}".encode()).digest() * (size // 32 + 1))[:size]
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         (src / name).write_bytes(data)
-        files.append(wm.WeightFile(name, size, hashlib.sha256(data).hexdigest(), fsverity.digest_bytes(data) if with_fsverity else ""))
-    return src, wm.make(MODEL, REV, files)
+        files.append(WeightFile(name, size, hashlib.sha256(data).hexdigest(), fsverity.digest_bytes(data) if with_fsverity else ""))
+    return src, appliance.signed.weights_manifest.make(MODEL, REV, files)
 
 
-def _store(tmp_path: Path, manifest: wm.WeightsManifest) -> model_store.Store:
+def _store(tmp_path: Path, manifest: WeightsManifest) -> applianctl.model.store.Store:
     cache = tmp_path / "var/huggingface"
-    return model_store.Store(manifest, cache / "snapshot", cache / ".partial" / REV, tmp_path / "var/host")
+    return applianctl.model.store.Store(manifest, cache / "snapshot", cache / ".partial" / REV, tmp_path / "var/host")
 
 
-SIZES = {"config.json": 100, "a.safetensors": 3 * model_fetch.CHUNK_BYTES + 12345, "sub/b.safetensors": model_fetch.CHUNK_BYTES}
+SIZES = {"config.json": 100, "a.safetensors": 3 * CHUNK_BYTES + 12345, "sub/b.safetensors": CHUNK_BYTES}
 
 
 def test_fetch_from_a_directory_seals_records_and_verifies(tmp_path: Path) -> None:
     src, manifest = _snapshot(tmp_path, SIZES, with_fsverity=False)
     store, verity = _store(tmp_path, manifest), FakeVerity()
-    summary = model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)
+    summary = applianctl.model.fetch.fetch(store, applianctl.model.fetch.DirSource(str(src)), verity)
     assert summary["fetched_bytes"] == manifest.total_bytes
     for name in SIZES:
         assert (store.snapshot / name).read_bytes() == (src / name).read_bytes()
         assert verity.measure(store.snapshot / name) is not None
     assert set(store.recorded()) == set(SIZES)  # no digests in the manifest: the device recorded them
     assert not store.partial.exists()
-    assert model_verify.check(store, verity).ok
+    assert verify.check(store, verity).ok
     # run again: nothing fetched
-    assert model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)["fetched_files"] == 0
+    assert applianctl.model.fetch.fetch(store, applianctl.model.fetch.DirSource(str(src)), verity)["fetched_files"] == 0
 
 
 class PowerCut(BaseException):
@@ -242,11 +243,11 @@ class PowerCut(BaseException):
 class CutSource:
     """A directory source whose bytes stop (like a power cut) after CUT bytes of one file."""
 
-    def __init__(self, inner: model_fetch.DirSource, path: str, cut: int) -> None:
+    def __init__(self, inner: applianctl.model.fetch.DirSource, path: str, cut: int) -> None:
         self.spec, self.inner, self.path, self.cut = inner.spec, inner, path, cut
         self.starts: list[int] = []
 
-    def open(self, path: str, start: int = 0, *, chunk: int = bounded.CHUNK) -> bounded.Body:
+    def open(self, path: str, start: int = 0, *, chunk: int = fetch.CHUNK) -> fetch.Body:
         body = self.inner.open(path, start, chunk=chunk)
         if path != self.path:
             return body
@@ -261,45 +262,45 @@ class CutSource:
                 have += len(data)
                 yield data
 
-        return bounded.Body(body.offset, cut(), body.close)
+        return fetch.Body(body.offset, cut(), body.close)
 
 
-@pytest.mark.parametrize("cut", [1, model_fetch.CHUNK_BYTES - 1, model_fetch.CHUNK_BYTES, model_fetch.CHUNK_BYTES + 1,
-                                 2 * model_fetch.CHUNK_BYTES + 777, 3 * model_fetch.CHUNK_BYTES + 12344])
+@pytest.mark.parametrize("cut", [1, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 1,
+                                 2 * CHUNK_BYTES + 777, 3 * CHUNK_BYTES + 12344])
 def test_resume_after_a_cut_fetches_at_most_one_chunk_again(tmp_path: Path, cut: int) -> None:
     src, manifest = _snapshot(tmp_path, SIZES)
     store, verity = _store(tmp_path, manifest), FakeVerity()
-    source = CutSource(model_fetch.DirSource(str(src)), "a.safetensors", cut)
+    source = CutSource(applianctl.model.fetch.DirSource(str(src)), "a.safetensors", cut)
     with pytest.raises(PowerCut):
-        model_fetch.fetch(store, source, verity, workers=1)
+        applianctl.model.fetch.fetch(store, source, verity, workers=1)
     part = store.partial / "a.safetensors.part"
     # what the cut left: bytes after the journal's length may be lost (a power cut): drop them
     with store.open_dir() as fs:
-        journal = model_fetch.read_journal(fs, store.rel(part), manifest.file("a.safetensors"))  # type: ignore[arg-type]
+        journal = applianctl.model.fetch.read_journal(fs, store.rel(part), manifest.file("a.safetensors"))  # type: ignore[arg-type]
     with open(part, "r+b") as f:
         f.truncate(max(journal.length, min(cut, part.stat().st_size)))
         f.seek(journal.length)
         f.write(b"\xff" * (min(cut, part.stat().st_size) - journal.length))  # garbage past the journal
     source.cut = 1 << 62
-    model_fetch.fetch(store, source, verity, workers=1)
+    applianctl.model.fetch.fetch(store, source, verity, workers=1)
     resumed_at = source.starts[-1]
-    assert resumed_at == journal.length and cut - resumed_at <= model_fetch.CHUNK_BYTES
+    assert resumed_at == journal.length and cut - resumed_at <= CHUNK_BYTES
     assert (store.snapshot / "a.safetensors").read_bytes() == (src / "a.safetensors").read_bytes()
-    assert model_verify.check(store, verity).ok
+    assert verify.check(store, verity).ok
 
 
 def test_a_partial_file_changed_at_rest_starts_over(tmp_path: Path) -> None:
     src, manifest = _snapshot(tmp_path, SIZES)
     store, verity = _store(tmp_path, manifest), FakeVerity()
-    source = CutSource(model_fetch.DirSource(str(src)), "a.safetensors", 2 * model_fetch.CHUNK_BYTES + 5)
+    source = CutSource(applianctl.model.fetch.DirSource(str(src)), "a.safetensors", 2 * CHUNK_BYTES + 5)
     with pytest.raises(PowerCut):
-        model_fetch.fetch(store, source, verity, workers=1)
+        applianctl.model.fetch.fetch(store, source, verity, workers=1)
     part = store.partial / "a.safetensors.part"
     with open(part, "r+b") as f:
         f.seek(10)
         f.write(b"X")
     source.cut = 1 << 62
-    model_fetch.fetch(store, source, verity, workers=1)
+    applianctl.model.fetch.fetch(store, source, verity, workers=1)
     assert source.starts[-1] == 0
     assert (store.snapshot / "a.safetensors").read_bytes() == (src / "a.safetensors").read_bytes()
 
@@ -310,17 +311,17 @@ def test_a_file_too_large_is_refused_naming_it(tmp_path: Path) -> None:
         f.write(b"!")
     store = _store(tmp_path, manifest)
     with pytest.raises(UserError, match=r"^sub/b.safetensors: the source sent more than the 8388608 bytes"):
-        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity())
+        applianctl.model.fetch.fetch(store, applianctl.model.fetch.DirSource(str(src)), FakeVerity())
     assert not (store.snapshot / "sub/b.safetensors").exists() and not (store.partial / "sub/b.safetensors.part").exists()
 
 
 def test_not_enough_space_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src, manifest = _snapshot(tmp_path, SIZES)
     store = _store(tmp_path, manifest)
-    monkeypatch.setattr(model_fetch, "free_bytes", lambda path: manifest.total_bytes // 2)
+    monkeypatch.setattr(applianctl.model.fetch, "free_bytes", lambda path: manifest.total_bytes // 2)
     with pytest.raises(UserError, match=r"^not enough space for the weights: 32.3 MiB to download and 1.0 GiB kept free on /, "
                                         r"16.0 MiB free$") as e:
-        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity())
+        applianctl.model.fetch.fetch(store, applianctl.model.fetch.DirSource(str(src)), FakeVerity())
     assert e.value.hint.startswith("free 1.1 GiB more on / ") and e.value.hint.endswith("then run the same command again (it resumes)")
     assert not store.partial.exists()
 
@@ -329,9 +330,10 @@ def test_room_for_the_files_but_not_for_the_reserve_is_refused_before_anything_i
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src, manifest = _snapshot(tmp_path, SIZES)
     store = _store(tmp_path, manifest)
-    monkeypatch.setattr(model_fetch, "free_bytes", lambda path: 2 * manifest.total_bytes)  # the files fit; the journal's room does not
+    # the files fit; the journal's room does not
+    monkeypatch.setattr(applianctl.model.fetch, "free_bytes", lambda path: 2 * manifest.total_bytes)
     with pytest.raises(UserError, match=r"^not enough space for the weights: .* and 1.0 GiB kept free"):
-        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity())
+        applianctl.model.fetch.fetch(store, applianctl.model.fetch.DirSource(str(src)), FakeVerity())
     assert not store.partial.exists()
 
 
@@ -340,7 +342,7 @@ class FillingDisk:
     its check before downloading, is plenty: something else fills the disk meanwhile), less what
     the store now holds."""
 
-    def __init__(self, store: model_store.Store, free: int) -> None:
+    def __init__(self, store: applianctl.model.store.Store, free: int) -> None:
         self.store, self.free, self.calls = store, free, 0
 
     def used(self) -> int:
@@ -348,39 +350,39 @@ class FillingDisk:
 
     def __call__(self, path: Path) -> int:
         self.calls += 1
-        return 1 << 40 if self.calls == 1 else bounded.RESERVE_BYTES + self.free - self.used()
+        return 1 << 40 if self.calls == 1 else fetch.RESERVE_BYTES + self.free - self.used()
 
 
 def test_a_fetch_stops_at_the_reserve_keeps_its_partial_file_and_the_next_run_resumes(tmp_path: Path) -> None:
     src, manifest = _snapshot(tmp_path, SIZES)
     store, verity = _store(tmp_path, manifest), FakeVerity()
-    source = CutSource(model_fetch.DirSource(str(src)), "a.safetensors", 1 << 62)
-    with pytest.raises(bounded.ReserveReached) as e:
-        model_fetch.fetch(store, source, verity, workers=1, free=FillingDisk(store, 10 * model_fetch.CHUNK_BYTES // 8 + (1 << 19)))
+    source = CutSource(applianctl.model.fetch.DirSource(str(src)), "a.safetensors", 1 << 62)
+    with pytest.raises(fetch.ReserveReached) as e:
+        applianctl.model.fetch.fetch(store, source, verity, workers=1, free=FillingDisk(store, 10 * CHUNK_BYTES // 8 + (1 << 19)))
     assert re.fullmatch(r"stopped: / would have less than 1.0 GiB free; 2[0-9].[0-9] MiB still to download", e.value.message)
     assert re.fullmatch(r"free 2[0-9].[0-9] MiB more on / \(journalctl --vacuum-size, old files\), "
                         r"then run the same command again \(it resumes\)", e.value.hint)
     part = store.partial / "a.safetensors.part"
     with store.open_dir() as fs:  # the first chunk is durable: the next run resumes after it
-        assert model_fetch.read_journal(fs, store.rel(part), manifest.file("a.safetensors")).length == model_fetch.CHUNK_BYTES  # type: ignore[arg-type]
+        assert applianctl.model.fetch.read_journal(fs, store.rel(part), manifest.file("a.safetensors")).length == CHUNK_BYTES  # type: ignore[arg-type]
     assert not (store.snapshot / "a.safetensors").exists()
-    summary = model_fetch.fetch(store, source, verity, workers=1, free=lambda path: 1 << 40)
-    assert source.starts == [0, model_fetch.CHUNK_BYTES]  # a Range request from the journal's length
-    assert summary["fetched_bytes"] == manifest.total_bytes - model_fetch.CHUNK_BYTES
-    assert model_verify.check(store, verity).ok
+    summary = applianctl.model.fetch.fetch(store, source, verity, workers=1, free=lambda path: 1 << 40)
+    assert source.starts == [0, CHUNK_BYTES]  # a Range request from the journal's length
+    assert summary["fetched_bytes"] == manifest.total_bytes - CHUNK_BYTES
+    assert verify.check(store, verity).ok
 
 
 def test_a_fetch_stops_before_sealing_when_the_merkle_tree_would_take_the_reserve(tmp_path: Path) -> None:
-    src, manifest = _snapshot(tmp_path, {"w.safetensors": model_fetch.CHUNK_BYTES})
+    src, manifest = _snapshot(tmp_path, {"w.safetensors": CHUNK_BYTES})
     store, verity = _store(tmp_path, manifest), FakeVerity()
-    source = CutSource(model_fetch.DirSource(str(src)), "w.safetensors", 1 << 62)
-    with pytest.raises(bounded.ReserveReached, match=r"^stopped: / would have less than 1.0 GiB free; 0.1 MiB still to download$"):
-        model_fetch.fetch(store, source, verity, workers=1, free=FillingDisk(store, model_fetch.CHUNK_BYTES + 4096))
-    assert (store.partial / "w.safetensors.part").stat().st_size == model_fetch.CHUNK_BYTES  # whole, not sealed
+    source = CutSource(applianctl.model.fetch.DirSource(str(src)), "w.safetensors", 1 << 62)
+    with pytest.raises(fetch.ReserveReached, match=r"^stopped: / would have less than 1.0 GiB free; 0.1 MiB still to download$"):
+        applianctl.model.fetch.fetch(store, source, verity, workers=1, free=FillingDisk(store, CHUNK_BYTES + 4096))
+    assert (store.partial / "w.safetensors.part").stat().st_size == CHUNK_BYTES  # whole, not sealed
     assert verity.sealed == set()
-    summary = model_fetch.fetch(store, source, verity, workers=1, free=lambda path: 1 << 40)
+    summary = applianctl.model.fetch.fetch(store, source, verity, workers=1, free=lambda path: 1 << 40)
     assert (source.starts, summary["fetched_bytes"]) == ([0], 0)  # only the sealing and the rename were left
-    assert model_verify.check(store, verity).ok
+    assert verify.check(store, verity).ok
 
 
 @pytest.fixture
@@ -398,10 +400,10 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 @pytest.mark.programs
 def test_a_full_disk_is_one_line_naming_the_file(tmp_path: Path, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src, manifest = _snapshot(tmp_path, SIZES)
-    store = model_store.Store(manifest, small_tmpfs / "snapshot", small_tmpfs / ".partial" / REV, tmp_path / "host")
-    monkeypatch.setattr(model_fetch, "free_bytes", lambda path: 1 << 40)  # as if the space went while fetching
+    store = applianctl.model.store.Store(manifest, small_tmpfs / "snapshot", small_tmpfs / ".partial" / REV, tmp_path / "host")
+    monkeypatch.setattr(applianctl.model.fetch, "free_bytes", lambda path: 1 << 40)  # as if the space went while fetching
     with pytest.raises(UserError, match=r"^(a|sub/b).safetensors: the disk is full") as e:
-        model_fetch.fetch(store, model_fetch.DirSource(str(src)), FakeVerity(), workers=1)
+        applianctl.model.fetch.fetch(store, applianctl.model.fetch.DirSource(str(src)), FakeVerity(), workers=1)
     assert "\n" not in e.value.message
 
 
@@ -445,15 +447,15 @@ def test_fetch_over_https_and_a_wrong_byte_is_refused_naming_the_file(tmp_path: 
     _, manifest = _snapshot(tmp_path, SIZES)
     store, verity = _store(tmp_path, manifest), FakeVerity()
     handler.flip, handler.always_flip = frozenset({"sub/b.safetensors"}), True
-    source = model_fetch.open_source(url, ca, "auto", MODEL, REV)
+    source = applianctl.model.fetch.open_source(url, ca, "auto", MODEL, REV)
     with pytest.raises(UserError, match=r"^sub/b.safetensors: SHA-256 [0-9a-f]{64} is not the signed manifest's") as e:
-        model_fetch.fetch(store, source, verity, workers=3)
+        applianctl.model.fetch.fetch(store, source, verity, workers=3)
     assert "\n" not in e.value.message
     assert not (store.snapshot / "sub/b.safetensors").exists() and not (store.partial / "sub/b.safetensors.part").exists()
     assert all(e["path"].startswith(f"/{MODEL}/resolve/{REV}/") for e in handler.log)  # the Hub's layout
     handler.flip = frozenset()
-    model_fetch.fetch(store, model_fetch.open_source(url, ca, "auto", MODEL, REV), verity, workers=3)
-    assert model_verify.check(store, verity).ok
+    applianctl.model.fetch.fetch(store, applianctl.model.fetch.open_source(url, ca, "auto", MODEL, REV), verity, workers=3)
+    assert verify.check(store, verity).ok
 
 
 def test_a_server_error_is_retried_then_one_line_naming_the_file(tmp_path: Path, mirror: tuple[str, str, type[Mirror]],
@@ -461,11 +463,13 @@ def test_a_server_error_is_retried_then_one_line_naming_the_file(tmp_path: Path,
     url, ca, handler = mirror
     _, manifest = _snapshot(tmp_path, SIZES)
     handler.fail = "config.json"
-    monkeypatch.setattr(model_fetch.time, "sleep", lambda s: None)
+    monkeypatch.setattr(applianctl.model.fetch.time, "sleep", lambda s: None)
     with pytest.raises(UserError) as e:
-        model_fetch.fetch(_store(tmp_path, manifest), model_fetch.open_source(url, ca, "auto", MODEL, REV), FakeVerity())
+        source = applianctl.model.fetch.open_source(url, ca, "auto", MODEL, REV)
+        applianctl.model.fetch.fetch(_store(tmp_path, manifest), source, FakeVerity())
     assert e.value.message == "config.json: download failed (the server answered HTTP 503)"
-    assert [e["status"] for e in handler.log if e["name"] == "config.json"] == [503] * model_fetch.ATTEMPTS  # retried, then named
+    statuses = [e["status"] for e in handler.log if e["name"] == "config.json"]
+    assert statuses == [503] * applianctl.model.fetch.ATTEMPTS  # retried, then named
     handler.fail = ""
 
 
@@ -473,15 +477,15 @@ def test_https_resume_asks_for_the_journal_length(tmp_path: Path, mirror: tuple[
     url, ca, handler = mirror
     _, manifest = _snapshot(tmp_path, SIZES)
     store, verity = _store(tmp_path, manifest), FakeVerity()
-    inner = model_fetch.open_source(url, ca, "hub", MODEL, REV)
-    cut = CutSource(inner, "a.safetensors", 2 * model_fetch.CHUNK_BYTES + 100)  # type: ignore[arg-type]
+    inner = applianctl.model.fetch.open_source(url, ca, "hub", MODEL, REV)
+    cut = CutSource(inner, "a.safetensors", 2 * CHUNK_BYTES + 100)  # type: ignore[arg-type]
     with pytest.raises(PowerCut):
-        model_fetch.fetch(store, cut, verity, workers=1)
+        applianctl.model.fetch.fetch(store, cut, verity, workers=1)
     cut.cut = 1 << 62
-    model_fetch.fetch(store, cut, verity, workers=1)
+    applianctl.model.fetch.fetch(store, cut, verity, workers=1)
     ranges = [e["range"] for e in handler.log if e["name"] == "a.safetensors"]
-    assert ranges[-1] == f"bytes={2 * model_fetch.CHUNK_BYTES}-"
-    assert model_verify.check(store, verity).ok
+    assert ranges[-1] == f"bytes={2 * CHUNK_BYTES}-"
+    assert verify.check(store, verity).ok
 
 
 # ----------------------------------------------------------------------------------- verify
@@ -490,73 +494,72 @@ def test_https_resume_asks_for_the_journal_length(tmp_path: Path, mirror: tuple[
 def test_verify_names_a_missing_changed_unsealed_or_extra_file(tmp_path: Path) -> None:
     src, manifest = _snapshot(tmp_path, SIZES)
     store, verity = _store(tmp_path, manifest), FakeVerity()
-    model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)
+    applianctl.model.fetch.fetch(store, applianctl.model.fetch.DirSource(str(src)), verity)
     expected = {"ok": True, "reason": "", "revision": REV, "files": 3, "bytes": manifest.total_bytes, "deep": False}
-    assert dump_record(model_verify.check(store, verity)) == expected
+    assert dump_record(verify.check(store, verity)) == expected
     target = store.snapshot / "a.safetensors"
     data = bytearray(target.read_bytes())
     data[5] ^= 1
     target.write_bytes(bytes(data))  # same inode: the fake stays "sealed"; the digest changes
-    result = model_verify.check(store, verity)
+    result = verify.check(store, verity)
     assert result.reason == "model weights: a.safetensors was changed (its fs-verity digest is not the signed one)"
     assert result.file == "a.safetensors"
     os.link(target, tmp_path / "keep")  # the old inode stays in use: the new file cannot reuse its number
     target.unlink()
-    assert model_verify.check(store, verity).reason == "model weights: a.safetensors is missing"
+    assert verify.check(store, verity).reason == "model weights: a.safetensors is missing"
     target.write_bytes((src / "a.safetensors").read_bytes())
-    assert model_verify.check(store, verity).reason == "model weights: a.safetensors is not sealed with fs-verity"
+    assert verify.check(store, verity).reason == "model weights: a.safetensors is not sealed with fs-verity"
     verity.enable(target)
     (store.snapshot / "evil.py").write_text("import os\n")
-    assert model_verify.check(store, verity).reason == "model weights: evil.py is in the snapshot but not in the signed manifest"
+    assert verify.check(store, verity).reason == "model weights: evil.py is in the snapshot but not in the signed manifest"
 
 
 def test_a_block_refused_on_read_is_named_and_refused_until_fetched_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src, manifest = _snapshot(tmp_path, SIZES)
     store, verity = _store(tmp_path, manifest), FakeVerity()
-    model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)
-    read_all = model_verify.read_all
+    applianctl.model.fetch.fetch(store, applianctl.model.fetch.DirSource(str(src)), verity)
+    read_all = verify.read_all
 
     def eio_for_a(path: Path) -> None:  # what fs-verity does with a block changed on the disk
         if path.name == "a.safetensors":
             raise OSError(errno.EIO, "Input/output error")
         read_all(path)
 
-    monkeypatch.setattr(model_verify, "read_all", eio_for_a)
-    assert model_verify.check(store, verity).ok  # the digest is of the signed contents: constant time cannot see it
-    result = model_verify.check(store, verity, deep=True)
+    monkeypatch.setattr(verify, "read_all", eio_for_a)
+    assert verify.check(store, verity).ok  # the digest is of the signed contents: constant time cannot see it
+    result = verify.check(store, verity, deep=True)
     assert result.reason == ("model weights: a.safetensors: a block was refused on read (Input/output error): "
                                 "the file changed on the disk")
-    again = model_verify.check(store, verity)  # from now on before every start too
+    again = verify.check(store, verity)  # from now on before every start too
     assert (again.ok, again.file) == (False, "a.safetensors")
-    monkeypatch.setattr(model_verify, "read_all", read_all)
-    summary = model_fetch.fetch(store, model_fetch.DirSource(str(src)), verity)
+    monkeypatch.setattr(verify, "read_all", read_all)
+    summary = applianctl.model.fetch.fetch(store, applianctl.model.fetch.DirSource(str(src)), verity)
     assert summary["fetched_files"] == 1 and store.corrupt() == {}
-    assert model_verify.check(store, verity, deep=True).ok
+    assert verify.check(store, verity, deep=True).ok
 
 
 def test_load_manifest_requires_the_release_pin(tmp_path: Path) -> None:
     _, manifest = _snapshot(tmp_path, {"x": 10})
-    data = wm.dumps(manifest)
+    data = appliance.signed.weights_manifest.dumps(manifest)
     (tmp_path / "weights.json").write_bytes(data)
-    (tmp_path / "manifest.json").write_text(json.dumps({"model": {"weights_sha256": wm.sha256(data)}}))
-    assert model_store.load_manifest(tmp_path / "weights.json", tmp_path / "manifest.json") == manifest
+    (tmp_path / "manifest.json").write_text(json.dumps({"model": {"weights_sha256": appliance.signed.weights_manifest.sha256(data)}}))
+    assert applianctl.model.store.load_manifest(tmp_path / "weights.json", tmp_path / "manifest.json") == manifest
     (tmp_path / "manifest.json").write_text('{"model": {}}')
     with pytest.raises(ManifestError, match="is not the one the release manifest pins"):
-        model_store.load_manifest(tmp_path / "weights.json", tmp_path / "manifest.json")
-    assert model_store.load_manifest(tmp_path / "none.json", tmp_path / "manifest.json") is None
+        applianctl.model.store.load_manifest(tmp_path / "weights.json", tmp_path / "manifest.json")
+    assert applianctl.model.store.load_manifest(tmp_path / "none.json", tmp_path / "manifest.json") is None
 
 
 # ----------------------------------------------------------------------------------- command line and status
 
 
 @pytest.fixture
-def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, wm.WeightsManifest, Path]:
+def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, WeightsManifest, Path]:
     """A device tree: appliance.json (demo profile, model cache in tmp), weights.json pinned by manifest.json."""
-    from appliance import config as config_model
-    from appliance import paths
+    from appliance import config, paths
     from builder.weights import ROOT
 
-    demo = config_model.load(ROOT / "appliance.toml", "demo")
+    demo = config.load(ROOT / "appliance.toml", "demo")
     cache = tmp_path / "var/huggingface"
     demo = dataclasses.replace(demo, model=dataclasses.replace(demo.model, id=MODEL, revision=REV, cache_dir=str(cache)))
     lib, run, state = tmp_path / "lib", tmp_path / "run", tmp_path / "state"
@@ -567,54 +570,54 @@ def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, wm.We
     for name, value in {"LIB_DIR": lib, "RUN_DIR": run, "STATE_DIR": state, "MANIFEST": lib / "manifest.json"}.items():
         monkeypatch.setattr(paths, name, value)
     src, manifest = _snapshot(tmp_path, {"config.json": 10, "w.safetensors": 5000})
-    data = wm.dumps(manifest)
+    data = appliance.signed.weights_manifest.dumps(manifest)
     (lib / "weights.json").write_bytes(data)
-    (lib / "manifest.json").write_text(json.dumps({"model": {"weights_sha256": wm.sha256(data)}}))
+    (lib / "manifest.json").write_text(json.dumps({"model": {"weights_sha256": appliance.signed.weights_manifest.sha256(data)}}))
     return src, manifest, Path(demo.model.weights_dir)
 
 
-def test_model_fetch_and_verify_commands(device: tuple[Path, wm.WeightsManifest, Path], monkeypatch: pytest.MonkeyPatch,
+def test_model_fetch_and_verify_commands(device: tuple[Path, WeightsManifest, Path], monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import applianctl.status.weights
     from appliance import paths
     from applianctl.__main__ import main
-    from applianctl.model import command as model
+    from applianctl.model import command
     from applianctl.status import probes
-    from applianctl.status import weights as probes_weights
 
     src, _, snapshot = device
     verity = FakeVerity()
-    monkeypatch.setattr(model, "Kernel", lambda: verity)
+    monkeypatch.setattr(command, "Kernel", lambda: verity)
     assert main(["model", "verify"]) == 1
     assert capsys.readouterr().err.splitlines()[0] == "model weights: config.json is missing"
-    part = probes_weights.probe_weights(_config())
+    part = applianctl.status.weights.probe_weights(_config())
     assert (part.state, part.to_json()["file"], part.to_json()["verified"]) == (probes.DOWN, "config.json", False)
     assert main(["model", "fetch", str(src)]) == 0
     assert "2 files, 5010 bytes in place and sealed" in capsys.readouterr().out
     assert main(["model", "verify", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"] is True
-    part = probes_weights.probe_weights(_config())
+    part = applianctl.status.weights.probe_weights(_config())
     assert (part.state, part.to_json()["verified"], part.to_json()["source"], part.to_json()["files"]) == (probes.OK, True, str(src), 2)
     (snapshot / "w.safetensors").write_bytes(b"\0" * 5000)  # the same inode, other bytes
     assert main(["model", "verify"]) == 1
     changed = "w.safetensors was changed (its fs-verity digest is not the signed one)"
     assert capsys.readouterr().err.startswith(f"model weights: {changed}\nhint: ")
-    part = probes_weights.probe_weights(_config())
+    part = applianctl.status.weights.probe_weights(_config())
     assert (part.state, part.reason) == (probes.DOWN, changed)
     (paths.LIB_DIR / "weights.json").unlink()
     assert main(["model", "verify"]) == 0
-    assert probes_weights.probe_weights(_config()).state == probes.NOT_CONFIGURED
+    assert applianctl.status.weights.probe_weights(_config()).state == probes.NOT_CONFIGURED
 
 
 def test_model_fetch_at_boot_takes_the_source_handed_over_and_does_nothing_once_the_weights_are_in_place(
-        device: tuple[Path, wm.WeightsManifest, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        device: tuple[Path, WeightsManifest, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     """appliance-model-fetch.service: `applianctl model fetch --at-boot` at every boot."""
     from applianctl.__main__ import main
-    from applianctl.model import command as model
+    from applianctl.model import command
 
     src, _, snapshot = device
     verity = FakeVerity()
-    monkeypatch.setattr(model, "Kernel", lambda: verity)
+    monkeypatch.setattr(command, "Kernel", lambda: verity)
     creds = tmp_path / "credentials"
     creds.mkdir()
     monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
@@ -623,7 +626,7 @@ def test_model_fetch_at_boot_takes_the_source_handed_over_and_does_nothing_once_
     out = capsys.readouterr().out
     assert "config.json is missing; no source to fetch them from" in out and not (snapshot / "config.json").exists()
     # a source handed over with the boot (the credential)
-    (creds / model.SOURCE_CREDENTIAL).write_text(f"{src}\n")
+    (creds / command.SOURCE_CREDENTIAL).write_text(f"{src}\n")
     assert main(["model", "fetch", "--at-boot"]) == 0
     assert "2 files, 5010 bytes in place and sealed (2 fetched" in capsys.readouterr().out
     assert main(["model", "verify"]) == 0
@@ -636,19 +639,19 @@ def test_model_fetch_at_boot_takes_the_source_handed_over_and_does_nothing_once_
 
 @pytest.mark.parametrize("hostile", ["http://mirror.test/m/", "relative/dir", "/tmp/x\n/etc", "https://a b/"])
 def test_model_fetch_at_boot_refuses_a_credential_that_is_not_a_source(
-        device: tuple[Path, wm.WeightsManifest, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        device: tuple[Path, WeightsManifest, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str], hostile: str) -> None:
     from applianctl.__main__ import main
-    from applianctl.model import command as model
+    from applianctl.model import command
 
-    monkeypatch.setattr(model, "Kernel", FakeVerity)
+    monkeypatch.setattr(command, "Kernel", FakeVerity)
     creds = tmp_path / "credentials"
     creds.mkdir()
-    (creds / model.SOURCE_CREDENTIAL).write_text(hostile)
+    (creds / command.SOURCE_CREDENTIAL).write_text(hostile)
     monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
     assert main(["model", "fetch", "--at-boot"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 2 and model.SOURCE_CREDENTIAL in err[0] and err[1].startswith("hint: "), err
+    assert len(err) == 2 and command.SOURCE_CREDENTIAL in err[0] and err[1].startswith("hint: "), err
 
 
 def test_model_fetch_where_no_appliance_is_installed_names_the_missing_configuration(
@@ -667,7 +670,7 @@ def test_model_fetch_where_no_appliance_is_installed_names_the_missing_configura
     assert "pins no weights" not in "\n".join(err)
 
 
-def test_model_fetch_on_an_image_without_weights_says_so(device: tuple[Path, wm.WeightsManifest, Path],
+def test_model_fetch_on_an_image_without_weights_says_so(device: tuple[Path, WeightsManifest, Path],
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     from appliance import paths
     from applianctl.__main__ import main
@@ -684,11 +687,11 @@ def _config() -> Any:
 
 
 def test_validate_and_build_refuse_a_missing_or_foreign_weights_manifest(tmp_path: Path) -> None:
-    from appliance import config as config_model
+    from appliance import config
     from builder import validate
     from builder.weights import ROOT
 
-    demo = config_model.load(ROOT / "appliance.toml", "demo")
+    demo = config.load(ROOT / "appliance.toml", "demo")
     pinned = dataclasses.replace(demo, model=dataclasses.replace(demo.model, weights_manifest="weights/demo.json"))
     assert weights.problems(pinned, ROOT) == []
     assert weights.release_pin(pinned) == {"weights_sha256": hashlib.sha256((ROOT / "weights/demo.json").read_bytes()).hexdigest()}
@@ -714,14 +717,14 @@ def test_validate_and_build_refuse_a_missing_or_foreign_weights_manifest(tmp_pat
 
 def test_sources_https_only_and_ca_for_https_only(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="only https:// is accepted"):
-        model_fetch.open_source("http://mirror.test/org/model/", None, "auto", MODEL, REV)
+        applianctl.model.fetch.open_source("http://mirror.test/org/model/", None, "auto", MODEL, REV)
     with pytest.raises(UserError, match="--ca applies to an https:// SOURCE only"):
-        model_fetch.open_source(str(tmp_path), str(tmp_path / "ca.pem"), "auto", MODEL, REV)
+        applianctl.model.fetch.open_source(str(tmp_path), str(tmp_path / "ca.pem"), "auto", MODEL, REV)
     with pytest.raises(UserError, match="no SOURCE given, and none configured"):
-        model_fetch.open_source("", None, "auto", MODEL, REV)
-    hub = model_fetch.open_source(f"https://mirror.test/{MODEL}", None, "auto", MODEL, REV)
-    plain = model_fetch.open_source("https://mirror.test/weights/", None, "auto", MODEL, REV)
-    assert isinstance(hub, model_fetch.HttpsSource) and isinstance(plain, model_fetch.HttpsSource)
+        applianctl.model.fetch.open_source("", None, "auto", MODEL, REV)
+    hub = applianctl.model.fetch.open_source(f"https://mirror.test/{MODEL}", None, "auto", MODEL, REV)
+    plain = applianctl.model.fetch.open_source("https://mirror.test/weights/", None, "auto", MODEL, REV)
+    assert isinstance(hub, applianctl.model.fetch.HttpsSource) and isinstance(plain, applianctl.model.fetch.HttpsSource)
     assert (hub.name("sub/a b.safetensors"), plain.name("config.json")) == (f"resolve/{REV}/sub/a%20b.safetensors", "config.json")
 
 
@@ -735,21 +738,21 @@ def test_sources_https_only_and_ca_for_https_only(tmp_path: Path) -> None:
 )
 def test_sealing_where_fs_verity_is_missing_says_which_part_lacks_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int, kernel_has_it: bool, message: str, hint: str) -> None:
-    from applianctl.model import seal
+    from applianctl.model import fsverity_seal
 
     feature = tmp_path / "sys-fs-ext4-features-verity"
     if kernel_has_it:
         feature.write_text("supported\n")
-    monkeypatch.setattr(seal, "EXT4_VERITY_FEATURE", feature)
+    monkeypatch.setattr(fsverity_seal, "EXT4_VERITY_FEATURE", feature)
 
     def ioctl(*args: Any) -> None:
         raise OSError(err, os.strerror(err))
 
-    monkeypatch.setattr(seal.fcntl, "ioctl", ioctl)
+    monkeypatch.setattr(fsverity_seal.fcntl, "ioctl", ioctl)
     target = tmp_path / "w.safetensors"
     target.write_bytes(b"x")
     with pytest.raises(UserError) as e:
-        seal.Kernel().enable(target)
+        fsverity_seal.Kernel().enable(target)
     assert e.value.message == f"{target}: {message}" and hint in e.value.hint
     if not kernel_has_it:  # a kernel without fs-verity is not helped by the ext4 feature or a reboot
         assert "reboot" not in e.value.hint and "appliance-var-verity" not in e.value.hint
@@ -761,14 +764,14 @@ def test_sealing_where_fs_verity_is_missing_says_which_part_lacks_it(
     ("/".join(["d" * 99] * 42), "expected a path of at most 4095 bytes"),  # 4,199 bytes
 ])
 def test_model_fetch_of_a_name_the_disk_cannot_hold_is_two_lines_before_anything_is_written(
-        device: tuple[Path, wm.WeightsManifest, Path], capsys: pytest.CaptureFixture[str], name: str, expected: str) -> None:
+        device: tuple[Path, WeightsManifest, Path], capsys: pytest.CaptureFixture[str], name: str, expected: str) -> None:
     from appliance import paths
     from applianctl.__main__ import main
 
     src, _, snapshot = device
-    data = canonical_with(wm.make(MODEL, REV, [wm.WeightFile(name, 1, "0" * 64)]))
+    data = canonical_with(appliance.signed.weights_manifest.make(MODEL, REV, [WeightFile(name, 1, "0" * 64)]))
     (paths.LIB_DIR / "weights.json").write_bytes(data)
-    (paths.LIB_DIR / "manifest.json").write_text(json.dumps({"model": {"weights_sha256": wm.sha256(data)}}))
+    (paths.LIB_DIR / "manifest.json").write_text(json.dumps({"model": {"weights_sha256": appliance.signed.weights_manifest.sha256(data)}}))
     assert main(["model", "fetch", str(src)]) == 2
     error, hint = capsys.readouterr().err.splitlines()
     assert error.startswith(f"applianctl: {paths.LIB_DIR / 'weights.json'}: ") and error.endswith(expected)
@@ -776,9 +779,9 @@ def test_model_fetch_of_a_name_the_disk_cannot_hold_is_two_lines_before_anything
     assert not snapshot.parent.parent.parent.exists()  # not even the store's directories
 
 
-def canonical_with(model: wm.WeightsManifest) -> bytes:
+def canonical_with(model: WeightsManifest) -> bytes:
     """MODEL's canonical bytes without the loader's checks (a manifest this builder would not write)."""
-    from appliance.manifest import canonical
     from appliance.schema import plain
+    from appliance.signed.release_manifest import canonical
 
     return canonical(plain(model))

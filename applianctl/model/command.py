@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import applianctl.model.store
 from appliance import cli_help, paths
 from appliance.atomic import write_record
 from appliance.config import Config
@@ -23,20 +24,19 @@ from appliance.errors import UserError
 from appliance.host_settings import load_device
 from appliance.safe_read import read_capped
 from appliance.schema import dump_record
-from applianctl.model import store as model_store
-from applianctl.model.seal import Kernel, Verity
+from applianctl.model.fsverity_seal import Kernel, Verity
 from applianctl.records import ModelVerifyResult, WeightsFetch
 
 
-def _store() -> tuple[model_store.Store | None, Config]:
+def _store() -> tuple[applianctl.model.store.Store | None, Config]:
     """The weights' store (None when the image pins no weights) and the device's configuration.
     The configuration is read first: where there is none, no appliance is installed (that fault,
     naming where it looked), which is not the same as an image without weights."""
     config = load_device()
-    manifest = model_store.load_manifest()
+    manifest = applianctl.model.store.load_manifest()
     if manifest is None:
         return None, config
-    return model_store.open_store(config, manifest), config
+    return applianctl.model.store.open_store(config, manifest), config
 
 
 # A source handed over with the boot (a systemd credential), for --at-boot: demo images import it
@@ -57,7 +57,7 @@ def _boot_source(given: str) -> str:
     path = _credential(SOURCE_CREDENTIAL)
     if given or path is None:
         return given
-    data = read_capped(path, model_store.MAX_HOST_SOURCE_BYTES, what="the model source credential") or b""
+    data = read_capped(path, applianctl.model.store.MAX_HOST_SOURCE_BYTES, what="the model source credential") or b""
     line = data.decode("utf-8", "replace").strip()
     problem = is_weights_source(line) if line else None
     if problem is not None:
@@ -66,15 +66,14 @@ def _boot_source(given: str) -> str:
 
 
 def cmd_fetch(args: argparse.Namespace, verity: Verity | None = None) -> int:
-    from applianctl.model import fetch as model_fetch
-    from applianctl.model import verify as model_verify
+    from applianctl.model import fetch, verify
 
     store, config = _store()
     if store is None:
-        raise UserError(f"{model_store.weights_manifest()}: this image pins no weights", hint="nothing to fetch")
+        raise UserError(f"{applianctl.model.store.weights_manifest()}: this image pins no weights", hint="nothing to fetch")
     ca = args.ca
     if args.at_boot:  # appliance-model-fetch.service: once a boot, before the start check
-        present = model_verify.check(store, verity or Kernel())
+        present = verify.check(store, verity or Kernel())
         if present.ok:
             print(f"weights {store.manifest.model}@{store.manifest.revision[:12]}: in place, as signed; nothing to fetch")
             return 0
@@ -82,14 +81,14 @@ def cmd_fetch(args: argparse.Namespace, verity: Verity | None = None) -> int:
         if not spec:
             # not a failure of this unit: the start check names the missing file, status says it
             print(f"{present.reason}; no source to fetch them from (applianctl model fetch SOURCE, "
-                  f"{store.host_dir / model_store.HOST_SOURCE}, or model.source)")
+                  f"{store.host_dir / applianctl.model.store.HOST_SOURCE}, or model.source)")
             return 0
         ca = ca or (str(_credential(CA_CREDENTIAL)) if _credential(CA_CREDENTIAL) else None)
     else:
         spec = args.source or store.default_source(config)
-    source = model_fetch.open_source(spec, ca, args.layout, store.manifest.model, store.manifest.revision)
-    summary = model_fetch.fetch(store, source, verity or Kernel(), workers=args.jobs)
-    model_store.write_host_record(store.host_dir, model_store.FETCH_STATE,
+    source = fetch.open_source(spec, ca, args.layout, store.manifest.model, store.manifest.revision)
+    summary = fetch.fetch(store, source, verity or Kernel(), workers=args.jobs)
+    applianctl.model.store.write_host_record(store.host_dir, applianctl.model.store.FETCH_STATE,
                                   WeightsFetch(spec, store.manifest.revision, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
     if args.json:
         print(json.dumps({"source": spec, **summary}, sort_keys=True))
@@ -100,17 +99,17 @@ def cmd_fetch(args: argparse.Namespace, verity: Verity | None = None) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, verity: Verity | None = None) -> int:
-    from applianctl.model import verify as model_verify
+    from applianctl.model import verify
 
     store, _ = _store()
     if store is None:
         result = ModelVerifyResult(True, "", checked=False)
         message = "model verify: this image pins no weights; nothing to check"
     else:
-        result = model_verify.check(store, verity or Kernel(), deep=args.deep)
+        result = verify.check(store, verity or Kernel(), deep=args.deep)
         message = f"model verify: {result.files} files, {result.bytes} bytes, every fs-verity digest as signed"
         message += ", every byte read back" if args.deep else ""
-    write_record(model_store.verify_result(), result)
+    write_record(applianctl.model.store.verify_result(), result)
     if args.json:
         print(json.dumps(dump_record(result), sort_keys=True))
     if not result.ok:

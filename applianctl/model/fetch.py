@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from appliance import fetch as bounded
+import appliance.fetch
 from appliance import progress
-from appliance import weights as wm
 from appliance.errors import Refused, UserError
 from appliance.safe_read import loads_bounded
 from appliance.schema import dump_record, from_json
-from applianctl.model.seal import Verity
+from appliance.signed import weights_manifest
+from applianctl.model.fsverity_seal import Verity
 from applianctl.model.store import FILE_MODE, JOURNAL_SUFFIX, PART_MODE, PART_SUFFIX, Store, StoreDir, open_real_dir
 from applianctl.records import FetchJournal
 
@@ -57,22 +57,22 @@ class _Stopped(UserError):
 class Source(Protocol):
     spec: str
 
-    def open(self, name: str, offset: int = 0, *, chunk: int = ...) -> bounded.Body:
+    def open(self, name: str, offset: int = 0, *, chunk: int = ...) -> appliance.fetch.Body:
         """NAME's bytes from OFFSET on (the body's offset is 0 when the source starts from the beginning)."""
 
 
 # ----------------------------------------------------------------------------------- sources
 
 
-class DirSource(bounded.DirSource):
+class DirSource(appliance.fetch.DirSource):
     """A local directory holding the snapshot's files, never left: the core's directory source
     (no symbolic link followed anywhere beneath it, no '..', regular files only). A Hugging Face
     cache's snapshot links into its blobs: it is copied with the links resolved first (cp -rL)."""
 
     SOURCE_HINT = "SOURCE is an https:// mirror or a directory holding the snapshot's files"
 
-    def __init__(self, spec: str, deadline: bounded.Deadline | None = None) -> None:
-        super().__init__(spec, deadline or bounded.Deadline(DEADLINE_S))
+    def __init__(self, spec: str, deadline: appliance.fetch.Deadline | None = None) -> None:
+        super().__init__(spec, deadline or appliance.fetch.Deadline(DEADLINE_S))
 
     def missing(self, name: str) -> UserError:
         return Refused(f"{name}: missing from {self.spec}", hint="copy the whole snapshot")
@@ -87,20 +87,20 @@ class DirSource(bounded.DirSource):
 class HttpsSource:
     """An HTTPS mirror through the core's bounded client; PATH named in the mirror's layout."""
 
-    def __init__(self, spec: str, ca: str | None, layout: str, revision: str, deadline: bounded.Deadline) -> None:
+    def __init__(self, spec: str, ca: str | None, layout: str, revision: str, deadline: appliance.fetch.Deadline) -> None:
         self.spec, self.layout, self.revision = spec, layout, revision
-        self.client = bounded.HttpsSource(spec, ca, deadline)
+        self.client = appliance.fetch.HttpsSource(spec, ca, deadline)
 
     def name(self, path: str) -> str:
         quoted = urllib.parse.quote(path)
         return f"resolve/{self.revision}/{quoted}" if self.layout == "hub" else quoted
 
-    def open(self, name: str, offset: int = 0, *, chunk: int = bounded.CHUNK) -> bounded.Body:
+    def open(self, name: str, offset: int = 0, *, chunk: int = appliance.fetch.CHUNK) -> appliance.fetch.Body:
         try:
             return self.client.open(self.name(name), offset, chunk=chunk)
-        except bounded.RangeRefused:
-            return bounded.Body(0, iter(()))  # the server has fewer bytes than we do: start over
-        except bounded.HttpStatus as e:
+        except appliance.fetch.RangeRefused:
+            return appliance.fetch.Body(0, iter(()))  # the server has fewer bytes than we do: start over
+        except appliance.fetch.HttpStatus as e:
             if e.status in (401, 403, 404, 410):
                 raise Refused(f"{name}: the server answered HTTP {e.status} for {e.url}",
                               hint="check SOURCE (and --layout): the mirror must hold this revision's files") from None
@@ -118,7 +118,7 @@ def open_source(spec: str, ca: str | None, layout: str, model_id: str, revision:
         return DirSource(spec)
     if layout == "auto":
         layout = "hub" if urllib.parse.urlsplit(spec).path.rstrip("/").endswith("/" + model_id) else "plain"
-    return HttpsSource(spec, ca, layout, revision, bounded.Deadline(DEADLINE_S))
+    return HttpsSource(spec, ca, layout, revision, appliance.fetch.Deadline(DEADLINE_S))
 
 
 # ----------------------------------------------------------------------------------- one file
@@ -135,7 +135,7 @@ class Journal:
 MAX_JOURNAL_BYTES = 1 << 20  # 4 bytes a chunk at most (a 156 GiB file has 20,000 chunks)
 
 
-def read_journal(fs: StoreDir, part: str, entry: wm.WeightFile) -> Journal:
+def read_journal(fs: StoreDir, part: str, entry: weights_manifest.WeightFile) -> Journal:
     """The journal of the partial file PART (relative to the store's directory)."""
     rel = part + JOURNAL_SUFFIX
     raw = fs.read(rel, MAX_JOURNAL_BYTES)
@@ -152,7 +152,7 @@ def read_journal(fs: StoreDir, part: str, entry: wm.WeightFile) -> Journal:
     return Journal(data.length, list(data.chunks))
 
 
-def write_journal(fs: StoreDir, part: str, entry: wm.WeightFile, journal: Journal) -> None:
+def write_journal(fs: StoreDir, part: str, entry: weights_manifest.WeightFile, journal: Journal) -> None:
     record = FetchJournal(entry.sha256, entry.size, journal.length, tuple(journal.chunks))
     fs.write_atomic(part + JOURNAL_SUFFIX, (json.dumps(dump_record(record), indent=2, sort_keys=True) + "\n").encode())
 
@@ -167,8 +167,8 @@ class FileFetch:
     """One file from SOURCE into PART, then sealed and renamed to TARGET, both through the store's
     directory (FS); every write first claimed from GUARD (the reserve on /var)."""
 
-    def __init__(self, entry: wm.WeightFile, store: Store, fs: StoreDir, source: Source, verity: Verity,
-                 bar: progress.Progress, stop: threading.Event, guard: bounded.Guard) -> None:
+    def __init__(self, entry: weights_manifest.WeightFile, store: Store, fs: StoreDir, source: Source, verity: Verity,
+                 bar: progress.Progress, stop: threading.Event, guard: appliance.fetch.Guard) -> None:
         self.entry, self.store, self.fs, self.source, self.verity = entry, store, fs, source, verity
         self.bar, self.stop, self.guard = bar, stop, guard
         self.counted = 0  # bytes of this file shown as done (a retry does not count them twice)
@@ -305,7 +305,7 @@ class FileFetch:
 # ----------------------------------------------------------------------------------- all files
 
 
-def part_of(store: Store, entry: wm.WeightFile) -> str:
+def part_of(store: Store, entry: weights_manifest.WeightFile) -> str:
     """ENTRY's partial file, relative to the store's directory."""
     return f"{store.rel(store.partial)}/{entry.path}{PART_SUFFIX}"
 
@@ -316,7 +316,7 @@ def _measure(fs: StoreDir, verity: Verity, rel: str) -> str | None:
         return None if d is None else verity.measure(fs.show(rel), dir_fd=d)
 
 
-def _sealed(store: Store, fs: StoreDir, entry: wm.WeightFile, verity: Verity, recorded: dict[str, str]) -> bool:
+def _sealed(store: Store, fs: StoreDir, entry: weights_manifest.WeightFile, verity: Verity, recorded: dict[str, str]) -> bool:
     """ENTRY is in place: the right size, sealed, with the expected fs-verity digest."""
     target = f"{store.rel(store.snapshot)}/{entry.path}"
     st = fs.lstat(target)
@@ -328,19 +328,19 @@ def _sealed(store: Store, fs: StoreDir, entry: wm.WeightFile, verity: Verity, re
 
 
 def free_bytes(path: Path) -> int:
-    return bounded.free_bytes(path)
+    return appliance.fetch.free_bytes(path)
 
 
-def needed_bytes(store: Store, fs: StoreDir, todo: list[wm.WeightFile]) -> int:
+def needed_bytes(store: Store, fs: StoreDir, todo: list[weights_manifest.WeightFile]) -> int:
     """What the files still need on disk: the bytes not yet durable, plus the fs-verity Merkle tree."""
     return sum(entry.size - read_journal(fs, part_of(store, entry), entry).length + tree_bytes(entry.size) for entry in todo)
 
 
 def fetch(store: Store, source: Source, verity: Verity, workers: int = WORKERS, out: Any = None,
-          free: bounded.FreeBytes | None = None) -> dict[str, Any]:
+          free: appliance.fetch.FreeBytes | None = None) -> dict[str, Any]:
     """Fetch every file of STORE's manifest that is not in place; returns a summary. Refused before
     it starts, and stopped while it writes, when /var would keep less than the reserve free
-    (bounded.RESERVE_BYTES; FREE measures a file system's free bytes)."""
+    (appliance.fetch.RESERVE_BYTES; FREE measures a file system's free bytes)."""
     free = free_bytes if free is None else free
     # where the digests will be recorded: a link on the way is refused now, not after the download
     os.close(open_real_dir(store.host_dir, create=True))
@@ -349,15 +349,15 @@ def fetch(store: Store, source: Source, verity: Verity, workers: int = WORKERS, 
 
 
 def _fetch(store: Store, fs: StoreDir, source: Source, verity: Verity, workers: int, out: Any,
-           free: bounded.FreeBytes) -> dict[str, Any]:
+           free: appliance.fetch.FreeBytes) -> dict[str, Any]:
     recorded, corrupt = store.recorded(), store.corrupt()
     todo = [e for e in store.manifest.files if e.path in corrupt or not _sealed(store, fs, e, verity, recorded)]
     snapshot = store.rel(store.snapshot)
     for entry in todo:  # a file in the snapshot that is not exactly right is fetched again
         fs.unlink(f"{snapshot}/{entry.path}")  # a link or a directory there is refused, not removed
     need = needed_bytes(store, fs, todo)
-    bounded.check_room(store.partial, need, "the weights", free=free)
-    guard = bounded.Guard(store.partial, need, free=free)
+    appliance.fetch.check_room(store.partial, need, "the weights", free=free)
+    guard = appliance.fetch.Guard(store.partial, need, free=free)
     partial = store.rel(store.partial)
     with fs.directory(partial, create=True):
         pass
@@ -366,7 +366,7 @@ def _fetch(store: Store, fs: StoreDir, source: Source, verity: Verity, workers: 
     started = time.monotonic()
     with progress.Progress(f"fetching {len(todo)} weight files", total=total, eta=True, out=out) as bar:
 
-        def one(entry: wm.WeightFile) -> int:
+        def one(entry: weights_manifest.WeightFile) -> int:
             try:
                 n = FileFetch(entry, store, fs, source, verity, bar, stop, guard).run()
                 digest = _measure(fs, verity, f"{snapshot}/{entry.path}")
@@ -388,7 +388,7 @@ def _fetch(store: Store, fs: StoreDir, source: Source, verity: Verity, workers: 
             "bytes": store.manifest.total_bytes, "elapsed_s": round(time.monotonic() - started, 3)}
 
 
-def _check_or_record(store: Store, fs: StoreDir, entry: wm.WeightFile, digest: str | None, recorded: dict[str, str],
+def _check_or_record(store: Store, fs: StoreDir, entry: weights_manifest.WeightFile, digest: str | None, recorded: dict[str, str],
                      lock: threading.Lock) -> None:
     if digest is None:
         raise UserError(f"{entry.path}: not sealed with fs-verity after sealing", hint="check that /var supports fs-verity")

@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import appliance.signed.weights_manifest
 from appliance import paths
-from appliance import weights as wm
 from appliance.config import Config
 from appliance.errors import UserError
-from appliance.manifest import ManifestError
 from appliance.safe_read import file_kind, read_capped
 from appliance.schema import dump_record, load_record
 from appliance.schema import shown as schema_shown
+from appliance.signed.release_manifest import ManifestError
 from applianctl.records import CorruptFile, WeightsCorrupt, WeightsVerity
 
 RECORDED = "weights-verity.json"
@@ -48,12 +48,12 @@ MAX_HOST_SOURCE_BYTES = 4096  # a URL or a directory, one line
 PART_SUFFIX, JOURNAL_SUFFIX = ".part", ".journal"  # a partial file and its chunk journal, in .partial/REVISION/
 PART_MODE = 0o600  # a partial file and its journal: unproven bytes, root's only
 FILE_MODE = 0o644  # a weight file once proven and sealed: the engine reads it
-NAME_MAX, PATH_MAX = wm.NAME_MAX, wm.PATH_MAX
+NAME_MAX, PATH_MAX = appliance.signed.weights_manifest.NAME_MAX, appliance.signed.weights_manifest.PATH_MAX
 
 
 # Read at each call, so that tests (and APPLIANCE_* overrides) that move appliance.paths move these.
 def weights_manifest() -> Path:
-    return paths.LIB_DIR / wm.FILE_NAME
+    return paths.LIB_DIR / appliance.signed.weights_manifest.FILE_NAME
 
 
 def host_dir() -> Path:
@@ -66,7 +66,7 @@ def verify_result() -> Path:
 
 @dataclass(frozen=True)
 class Store:
-    manifest: wm.WeightsManifest
+    manifest: appliance.signed.weights_manifest.WeightsManifest
     snapshot: Path
     partial: Path
     host_dir: Path
@@ -130,7 +130,7 @@ class Store:
         return line or config.model.source
 
 
-def load_manifest(path: Path | None = None, release: Path | None = None) -> wm.WeightsManifest | None:
+def load_manifest(path: Path | None = None, release: Path | None = None) -> appliance.signed.weights_manifest.WeightsManifest | None:
     """The image's weights manifest, None when the image ships none. Its SHA-256 must be the one the
     release manifest pins (appliance-verify checks that manifest's signature before every start)."""
     path = path or weights_manifest()
@@ -143,13 +143,14 @@ def load_manifest(path: Path | None = None, release: Path | None = None) -> wm.W
         pinned = json.loads(release.read_bytes()).get("model", {}).get("weights_sha256", "")
     except (OSError, ValueError, AttributeError) as e:
         raise UserError(f"{release}: unreadable ({e})", hint="the image is damaged") from None
-    if pinned != wm.sha256(data):
-        raise ManifestError(f"{path}: SHA-256 {wm.sha256(data)} is not the one the release manifest pins ({pinned or 'none'})",
+    if pinned != appliance.signed.weights_manifest.sha256(data):
+        digest = appliance.signed.weights_manifest.sha256(data)
+        raise ManifestError(f"{path}: SHA-256 {digest} is not the one the release manifest pins ({pinned or 'none'})",
                             hint="the image is damaged")
-    return wm.loads(data, str(path))
+    return appliance.signed.weights_manifest.loads(data, str(path))
 
 
-def open_store(config: Config, manifest: wm.WeightsManifest) -> Store:
+def open_store(config: Config, manifest: appliance.signed.weights_manifest.WeightsManifest) -> Store:
     if (manifest.model, manifest.revision) != (config.model.id, config.model.revision):
         raise UserError(f"{weights_manifest()}: pins {manifest.model}@{manifest.revision}, the configuration serves "
                         f"{config.model.id}@{config.model.revision}", hint="the image is damaged")
@@ -158,7 +159,7 @@ def open_store(config: Config, manifest: wm.WeightsManifest) -> Store:
     return Store(manifest, Path(config.model.weights_dir), cache / ".partial" / manifest.revision, host_dir())
 
 
-def check_names(manifest: wm.WeightsManifest, snapshot: Path, partial: Path) -> None:
+def check_names(manifest: appliance.signed.weights_manifest.WeightsManifest, snapshot: Path, partial: Path) -> None:
     """Every file the store will hold for MANIFEST fits the file system's limits: each name (a
     partial file's journal, NAME.part.journal, is the longest) at most NAME_MAX bytes, each whole
     path at most PATH_MAX (the engine opens the files by path)."""

@@ -17,15 +17,15 @@ import os
 import stat
 from pathlib import Path
 
-from appliance import weights as wm
-from applianctl.model.seal import Verity
+from appliance.signed import weights_manifest
+from applianctl.model.fsverity_seal import Verity
 from applianctl.model.store import Store
 from applianctl.records import CorruptFile, ModelVerifyResult
 
 READ_BYTES = 4 << 20
 
 
-def _fault(entry: wm.WeightFile, store: Store, verity: Verity, recorded: dict[str, str],
+def _fault(entry: weights_manifest.WeightFile, store: Store, verity: Verity, recorded: dict[str, str],
            corrupt: dict[str, CorruptFile]) -> str | None:
     target = store.target(entry.path)
     try:

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance import atomic as state
-from appliance import cli_help, manifest, paths
+from appliance import atomic, cli_help, paths
 from appliance.config import Config
 from appliance.errors import UserError
 from appliance.host_settings import load_device
 from appliance.run import run
+from appliance.signed import release_manifest
 from applianctl.engine import smoke
 from applianctl.records import LastAssessment
 from applianctl.slots import history, release
@@ -91,10 +91,10 @@ def demote_newer(host: Host, version: str) -> list[str]:
     stays the default, as the operator asked."""
     demoted = []
     for entry in entries(host):
-        if manifest.version_tuple(entry.version) > manifest.version_tuple(version) and entry.state != BAD:
+        if release_manifest.version_tuple(entry.version) > release_manifest.version_tuple(version) and entry.state != BAD:
             target = entry.renamed(0)
             entry.path.rename(target)
-            state.fsync_dir(target.parent)
+            atomic.fsync_dir(target.parent)
             demoted.append(target.name)
     return demoted
 

@@ -8,15 +8,15 @@ import argparse
 import json
 from typing import Any
 
+import applianctl.slots.view
 from appliance import cli_help
-from applianctl.slots import view as slots
 
 
 def _size(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n // (1 << 20)} MiB"
 
 
-def render(view: slots.View) -> list[str]:
+def render(view: applianctl.slots.view.View) -> list[str]:
     state, why = view.running_state()
     lines = [f"running {view.running_version or '?'}: {state} ({why})"]
     for slot in view.slots:
@@ -51,7 +51,7 @@ def render(view: slots.View) -> list[str]:
 
 
 def cmd_slots(args: argparse.Namespace) -> int:
-    view = slots.read(with_sysupdate=not args.no_sysupdate)
+    view = applianctl.slots.view.read(with_sysupdate=not args.no_sysupdate)
     if args.json:
         print(json.dumps(view.to_json(), indent=2, sort_keys=True))
     else:

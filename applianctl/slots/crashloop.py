@@ -38,13 +38,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import applianctl.slots.view
 from appliance import cli_help, paths
 from appliance.errors import UserError
 from appliance.safe_read import read_capped
 from appliance.schema import load_record
 from applianctl.records import BootRecord
 from applianctl.slots import history, release
-from applianctl.slots import view as slots
 from applianctl.slots.entries import BAD, GOOD
 from applianctl.slots.machine import Host
 
@@ -92,7 +92,7 @@ def begin(host: Host | None = None, *, running_version: str | None = None,
     host = host or Host()
     running_version = running_version or release.running_manifest().version
     boot_id = _boot_id()
-    view = slots.read(host, running_version)
+    view = applianctl.slots.view.read(host, running_version)
     entry = view.entry(running_version)
     judged_good = entry is not None and entry.state == GOOD
     prev, damage = _load()
@@ -127,7 +127,7 @@ def begin(host: Host | None = None, *, running_version: str | None = None,
     return f"{why}: {done}"
 
 
-def _no_way_back(view: slots.View) -> str:
+def _no_way_back(view: applianctl.slots.view.View) -> str:
     """Why VIEW offers no version to go back to, in a few words: the operator needs to tell an empty
     or spent slot from slots the guard could not read."""
     if view.other is None:

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from appliance import atomic, paths
-from appliance.bundle import EMPTY_LABEL, ENGINE_TYPE, ENGINE_VERITY_TYPE, USR_TYPE, USR_VERITY_TYPE, engine_short
 from appliance.errors import UserError
 from appliance.hashing import DIGEST, SHA256
 from appliance.schema import load_record
+from appliance.signed.bundle_index import EMPTY_LABEL, ENGINE_TYPE, ENGINE_VERITY_TYPE, USR_TYPE, USR_VERITY_TYPE, engine_short
 from applianctl.records import EngineSlotOpened, EngineVersions
 
 if TYPE_CHECKING:

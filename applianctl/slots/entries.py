@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance import manifest
 from appliance.run import TimeoutExpired, call
+from appliance.signed import release_manifest
 from applianctl.slots.machine import Host
 from applianctl.slots.partitions import VERSION
 
@@ -130,7 +130,7 @@ def read_entries(host: Host) -> tuple[list[Entry], str]:
         found = parse_bootctl_list(proc.stdout)
     except (OSError, ValueError, TimeoutExpired) as e:
         found, source = _scan_entries(host), f"ESP scan (bootctl: {str(e)[:160] or type(e).__name__})"
-    return sorted(found, key=lambda e: manifest.version_tuple(e.version), reverse=True), source
+    return sorted(found, key=lambda e: release_manifest.version_tuple(e.version), reverse=True), source
 
 
 def entries(host: Host) -> list[Entry]:

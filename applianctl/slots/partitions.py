@@ -16,10 +16,10 @@ import json
 import re
 from dataclasses import dataclass
 
-from appliance.bundle import USR_TYPE, USR_VERITY_SIG_TYPE, USR_VERITY_TYPE, partuuids_from_usrhash
 from appliance.errors import UserError
 from appliance.hashing import SHA256
 from appliance.run import run
+from appliance.signed.bundle_index import USR_TYPE, USR_VERITY_SIG_TYPE, USR_VERITY_TYPE, partuuids_from_usrhash
 from applianctl.slots.machine import Host, booted_usrhash
 
 VERSION = r"[0-9]{1,9}(?:\.[0-9]{1,9}){0,3}"  # a version in a slot's label or a boot entry's name

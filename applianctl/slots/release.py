@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
-from appliance import manifest, paths
+from appliance import paths
 from appliance.errors import UserError
+from appliance.signed import release_manifest
 
 
-def running_manifest() -> manifest.Manifest:
+def running_manifest() -> release_manifest.Manifest:
     """The running version's release manifest."""
     try:
-        return manifest.load(manifest.parse_canonical(paths.MANIFEST.read_bytes()))
+        return release_manifest.load(release_manifest.parse_canonical(paths.MANIFEST.read_bytes()))
     except FileNotFoundError:
         raise UserError(f"{paths.MANIFEST}: no release manifest", hint="this command runs on the appliance") from None
 

@@ -16,13 +16,12 @@ import sys
 import time
 from typing import Any
 
-from appliance import atomic as state
-from appliance import cli_help, paths
+import applianctl.slots.view
+from appliance import atomic, cli_help, paths
 from appliance.errors import Refused, UserError
 from appliance.run import run
 from applianctl.records import LastRollback
 from applianctl.slots import history, release
-from applianctl.slots import view as slots
 from applianctl.slots.entries import BAD
 from applianctl.slots.machine import Host
 
@@ -33,7 +32,7 @@ def rollback(host: Host | None = None, *, force: bool = False, running_version: 
              reason: str = OPERATOR_REASON) -> str:
     host = host or Host()
     running_version = running_version or release.running_manifest().version
-    view = slots.read(host, running_version)
+    view = applianctl.slots.view.read(host, running_version)
     booted, other = view.booted, view.other
     if booted is None or other is None:
         why = f" ({'; '.join(view.errors)})" if view.errors else ""
@@ -57,7 +56,7 @@ def rollback(host: Host | None = None, *, force: bool = False, running_version: 
         target.path.rename(target.renamed(None))
     if current.state != BAD:
         current.path.rename(current.renamed(0))
-    state.fsync_dir(current.path.parent)
+    atomic.fsync_dir(current.path.parent)
     at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     try:
         history.write(paths.last_rollback_path(), LastRollback(running_version, other.version, reason, at))

@@ -11,11 +11,11 @@ import socket
 from pathlib import Path
 
 from appliance import paths
-from appliance import plan as plan_model
 from appliance.config import Config
 from appliance.errors import UserError
 from appliance.run import TimeoutExpired
 from appliance.schema import load_record
+from appliance.signed import install_plan
 from applianctl.records import EffectiveSettings, FactoryResetRequest, HostResult, LastFactoryReset
 from applianctl.status import probes
 from applianctl.status.document import DocumentLoader, FactoryResetStatus, HostDetails
@@ -63,7 +63,7 @@ def factory_reset() -> tuple[FactoryResetStatus, str | None]:
 
 def image_settings(config: Config) -> EffectiveSettings:
     """The image's own per-host settings (no plan), as the document shows them."""
-    settings: EffectiveSettings = DocumentLoader("the image's settings").load(EffectiveSettings, plan_model.Plan().effective(config))
+    settings: EffectiveSettings = DocumentLoader("the image's settings").load(EffectiveSettings, install_plan.Plan().effective(config))
     return settings
 
 

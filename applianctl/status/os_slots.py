@@ -38,12 +38,12 @@ def slots_summary(host: Host | None = None, running_version: str | None = None) 
     """What `applianctl status` shows about upgrades: View.to_json() plus the last update,
     assessment and rollback, whether the last update was rolled back and why, and the staged update."""
     # imported in the probe's thread: their imports cost time
+    import applianctl.slots.view
+    import applianctl.update.staged
     from applianctl.slots import history
-    from applianctl.slots import view as slots
     from applianctl.slots.entries import BAD
-    from applianctl.update import staged as update_staged
 
-    view = slots.read(host, running_version)
+    view = applianctl.slots.view.read(host, running_version)
     out = view.to_json()
     running_version = view.running_version
     last = history.read()
@@ -67,7 +67,7 @@ def slots_summary(host: Host | None = None, running_version: str | None = None) 
         bad = view.entry(update.version)
         if bad is not None and bad.state == BAD:
             rolled_back, by, reason = True, "appliance", f"rolled back: {bad.path.name} used up its tries without being judged good"
-    staged = update_staged.read()
+    staged = applianctl.update.staged.read()
     records = last.to_json()
     out.update(
         {

@@ -46,7 +46,7 @@ def enroll_record() -> Path:
 
 
 def var_seal_record() -> Path:
-    return paths.RUN_DIR / "var-seal.json"  # applianctl/var/seal.py record_path()
+    return paths.RUN_DIR / "var-seal.json"  # applianctl/var/tpm_seal.py record_path()
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance import freshness, manifest, paths, rollout, schema
+from appliance import paths, rollout, schema
 from appliance.atomic import write_json_atomic
-from appliance.bundle import MAX_SIG_BYTES
 from appliance.errors import UserError
 from appliance.fetch import Deadline, open_source
 from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
+from appliance.signed import release_manifest, timestamp
+from appliance.signed.bundle_index import MAX_SIG_BYTES
 
 MACHINE_ID = Path("/etc/machine-id")
 MAX_MACHINE_ID_BYTES = 64  # 32 hex digits and a newline
@@ -111,7 +112,7 @@ class Resolution:
         elif self.installs_at <= now:
             lines.append("  installs: now")
         else:
-            lines.append(f"  installs: at {freshness.utc(self.installs_at)} (admission and maintenance window)")
+            lines.append(f"  installs: at {timestamp.utc(self.installs_at)} (admission and maintenance window)")
         return "\n".join(lines)
 
 
@@ -124,7 +125,7 @@ def resolve(spec: str, *, ca: str | None, deadline: Deadline, keys_dir: Path, ru
     source = open_source(base or ".", ca, deadline)
     data = source.read_small(rollout.CHANNEL, rollout.MAX_CHANNEL_BYTES)
     sig = source.read_small(rollout.CHANNEL_SIG, MAX_SIG_BYTES)
-    keys = manifest.trusted_keys(keys_dir)
+    keys = release_manifest.trusted_keys(keys_dir)
     if not keys:
         raise UserError(f"{keys_dir}: no trusted keys (*.pub)", hint="the image is damaged")
     channel = rollout.verify(data, sig, keys)

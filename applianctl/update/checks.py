@@ -19,18 +19,19 @@ from pathlib import Path
 
 from cryptography import x509
 
-from appliance import authenticode, efivars, manifest
-from appliance.bundle import MAX_SIG_BYTES, NOT_OURS, BundleIndex, engine_short, payload_names, signed_root_hash, uki_facts
+import applianctl.slots.view
+from appliance import authenticode, efivars
 from appliance.errors import Refused, UserError
 from appliance.run import CompletedProcess, TimeoutExpired, call
 from appliance.safe_read import read_capped
-from applianctl.slots import view as slots
+from appliance.signed import release_manifest
+from appliance.signed.bundle_index import MAX_SIG_BYTES, NOT_OURS, BundleIndex, engine_short, payload_names, signed_root_hash, uki_facts
 from applianctl.slots.engine import EngineChoice
 from applianctl.slots.entries import BAD, GOOD, ON_TRIAL
 from applianctl.slots.partitions import Slot
 
 
-def check_judged(view: slots.View) -> None:
+def check_judged(view: applianctl.slots.view.View) -> None:
     """Writing the inactive slot is safe only when the running version is judged good (its entry
     carries no boot counter): while it is on trial the other slot may hold the only good version."""
     state, why = view.running_state()
@@ -53,7 +54,7 @@ def check_judged(view: slots.View) -> None:
     raise UserError(f"refused: cannot tell whether the running version is judged good ({why})", hint="see applianctl slots")
 
 
-def inactive_slot(view: slots.View) -> Slot:
+def inactive_slot(view: applianctl.slots.view.View) -> Slot:
     booted = [s for s in view.slots if s.booted]
     if len(view.slots) != 2 or len(booted) != 1:
         errors = f" ({'; '.join(view.errors)})" if view.errors else ""
@@ -66,10 +67,10 @@ def inactive_slot(view: slots.View) -> Slot:
     return other
 
 
-def check_staged_newer(index: BundleIndex, running: manifest.Manifest, allow_downgrade: bool) -> None:
+def check_staged_newer(index: BundleIndex, running: release_manifest.Manifest, allow_downgrade: bool) -> None:
     """--apply, before check_policy: a staged bundle no longer newer than the running version (which
     changed since it was staged) is a usage error (exit 2), not a bad bundle."""
-    new, cur = manifest.version_tuple(index.version), manifest.version_tuple(running.version)
+    new, cur = release_manifest.version_tuple(index.version), release_manifest.version_tuple(running.version)
     if new == cur or (new < cur and not allow_downgrade):
         raise UserError(
             f"the staged bundle {index.version} is not newer than the running version {running.version}",
@@ -77,15 +78,15 @@ def check_staged_newer(index: BundleIndex, running: manifest.Manifest, allow_dow
         )
 
 
-def check_policy(index: BundleIndex, running: manifest.Manifest, allow_downgrade: bool) -> bool:
+def check_policy(index: BundleIndex, running: release_manifest.Manifest, allow_downgrade: bool) -> bool:
     """Refuse a bundle the running version must not take; True when it is a downgrade."""
     new, cur = index.version, running.version
-    if manifest.version_tuple(new) == manifest.version_tuple(cur):
+    if release_manifest.version_tuple(new) == release_manifest.version_tuple(cur):
         raise Refused(f"bundle version {new} is the running version", hint="nothing to do; a newer bundle is needed to upgrade")
-    downgrade = manifest.version_tuple(new) < manifest.version_tuple(cur)
+    downgrade = release_manifest.version_tuple(new) < release_manifest.version_tuple(cur)
     if downgrade and not allow_downgrade:
         raise Refused(f"bundle version {new} is older than the running version {cur}", hint="to go back on purpose, add --allow-downgrade")
-    if manifest.version_tuple(index.min_version) > manifest.version_tuple(cur):
+    if release_manifest.version_tuple(index.min_version) > release_manifest.version_tuple(cur):
         raise Refused(
             f"bundle {new} may only be installed over {index.min_version} or newer; this is {cur}",
             hint=f"install an intermediate release (at least {index.min_version}) first",
@@ -98,7 +99,7 @@ def check_policy(index: BundleIndex, running: manifest.Manifest, allow_downgrade
     return downgrade
 
 
-def check_engine(index: BundleIndex, running: manifest.Manifest, view: slots.View) -> EngineChoice | None:
+def check_engine(index: BundleIndex, running: release_manifest.Manifest, view: applianctl.slots.view.View) -> EngineChoice | None:
     """Where the new version's engine comes from, before anything is downloaded: None when it runs
     the running engine; else the engine slot that holds it or that it is written to
     (slots.engine.choose_engine_slot: every bootable entry's engine stays, the running one is never
@@ -141,7 +142,7 @@ def check_fits(index: BundleIndex, inactive: Slot) -> None:
 
 
 def check_staged(index: BundleIndex, staging: Path, keys_dir: Path, engine_written: bool = False,
-                 running_engine: manifest.EngineImage | None = None, efivars_dir: Path | None = None) -> None:
+                 running_engine: release_manifest.EngineImage | None = None, efivars_dir: Path | None = None) -> None:
     """What is inside the verified files agrees with the signed index; with ENGINE_WRITTEN (the
     plan writes the engine slot), the staged engine images hash to what the manifest pins; when the
     new version runs the RUNNING_ENGINE's image, its manifest pins the running engine store's root
@@ -151,7 +152,7 @@ def check_staged(index: BundleIndex, staging: Path, keys_dir: Path, engine_writt
     # On /var: regular files, capped before reading (the hashes below are checked after).
     again = "fetch the bundle again: applianctl update SOURCE (or --download-only SOURCE)"
     try:
-        data = read_capped(staging / names["manifest"], manifest.MAX_MANIFEST_BYTES, what="a release manifest")
+        data = read_capped(staging / names["manifest"], release_manifest.MAX_MANIFEST_BYTES, what="a release manifest")
         sig = read_capped(staging / names["manifest-sig"], MAX_SIG_BYTES, what="a signature")
     except UserError as e:
         raise Refused(f"the staged bundle: {e.message}", hint=again) from None
@@ -160,8 +161,8 @@ def check_staged(index: BundleIndex, staging: Path, keys_dir: Path, engine_writt
     if hashlib.sha256(data).hexdigest() != index.manifest_sha256:
         raise Refused("manifest.json does not match bundle.json's manifest_sha256", hint="the bundle is inconsistent")
     try:
-        release = manifest.verify(data, sig, keys_dir)
-    except manifest.ManifestError as e:
+        release = release_manifest.verify(data, sig, keys_dir)
+    except release_manifest.ManifestError as e:
         raise Refused(f"the bundle's release manifest: {e.message}", hint=e.hint) from None
     for key, got, want in (
         ("version", release.version, index.version),
@@ -232,7 +233,7 @@ HASH_BASE_S = 60.0
 _SUPERBLOCK_FIELD = re.compile(r"^(Data blocks|Data block size):\s*([0-9]{1,20})\s*$", re.M)
 
 
-def check_engine_images(index: BundleIndex, engine: manifest.EngineImage, staging: Path) -> None:
+def check_engine_images(index: BundleIndex, engine: release_manifest.EngineImage, staging: Path) -> None:
     """The staged engine image and its hash tree must hash (veritysetup verify, in user space on
     the files) to ENGINE's store_roothash from the signed manifest: the check the new version's
     engine-store unit makes at boot, made before any slot is touched. The verity superblock names

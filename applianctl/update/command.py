@@ -26,21 +26,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import applianctl.update.staged
 from appliance import atomic, cli_help, paths, progress
-from appliance.bundle import BUNDLE_INDEX, MAX_INDEX_BYTES, BundleFile, engine_short, payload_names
 from appliance.errors import Refused, UserError
 from appliance.fetch import Deadline
-from appliance.manifest import Manifest
 from appliance.run import run
 from appliance.safe_read import read_capped
+from appliance.signed.bundle_index import BUNDLE_INDEX, MAX_INDEX_BYTES, BundleFile, engine_short, payload_names
+from appliance.signed.release_manifest import Manifest
 from applianctl.records import Freshness, LastUpdate, Staged
-from applianctl.slots import engine as engine_slots
-from applianctl.slots import release
-from applianctl.slots import view as slots
+from applianctl.slots import engine, release, view
 from applianctl.slots.entries import entries
 from applianctl.slots.machine import Host
 from applianctl.update import channel
-from applianctl.update import staged as update_staged
 from applianctl.update.checks import check_judged, check_kernel_trusted, check_staged
 from applianctl.update.download import SPACE_MARGIN_BYTES, check_space, stage, staging_for
 from applianctl.update.install import (
@@ -54,7 +52,7 @@ from applianctl.update.install import (
     prepare_slot,
     sysupdate_commands,
 )
-from applianctl.update.plan import UpdatePlan, accepted_sequences, make_plan
+from applianctl.update.update_plan import UpdatePlan, accepted_sequences, make_plan
 
 DEFAULT_DEADLINE_S = 4 * 3600.0  # the whole run; the unit's TimeoutStartSec= is a little longer
 
@@ -139,7 +137,7 @@ def update(
     keys_dir = keys_dir or paths.TRUSTED_KEYS_DIR
     running = running or release.running_manifest()
     deadline = Deadline(deadline_s)
-    check_judged(slots.read(host, running.version))  # no network, no lock file: never write while on trial
+    check_judged(view.read(host, running.version))  # no network, no lock file: never write while on trial
     with locked():
         p = make_plan(spec, ca=ca, deadline=deadline, host=host, keys_dir=keys_dir, running=running, allow_downgrade=allow_downgrade,
                       force=force)
@@ -205,11 +203,11 @@ def install(
                                                              downgrade=p.downgrade, installed_at=installed_at, source=source,
                                                              staged_at=staged_at))
     # which engine each version runs, from signed data, for choosing engine slots (slots.engine)
-    engine_slots.record({running.version: running.engine_image.digest, version: index.engine_digest},
+    engine.record({running.version: running.engine_image.digest, version: index.engine_digest},
                         keep={e.version for e in entries(host)} | {running.version, version})
     shutil.rmtree(paths.update_source_dir(), ignore_errors=True)
     # a staged download of this version or an older one would only overwrite what was just installed
-    update_staged.discard_if_not_newer(version)
+    applianctl.update.staged.discard_if_not_newer(version)
 
 
 def installed(p: UpdatePlan, reboot: bool, say: Callable[[str], None]) -> None:
@@ -225,7 +223,8 @@ def _already_staged(p: UpdatePlan, previous: Staged | None) -> str | None:
     if previous is None or previous.version != p.version:
         return None
     try:
-        same = read_capped(update_staged.directory(previous) / BUNDLE_INDEX, MAX_INDEX_BYTES, what="a bundle index") == p.signed[0]
+        staged_index = applianctl.update.staged.directory(previous) / BUNDLE_INDEX
+        same = read_capped(staged_index, MAX_INDEX_BYTES, what="a bundle index") == p.signed[0]
     except UserError:
         return None
     return previous.staged_at if same else None
@@ -256,7 +255,7 @@ def download_only(
         _refuse_rolled_back(p)
         if p.already_installed:
             return _already_installed(p, say)
-        state = update_staged.read()
+        state = applianctl.update.staged.read()
         previous = state.usable if state is not None else None
         staged_at = _already_staged(p, previous)
         if staged_at is not None:  # the daily timer against an unchanged server
@@ -264,9 +263,9 @@ def download_only(
             say(f"version {p.version} is already staged ({staged_at}); apply it with applianctl update --apply")
             return 0
         staging = staging_for(p.version)
-        update_staged.seed(previous, p.index, staging, p.engine_written)
+        applianctl.update.staged.seed(previous, p.index, staging, p.engine_written)
         _download(p, staging, space_margin, keys_dir, host)
-        record = update_staged.publish(staging, p.index, p.signed, spec, p.engine_written, timestamp=p.signed_timestamp)
+        record = applianctl.update.staged.publish(staging, p.index, p.signed, spec, p.engine_written, timestamp=p.signed_timestamp)
         _accepted(p)
     mib = record.bytes / (1 << 20)
     say(f"staged {p.version} ({record.files} files, {mib:.1f} MiB, signed by {p.index.signer}); "
@@ -294,28 +293,28 @@ def apply(
     keys_dir = keys_dir or paths.TRUSTED_KEYS_DIR
     running = running or release.running_manifest()
     deadline = Deadline(deadline_s)
-    if update_staged.read() is None:
-        raise update_staged.nothing_staged()
-    check_judged(slots.read(host, running.version))
+    if applianctl.update.staged.read() is None:
+        raise applianctl.update.staged.nothing_staged()
+    check_judged(view.read(host, running.version))
     with locked():
-        state = update_staged.read()
+        state = applianctl.update.staged.read()
         if state is None:
-            raise update_staged.nothing_staged()
+            raise applianctl.update.staged.nothing_staged()
         record = state.usable
         if record is None:
-            raise UserError(f"the staged update cannot be used: {state.problem}", hint=update_staged.DOWNLOAD_AGAIN)
-        staged = update_staged.directory(record)
+            raise UserError(f"the staged update cannot be used: {state.problem}", hint=applianctl.update.staged.DOWNLOAD_AGAIN)
+        staged = applianctl.update.staged.directory(record)
         p = make_plan(str(staged), ca=None, deadline=deadline, host=host, keys_dir=keys_dir, running=running,
                       allow_downgrade=allow_downgrade, staged=record.version, force=force)
         check_judged(p.view)
         _refuse_rolled_back(p)
         if p.already_installed:
-            update_staged.discard()
+            applianctl.update.staged.discard()
             return _already_installed(p, say)
         if confirm is not None and not confirm(f"install the staged {p.version} over {running.version} into slot {p.inactive.name}?"):
             raise UserError("not confirmed", hint="add --yes to install without asking")
-        with update_staged.discarded_if_refused():
-            update_staged.verify_in_place(p.index, staged, p.engine_written)
+        with applianctl.update.staged.discarded_if_refused():
+            applianctl.update.staged.verify_in_place(p.index, staged, p.engine_written)
             check_staged(p.index, staged, keys_dir, p.engine_written, p.running.engine_image, efivars_dir=host.efivars)
         say(f"staged bundle {p.version} verified again ({len(p.index.files)} files, signed by {p.index.signer})")
         install(p, staged, host=host, deadline=deadline, source=record.source, staged_at=record.staged_at, say=say)

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from appliance import fetch, paths
-from appliance.bundle import BundleFile, BundleIndex, install_names, payload_names
 from appliance.errors import UserError
 from appliance.fetch import Source, fetch_proven, missing_bytes
+from appliance.signed.bundle_index import BundleFile, BundleIndex, install_names, payload_names
 
 SPACE_MARGIN_BYTES = fetch.RESERVE_BYTES  # the one reserve, shared with the model fetch
 

@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from appliance import atomic, paths
-from appliance.bundle import DEFAULT_ENTRY, BundleIndex, engine_short, payload_names, source_names
 from appliance.errors import UserError
 from appliance.run import run
+from appliance.signed.bundle_index import DEFAULT_ENTRY, BundleIndex, engine_short, payload_names, source_names
 from applianctl.slots.engine import EngineSlot
 from applianctl.slots.entries import entries
 from applianctl.slots.machine import Host

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance import atomic, manifest, paths, progress
-from appliance.bundle import BundleIndex
+from appliance import atomic, paths, progress
 from appliance.errors import Refused, UserError
-from appliance.freshness import TIMESTAMP, TIMESTAMP_SIG
 from appliance.hashing import sha256_file
 from appliance.schema import dump_record, load_record
+from appliance.signed import release_manifest
+from appliance.signed.bundle_index import BundleIndex
+from appliance.signed.timestamp import TIMESTAMP, TIMESTAMP_SIG
 from applianctl.records import Staged
 from applianctl.update.download import to_fetch
 
@@ -123,7 +124,7 @@ def discard_if_not_newer(version: str) -> None:
     state = read()
     if state is None:
         return
-    if state.usable is None or manifest.version_tuple(state.usable.version) <= manifest.version_tuple(version):
+    if state.usable is None or release_manifest.version_tuple(state.usable.version) <= release_manifest.version_tuple(version):
         discard()
 
 

@@ -202,7 +202,7 @@ def bundles(demo_config: config.Config, demo_image: Path, https_root: tuple[Path
     release.make_bundle(demo_config, v1_out, root / "v1", key, [demo_config.engine.digest], with_install_image=True)
     channels = rollout_channels(root, key, tmp_path_factory.mktemp("channels"))
     return {**{name: f"{url}/{name}/" for name in ("v2", "v3", "flipped", "untrusted", "foreign-signed", "v1")},
-            **{name: f"{url}/{name}/channel.json" for name in channels}}
+            **{name: f"{url}/{name}/sign_channel.json" for name in channels}}
 
 
 def rollout_channels(root: Path, key: Path, work: Path) -> list[str]:
@@ -211,8 +211,9 @@ def rollout_channels(root: Path, key: Path, work: Path) -> list[str]:
     (the journey's appliance is admitted when its place, uniform over 0..1, is under the share: at
     boot time about 1/9000, so it stays out); "channel-reached" is the same index signed again,
     one sequence higher, whose rollout takes one second: the appliance is in it."""
-    from appliance import freshness, rollout
-    from builder import channel
+    from appliance import rollout
+    from appliance.signed import timestamp
+    from builder import sign_channel
 
     now = time.time()
     for name, duration in (("channel-held", rollout.MAX_DURATION_S), ("channel-reached", 1)):
@@ -222,8 +223,8 @@ def rollout_channels(root: Path, key: Path, work: Path) -> list[str]:
             shutil.copy(root / "channel-held" / rollout.CHANNEL, out / rollout.CHANNEL)
         source = work / f"{name}.toml"
         source.write_text(f'channel = "journey"\n[[releases]]\nversion = "{V3}"\npath = "v3/"\n'
-                          f'[releases.rollout]\nstart = "{freshness.utc(now)}"\nduration_s = {duration}\n')
-        channel.make(source, out, key, now=now)
+                          f'[releases.rollout]\nstart = "{timestamp.utc(now)}"\nduration_s = {duration}\n')
+        sign_channel.make(source, out, key, now=now)
     return ["channel-held", "channel-reached"]
 
 
@@ -268,8 +269,7 @@ def installed(demo_config: config.Config, demo_image: Path, bundles: dict[str, s
     on a USB medium made by `builder installer` with v1's bundle and a signed plan) writes it and
     makes the firmware boot entry the journey then boots through. The disk and the firmware
     variables are the journey guest's own (same QEMU devices, so the entry stays valid)."""
-    from builder import installer_media, installer_uki
-    from builder import plan as builder_plan
+    from builder import installer_media, installer_uki, sign_plan
 
     work = tmp_path_factory.mktemp("journey")
     key = build.signing_key_for(demo_config, None)
@@ -278,7 +278,7 @@ def installed(demo_config: config.Config, demo_image: Path, bundles: dict[str, s
     ssh_line = _openssh_line(ssh_pub)
     (work / "plan.toml").write_text(INSTALL_PLAN.format(key=ssh_line, collector_url=log_collector["url"],
                                                         collector_ca=log_collector["ca"].strip()))
-    builder_plan.write(work / "plan.toml", key, work / "plan", demo_config)
+    sign_plan.write(work / "plan.toml", key, work / "plan", demo_config)
     media = installer_media.make(demo_image.parent, demo_config.appliance.version, uki, work / "plan", work / "media", ["usb"],
                                  https_root[0] / "v1")
     disk, vars_fd = work / "disk.raw", work / "OVMF_VARS.fd"

@@ -36,8 +36,7 @@ from typing import Any
 import pytest
 
 from appliance import config
-from builder import build, installer_media, installer_uki, keys, qemu, release
-from builder import plan as builder_plan
+from builder import build, installer_media, installer_uki, keys, qemu, release, sign_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
@@ -74,7 +73,7 @@ def _sha256(path: Path) -> str:
 def _sign(tmp: Path, name: str, text: str, key: Path) -> Path:
     toml = tmp / f"{name}.toml"
     toml.write_text(text)
-    builder_plan.write(toml, key, tmp / name, config.load(ROOT / "appliance.toml", "demo"))
+    sign_plan.write(toml, key, tmp / name, config.load(ROOT / "appliance.toml", "demo"))
     return tmp / name
 
 

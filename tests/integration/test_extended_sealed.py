@@ -31,7 +31,8 @@ from typing import Any
 
 import pytest
 
-from appliance import bundle, config, luks
+from appliance import config, luks
+from appliance.signed import bundle_index
 from builder import build, qemu
 
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
@@ -56,7 +57,7 @@ def _esp(disk: Path) -> str:
 
 
 def _signed_command_line(uki: Path) -> str:
-    return bundle.pe_sections(uki)[".cmdline"].rstrip(b"\0\n").decode()
+    return bundle_index.pe_sections(uki)[".cmdline"].rstrip(b"\0\n").decode()
 
 
 def _attack_entry(guest: qemu.Guest, work: Path) -> dict[str, str]:

@@ -110,9 +110,9 @@ def _flip_on_disk(disk: Path, offset: int) -> None:
 @pytest.fixture(scope="module")
 def weights_runs(demo_config: config.Config, mirror: tuple[str, str, type[Mirror]],
                  tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from applianctl.model import fetch as model_fetch
+    from applianctl.model import fetch
 
-    assert model_fetch.CHUNK_BYTES == CHUNK_BYTES
+    assert fetch.CHUNK_BYTES == CHUNK_BYTES
     url, ca, handler = mirror
     cfg = dataclasses.replace(demo_config, model=dataclasses.replace(demo_config.model, weights_manifest="weights/demo.json"))
     tree = _extra_tree(tmp_path_factory.mktemp("weights-tree") / "tree")

@@ -4,7 +4,7 @@ in one tarball, without secrets: the journal since a given time, status, slots, 
 startup report, unit states, a hardware inventory (amd-smi, lsblk, ip) and the signed manifest's
 versions. Each source is gathered on its own, bounded in time and size; one that fails is named in
 the bundle's index.json with why, and the rest is still gathered. Every text is redacted before it
-is written (applianctl/status/redact.py), the index too. A file is read only if it is a regular file,
+is written (applianctl/support_bundle/redact.py), the index too. A file is read only if it is a regular file,
 no link followed (a link to /etc/shadow is not copied, a FIFO does not hang the bundle). The tarball
 is its owner's alone from its first byte, written under a temporary name and renamed into place
 once whole; its path is printed.
@@ -32,7 +32,7 @@ from appliance.atomic import fsync_dir
 from appliance.errors import UserError
 from appliance.run import CompletedProcess, TimeoutExpired, call
 from appliance.safe_read import file_kind
-from applianctl.status.redact import REDACTED, redact, redact_member
+from applianctl.support_bundle.redact import REDACTED, redact, redact_member
 
 __all__ = ["REDACTED", "add_parser", "gather", "redact", "run", "write"]
 

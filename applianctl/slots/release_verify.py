@@ -26,16 +26,16 @@ from appliance.schema import dump_record
 from applianctl.records import VerifyResult
 
 if TYPE_CHECKING:
-    from appliance import manifest
+    from appliance.signed import release_manifest
 
 OVERRIDES_SHOWN = 50  # in the result; the reason names the first REASON_SHOWN
 REASON_SHOWN = 3
 
 
 def firmware_dir() -> Path:
-    from appliance import manifest
+    from appliance.signed import release_manifest
 
-    return Path(os.environ.get("APPLIANCE_FIRMWARE_DIR", manifest.FIRMWARE_UPDATES_DIR))
+    return Path(os.environ.get("APPLIANCE_FIRMWARE_DIR", release_manifest.FIRMWARE_UPDATES_DIR))
 
 
 def add_parser(subparsers: Any) -> None:
@@ -83,13 +83,13 @@ def run(args: argparse.Namespace) -> int:
 
 def check() -> VerifyResult:
     """The verification result (never raises for a bad manifest or file: that is a result)."""
-    from appliance import manifest
+    from appliance.signed import release_manifest
 
     try:
         data = _read(paths.MANIFEST)
         sig = _read(paths.MANIFEST_SIG)
-        release = manifest.verify(data, sig, paths.TRUSTED_KEYS_DIR)
-    except manifest.ManifestError as e:
+        release = release_manifest.verify(data, sig, paths.TRUSTED_KEYS_DIR)
+    except release_manifest.ManifestError as e:
         return VerifyResult(False, _one_line(e.message))
     problem, count = _check_files(release)
     etc_problem, overrides, note = _check_etc()
@@ -136,31 +136,31 @@ def _capped(overrides: list[str] | None) -> tuple[str, ...] | None:
 
 
 def _read(path: Path) -> bytes:
-    from appliance import manifest
+    from appliance.signed import release_manifest
 
     try:
         with path.open("rb") as f:
-            data = f.read(manifest.MAX_MANIFEST_BYTES + 1)
+            data = f.read(release_manifest.MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
-        raise manifest.ManifestError(f"{path}: missing", hint="the image is damaged") from None
+        raise release_manifest.ManifestError(f"{path}: missing", hint="the image is damaged") from None
     except OSError as e:
-        raise manifest.ManifestError(f"{path}: cannot read ({e.strerror})", hint="the image is damaged") from None
+        raise release_manifest.ManifestError(f"{path}: cannot read ({e.strerror})", hint="the image is damaged") from None
     return data
 
 
-def _check_files(release: manifest.Manifest) -> tuple[str, int]:
-    from appliance import manifest
+def _check_files(release: release_manifest.Manifest) -> tuple[str, int]:
+    from appliance.signed import release_manifest
 
     expected: dict[Path, str] = {}
     for entry in release.files:
-        where = manifest.device_path(entry, paths.ENGINE_FILES_DIR, firmware_dir())
+        where = release_manifest.device_path(entry, paths.ENGINE_FILES_DIR, firmware_dir())
         if where is None:
             continue
         expected[where] = entry.sha256
         problem = _check_file(where, entry.sha256)
         if problem:
             return problem, 0
-    for kind_dir in sorted({paths.ENGINE_FILES_DIR / d for d in manifest.DEVICE_SUBDIRS.values()}):
+    for kind_dir in sorted({paths.ENGINE_FILES_DIR / d for d in release_manifest.DEVICE_SUBDIRS.values()}):
         try:
             present = sorted(kind_dir.iterdir())
         except FileNotFoundError:

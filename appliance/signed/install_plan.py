@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import host_settings, manifest, schema
+from appliance import host_settings, schema
 from appliance.config.checks import MAX_GIB
 from appliance.config.model import ConfigLoader
 from appliance.errors import ConfigError, UserError
 from appliance.safe_read import read_capped
+from appliance.signed import release_manifest
 
 PLAN_JSON = "plan.json"
 PLAN_SIG = "plan.json.sig"
@@ -115,18 +116,18 @@ def to_document(plan: Plan, signer: str) -> dict[str, Any]:
 
 
 def dumps(plan: Plan, signer: str) -> bytes:
-    return manifest.canonical(to_document(plan, signer))
+    return release_manifest.canonical(to_document(plan, signer))
 
 
 def sign(plan: Plan, private_key_path: Path, where: str = "the install plan") -> tuple[bytes, bytes]:
     """(plan.json bytes, plan.json.sig bytes) signed with the release key at PRIVATE_KEY_PATH; a plan
     whose signed form is larger than the device reads (MAX_PLAN_BYTES) is refused, not signed."""
-    key = manifest.load_private_key(private_key_path)
-    data = dumps(plan, manifest.key_id(key.public_key()))
+    key = release_manifest.load_private_key(private_key_path)
+    data = dumps(plan, release_manifest.key_id(key.public_key()))
     if len(data) > MAX_PLAN_BYTES:
         raise ConfigError(f"{where}: signed, the plan would be {len(data)} bytes, more than the {MAX_PLAN_BYTES} the appliance reads",
                           hint="make it smaller: fewer or shorter SSH keys and comments")
-    return data, manifest.encode_signature(key.sign(data))
+    return data, release_manifest.encode_signature(key.sign(data))
 
 
 class PlanRefused(UserError):
@@ -145,17 +146,17 @@ def verify_document(data: bytes, sig: bytes, trusted_keys_dir: Path, where: str 
     if len(data) > MAX_PLAN_BYTES:
         raise PlanRefused(f"{where}: {len(data)} bytes, more than {MAX_PLAN_BYTES}", hint="this is not an install plan")
     try:
-        signature = manifest.decode_signature(sig)
-    except manifest.ManifestError as e:
+        signature = release_manifest.decode_signature(sig)
+    except release_manifest.ManifestError as e:
         raise PlanRefused(f"{where}: {e.message}", hint="sign the plan: python3 -m builder plan PLAN.toml") from None
-    keys = manifest.trusted_keys(trusted_keys_dir)
-    signed_by = manifest.signer_of(data, signature, keys)
+    keys = release_manifest.trusted_keys(trusted_keys_dir)
+    signed_by = release_manifest.signer_of(data, signature, keys)
     if signed_by is None:
         raise PlanRefused(f"{where}: not signed by a key this release trusts",
                           hint="sign it with the release key: python3 -m builder plan PLAN.toml")
     try:
-        doc = manifest.parse_canonical(data)
-    except manifest.ManifestError as e:
+        doc = release_manifest.parse_canonical(data)
+    except release_manifest.ManifestError as e:
         raise PlanRefused(f"{where}: {e.message}", hint="the plan was changed after it was signed") from None
     if not isinstance(doc, dict) or doc.pop("signer", None) != signed_by:
         raise PlanRefused(f"{where}: names another signer than the key that signed it", hint="the plan is inconsistent")

@@ -12,20 +12,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import freshness, paths
-from appliance.bundle import BUNDLE_INDEX, BUNDLE_SIG, MAX_INDEX_BYTES, MAX_SIG_BYTES, BundleFile, BundleIndex, engine_short, verify_index
+import appliance.signed.timestamp
+import applianctl.slots.view
+import applianctl.update.staged
+from appliance import paths
 from appliance.errors import Refused, UserError
 from appliance.fetch import Deadline, Source, open_source
-from appliance.manifest import Manifest
 from appliance.schema import load_record
+from appliance.signed.bundle_index import (
+    BUNDLE_INDEX,
+    BUNDLE_SIG,
+    MAX_INDEX_BYTES,
+    MAX_SIG_BYTES,
+    BundleFile,
+    BundleIndex,
+    engine_short,
+    verify_index,
+)
+from appliance.signed.release_manifest import Manifest
 from applianctl.records import Freshness
 from applianctl.slots import history
-from applianctl.slots import view as slots
 from applianctl.slots.engine import EngineChoice
 from applianctl.slots.entries import BAD
 from applianctl.slots.machine import Host
 from applianctl.slots.partitions import Slot
-from applianctl.update import staged as update_staged
 from applianctl.update.checks import (
     check_engine,
     check_fits,
@@ -46,13 +56,13 @@ class UpdatePlan:
     index: BundleIndex  # verified against the keys the running version trusts
     signed: tuple[bytes, bytes]  # bundle.json and its signature as read (a staged update keeps them)
     running: Manifest
-    view: slots.View  # read after the signature was checked
+    view: applianctl.slots.view.View  # read after the signature was checked
     inactive: Slot
     engine: EngineChoice | None  # None: the new version runs the running engine
     downgrade: bool
     files: tuple[BundleFile, ...]  # what this appliance downloads (download.to_fetch)
     # the timestamp checked fresh, and its bytes as read; None for a staged bundle (not checked again)
-    timestamp: freshness.Timestamp | None = None
+    timestamp: appliance.signed.timestamp.Timestamp | None = None
     signed_timestamp: tuple[bytes, bytes] | None = None
     rolled_back: str | None = None  # why this version counts as rolled back here (rolled_back_why)
     force: bool = False  # install a rolled-back version again
@@ -116,7 +126,7 @@ class UpdatePlan:
         }
 
 
-def rolled_back_why(version: str, view: slots.View) -> str | None:
+def rolled_back_why(version: str, view: applianctl.slots.view.View) -> str | None:
     """Why VERSION counts as rolled back on this appliance, None when it does not: the inactive
     slot holds it and its boot entry is out of tries (the boot loader fell back from it, or the
     operator rolled back from it), or the last rollback went from it to the running version."""
@@ -140,16 +150,16 @@ def accepted_sequences() -> dict[str, int]:
 
 
 def check_fresh(source: Source, index_data: bytes, version: str, *, timestamp_keys_dir: Path, running: Manifest,
-                now: float) -> tuple[freshness.Timestamp, tuple[bytes, bytes]]:
+                now: float) -> tuple[appliance.signed.timestamp.Timestamp, tuple[bytes, bytes]]:
     """The bundle's timestamp, fetched through SOURCE with a cap: signed by a timestamp key of the
     running version, naming exactly INDEX_DATA, not expired by the system clock, not older than
     the last one accepted."""
-    signed = (source.read_small(freshness.TIMESTAMP, freshness.MAX_TIMESTAMP_BYTES),
-              source.read_small(freshness.TIMESTAMP_SIG, MAX_SIG_BYTES))
-    ts = freshness.verify(*signed, timestamp_keys_dir)
-    freshness.check_names(ts, index_data, version)
-    freshness.check_clock(ts, now, running.build_time)
-    freshness.check_sequence(ts, accepted_sequences().get(ts.signer))
+    signed = (source.read_small(appliance.signed.timestamp.TIMESTAMP, appliance.signed.timestamp.MAX_TIMESTAMP_BYTES),
+              source.read_small(appliance.signed.timestamp.TIMESTAMP_SIG, MAX_SIG_BYTES))
+    ts = appliance.signed.timestamp.verify(*signed, timestamp_keys_dir)
+    appliance.signed.timestamp.check_names(ts, index_data, version)
+    appliance.signed.timestamp.check_clock(ts, now, running.build_time)
+    appliance.signed.timestamp.check_sequence(ts, accepted_sequences().get(ts.signer))
     return ts, signed
 
 
@@ -172,7 +182,7 @@ def make_plan(
     this the version its record names; a staged bundle that fails its signature is discarded
     (update.staged.discarded_if_refused), and its timestamp is not looked at again (install media
     and a staged bundle do not depend on the expiry). FORCE: a rolled-back version is not refused."""
-    guard: AbstractContextManager[None] = update_staged.discarded_if_refused() if staged is not None else nullcontext()
+    guard: AbstractContextManager[None] = applianctl.update.staged.discarded_if_refused() if staged is not None else nullcontext()
     with guard:
         source = open_source(spec, ca, deadline)
         signed = source.read_small(BUNDLE_INDEX, MAX_INDEX_BYTES), source.read_small(BUNDLE_SIG, MAX_SIG_BYTES)
@@ -183,12 +193,12 @@ def make_plan(
     timestamp, signed_timestamp = None, None
     if staged is None:
         timestamp, signed_timestamp = check_fresh(
-            source, signed[0], index.version, running=running, now=freshness.system_clock() if now is None else now,
+            source, signed[0], index.version, running=running, now=appliance.signed.timestamp.system_clock() if now is None else now,
             timestamp_keys_dir=timestamp_keys_dir or paths.timestamp_keys_dir(keys_dir))
     if staged is not None:
         check_staged_newer(index, running, allow_downgrade)
     downgrade = check_policy(index, running, allow_downgrade)
-    view = slots.read(host, running.version, running_engine=running.engine_image.digest)
+    view = applianctl.slots.view.read(host, running.version, running_engine=running.engine_image.digest)
     engine = check_engine(index, running, view)
     inactive = inactive_slot(view)
     check_fits(index, inactive)

@@ -16,8 +16,8 @@ from typing import Any
 
 from appliance import schema
 from appliance.hashing import SHA256
-from appliance.manifest import ManifestError, canonical, is_repo_path, parse_canonical
 from appliance.patterns import MODEL_ID, REVISION
+from appliance.signed.release_manifest import ManifestError, canonical, is_repo_path, parse_canonical
 
 FILE_NAME = "weights.json"  # in /usr/lib/appliance (paths.LIB_DIR)
 MAX_FILES = 100_000

@@ -7,7 +7,7 @@ release key, so it can be re-signed often on a host that holds no release key.
 Shared by the builder (`builder release` writes one, `builder timestamp` signs it again) and the
 updater (which refuses an expired timestamp, one signed later than its clock allows, one for
 another bundle.json, and one older than the last it accepted). Canonical JSON, as
-appliance.manifest writes it; nothing in it is trusted before its signature is checked against the
+appliance.signed.release_manifest writes it; nothing in it is trusted before its signature is checked against the
 timestamp keys of the running version.
 """
 
@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import manifest, schema
+from appliance import schema
 from appliance.errors import Refused, UserError
 from appliance.hashing import SHA256
 from appliance.patterns import VERSION, VERSION_FORM
+from appliance.signed import release_manifest
 
 TIMESTAMP = "timestamp.json"
 TIMESTAMP_SIG = "timestamp.json.sig"
@@ -82,7 +83,7 @@ class Timestamp:
     sequence: int = field(metadata=schema.check(lambda v: None if 1 <= v <= MAX_SEQUENCE else f"a number from 1 to {MAX_SEQUENCE}"))
     signed_at: str = field(metadata=schema.check(_is_time))
     expires: str = field(metadata=schema.check(_is_time))
-    signer: str = field(metadata=_string(manifest.KEY_ID, "a key id of 16 hex digits"))
+    signer: str = field(metadata=_string(release_manifest.KEY_ID, "a key id of 16 hex digits"))
 
     @property
     def expires_s(self) -> int:
@@ -131,13 +132,13 @@ def make(index_data: bytes, version: str, sequence: int, signer: str, *, now: fl
 
 def sign(doc: dict[str, Any], private_key_path: Path) -> tuple[bytes, bytes]:
     """timestamp.json and timestamp.json.sig for DOC (whose signer must be this key's id)."""
-    key = manifest.load_private_key(private_key_path)
-    kid = manifest.key_id(key.public_key())
+    key = release_manifest.load_private_key(private_key_path)
+    kid = release_manifest.key_id(key.public_key())
     if doc["signer"] != kid:
         raise UserError(f"the timestamp names signer {doc['signer']} but {private_key_path} is key {kid}",
                         hint="set the timestamp's signer to the id of the key that signs it")
-    data = manifest.canonical(doc)
-    return data, manifest.encode_signature(key.sign(data))
+    data = release_manifest.canonical(doc)
+    return data, release_manifest.encode_signature(key.sign(data))
 
 
 # ----------------------------------------------------------------------------------- checking
@@ -146,23 +147,23 @@ def sign(doc: dict[str, Any], private_key_path: Path) -> tuple[bytes, bytes]:
 def verify(data: bytes, sig: bytes, keys_dir: Path) -> Timestamp:
     """The signature against the timestamp keys in KEYS_DIR first, then the form and the schema."""
     try:
-        signature = manifest.decode_signature(sig)
-    except manifest.ManifestError as e:
+        signature = release_manifest.decode_signature(sig)
+    except release_manifest.ManifestError as e:
         raise Refused(f"{TIMESTAMP_SIG}: {e.message}", hint="download the bundle again; if it persists, it was tampered with") from None
-    keys = manifest.trusted_keys(keys_dir) if keys_dir.is_dir() else {}
+    keys = release_manifest.trusted_keys(keys_dir) if keys_dir.is_dir() else {}
     if not keys:
         raise UserError(f"{keys_dir}: no trusted timestamp keys (*.pub)", hint="the image is damaged, or was built before timestamps")
-    signed_by = manifest.signer_of(data, signature, keys)
+    signed_by = release_manifest.signer_of(data, signature, keys)
     if signed_by is None:
-        claimed = manifest.claimed_signer(data)
+        claimed = release_manifest.claimed_signer(data)
         if claimed is not None and claimed not in keys:
             raise Refused(f"{TIMESTAMP} is signed by key {claimed}, which this version does not trust for timestamps",
                           hint=f"trusted timestamp keys: {', '.join(sorted(keys))}; {RESIGN}")
         raise Refused(f"{TIMESTAMP}'s signature does not match any trusted timestamp key",
                       hint=f"the timestamp or its signature was changed; {RESIGN}")
     try:
-        model = load(manifest.parse_canonical(data))
-    except manifest.ManifestError as e:
+        model = load(release_manifest.parse_canonical(data))
+    except release_manifest.ManifestError as e:
         raise Refused(f"{TIMESTAMP}: {e.message}", hint=e.hint) from None
     if model.signer != signed_by:
         raise Refused(f"{TIMESTAMP} names signer {model.signer} but was signed by {signed_by}", hint="the timestamp is inconsistent")

@@ -3,7 +3,7 @@
 checks it): the signed index bundle.json, the payload file names, and the partition names and
 types the payloads are written to.
 
-bundle.json is canonical JSON (appliance.manifest's rules) signed like the manifest (detached
+bundle.json is canonical JSON (appliance.signed.release_manifest's rules) signed like the manifest (detached
 Ed25519, bundle.json.sig). Nothing in a bundle is trusted before that one signature is checked.
 """
 
@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import manifest, schema
+from appliance import schema
 from appliance.errors import Refused, UserError
 from appliance.hashing import DIGEST, SHA256
 from appliance.patterns import VERSION, VERSION_FORM
 from appliance.safe_read import loads_bounded, read_capped
-from appliance.sums import SUMS_FILE, parse_sums
+from appliance.signed import release_manifest
+from appliance.signed.sums import SUMS_FILE, parse_sums
 
 BUNDLE_INDEX = "bundle.json"
 BUNDLE_SIG = "bundle.json.sig"
@@ -158,20 +159,22 @@ class BundleIndex:
     format: int = field(metadata=schema.check(lambda v: None if v == BUNDLE_FORMAT else f"{BUNDLE_FORMAT}"))
     version: str = field(metadata=_string(VERSION, VERSION_FORM))
     min_version: str = field(metadata=_string(VERSION, VERSION_FORM))
-    profile: str = field(metadata=schema.check(lambda v: None if v in manifest.PROFILES else "one of " + ", ".join(manifest.PROFILES)))
+    profile: str = field(
+        metadata=schema.check(lambda v: None if v in release_manifest.PROFILES else "one of " + ", ".join(release_manifest.PROFILES))
+    )
     engine_digest: str = field(metadata=_string(DIGEST, "sha256: and 64 hex digits"))
     usrhash: str = field(metadata=_string(SHA256, "64 hex digits"))
     files: tuple[BundleFile, ...]
     # the partition images are shipped without their trailing zeros; these are their full sizes
     partition_sizes: Mapping[str, int] = field(metadata=schema.each(lambda v: None if v >= 0 else "a size in bytes"))
     manifest_sha256: str = field(metadata=_string(SHA256, "64 hex digits"))
-    signer: str = field(metadata=_string(manifest.KEY_ID, "a key id of 16 hex digits"))
+    signer: str = field(metadata=_string(release_manifest.KEY_ID, "a key id of 16 hex digits"))
 
 
 def load_index(index: Any) -> BundleIndex:
     """A parsed bundle.json as the typed model: the schema loader, then the rules across fields."""
     model: BundleIndex = _Loader("bundle.json").load(BundleIndex, index)
-    if manifest.version_tuple(model.min_version) > manifest.version_tuple(model.version):
+    if release_manifest.version_tuple(model.min_version) > release_manifest.version_tuple(model.version):
         raise _bad("min_version", model.min_version, f"not newer than version {model.version}")
     if not model.files:
         raise _bad("files", [], "a list of files")
@@ -206,15 +209,15 @@ def validate_index(index: Any) -> dict[str, Any]:
 def verify_index(data: bytes, sig: bytes, keys_dir: Path) -> BundleIndex:
     """Check bundle.json's signature against the trusted keys FIRST, then its form and schema."""
     try:
-        signature = manifest.decode_signature(sig)
-    except manifest.ManifestError as e:
+        signature = release_manifest.decode_signature(sig)
+    except release_manifest.ManifestError as e:
         raise Refused(f"bundle.json.sig: {e.message}", hint="download the bundle again; if it persists, it was tampered with") from None
-    keys = manifest.trusted_keys(keys_dir)
+    keys = release_manifest.trusted_keys(keys_dir)
     if not keys:
         raise UserError(f"{keys_dir}: no trusted keys (*.pub)", hint="the image is damaged")
-    signed_by = manifest.signer_of(data, signature, keys)
+    signed_by = release_manifest.signer_of(data, signature, keys)
     if signed_by is None:
-        claimed = manifest.claimed_signer(data)
+        claimed = release_manifest.claimed_signer(data)
         if claimed is not None and claimed not in keys:
             raise Refused(
                 f"bundle is signed by key {claimed}, which this version does not trust",
@@ -222,8 +225,8 @@ def verify_index(data: bytes, sig: bytes, keys_dir: Path) -> BundleIndex:
             )
         raise Refused("bundle.json's signature does not match any trusted key", hint="the bundle or its signature was changed")
     try:
-        index = load_index(manifest.parse_canonical(data))
-    except manifest.ManifestError as e:
+        index = load_index(release_manifest.parse_canonical(data))
+    except release_manifest.ManifestError as e:
         raise Refused(f"bundle.json: {e.message}", hint=e.hint) from None
     if index.signer != signed_by:
         raise Refused(f"bundle.json names signer {index.signer} but was signed by {signed_by}", hint="the bundle is inconsistent")

@@ -205,7 +205,7 @@ class EngineImage:
 class ModelRef:
     id: str = field(metadata=_string(_MODEL_ID, "a model id such as org/name"))
     revision: str = field(metadata=_string(_REVISION, "40 lower-case hex digits"))
-    # SHA-256 of the weights manifest the image carries (appliance/weights.py); absent: none
+    # SHA-256 of the weights manifest the image carries (appliance/signed/weights_manifest.py); absent: none
     weights_sha256: str = field(default="", metadata=schema.check(lambda v: None if SHA256.match(v) else "64 lower-case hex digits"))
 
 
