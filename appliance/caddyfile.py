@@ -18,6 +18,7 @@ from typing import Any
 from appliance import balancer, paths
 from appliance.config.checks import EMAIL, is_dns_name
 from appliance.config.model import Config
+from appliance.engine_limits import context_tokens, request_bound_s
 from appliance.errors import ConfigError
 
 TEMPLATE = "Caddyfile.j2"
@@ -62,33 +63,14 @@ UPSTREAM_IDLE_S = 2
 # The request body limit: the engine's context (--max-model-len) times BYTES_PER_TOKEN, at least
 # MIN_BODY. A token of prompt is ~4 bytes of JSON text, ~6-12 for escaped non-ASCII or token ids
 # ("prompt": [123, ...]); 32 leaves margin for chat structure. Without --max-model-len (the model's
-# own context applies), FALLBACK_CONTEXT tokens are assumed.
+# own context applies), engine_limits.FALLBACK_CONTEXT tokens are assumed.
 BYTES_PER_TOKEN = 32
 MIN_BODY = 1 << 20
-FALLBACK_CONTEXT = 131072
-
-
-def max_model_len(args: tuple[str, ...] | list[str]) -> int | None:
-    """--max-model-len from the engine's arguments (N, 'Nk' as vLLM takes it), or None."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == "--max-model-len" and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith("--max-model-len="):
-            value = arg.split("=", 1)[1]
-    if value is None:
-        return None
-    m = re.fullmatch(r"([0-9]+)([kKmM]?)", value.strip())
-    if not m:
-        return None
-    scale = {"": 1, "k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}[m.group(2)]
-    return int(m.group(1)) * scale
 
 
 def max_body_bytes(config: Config) -> int:
     """The largest request body the proxy forwards to the engine."""
-    context = max_model_len(config.engine.args) or FALLBACK_CONTEXT
-    return max(MIN_BODY, context * BYTES_PER_TOKEN)
+    return max(MIN_BODY, context_tokens(config) * BYTES_PER_TOKEN)
 
 
 def greater_than_re(limit: int) -> str:
@@ -115,8 +97,12 @@ REFUSALS = {
                              "permission_error", 403),
     "method": _error_json("Method not allowed: the engine's API takes GET and POST.", "invalid_request_error", 405),
     "too_large": _error_json("The request body is larger than the proxy admits.", "invalid_request_error", 413),
-    "not_found": _error_json("Not here: the metrics site serves GET /metrics and GET /engine/metrics.", "invalid_request_error", 404),
+    "not_found": _error_json("Not here: the metrics site serves GET /metrics, GET /engine/metrics and GET /engine/N/metrics "
+                             "(replica N).", "invalid_request_error", 404),
     "error": _error_json("{http.error.status_text}", "proxy_error", "{http.error.status_code}"),
+    # the proxy's own /health when the judge (appliance-judge.service) gives no answer: no verdict, no 200
+    "judge_down": _error_json("The appliance's judge is not running: no replica is known to be serving.",
+                              "service_unavailable_error", 503),
 }
 
 
@@ -204,6 +190,7 @@ def template_values(
     admin: str = f"unix/{ADMIN_SOCKET}",
     metrics_client_ca: Path = paths.METRICS_CLIENT_CA,
     node_exporter: str = paths.NODE_EXPORTER,
+    judge_health: str = paths.JUDGE_HEALTH,
 ) -> dict[str, Any]:
     """Every value the template takes, each checked; ConfigError naming the first bad one.
     Without jinja2: host_settings.overlay checks a host's settings with it before any reader sees them."""
@@ -221,6 +208,9 @@ def template_values(
     paths_ = [_url_path(f"allowed_paths[{i}]", p) for i, p in enumerate(proxy.allowed_paths)]
     if not paths_:
         raise _refuse("allowed_paths", proxy.allowed_paths, "at least one URL path")
+    # The engine's health path, when the allowlist forwards it, is answered by the judge instead.
+    health = _url_path("engine.health.path", config.engine.health.path)
+    health_path = health if health in paths_ else ""
     values: dict[str, Any] = {
         "profile": _plain("profile", config.profile),
         "acme": acme,
@@ -234,8 +224,15 @@ def template_values(
         "upstream": (f"127.0.0.1:{_port('engine.port', config.balancer_port)}" if balancer.wanted(config)
                      else f"127.0.0.1:{_port('engine.port', config.engine.port)}"),
         # each replica's own loopback address, for its metrics on the metrics site
+        # (replica I's at /engine/I/metrics in every layout, one replica's too: one scrape configuration for a fleet)
         "replica_upstreams": [f"127.0.0.1:{_port('engine.port', config.replica_port(i))}" for i in range(config.replicas)],
-        "health_uri": "" if balancer.wanted(config) else _url_path("engine.health.path", config.engine.health.path),
+        "health_uri": "" if balancer.wanted(config) else health,
+        # the proxy's own /health: the judge's verdict on every replica (empty: not an allowed path)
+        "health_path": health_path,
+        "health_re": allowed_re([health_path]) if health_path else "",
+        "judge_health": _upstream("judge_health", judge_health),
+        # how long Caddy waits on the engine for one request's next bytes (appliance/engine_limits.py)
+        "request_bound_s": request_bound_s(config),
         "allowed_cidrs": _cidrs("allowed_cidrs", proxy.allowed_cidrs, allow_empty=False),
         "allowed_paths": paths_,
         "allowed_re": allowed_re(paths_),
@@ -271,13 +268,15 @@ def render_caddyfile(
     admin: str = f"unix/{ADMIN_SOCKET}",
     metrics_client_ca: Path = paths.METRICS_CLIENT_CA,
     node_exporter: str = paths.NODE_EXPORTER,
+    judge_health: str = paths.JUDGE_HEALTH,
 ) -> str:
     """The Caddyfile for CONFIG; TLS_DIR holds server.crt/.key in mode "internal". HTTP_PORT and
-    ADMIN are for tests, which run Caddy unprivileged on loopback."""
+    ADMIN are for tests, which run Caddy unprivileged on loopback, as are NODE_EXPORTER and
+    JUDGE_HEALTH (their loopback addresses)."""
     import jinja2  # only where a Caddyfile is written (the build, appliance-host.service)
 
     values = template_values(config, tls_dir=tls_dir, http_port=http_port, admin=admin, metrics_client_ca=metrics_client_ca,
-                             node_exporter=node_exporter)
+                             node_exporter=node_exporter, judge_health=judge_health)
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(template_dir())),
         autoescape=False,

@@ -39,6 +39,12 @@ SHM_CHECK = RUN_DIR / "shm-check.json"
 VERIFY_RESULT = RUN_DIR / "verify.json"
 PREFLIGHT_RESULT = RUN_DIR / "preflight.json"
 GPU_SELFTEST = RUN_DIR / "gpu-selftest.json"  # this boot's GPU self-test (appliance-gpu-selftest.service)
+# appliance-judge.service: each replica judged by progress (applianctl/judge/), rewritten every round
+JUDGE_STATE = RUN_DIR / "judge.json"
+# the judge's loopback endpoints: Caddy's /health asks JUDGE_HEALTH (200 while a replica is alive,
+# 503 with a reason), HAProxy's agent-check asks JUDGE_AGENT per server ("up" or "down")
+JUDGE_HEALTH = "127.0.0.1:8091"
+JUDGE_AGENT = "127.0.0.1:8092"
 
 # Persistent state on /var
 VAR_DIR = _path("VAR_DIR", "/var")  # what a factory reset wipes (applianctl/factory_reset.py)
@@ -62,6 +68,11 @@ def factory_reset_request_path() -> Path:
 
 def last_factory_reset_path() -> Path:
     return STATE_DIR / "last-factory-reset.json"
+
+
+def remediation_path() -> Path:
+    """The hive-wide fault ladder's counters (applianctl/judge/hive.py): they survive a reboot."""
+    return STATE_DIR / "remediation.json"
 
 
 # The updater's state, joined at each call: tests that move STATE_DIR move these with it.

@@ -45,6 +45,7 @@ COMMAND_MODULES = {
     "var-seal": "applianctl.var.tpm_seal",  # hidden: appliance-var-seal.service
     "selftest": "applianctl.selftest.command",
     "stagger": "applianctl.engine.stagger",  # hidden: each replica's wait for the previous one
+    "judge": "applianctl.judge.command",  # hidden: appliance-judge.service
 }
 
 

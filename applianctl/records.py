@@ -327,3 +327,61 @@ class SelftestBaseline(Record):
     `selftest --json` printed: the correctable ECC counts by GPU (checks.gpu_key)."""
 
     correctable_counts: Mapping[str, int] = field(metadata=at_least(0))
+
+
+# ----------------------------------------------------------------------------------- the progress judge
+
+REPLICA_STATES = ("starting", "alive", "stalled", "restarting", "held")
+
+
+def _replica_state(value: str) -> str | None:
+    return None if value in REPLICA_STATES else "one of " + ", ".join(REPLICA_STATES)
+
+
+@dataclass(frozen=True)
+class ReplicaJudgement:
+    """One replica as the judge saw it last. `state`: starting (not yet ready on /health), alive
+    (tokens advanced, or the canary answered, within engine.progress's bound), stalled (neither:
+    taken out of the balancer and restarted), restarting, held (kept down by the hive ladder).
+    `reason` says why in one line ("stalled: no tokens for 95 s with 12 requests waiting",
+    "canary timed out after 30 s"), empty when alive."""
+
+    replica: int = field(metadata=at_least(0))
+    state: str = field(metadata={"check": _replica_state})
+    reason: str
+    since: str  # when it entered this state (UTC, ISO 8601)
+    last_progress_at: str | None = None  # the last time its token counters moved or a canary answered
+    waiting: int = field(default=0, metadata=at_least(0))  # requests waiting + running at the last scrape
+    restarts: int = field(default=0, metadata=at_least(0))  # by the judge, this boot
+
+
+@dataclass(frozen=True)
+class JudgeState(Record):
+    """paths.JUDGE_STATE (appliance-judge.service), rewritten every round: each replica's
+    judgement, and the canary's load (requests sent in the last hour)."""
+
+    checked_at: str
+    replicas: tuple[ReplicaJudgement, ...]
+    canaries_last_hour: int = field(metadata=at_least(0))
+    alive: int = field(metadata=at_least(0))  # replicas alive now: the proxy's /health is 200 when > 0
+    hive: str = ""  # the hive ladder's one-line verdict when it holds replicas down ("needs physical action: ...")
+
+
+LADDER_STEPS = ("none", "restart", "reboot", "physical")
+
+
+def _ladder_step(value: str) -> str | None:
+    return None if value in LADDER_STEPS else "one of " + ", ".join(LADDER_STEPS)
+
+
+@dataclass(frozen=True)
+class RemediationState(Record):
+    """paths.remediation_path() on /var: the hive-wide fault ladder (restart, then one reboot, then
+    needs physical action), its counters kept across reboots and cleared after a quiet time."""
+
+    FORMAT = 1
+    step: str = field(metadata={"check": _ladder_step})
+    faults: int = field(metadata=at_least(0))  # hive-wide faults since the ladder last reset
+    last_fault_at: str | None = None
+    evidence: tuple[str, ...] = ()  # the kernel log lines or the replicas that died together (first few)
+    gpu: str | None = None  # the GPU the evidence names, when it names one

@@ -30,13 +30,23 @@ environment:
   STANDIN_CRASH_AFTER_S=S    exit with status 1 after S seconds of serving (the mmap file is removed)
   STANDIN_CRASH_LEAVE_MMAP=1 the crash is an os._exit that leaves the mmap file behind
   STANDIN_HANG_AFTER_S=S     after S seconds of serving, accept connections but never answer
+  STANDIN_DEADLOCK_AFTER_S=S the engine core deadlocks: /health, /v1/models, /metrics 200,
+                             completions held unanswered, token counters frozen, waiting grows
+  STANDIN_ENGINE_DEAD_AFTER_S=S  the engine core is dead, the server up: /health 503,
+                             completions 500 with EngineDeadError's body
+  STANDIN_COLLAPSE_AFTER_S=S tokens at STANDIN_COLLAPSE_FACTOR (default 0.01) times the rate
+  STANDIN_GPU_FAULT_AFTER_S=S  ROCm's "Memory access fault by GPU node-N ..." line, then SIGABRT
+  STANDIN_<KIND>_AFTER_REQUESTS=N  the same after N completion requests (0: from the first)
   STANDIN_NEVER_READY=1      stay loading forever (stops before CUDA graph capture)
   STANDIN_KV_CACHE_TOKENS=N  report a GPU KV cache of N tokens (default 65536)
   STANDIN_TOKEN_SECONDS=S    delay between generated tokens (default 0)
   STANDIN_FAULTS_FILE=PATH   a JSON object with the same names, lower-case without STANDIN_
-                             (e.g. {"hang_after_s": 30}); read at start, wins over the variables,
-                             a missing file is fine
+                             (e.g. {"deadlock_after_s": 30}); read at start, wins over the
+                             variables, a missing file is fine; read again whenever it changes
+                             while serving (each switch then counted from that moment)
   STANDIN_SHM_DIR=DIR        where the KV offload mmap file is created (default /dev/shm)
+
+Each fault's public source: standin/faults.py (SOURCES) and docs/testing.md.
 """
 
 
@@ -144,10 +154,62 @@ def _crash(engine_server: Server, leave_mmap: bool, crashed: threading.Event) ->
         sys.stdout.flush()
         os._exit(1)  # like a killed EngineCore: nothing is cleaned up
     crashed.set()
-    engine_server.shutdown()
+    threading.Thread(target=engine_server.shutdown, daemon=True).start()
+
+
+def gpu_fault_line(replica: int) -> str:
+    """The line ROCm's runtime prints on stderr for a GPU memory access fault, as it appears in
+    ROCm/pytorch#797 and ROCm/legacy-rocm-build#5051: on an MI300X host GPU nodes start at 2 (the
+    CPUs are nodes 0 and 1); the agent handle and the address are process addresses."""
+    handle = 0x55F1C4C0B370 + replica * 0x1000
+    address = 0x7F2B0C000000 + replica * 0x200000
+    return (f"Memory access fault by GPU node-{2 + replica} (Agent handle: {handle:#x}) on address {address:#x}. "
+            "Reason: Page not present or supervisor privilege.")
+
+
+def _gpu_fault() -> None:
+    """The HSA runtime's fault handler: its line, then abort() (SIGABRT); nothing is cleaned up."""
+    vlog.raw(gpu_fault_line(int(os.environ.get("APPLIANCE_REPLICA") or 0)))
+    sys.stdout.flush()
+    os.abort()
+
+
+class _ProcessFaults:
+    """Ends the process once for the fault kind that asks (crash, gpu_fault), from whichever thread
+    notices it first."""
+
+    def __init__(self, server: Server, armed: faults.Armed) -> None:
+        self.server = server
+        self.armed = armed
+        self.crashed = threading.Event()
+        self._once = threading.Lock()
+
+    def __call__(self, kind: str) -> None:
+        if not self._once.acquire(blocking=False):
+            return
+        if kind == "gpu_fault":
+            _gpu_fault()
+        _crash(self.server, self.armed.faults.crash_leave_mmap, self.crashed)
+
+
+def _watch(engine: Engine, watcher: faults.Watcher, stop: threading.Event) -> None:
+    """The faults' clock: the faults file read again when it changes, each switch's time looked at."""
+    while not stop.wait(0.1):
+        watcher.poll()
+        engine.mode()
+
+
+def _faults_changed(cfg: faults.Faults) -> None:
+    on = {k: v for k, v in vars(cfg).items() if v != getattr(faults.Faults(), k) and k not in faults.START_ONLY}
+    vlog.log("standin/faults.py:1", f"stand-in faults now: {on or 'none'}", proc=vlog.API)
+
+
+def _faults_unreadable(message: str) -> None:
+    vlog.log("standin/faults.py:1", f"stand-in faults unchanged: {message}", level="WARNING", proc=vlog.API)
 
 
 def serve(args: argparse.Namespace) -> int:
+    seen = faults.file_stamp(os.environ.get("STANDIN_FAULTS_FILE"))
     try:
         cfg = faults.load()
     except faults.FaultsError as e:
@@ -160,12 +222,12 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     region: OffloadRegion | None = None
     server: Server | None = None
-    crashed = threading.Event()
+    stop_watching = threading.Event()
     try:
         region = _load(args, cfg, model, shm_dir)
         stats = Stats(model_name=names[0], kv_cache_tokens=cfg.kv_cache_tokens)
-        engine = Engine(served_names=names, root=model, max_model_len=args.max_model_len, stats=stats,
-                        hang_after_s=cfg.hang_after_s, token_seconds=cfg.token_seconds)
+        armed = faults.Armed(cfg)
+        engine = Engine(served_names=names, root=model, max_model_len=args.max_model_len, stats=stats, armed=armed)
         try:
             server = Server(args.host, args.port, engine)
         except OSError as e:
@@ -177,19 +239,20 @@ def serve(args: argparse.Namespace) -> int:
                  proc=vlog.API)
         vlog.uvicorn(f"Started server process [{os.getpid()}]")
         vlog.uvicorn("Waiting for application startup.")
-        engine.serving_since = time.monotonic()
+        process_faults = _ProcessFaults(server, armed)
+        engine.on_process_fault = process_faults
+        armed.restart_clock()
         vlog.uvicorn("Application startup complete.")
-        if cfg.crash_after_s is not None:
-            timer = threading.Timer(cfg.crash_after_s, _crash, (server, cfg.crash_leave_mmap, crashed))
-            timer.daemon = True
-            timer.start()
+        watcher = faults.Watcher(armed, os.environ, _faults_changed, _faults_unreadable, seen)
+        threading.Thread(target=_watch, args=(engine, watcher, stop_watching), daemon=True).start()
         server.serve_forever(poll_interval=0.2)
-        return 1 if crashed.is_set() else 0
+        return 1 if process_faults.crashed.is_set() else 0
     except _Stop:
         vlog.uvicorn("Shutting down")
         vlog.uvicorn(f"Finished server process [{os.getpid()}]")
         return 0
     finally:
+        stop_watching.set()
         if server is not None:
             server.server_close()
         if region is not None:

@@ -36,6 +36,21 @@ class Stats:
     _seen_prompts: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def wait(self, delta: int) -> None:
+        """A request enters (+1) or leaves (-1) the queue the engine core has not scheduled."""
+        with self._lock:
+            self.waiting += delta
+
+    def abort_waiting(self) -> None:
+        """A request aborted before it was ever scheduled."""
+        with self._lock:
+            self.requests_finished["abort"] = self.requests_finished.get("abort", 0) + 1
+
+    def token(self) -> None:
+        """One token generated: vLLM counts each engine step's tokens as they come, not at the end."""
+        with self._lock:
+            self.generation_tokens += 1
+
     def start(self, prompt: str, prompt_tokens: int) -> None:
         """A request enters the batch; its prompt is looked up in the 'prefix cache'."""
         with self._lock:
@@ -58,13 +73,16 @@ class Stats:
                 self.ttft_counts[-1] += 1
 
     def finish(self, prompt_tokens: int, completion_tokens: int, reason: str) -> None:
+        """A request leaves the batch after COMPLETION_TOKENS tokens (each counted by token()), finished
+        for REASON: stop, length, or abort (its client went away, vLLM's FinishReason.ABORT)."""
         with self._lock:
             self.running -= 1
             self.tokens_in_use -= prompt_tokens
-            self.generation_tokens += completion_tokens
             self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
             # Each step drafts NUM_SPECULATIVE_TOKENS tokens and yields about 3 tokens.
-            steps = max(1, -(-completion_tokens // 3))
+            if completion_tokens == 0:
+                return
+            steps = -(-completion_tokens // 3)
             self.drafts += steps
             self.draft_tokens += steps * NUM_SPECULATIVE_TOKENS
             self.accepted_tokens += max(0, completion_tokens - steps)

@@ -2,6 +2,11 @@
 
 GET /health, /ping, /version, /v1/models, /metrics; POST /v1/completions and /v1/chat/completions
 (streamed as server-sent events with "stream": true). Every response carries X-Standin-Answers.
+
+The fault in effect (standin/faults.py) shapes each answer as vLLM's would be shaped. A client that
+goes away mid-answer is noticed between tokens (its connection polled, as uvicorn's disconnect
+event reaches vLLM): the request is aborted, logged ("Aborted request(s) ID.", as vLLM's AsyncLLM
+logs it) and counted as vllm:request_success_total{finished_reason="abort"}.
 """
 
 from __future__ import annotations
@@ -9,15 +14,18 @@ from __future__ import annotations
 import http
 import json
 import re
+import select
 import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
 from standin import __version__, answers, vlog
+from standin.faults import Armed, Faults
 from standin.metrics import Stats
 
 _TOKEN = re.compile(r"\s*\S+")
@@ -25,11 +33,29 @@ _TOKEN = re.compile(r"\s*\S+")
 KEEP_ALIVE_S = 5.0
 # The largest request body read (vLLM sets none; this only bounds the stand-in's memory).
 MAX_BODY = 64 << 20
+# How often a held request looks at its fault and its client again.
+HOLD_POLL_S = 0.05
+# EngineDeadError's message (vllm/v1/engine/exceptions.py), as a client gets it in a 500's body
+# (vllm-project/vllm#24495) and the API server logs it (vllm-project/vllm#42362).
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+_POLL_GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
 
 
 def tokens(text: str) -> list[str]:
     """The 'tokenizer': words with their leading white space; joined, they give TEXT back."""
     return _TOKEN.findall(text)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was complete."""
+
+    def __init__(self, logged: bool = False) -> None:
+        super().__init__()
+        self.logged = logged
+
+
+class EngineDead(Exception):
+    """The engine core died while the request was in it."""
 
 
 class ApiError(Exception):
@@ -49,13 +75,28 @@ class Engine:
     root: str
     max_model_len: int
     stats: Stats
-    hang_after_s: float | None = None
-    token_seconds: float = 0.0
-    serving_since: float = field(default_factory=time.monotonic)
+    armed: Armed = field(default_factory=lambda: Armed(Faults()))
+    # What a fault that ends the process does (crash, gpu_fault): set by __main__; in-process tests
+    # record it instead.
+    on_process_fault: Callable[[str], None] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    _seen_mode: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def mode(self) -> str | None:
+        """The fault in effect now; its start is logged once, as vLLM logs it (a deadlock, never)."""
+        mode = self.armed.mode()
+        with self._lock:
+            changed, self._seen_mode = mode != self._seen_mode, mode
+        if changed and mode == "engine_dead":
+            vlog.log("v1/engine/core.py:710", "EngineCore encountered a fatal error.", level="ERROR")
+            vlog.log("v1/engine/async_llm.py:480", "AsyncLLM output_handler failed.", level="ERROR", proc=vlog.API)
+        if mode in ("crash", "gpu_fault") and self.on_process_fault is not None:
+            self.on_process_fault(mode)
+        return mode
 
     def hung(self) -> bool:
-        return self.hang_after_s is not None and time.monotonic() - self.serving_since >= self.hang_after_s
+        return self.mode() == "hang"
 
 
 class Server(ThreadingHTTPServer):
@@ -118,10 +159,30 @@ class Handler(BaseHTTPRequestHandler):
 
     def parse_request(self) -> bool:
         ok = super().parse_request()
-        if ok and self.engine.hung():
-            # The hang fault: request read, no answer ever.
-            threading.Event().wait()
+        while ok and self.engine.hung():
+            # The hang fault: request read, no answer while it lasts.
+            time.sleep(HOLD_POLL_S)
         return ok
+
+    def _client_gone(self) -> bool:
+        """Whether the client closed its connection (or reset it): polled, never blocking. A
+        pipelined next request is data, not a close."""
+        try:
+            poller = select.poll()
+            poller.register(self.connection, select.POLLIN | _POLL_GONE)
+            events = poller.poll(0)
+            if not events:
+                return False
+            if events[0][1] & _POLL_GONE:
+                return True
+            return bool(self.connection.recv(1, socket.MSG_PEEK) == b"")
+        except (OSError, ValueError):
+            return True
+
+    def _aborted(self, request_id: str, gone: ClientGone | None = None) -> None:
+        self.close_connection = True
+        if gone is None or not gone.logged:
+            vlog.log("v1/engine/async_llm.py:553", f"Aborted request(s) {request_id}.", proc=vlog.API)
 
     def end_headers(self) -> None:
         self.send_header("X-Standin-Answers", answers.VARIANT)
@@ -203,7 +264,9 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path in ("/health", "/ping"):
-            self._send(200, b"", "application/json")
+            # EngineDeadError: 503 (vllm-project/vllm#24897); a deadlocked engine core: still 200
+            dead = self.engine.mode() == "engine_dead"
+            self._send(503 if dead else 200, b"", "application/json")
         elif path == "/version":
             self._json(200, {"version": f"{__version__}+standin"})
         elif path == "/v1/models":
@@ -224,6 +287,7 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 self._json(404, {"detail": "Not Found"})
             return
+        self.engine.mode()  # a fault that ends the process does so before this request
         try:
             body = self._body()
             model = self._model(body)
@@ -270,24 +334,107 @@ class Handler(BaseHTTPRequestHandler):
             pieces, finish = pieces[:max_tokens], "length"
         return Generation(prompt, prompt_tokens, pieces, finish)
 
-    def _run(self, gen: Generation, emit: Any) -> None:
+    def _refuse_if_dead(self) -> None:
+        """vLLM raises the engine's dead error before it answers, streamed or not (a 500)."""
+        if self.engine.mode() == "engine_dead":
+            self._log_dead()
+            raise ApiError(500, ENGINE_DEAD_MESSAGE, "Internal Server Error")
+
+    def _log_dead(self) -> None:
+        vlog.log("entrypoints/openai/api_server.py:72", f"vllm.v1.engine.exceptions.EngineDeadError: {ENGINE_DEAD_MESSAGE}",
+                 level="ERROR", proc=vlog.API)
+
+    def _hold(self, request_id: str) -> bool:
+        """Held while the engine core is deadlocked. A client that leaves meanwhile is logged as
+        aborted at once (the API server lives); True when it left."""
+        gone = False
+        while self.engine.mode() == "deadlock":
+            if not gone and self._client_gone():
+                gone = True
+                self._aborted(request_id)
+            time.sleep(HOLD_POLL_S)
+        return gone
+
+    def _admit(self, request_id: str) -> None:
+        """The request reaches the engine core: queued as waiting while it is deadlocked (the token
+        counters frozen, vllm:num_requests_waiting one higher), refused when it is dead."""
+        stats = self.engine.stats
+        if self.engine.mode() == "deadlock":
+            stats.wait(1)
+            try:
+                gone = self._hold(request_id)
+            finally:
+                stats.wait(-1)
+            if gone:
+                stats.abort_waiting()
+                raise ClientGone(logged=True)
+        if self.engine.mode() == "engine_dead":
+            raise EngineDead()
+
+    def _step(self, request_id: str) -> None:
+        """Before each token: its delay (collapsed or not), a deadlock held, a dead engine or a client
+        that left raised."""
+        delay = self.engine.armed.token_seconds()
+        end = time.monotonic() + delay
+        while (left := end - time.monotonic()) > 0:
+            if self._client_gone():
+                raise ClientGone()
+            time.sleep(min(left, HOLD_POLL_S))
+        if self.engine.mode() == "deadlock" and self._hold(request_id):
+            raise ClientGone(logged=True)
+        if self.engine.mode() == "engine_dead":
+            raise EngineDead()
+        if self._client_gone():
+            raise ClientGone()
+
+    def _run(self, gen: Generation, emit: Any, request_id: str) -> None:
         """Emit GEN's pieces through EMIT while the metrics count the request in the batch."""
         stats = self.engine.stats
         started = time.monotonic()
         stats.start(gen.prompt, gen.prompt_tokens)
         reason = "abort"
+        emitted = 0
         try:
             for i, piece in enumerate(gen.pieces):
-                if self.engine.token_seconds:
-                    time.sleep(self.engine.token_seconds)
+                self._step(request_id)
                 if i == 0:
                     stats.first_token(time.monotonic() - started)
+                stats.token()
+                emitted += 1
                 emit(piece)
             if not gen.pieces:
                 stats.first_token(time.monotonic() - started)
             reason = gen.finish_reason
         finally:
-            stats.finish(gen.prompt_tokens, len(gen.pieces), reason)
+            stats.finish(gen.prompt_tokens, emitted, reason)
+
+    def _stream_error(self, message: str) -> None:
+        """An error inside a stream already answered 200, as vLLM's stream generators send it."""
+        self._event({"error": {"message": message, "type": "Internal Server Error", "param": None, "code": 500}})
+        self._end_stream()
+
+    def _answer(self, stream: bool, request_id: str, produce: Callable[[], None]) -> None:
+        """Run PRODUCE (admission, tokens, the last events or the JSON answer) with the faults' and
+        the client's endings: an abort, a dead engine."""
+        try:
+            try:
+                produce()
+            finally:
+                # counted once it has ended: a fault "after N requests" meets the ones after the Nth
+                self.engine.armed.count_request()
+        except ClientGone as e:
+            self._aborted(request_id, e)
+        except (BrokenPipeError, ConnectionResetError):
+            self._aborted(request_id)
+        except EngineDead:
+            self._log_dead()
+            if not stream:
+                self._error(ApiError(500, ENGINE_DEAD_MESSAGE, "Internal Server Error"))
+                return
+            try:
+                self._stream_error(ENGINE_DEAD_MESSAGE)
+            except OSError:
+                self.close_connection = True
 
     def _start_stream(self) -> None:
         self.send_response(200)
@@ -315,8 +462,9 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string", param="prompt")
         gen = self._generate(prompt, max(1, len(tokens(prompt))), body)
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": model}
+        self._refuse_if_dead()
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
         if body.get("stream"):
             self._start_stream()
 
@@ -324,21 +472,27 @@ class Handler(BaseHTTPRequestHandler):
                 choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None, "stop_reason": None}
                 self._event({**head, "choices": [choice]})
 
-            try:
-                self._run(gen, emit)
+            def stream() -> None:
+                self._admit(request_id)
+                self._run(gen, emit, request_id)
                 last = {"index": 0, "text": "", "logprobs": None, "finish_reason": gen.finish_reason,
                         "stop_reason": None}
                 self._event({**head, "choices": [last]})
                 if (body.get("stream_options") or {}).get("include_usage"):
                     self._event({**head, "choices": [], "usage": gen.usage()})
                 self._end_stream()
-            except (BrokenPipeError, ConnectionResetError):
-                self.close_connection = True
+
+            self._answer(True, request_id, stream)
             return
-        self._run(gen, lambda piece: None)
-        choice = {"index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason,
-                  "stop_reason": None, "prompt_logprobs": None}
-        self._json(200, {**head, "choices": [choice], "usage": gen.usage()})
+
+        def whole() -> None:
+            self._admit(request_id)
+            self._run(gen, lambda piece: None, request_id)
+            choice = {"index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason,
+                      "stop_reason": None, "prompt_logprobs": None}
+            self._json(200, {**head, "choices": [choice], "usage": gen.usage()})
+
+        self._answer(False, request_id, whole)
 
     def _chat(self, body: dict[str, Any], model: str) -> None:
         messages = body.get("messages")
@@ -355,8 +509,9 @@ class Handler(BaseHTTPRequestHandler):
         # Every message adds a few template tokens, as a chat template would.
         prompt_tokens = sum(len(tokens(t)) + 4 for t in texts) + 1
         gen = self._generate(prompt, prompt_tokens, body)
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": model}
+        self._refuse_if_dead()
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
         if body.get("stream"):
             self._start_stream()
 
@@ -364,18 +519,26 @@ class Handler(BaseHTTPRequestHandler):
                 return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
                                              **({"stop_reason": None} if finish else {})}]}
 
-            try:
+            def stream() -> None:
+                # the role chunk comes with the engine's first output: none while it is deadlocked
+                self._admit(request_id)
                 self._event(chunk({"role": "assistant", "content": ""}))
-                self._run(gen, lambda piece: self._event(chunk({"content": piece})))
+                self._run(gen, lambda piece: self._event(chunk({"content": piece})), request_id)
                 self._event(chunk({"content": ""}, gen.finish_reason))
                 if (body.get("stream_options") or {}).get("include_usage"):
                     self._event({**head, "choices": [], "usage": gen.usage()})
                 self._end_stream()
-            except (BrokenPipeError, ConnectionResetError):
-                self.close_connection = True
+
+            self._answer(True, request_id, stream)
             return
-        self._run(gen, lambda piece: None)
-        message = {"role": "assistant", "content": gen.text, "reasoning_content": None, "tool_calls": []}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": gen.finish_reason,
-                  "stop_reason": None}
-        self._json(200, {**head, "object": "chat.completion", "choices": [choice], "usage": gen.usage()})
+
+        def whole() -> None:
+            self._admit(request_id)
+            self._run(gen, lambda piece: None, request_id)
+            said: dict[str, Any] = {"role": "assistant", "content": gen.text, "reasoning_content": None,
+                                    "tool_calls": []}
+            choice = {"index": 0, "message": said, "logprobs": None, "finish_reason": gen.finish_reason,
+                      "stop_reason": None}
+            self._json(200, {**head, "object": "chat.completion", "choices": [choice], "usage": gen.usage()})
+
+        self._answer(False, request_id, whole)

@@ -103,13 +103,16 @@ class Front:
 
 
 @contextlib.contextmanager
-def demo_front(engine_port: int, work: Path, *, replicas: int = 1, affinity_header: str = "") -> Iterator[Front]:
+def demo_front(engine_port: int, work: Path, *, replicas: int = 1, affinity_header: str = "",
+               judge_health: str | None = None, judge_agent: str | None = None) -> Iterator[Front]:
     """Caddy on the demo profile's rendered Caddyfile (its own certificates from applianctl.tls),
     forwarding to 127.0.0.1:ENGINE_PORT; loopback admitted, no plain HTTP, no admin API. With
     REPLICAS, the layout REPLICASx1: the replicas at ENGINE_PORT, +2, +4, ... (Config.replica_port)
-    behind the real HAProxy on the rendered balancer configuration, at the port after them."""
+    behind the real HAProxy on the rendered balancer configuration, at the port after them.
+    JUDGE_HEALTH and JUDGE_AGENT: where the proxy's /health and the balancer's agent-check ask the
+    judge (paths.JUDGE_HEALTH, paths.JUDGE_AGENT by default)."""
     import appliance.config
-    from appliance import balancer
+    from appliance import balancer, paths
     from appliance.caddyfile import render_caddyfile
     from applianctl import tls
     from testkit.standin import ROOT, free_port
@@ -128,12 +131,13 @@ def demo_front(engine_port: int, work: Path, *, replicas: int = 1, affinity_head
     tls_dir = work / "tls"
     tls.generate(tls_dir, config.proxy.hostname, tls.host_addresses(), group="appliance-no-such-group")
     caddyfile = work / "Caddyfile"
-    caddyfile.write_text(render_caddyfile(config, tls_dir=tls_dir, http_port=free_port(), admin="off"))
+    caddyfile.write_text(render_caddyfile(config, tls_dir=tls_dir, http_port=free_port(), admin="off",
+                                          judge_health=judge_health or paths.JUDGE_HEALTH))
     log = work / "caddy.log"
     with contextlib.ExitStack() as stack:
         if balancer.wanted(config):
             cfg = work / "haproxy.cfg"
-            cfg.write_text(balancer.render_balancer(config))
+            cfg.write_text(balancer.render_balancer(config, judge_agent or paths.JUDGE_AGENT))
             stack.enter_context(balancer_running(cfg, config.balancer_port, work / "haproxy.log"))
         stack.enter_context(running(caddyfile, work / "home", https_port, log))
         yield Front(https_port, tls_dir / "ca.crt", log)

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: MIT
 """The boot check's engine fault scenarios (the plan step {"do": "faults"}, demo images only): the
 stand-in engine's fault switches (a JSON file it reads at start) driven through the production
-unit, and what systemd and the /dev/shm cleaner did about each fault: a slow start, a crash while
-clients stream requests through the proxy, a hang."""
+unit, and what systemd, the progress judge and the /dev/shm cleaner did about each fault: a slow
+start, a crash while clients stream requests through the proxy, a hang, and an engine core that
+deadlocks under load while its /health stays 200."""
 
 from __future__ import annotations
 
@@ -85,15 +86,70 @@ def run_fault_scenarios() -> dict[str, Any]:
         "other_files_after": sorted(f for f, r in after.items() if r not in ("0", "")),
         "cleaner_log": tail(run_text(["journalctl", "-o", "cat", "-u", "appliance-shm-clean.service", "--no-pager"]), 4000),
     }
-    # A hang (health checks failing) is detected and the engine restarted.
+    # A hang (nothing answers, /metrics included) is detected by the judge and the engine restarted.
     _restart_with({"hang_after_s": 45})
-    restarts = _restarts()
+    hung_pid = _engine_prop("MainPID")
     FAULTS_FILE.unlink()
-    restarted = wait_until(lambda: _restarts() > restarts and _engine_prop("ActiveState") == "active", 300)
+    restarted = wait_until(lambda: _replaced(ENGINE, hung_pid), 300)
     log = run_text(["journalctl", "-o", "cat", "-u", ENGINE, "-n", "40", "--no-pager"])
     results["hang"] = {"restarted": restarted, "engine_log": tail(log, 4000)}
     results["others_after"] = _others()
+    results["deadlock"] = _deadlock_under_load(1)
     return results
+
+
+def _replaced(unit: str, old_pid: str) -> bool:
+    """UNIT runs again under another main process: restarted, by systemd's Restart= or by the judge
+    (whose restart is a job, which NRestarts does not count)."""
+    return unit_property(unit, "MainPID") not in ("0", "", old_pid) and unit_property(unit, "ActiveState") == "active"
+
+
+def _judged(replica: int) -> str:
+    """Replica REPLICA's state in the judge's last record ("" when there is none)."""
+    try:
+        doc = json.loads(paths.JUDGE_STATE.read_text())
+        return next((str(r["state"]) for r in doc["replicas"] if r["replica"] == replica), "")
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def _deadlock_under_load(replica: int) -> dict[str, Any]:
+    """Replica REPLICA's engine core deadlocks under a steady load through the proxy (vLLM's most
+    common failure: /health and /metrics stay 200, requests are accepted and never answered, the
+    token counters freeze): the judge must find it stalled within engine.progress's bound, HAProxy
+    take it out, systemd restart it; only the requests in flight on it may fail. The scenario's own
+    replica: the others were measured above (`others_after`) and must not notice it either."""
+    unit = paths.engine_unit(replica)
+    old_pid = unit_property(unit, "MainPID")
+    stream = ProxyStream(load_device())
+    stream.start()
+    time.sleep(10)
+    # at run time: the stand-in re-reads the faults file while it serves (standin/faults.py)
+    FAULTS_FILE.write_text(json.dumps({"replica": replica, "deadlock_after_s": 0}))
+    deadlocked_at = time.monotonic()
+    judged = wait_until(lambda: _judged(replica) in ("stalled", "restarting"), 600)
+    judged_at = time.monotonic()
+    status = run_json(["/usr/bin/applianctl", "status", "--json"], timeout=120) or {}
+    exposition = run_text(["/usr/bin/applianctl", "status", "--prometheus"], timeout=120)
+    # the old process gone: the restarted engine must run clean (it reads the file at its start)
+    gone = wait_until(lambda: unit_property(unit, "MainPID") != old_pid, 120)
+    removed_at = time.monotonic()
+    FAULTS_FILE.write_text("{}")
+    restarted = wait_until(lambda: _replaced(unit, old_pid), 900)
+    alive_again = wait_until(lambda: _judged(replica) == "alive", 300)
+    time.sleep(15)  # and traffic once it is back
+    engine = (status.get("parts") or {}).get("engine") or {}
+    return {
+        "judged": judged, "gone": gone, "restarted": restarted, "alive_again": alive_again,
+        "seconds_to_judged": round(judged_at - deadlocked_at, 1),
+        "seconds_to_removed": round(removed_at - deadlocked_at, 1),
+        "stall_after_s": load_device().engine.progress.stall_after_s,
+        "interval_s": load_device().engine.progress.interval_s,
+        "stream": stream.stop(deadlocked_at, removed_at),
+        "engine_part": engine,
+        "replica_state_lines": [line for line in exposition.splitlines() if line.startswith("appliance_replica_state{")],
+        "judge_log": tail(run_text(["journalctl", "-o", "cat", "-u", "appliance-judge.service", "--no-pager"]), 4000),
+    }
 
 
 def _kill_engine(replica: int) -> dict[str, Any]:
@@ -142,22 +198,29 @@ class ProxyStream:
         for t in self.threads:
             t.start()
 
-    def stop(self, killed_at: float) -> dict[str, Any]:
+    def stop(self, killed_at: float, removed_at: float | None = None) -> dict[str, Any]:
+        """The outcome around the fault at KILLED_AT; with REMOVED_AT (a deadlock: the replica was
+        taken out then), requests sent between the two are in flight on it too and may fail."""
         self.done.set()
         for t in self.threads:
             t.join(70)
         with self.lock:
             records = list(self.records)
-        sent_after = [r for r in records if r[0] >= killed_at]
-        return {
+        after = killed_at if removed_at is None else removed_at
+        sent_after = [r for r in records if r[0] >= after]
+        result = {
             "clients": len(self.threads),
             "sent": len(records),
             "sent_after_kill": len(sent_after),
             "ok_after_kill": sum(r[2] == "ok" for r in sent_after),
             # failed requests sent before the kill (in flight on the killed replica) and after it
             "failed_before_kill": [r[2] for r in records if r[0] < killed_at and r[2] != "ok"],
-            "failed_after_kill": [(round(r[0] - killed_at, 2), r[2]) for r in sent_after if r[2] != "ok"],
+            "failed_after_kill": [(round(r[0] - after, 2), r[2]) for r in sent_after if r[2] != "ok"],
         }
+        if removed_at is not None:
+            result["failed_until_removed"] = [(round(r[0] - killed_at, 2), r[2]) for r in records
+                                              if killed_at <= r[0] < removed_at and r[2] != "ok"]
+        return result
 
 
 def _offload_owners() -> dict[str, str]:

@@ -1,8 +1,15 @@
 # SPDX-License-Identifier: MIT
-"""The stand-in engine as a real process, and free loopback ports, for the tests and the benchmarks."""
+"""The stand-in engine as a real process, and free loopback ports, for the tests and the benchmarks.
+
+A test switches a running stand-in's faults through its faults file (standin/faults.py: read again
+whenever it changes): `write_faults` for any stand-in started with STANDIN_FAULTS_FILE, or
+`StandinProcess(faults_file=...).switch_faults(...)`, which also waits until the stand-in says the
+switch is in effect. `hive_reset` kills several at once, as an XGMI hive reset does (testkit/hive.py).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -12,8 +19,22 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+from testkit.hive import kill_at_once
 
 ROOT = Path(__file__).resolve().parents[1]
+# The stand-in's line once a change of its faults file is in effect (standin/__main__.py).
+FAULTS_NOW = "stand-in faults now:"
+
+
+def write_faults(path: Path, faults: dict[str, Any], replica: int | None = None) -> None:
+    """Put FAULTS (standin.faults.Faults' names, e.g. {"deadlock_after_s": 0}) in PATH whole, for
+    REPLICA only when given; {} clears every switch of a running stand-in."""
+    data = dict(faults) if replica is None else {"replica": replica, **faults}
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(data))
+    os.replace(temporary, path)
 
 
 def free_port() -> int:
@@ -53,10 +74,13 @@ class StandinProcess:
     """`python -m standin serve` on 127.0.0.1:PORT; its stderr collected line by line in .lines."""
 
     def __init__(self, args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 port: int | None = None, pythonpath: Path = ROOT) -> None:
+                 port: int | None = None, pythonpath: Path = ROOT, faults_file: Path | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.faults_file = faults_file
         full_env = {**os.environ, "STANDIN_LOAD_SECONDS": "0", **(env or {}), "PYTHONPATH": str(pythonpath)}
+        if faults_file is not None:
+            full_env["STANDIN_FAULTS_FILE"] = str(faults_file)
         self.proc = subprocess.Popen(
             # --host/--port last: they win over any in ARGS, as argparse keeps the last value
             [sys.executable, "-m", "standin", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)],
@@ -86,6 +110,29 @@ class StandinProcess:
                     raise TimeoutError(f"no line with {text!r}; got:\n" + "\n".join(self.lines))
                 self._changed.wait(min(left, 0.2))
 
+    def count_lines(self, text: str) -> int:
+        with self._changed:
+            return sum(text in line for line in self.lines)
+
+    def wait_for_count(self, text: str, count: int, timeout: float = 15.0) -> None:
+        """Until COUNT lines hold TEXT."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while sum(text in line for line in self.lines) < count:
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    raise TimeoutError(f"fewer than {count} lines with {text!r}; got:\n" + "\n".join(self.lines))
+                self._changed.wait(min(left, 0.2))
+
+    def switch_faults(self, faults: dict[str, Any], timeout: float = 15.0) -> None:
+        """Switch the running stand-in's faults to FAULTS (e.g. {"deadlock_after_s": 0}; {} clears
+        them) and return once it says they are in effect."""
+        if self.faults_file is None:
+            raise RuntimeError("start the stand-in with faults_file= to switch its faults while it runs")
+        before = self.count_lines(FAULTS_NOW)
+        write_faults(self.faults_file, faults)
+        self.wait_for_count(FAULTS_NOW, before + 1, timeout)
+
     def wait_ready(self, timeout: float = 15.0) -> StandinProcess:
         self.wait_for_line("Application startup complete", timeout)
         return self
@@ -100,3 +147,9 @@ class StandinProcess:
             code = self.proc.wait()
         self._reader.join(5)
         return code
+
+
+def hive_reset(processes: Sequence[StandinProcess]) -> list[int]:
+    """Every one of PROCESSES killed at once (SIGKILL), as an XGMI hive reset ends every process
+    holding /dev/kfd (testkit/hive.py); the PIDs killed."""
+    return kill_at_once([p.proc.pid for p in processes if p.proc.poll() is None])

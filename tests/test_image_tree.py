@@ -119,7 +119,7 @@ def test_demo_tree_has_the_boot_check(demo_tree: Path) -> None:
     assert {n.split("/")[-1] for n in found} <= {"appliance-bootcheck.service", "appliance-bootcheck-trial.service",
                                                 "20-appliance-demo.preset", "bootcheck.py", "__init__.py",
                                                 "boot_facts.py", "boot_report.py", "boot_steps.py",
-                                                "engine_scenarios.py", "guest_commands.py",
+                                                "engine_scenarios.py", "guest_commands.py", "hive.py",
                                                 "appliance-demo-fault.service", "appliance-demo-panic.service",
                                                 "appliance-demo-freeze.service", "appliance-demo-crash.service",
                                                 "demo-source.conf"}
@@ -408,3 +408,17 @@ def test_the_image_keeps_the_appliances_man_pages_and_can_read_them(production_t
     assert all((root / name).is_file() for name in CLI_DOCS)
     packages = _mkosi_list("Packages")
     assert "man-db" in packages and "bash-completion" in packages  # `man applianctl`, and bash loads the completion
+
+
+def test_the_progress_judge_runs_in_both_trees_and_the_engine_is_not_killed_on_health(production_tree: Path, demo_tree: Path) -> None:
+    """appliance-judge.service runs `applianctl judge`, is enabled, restarts on failure under a
+    watchdog; the engine's /health is readiness only (the judge is its liveness)."""
+    for tree in (production_tree, demo_tree):
+        unit = (tree / "usr/lib/systemd/system/appliance-judge.service").read_text().splitlines()
+        assert "ExecStart=/usr/bin/applianctl judge" in unit and "Restart=on-failure" in unit
+        assert "Type=notify" in unit and any(line.startswith("WatchdogSec=") for line in unit)
+        assert "Before=appliance-proxy.service appliance-balancer.service" in unit
+        preset = (tree / "usr/lib/systemd/system-preset/10-appliance.preset").read_text().splitlines()
+        assert "enable appliance-judge.service" in preset
+        quadlet = (tree / "usr/share/containers/systemd/appliance-engine@.container").read_text().splitlines()
+        assert "HealthOnFailure=none" in quadlet and "HealthOnFailure=kill" not in quadlet

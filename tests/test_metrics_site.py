@@ -155,6 +155,19 @@ def test_a_scraper_gets_node_exporters_metrics_and_the_engines(site: Site) -> No
 
 
 @pytest.mark.programs
+def test_each_replica_has_its_own_path_and_one_not_up_fails_alone(site: Site) -> None:
+    """/engine/I/metrics is replica I's own /metrics (a scraper labels it replica="I": docs/fleet.md);
+    /engine/metrics stays replica 0's. Replica 1 does not listen here: its target fails, as a JSON
+    error (the scraper's up is 0 for it alone), and replica 0's still answers."""
+    before = len(site.engine_seen)
+    zero = _get(site, "/engine/0/metrics")
+    assert zero.status_code == 200 and zero.text == ENGINE_TEXT and site.engine_seen[before:] == ["/metrics"]
+    one = _get(site, "/engine/1/metrics")
+    assert one.status_code == 502 and one.json()["error"]["type"] == "proxy_error"
+    assert _get(site, "/engine/2/metrics").status_code == 404  # the demo has two replicas
+
+
+@pytest.mark.programs
 def test_the_appliance_itself_may_scrape(site: Site) -> None:
     assert _get(site, "/metrics", source="127.0.0.1").status_code == 200
 

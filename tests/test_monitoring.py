@@ -57,7 +57,8 @@ def test_the_alert_rules_check_and_their_unit_tests_pass() -> None:
 def test_the_rules_cover_what_the_fleet_needs_and_name_only_exported_metrics() -> None:
     rules = yaml.safe_load((MONITORING / "appliance.rules.yml").read_text())["groups"][0]["rules"]
     assert {r["alert"] for r in rules} == {"ApplianceDown", "ApplianceVersionRolledBack", "ApplianceEngineNotReady", "ApplianceReplicaDown",
-                                          "ApplianceVarNearlyFull", "ApplianceGpuEccRising", "ApplianceStatusStale"}
+                                          "ApplianceVarNearlyFull", "ApplianceGpuEccRising", "ApplianceStatusStale",
+                                          "ApplianceReplicaStalled", "ApplianceNeedsPhysicalAction"}
     for rule in rules:
         assert _metrics(rule["expr"]) <= set(exposition.HELP) | OTHER_METRICS, rule["expr"]
 

@@ -34,7 +34,7 @@ from requests.adapters import HTTPAdapter
 
 import appliance.caddyfile
 import appliance.config
-from appliance import paths
+from appliance import engine_limits, paths
 from appliance.caddyfile import render_caddyfile
 from appliance.config import Config
 from appliance.errors import ConfigError
@@ -135,7 +135,8 @@ def test_every_variant_is_valid_for_caddy(
     assert all(s.get("automatic_https", {}).get("disable_redirects") for s in servers.values())
     https = next(s for s in servers.values() if s["listen"] == [":443"])
     routes = json.dumps(https["routes"])
-    assert '"flush_interval": -1' in routes
+    # no explicit flush_interval -1 (caddyserver/caddy#4952: the engine's request would outlive its client)
+    assert '"flush_interval"' not in routes and '"buffer_requests": true' in routes
     if config.replicas > 1:  # the balancer checks each replica; Caddy sends to it
         assert '"health_checks"' not in routes and f'"dial": "127.0.0.1:{config.balancer_port}"' in routes
     else:
@@ -156,7 +157,13 @@ def test_every_variant_is_valid_for_caddy(
         {"not": [{"vars_regexp": {"{http.request.orig_uri}": {"pattern": appliance.caddyfile.CANONICAL_RE}}}]}
     ]
     assert '"status_code": 400' in json.dumps(site_routes[0]["handle"])
-    engine = next(r for r in site_routes if '"reverse_proxy"' in json.dumps(r["handle"]))
+    # the engine's health path is the judge's verdict, from the same sources as the engine's paths
+    health = next(r for r in site_routes if f'"{paths.JUDGE_HEALTH}"' in json.dumps(r["handle"]))
+    assert health["match"][0]["vars_regexp"] == {
+        "{http.request.orig_uri}": {"pattern": appliance.caddyfile.allowed_re([config.engine.health.path])}
+    }
+    assert health["match"][0]["remote_ip"]["ranges"][-2:] == ["127.0.0.1/32", "::1/128"]
+    engine = next(r for r in site_routes if '"buffer_requests": true' in json.dumps(r["handle"]))
     assert engine["match"][0]["vars_regexp"] == {
         "{http.request.orig_uri}": {"pattern": appliance.caddyfile.allowed_re(list(config.proxy.allowed_paths))}
     }
@@ -171,7 +178,7 @@ def test_rendered_text(profile: str, mode: str, http: str, metrics: tuple[str, .
     assert re.search(r"log \{\s*output stdout\s*format json\s*\}", text)
     # production's one engine; the demo's two replicas through the balancer after them
     upstream = f"127.0.0.1:{config.balancer_port if config.replicas > 1 else config.engine.port}"
-    assert f"reverse_proxy {upstream} {{" in text and "flush_interval -1" in text
+    assert f"reverse_proxy {upstream} {{" in text and "\tflush_interval" not in text
     assert ("health_uri /health\n" in text) == (config.replicas == 1) and "lb_policy" not in text
     assert f"remote_ip {' '.join(config.proxy.allowed_cidrs)} 127.0.0.1/32 ::1/128\n" in text
     assert f"path {' '.join(config.proxy.allowed_paths)}\n" in text
@@ -393,7 +400,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         sock_dir = Path(tempfile.mkdtemp(prefix="px-"))
         caddyfile = base / "Caddyfile"
         caddyfile.write_text(
-            render_caddyfile(config, tls_dir=tls_dir, http_port=http_port, admin=f"unix/{sock_dir}/admin.sock")
+            render_caddyfile(config, tls_dir=tls_dir, http_port=http_port, admin=f"unix/{sock_dir}/admin.sock",
+                             judge_health=f"127.0.0.1:{_free_port()}")  # where no judge listens
         )
         caddy_log = base / "caddy.log"
         try:
@@ -477,7 +485,10 @@ def test_requests_by_hostname_reaches_the_engine(live: Live) -> None:
     r = _session(live).get(_url(live, "/v1/models"), timeout=10)
     assert r.status_code == 200, r.text
     assert [m["id"] for m in r.json()["data"]] == [MODEL]
-    assert _session(live).get(_url(live, "/health"), timeout=10).status_code == 200
+    # the proxy's /health is the judge's, and no judge runs here: 503 with the reason (tests/test_proxy_cancel.py
+    # has a judge that answers)
+    health = _session(live).get(_url(live, "/health"), timeout=10)
+    assert health.status_code == 503 and "judge is not running" in health.json()["error"]["message"]
 
 
 def test_openai_client_smoke_completion_and_streamed_chat(live: Live) -> None:
@@ -763,7 +774,10 @@ def raw_live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RawLive]:
         tls_dir = base / "tls"
         tls.generate(tls_dir, config.proxy.hostname, tls.host_addresses(), group="appliance-no-such-group")
         caddyfile = base / "Caddyfile"
-        caddyfile.write_text(render_caddyfile(config, tls_dir=tls_dir, http_port=_free_port(), admin="off"))
+        # the proxy's /health goes to the judge: here the recording backend too, so that it is
+        # seen getting exactly the allowed path like the engine's
+        caddyfile.write_text(render_caddyfile(config, tls_dir=tls_dir, http_port=_free_port(), admin="off",
+                                              judge_health=f"127.0.0.1:{backend.server_address[1]}"))
         caddy_log = base / "caddy.log"
         with _caddy(caddyfile, base, https_port, caddy_log):
             yield RawLive(https_port, config.proxy.hostname, tls_dir / "ca.crt", backend.recorded, caddy_log)
@@ -1021,16 +1035,16 @@ def test_get_and_post_still_reach_the_engine(raw_live: RawLive, method: bytes) -
 
 def test_body_limit_is_derived_from_the_context_length() -> None:
     config = appliance.config.load(TOML)
-    assert appliance.caddyfile.max_model_len(config.engine.args) == 262144
+    assert engine_limits.max_model_len(config.engine.args) == 262144
     assert appliance.caddyfile.max_body_bytes(config) == 262144 * appliance.caddyfile.BYTES_PER_TOKEN == 8 << 20
     demo = _demo()
     assert appliance.caddyfile.max_body_bytes(demo) == appliance.caddyfile.MIN_BODY  # 4096 tokens: the 1 MiB floor
-    assert appliance.caddyfile.max_model_len(["--max-model-len=32k"]) == 32000  # vLLM: k = 1000, K = 1024
-    assert appliance.caddyfile.max_model_len(["--max-model-len=32K"]) == 32768
-    assert appliance.caddyfile.max_model_len(["--max-model-len", "1M"]) == 1 << 20
-    assert appliance.caddyfile.max_model_len([]) is None
+    assert engine_limits.max_model_len(["--max-model-len=32k"]) == 32000  # vLLM: k = 1000, K = 1024
+    assert engine_limits.max_model_len(["--max-model-len=32K"]) == 32768
+    assert engine_limits.max_model_len(["--max-model-len", "1M"]) == 1 << 20
+    assert engine_limits.max_model_len([]) is None
     no_len = dataclasses.replace(config, engine=dataclasses.replace(config.engine, args=()))
-    assert appliance.caddyfile.max_body_bytes(no_len) == appliance.caddyfile.FALLBACK_CONTEXT * appliance.caddyfile.BYTES_PER_TOKEN
+    assert appliance.caddyfile.max_body_bytes(no_len) == engine_limits.FALLBACK_CONTEXT * appliance.caddyfile.BYTES_PER_TOKEN
     text = render_caddyfile(_variant(config, tls="internal", http="close"))
     assert f"max_size {8 << 20}\n" in text and f"max_buffer_size {(8 << 20) + 1}\n" in text
 
@@ -1056,7 +1070,11 @@ def test_proxy_buffers_request_bodies_and_outlives_no_engine_connection() -> Non
     assert int(re.search(r"max_buffer_size (\d+)", engine).group(1)) > limit  # type: ignore[union-attr]
     idle = re.search(r"transport http \{[^}]*\n\t+keepalive (\d+)s\n", engine)
     assert idle and 0 < int(idle.group(1)) < 5
-    assert "flush_interval -1" in engine
+    # no explicit flush_interval -1: it keeps the engine's request going after its client left
+    # (caddyserver/caddy#4952; tests/test_proxy_cancel.py is the live proof); a wait on the engine
+    # lasts at most as long as one request can
+    assert "\tflush_interval" not in engine
+    assert f"\t\t\t\tread_timeout {engine_limits.request_bound_s(_demo())}s\n" in engine
 
 
 @needs_caddy

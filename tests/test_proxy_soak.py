@@ -169,7 +169,11 @@ def test_every_streamed_and_plain_answer_arrives_whole(proxy: Proxy, _: None) ->
         t.join()
     took = time.monotonic() - started
     total = counts["streamed"] + counts["plain"]
-    aborted = proxy.caddy_log.read_text().count("aborting with incomplete response")
+    # An abort for "context canceled" is a client that left after its answer's last event (openai
+    # stops reading at "data: [DONE]" and closes): Caddy then cancels the rest at the engine, as it
+    # should (tests/test_proxy_cancel.py). Any other abort is an upstream failure cut short.
+    aborted = sum(1 for line in proxy.caddy_log.read_text().splitlines()
+                  if "aborting with incomplete response" in line and '"error":"context canceled"' not in line)
     summary = f"{total} requests in {took:.0f} s: {dict(counts)}; caddy aborted {aborted} responses"
     print(summary)
     assert total == CLIENTS * ROUNDS * 3 >= 2000 and counts["streamed"] > total / 2, summary

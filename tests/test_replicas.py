@@ -55,12 +55,12 @@ def _layout(replicas: int, affinity_header: str = "") -> config.Config:
 
 def _engine_proxies(adapted: dict[str, Any]) -> list[dict[str, Any]]:
     """Every reverse_proxy handler of the clients' site that forwards to the engine (or its balancer):
-    the ones that stream (flush_interval -1)."""
+    the ones that buffer request bodies (the judge's /health and the metrics site's do not)."""
     found = []
 
     def walk(node: Any) -> None:
         if isinstance(node, dict):
-            if node.get("handler") == "reverse_proxy" and node.get("flush_interval") == -1:
+            if node.get("handler") == "reverse_proxy" and node.get("buffer_requests"):
                 found.append(node)
             for value in node.values():
                 walk(value)
@@ -92,7 +92,9 @@ def _haproxy_check(cfg: str, tmp_path: Path) -> None:
 def test_one_engine_renders_a_single_upstream_and_no_balancer(tmp_path: Path) -> None:
     one = _layout(1)
     text = render_caddyfile(one)
-    assert "reverse_proxy 127.0.0.1:8000 {" in text and "lb_policy" not in text and "/engine/0/metrics" not in text
+    assert "reverse_proxy 127.0.0.1:8000 {" in text and "lb_policy" not in text
+    # replica 0's metrics at its own path too: one scrape configuration for every layout
+    assert "`^/engine/0/metrics$`" in text and "`^/engine/1/metrics$`" not in text
     (proxy,) = _engine_proxies(_adapt(text, tmp_path))
     assert [u["dial"] for u in proxy["upstreams"]] == ["127.0.0.1:8000"]
     assert proxy["health_checks"]["active"]["uri"] == one.engine.health.path
@@ -342,3 +344,30 @@ def test_the_warm_up_request_admits_the_stand_in_engine(tmp_path: Path) -> None:
         assert pattern.search(requests.get(base + "/metrics", timeout=10).text)
     finally:
         stop(proc)
+
+
+def test_the_balancer_ends_a_request_whose_client_left_and_waits_no_longer_than_a_request_lasts() -> None:
+    from appliance import engine_limits
+
+    for layout in (_layout(2), config.load(ROOT / "appliance.toml", "production")):
+        cfg = balancer.render_balancer(dataclasses.replace(layout, topology=dataclasses.replace(layout.topology, gpus=2, layout="2x1")))
+        bound = engine_limits.request_bound_s(layout)
+        assert f"\ttimeout server {bound}s\n" in cfg and f"\ttimeout client {bound}s\n" in cfg
+        assert "\toption abortonclose\n" in cfg and "\toption http-no-delay\n" in cfg
+    # the production engine's context (262144 tokens) at the slowest progressing rate, after its first token
+    production = config.load(ROOT / "appliance.toml", "production")
+    assert engine_limits.request_bound_s(production) == engine_limits.FIRST_TOKEN_S + 262144 // engine_limits.MIN_TOKENS_PER_S + 1
+
+
+def test_each_replica_is_asked_of_the_judges_agent_by_name_and_a_clients_metrics_come_from_one_replica() -> None:
+    from appliance import paths
+
+    cfg = balancer.render_balancer(_layout(2, "X-Session-Id"))
+    host, port = paths.JUDGE_AGENT.split(":")
+    assert f"\tdefault-server agent-check agent-addr {host} agent-port {port} agent-inter {balancer.AGENT_INTERVAL_MS}ms\n" in cfg
+    assert cfg.count('check agent-send "replica0\\n"') == 1 and cfg.count('check agent-send "replica1\\n"') == 1
+    # the other backends follow the replicas' backend's verdict, with no checks of their own
+    assert cfg.count("track replicas/replica1 no-agent-check") == 2
+    assert "\tuse_backend metrics if { path /metrics }\n" in cfg and "\tbalance first\n" in cfg
+    assert balancer.agent_reply(True) == "up\n"
+    assert balancer.agent_reply(False, "stalled: no tokens\nfor 95 s") == "down #stalled: no tokens for 95 s\n"

@@ -156,6 +156,7 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: Config) -> Pat
         "SHM_CHECK": run / "shm-check.json",
         "VERIFY_RESULT": run / "verify.json",
         "PREFLIGHT_RESULT": run / "preflight.json",
+        "JUDGE_STATE": run / "judge.json",
         "STATE_DIR": state,
         "TLS_DIR": state / "tls",
         "SHM_DIR": shm,
@@ -200,8 +201,31 @@ def write_healthy(tree: Path, config: Config) -> None:
     paths.VERIFY_RESULT.write_text(json.dumps({"ok": True, "reason": "", "version": "1.0.0", "signer": "release-2026", "overrides": []}))
     paths.PREFLIGHT_RESULT.write_text(json.dumps({"ok": True, "reason": ""}))
     paths.SHM_CHECK.write_text(json.dumps({"ok": True, "reason": ""}))
+    write_judge([judged(0, "alive", "", last_progress_at=utc(-3))], canaries=4)
     if not (paths.TLS_DIR / "ca.crt").exists():
         make_ca(paths.TLS_DIR / "ca.crt", days=3650)
+
+
+def utc(offset_s: float = 0) -> str:
+    """Now plus OFFSET_S, as the judge writes its times."""
+    when = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=offset_s)
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def judged(replica: int, state: str, reason: str, **kw: Any) -> Any:
+    from applianctl.records import ReplicaJudgement
+
+    return ReplicaJudgement(replica=replica, state=state, reason=reason, since=kw.pop("since", utc(-60)), **kw)
+
+
+def write_judge(replicas: list[Any], *, canaries: int = 0, hive: str = "", checked_at: str | None = None) -> None:
+    """The progress judge's record (appliance-judge.service) at paths.JUDGE_STATE."""
+    from appliance.atomic import write_record
+    from applianctl.records import JudgeState
+
+    alive = sum(r.state == "alive" for r in replicas)
+    write_record(paths.JUDGE_STATE, JudgeState(checked_at=checked_at or utc(), replicas=tuple(replicas),
+                                               canaries_last_hour=canaries, alive=alive, hive=hive))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +267,10 @@ def running_caddy(base: Path, https_port: int, engine_port: int) -> Iterator[Liv
     tls.generate(live.tls_dir, config.proxy.hostname, tls.host_addresses(), group="appliance-no-such-group")
     sock_dir = Path(tempfile.mkdtemp(prefix="st-"))  # a unix socket path must stay short
     caddyfile = base / "Caddyfile"
-    caddyfile.write_text(render_caddyfile(config, tls_dir=live.tls_dir, http_port=free_port(), admin=f"unix/{sock_dir}/admin.sock"))
+    # the proxy's own /health asks the judge; here the stand-in's /health stands in for it (200 while
+    # it serves, and nothing listening when the engine is gone, as with no replica alive)
+    caddyfile.write_text(render_caddyfile(config, tls_dir=live.tls_dir, http_port=free_port(), admin=f"unix/{sock_dir}/admin.sock",
+                                          judge_health=f"127.0.0.1:{engine_port}"))
     log = base / "caddy.log"
     env = {**os.environ, "HOME": str(base), "XDG_DATA_HOME": str(base / "data"), "XDG_CONFIG_HOME": str(base / "config")}
     with log.open("wb") as out:
@@ -433,6 +460,161 @@ def test_engine_replicas_each_probed_one_down_is_degraded_all_down_is_down(tree:
     assert down.state == probes.DOWN and down.to_json()["refused"] is True, down
     assert down.reason == f"replica 0: {dead}/health: connection refused; replica 1: {dead}/health: connection refused"
     assert collect.summary("engine", part.to_json()).startswith("replicas 1/2 serving; models standin/tiny-demo;")
+
+
+# ----------------------------------------------------------------------------------- the progress judge
+
+STALLED = "stalled: no tokens for 95 s with 12 requests waiting"
+
+
+def exposed(part: probes.Part) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """The engine PART's Prometheus series, parsed by prometheus_client: {name: {labels: value}}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from applianctl.status import exposition
+
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(exposition.render(made_up(parts={"engine": part}))):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+@pytest.fixture
+def answering(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every replica's readiness probe finds /health 200 and the served model, as vLLM's API
+    server answers over a deadlocked engine core (vllm-project/vllm#39863): the judge alone knows."""
+    def ready(config: Config, base: str) -> probes.Part:
+        return probes.Part(probes.OK, "", document.EngineDetails(url=base, replicas=(), health=200, models=(MODEL,), metrics=None))
+
+    monkeypatch.setattr(applianctl.status.engine, "probe_replica", ready)
+    return "http://127.0.0.1:8000"
+
+
+def test_a_replica_the_judge_found_stalled_is_down_though_its_health_answers(tree: Path, answering: str) -> None:
+    """Both replicas answer /health 200; the judge's verdict wins: replica 1 stalled is down, with
+    the judge's reason, its restarts and the canary's load in the document and in the metrics (the
+    reason as its class)."""
+    two = appliance.config.load(ROOT / "appliance.toml", "demo")
+    src = sources(tree, answering, replica_urls=(answering,))
+    write_judge([judged(0, "alive", "", last_progress_at=utc(-2), waiting=3),
+                 judged(1, "stalled", STALLED, last_progress_at=utc(-95), waiting=12, restarts=2)], canaries=7)
+    part = applianctl.status.engine.probe_engine(two, src)
+    assert (part.state, part.reason) == (probes.DEGRADED, f"1 of 2 replicas serve; replica 1: {STALLED}")
+    printed = part.to_json()
+    assert [(r["state"], r["reason"]) for r in printed["replicas"]] == [(probes.OK, ""), (probes.DOWN, STALLED)]
+    one = printed["replicas"][1]["judgement"]
+    assert (one["state"], one["reason"], one["reason_class"], one["waiting"], one["restarts"]) == ("stalled", STALLED, "no_tokens", 12, 2)
+    assert one["last_progress_at"] is not None and printed["replicas"][0]["judgement"]["reason_class"] == "none"
+    judge = printed["judge"]
+    assert (judge["state"], judge["note"], judge["alive"], judge["canary_requests_last_hour"], judge["hive"]) == ("judging", "", 1, 7, "")
+    assert collect.summary("engine", printed).endswith("; canary 7/h")  # the line `applianctl status` prints
+    assert document.load(json.loads(json.dumps(made_up(parts={"engine": part}).to_json()))).parts["engine"] == part
+
+    series = exposed(part)
+    state = series["appliance_replica_state"]
+    assert state[(("gpus", "1"), ("reason", "no_tokens"), ("replica", "1"), ("state", "stalled"))] == 1
+    assert state[(("gpus", "1"), ("reason", "no_tokens"), ("replica", "1"), ("state", "alive"))] == 0
+    assert state[(("gpus", "0"), ("reason", "none"), ("replica", "0"), ("state", "alive"))] == 1
+    # the readiness series as before, the stalled replica down in them too
+    assert state[(("gpus", "1"), ("replica", "1"), ("state", "down"))] == 1
+    assert state[(("gpus", "0"), ("replica", "0"), ("state", "ok"))] == 1
+    assert series["appliance_replica_restarts"] == {(("gpus", "0"), ("replica", "0")): 0, (("gpus", "1"), ("replica", "1")): 2}
+    assert series["appliance_canary_requests_last_hour"] == {(): 7}
+
+    # neither makes progress: down, whatever /health says; "canary timed out" gets its state first
+    write_judge([judged(0, "stalled", "canary timed out after 30 s"), judged(1, "restarting", STALLED, restarts=3)])
+    part = applianctl.status.engine.probe_engine(two, src)
+    assert part.state == probes.DOWN, part
+    assert part.reason == f"replica 0: stalled: canary timed out after 30 s; replica 1: restarting: {STALLED}"
+    assert part.to_json()["replicas"][0]["judgement"]["reason_class"] == "canary_timeout"
+    # alive or starting by the judge: /health and the rest decide, as without a judge
+    write_judge([judged(0, "alive", ""), judged(1, "starting", "")])
+    assert applianctl.status.engine.probe_engine(two, src).state == probes.OK
+
+
+def test_one_replica_stalled_and_the_hive_ladder_holding_replicas(tree: Path, config: Config, answering: str) -> None:
+    src = sources(tree, answering)
+    write_judge([judged(0, "stalled", STALLED)])
+    part = applianctl.status.engine.probe_engine(config, src)
+    assert (part.state, part.reason) == (probes.DOWN, STALLED)
+    hive = "needs physical action: amdgpu reset 3 times within 1 h (GPU 3)"
+    write_judge([judged(0, "held", hive)], hive=hive)
+    part = applianctl.status.engine.probe_engine(config, src)
+    assert part.state == probes.DOWN and part.reason.startswith(hive), part
+    assert part.to_json()["judge"]["hive"] == hive
+    held = exposed(part)["appliance_replica_state"]
+    assert held[(("gpus", "0"), ("reason", "needs_physical_action"), ("replica", "0"), ("state", "held"))] == 1
+
+
+def test_the_judge_not_run_yet_damaged_or_stale(tree: Path, config: Config, answering: str) -> None:
+    """No record: the judge has not run yet, said in the part's judge key, the state as readiness
+    says; a damaged or stale record: said in the reason, the part degraded, its verdicts unused."""
+    src = sources(tree, answering)
+    part = applianctl.status.engine.probe_engine(config, src)
+    assert (part.state, part.reason) == (probes.OK, "")
+    judge = part.to_json()["judge"]
+    assert (judge["state"], judge["checked_at"], judge["canary_requests_last_hour"]) == ("not run", None, None)
+    assert judge["note"] == f"the progress judge has not run yet (no {paths.JUDGE_STATE})"
+    assert collect.summary("engine", part.to_json()).endswith(f"; {judge['note']}")
+    assert "judgement" not in part.to_json()["replicas"][0]
+    assert "appliance_canary_requests_last_hour" not in exposed(part)
+    assert {dict(k)["state"] for k in exposed(part)["appliance_replica_state"]} == {"ok", "degraded", "down"}
+
+    paths.JUDGE_STATE.write_text("{not json")
+    part = applianctl.status.engine.probe_engine(config, src)
+    assert part.state == probes.DEGRADED and part.reason.startswith("the judge's record is damaged:"), part
+    assert part.to_json()["judge"]["state"] == "damaged"
+    # a negative count is damage, not a judgement; a key a newer release added is skipped
+    write_judge([judged(0, "alive", "")])
+    record = json.loads(paths.JUDGE_STATE.read_text())
+    paths.JUDGE_STATE.write_text(json.dumps({**record, "canaries_last_hour": -1}))
+    assert applianctl.status.engine.probe_engine(config, src).to_json()["judge"]["state"] == "damaged"
+    paths.JUDGE_STATE.write_text(json.dumps({**record, "a_newer_key": 1}))
+    assert applianctl.status.engine.probe_engine(config, src).to_json()["judge"]["state"] == "judging"
+
+    # the judge stopped 10 minutes ago, its last word "alive": not believed
+    write_judge([judged(0, "alive", "")], checked_at=utc(-600))
+    part = applianctl.status.engine.probe_engine(config, src)
+    assert part.state == probes.DEGRADED, part
+    assert re.fullmatch(r"the progress judge's last round was 60\d s ago \(appliance-judge.service\)", part.reason), part.reason
+    assert "judgement" not in part.to_json()["replicas"][0]
+    # a stale "stalled" is not believed either: readiness (down would need evidence) plus the note
+    write_judge([judged(0, "stalled", STALLED)], checked_at=utc(-600))
+    assert applianctl.status.engine.probe_engine(config, src).state == probes.DEGRADED
+
+
+@pytest.mark.parametrize(("reason", "kind"), [
+    ("", "none"),
+    (STALLED, "no_tokens"),
+    ("canary timed out after 30 s", "canary_timeout"),
+    ("no answer on /metrics for 95 s and no canary answered", "metrics_silent"),
+    ("stalled: canary answered HTTP 500", "canary_failed"),
+    ("engine core dead: /v1/completions answered 500 EngineDeadError", "engine_dead"),
+    ("needs physical action: GPU 3 faulted after each restart", "needs_physical_action"),
+    ("held: amdgpu reset of the hive", "hive_fault"),
+    ("/health answered 503", "not_ready"),
+    ("restarted by the judge: no tokens for 95 s with 12 requests waiting", "no_tokens"),
+    ("its unit is activating (auto-restart)", "restart"),
+    ('x"} 1\nappliance_rolled_back 1', "other"),
+])
+def test_the_reason_class_is_one_word_of_a_bounded_set(reason: str, kind: str) -> None:
+    from applianctl.status import exposition
+
+    assert applianctl.status.engine.reason_class(reason) == kind
+    assert kind in applianctl.status.engine.REASON_CLASSES
+    # a class the exposition does not know (a newer record) is labelled other, never its text
+    replica = document.ReplicaStatus(replica=0, url="u", state=probes.OK, reason="", gpus=(0,), judgement=document.ReplicaJudged(
+        state="alive", reason=reason, reason_class=reason or "none", since="t", last_progress_at=None, waiting=0, restarts=0))
+    engine = document.EngineDetails(url="u", replicas=(replica,))
+    text = exposition.render(made_up(parts={"engine": probes.Part(probes.OK, "", engine)}))
+    labels = re.findall(r'appliance_replica_state\{[^}]*reason="([^"]*)"', text)
+    assert labels and set(labels) <= set(applianctl.status.engine.REASON_CLASSES), labels
+
+
+def test_the_schema_doc_names_every_reason_class() -> None:
+    said = re.findall(r'"(\w+)"', next(f for f in dataclasses.fields(document.ReplicaJudged) if f.name == "reason_class").metadata["doc"])
+    assert set(said) == set(applianctl.status.engine.REASON_CLASSES)
 
 
 # ----------------------------------------------------------------------------------- os

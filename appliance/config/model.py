@@ -158,6 +158,48 @@ class Shm:
     )
 
 
+@dataclass(frozen=True)
+class Remediation:
+    quiet_s: int = field(default=86400, metadata=_check(checks.between(600, 30 * 86400)) | _doc(
+        "Seconds without a hive-wide fault (an amdgpu reset or RAS fault in the kernel log, several replicas dying "
+        "together) after which the remediation ladder starts again from its first step. \"Needs physical action\" "
+        "is not cleared by time: only by someone who looked (applianctl/judge/hive.py)."))
+    restarts: int = field(default=1, metadata=_check(checks.between(0, 10)) | _doc(
+        "Hive-wide faults met by restarting the replicas (staggered, each after its GPU self-test); the next one "
+        "reboots the machine once, and one after that stops the replicas: needs physical action."))
+    settle_s: int = field(default=300, metadata=_check(checks.between(10, 3600)) | _doc(
+        "The ladder's rate limit: for this many seconds after a counted fault, more evidence (a reset's further "
+        "lines, the other replicas dying) is the same fault, not the next step."))
+    together_replicas: int = field(default=2, metadata=_check(checks.between(2, 64)) | _doc(
+        "Replicas that exit within together_s of one another count as one hive-wide fault (with fewer replicas, "
+        "only the kernel log tells one)."))
+    together_s: int = field(default=30, metadata=_check(checks.between(1, 600)) | _doc(
+        "See together_replicas."))
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The progress judge's bounds (appliance-judge.service, applianctl/judge/): a replica is alive
+    while its token counters move, or a one-token canary answers when they do not."""
+
+    interval_s: int = field(default=5, metadata=_check(checks.between(1, 60)) | _doc(
+        "Seconds between two rounds of the judge: each replica's /metrics read, its unit's state asked of systemd."))
+    stall_after_s: int = field(default=180, metadata=_check(checks.between(10, 3600)) | _doc(
+        "Seconds without a token (vLLM's generation and prompt token counters frozen, no canary answered) while "
+        "requests are waiting or running, after which a replica is stalled: taken out of the balancer, killed and "
+        "restarted. Longer than the longest prefill: with chunked prefill the other streams keep generating, and a "
+        "prompt alone at --max-model-len (262144 tokens in 2048-token chunks, 128 steps) shows its tokens only "
+        "once its prefill ends."))
+    canary_after_s: int = field(default=60, metadata=_check(checks.between(5, 3600)) | _doc(
+        "Seconds without a token after which the judge sends the replica a one-token completion (the canary), "
+        "idle or not; a moving counter sends none, so a busy appliance gets none and an idle one about "
+        "3600 / canary_after_s an hour per replica."))
+    canary_timeout_s: int = field(default=30, metadata=_check(checks.between(1, 600)) | _doc(
+        "Seconds the canary may take. One that gets no answer while the replica has nothing else in flight "
+        "(an engine core frozen while idle), or one answered with a server error, stalls the replica at once; "
+        "on a busy replica a slow canary is no verdict (it queues behind the batch), stall_after_s decides."))
+
+
 # Set in every engine's environment whatever engine.env says (engine.env may only repeat them).
 FIXED_ENV = {"PYTHONHASHSEED": "0"}
 
@@ -221,6 +263,11 @@ class Engine:
     health: Health = field(default_factory=Health, metadata=_doc(
         "The engine's health check (podman's), on the engine's own readiness path."))
     shm: Shm = field(default_factory=Shm, metadata=_doc("/dev/shm, where every replica maps its CPU KV offload file."))
+    progress: Progress = field(default_factory=Progress, metadata=_doc(
+        "The progress judge: each replica is judged alive by its tokens, not by /health (a readiness signal that "
+        "stays 200 while a deadlocked engine core serves nothing)."))
+    remediation: Remediation = field(default_factory=Remediation, metadata=_doc(
+        "Hive-wide GPU faults: restart, then one reboot, then stop and report \"needs physical action\"."))
     overlays: tuple[PinnedFile, ...] = field(default=(), metadata=_doc(
         "Python files of this repository mounted read-only over files in the engine's container. The production ones "
         "are third-party code the operator puts in overlays/production/.",
@@ -573,6 +620,7 @@ def cross_checks(path: Path, config: Config) -> None:
     if config.metrics.port in (config.proxy.https_port, config.engine.port, 80):
         raise ConfigError(f"{path}: metrics.port = {config.metrics.port} is taken", hint="give the metrics a port of their own, e.g. 9443")
     _topology_checks(path, config)
+    _progress_checks(path, config.engine.progress)
     _driver_checks(path, config.os)
     if config.gpu.required and config.profile == "demo":
         raise ConfigError(f"{path}: profiles.demo needs gpu.required = false", hint="the demo runs without a GPU")
@@ -622,6 +670,22 @@ def _topology_checks(path: Path, config: Config) -> None:
             f"{t.memory_reserve_gib:g} GiB reserved, more than topology.memory_gib = {t.memory_gib:g}",
             hint=f"lower --kv-offloading-size to at most {max(room, 0):.4g} GiB per replica, or use fewer replicas or more memory",
         )
+
+
+def _progress_checks(path: Path, p: Progress) -> None:
+    """engine.progress's bounds against each other: a stall needs several rounds to be seen, and a
+    canary must be sent and answered within the stall bound for it to count."""
+    if p.stall_after_s < 3 * p.interval_s:
+        raise ConfigError(f"{path}: engine.progress.stall_after_s = {p.stall_after_s} is less than 3 x interval_s ({p.interval_s})",
+                          hint=f"raise stall_after_s to at least {3 * p.interval_s}, or lower interval_s")
+    if p.canary_after_s < p.interval_s:
+        raise ConfigError(f"{path}: engine.progress.canary_after_s = {p.canary_after_s} is less than interval_s ({p.interval_s})",
+                          hint="the judge sees the counters once a round: give canary_after_s at least interval_s")
+    if p.canary_after_s + p.canary_timeout_s > p.stall_after_s:
+        raise ConfigError(
+            f"{path}: engine.progress.canary_after_s + canary_timeout_s = {p.canary_after_s + p.canary_timeout_s} is more than "
+            f"stall_after_s ({p.stall_after_s})",
+            hint="a quiet replica's canary must have its answer before the stall bound: lower them or raise stall_after_s")
 
 
 # Why amdgpu-dkms cannot run on a sealed appliance (docs/architecture.md, "The GPU driver"): the

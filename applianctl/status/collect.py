@@ -22,7 +22,7 @@ from appliance.config import Config
 from appliance.errors import UserError
 from appliance.host_settings import load_device
 from applianctl import records
-from applianctl.status import disk, engine, files, gpu, host, os_slots, probes, proxy, sealed, shm, systemd, tls, weights
+from applianctl.status import disk, engine, files, gpu, host, os_slots, probes, proxy, remediation, sealed, shm, systemd, tls, weights
 from applianctl.status.document import EngineDetails, StartupDetails, StatusDocument
 from applianctl.status.probes import DEGRADED, DOWN, NOT_CONFIGURED, OK, Part, Sources
 
@@ -32,7 +32,7 @@ EXIT_STATUS = {OK: 0, NOT_CONFIGURED: 0, DEGRADED: 1, DOWN: 2}
 # The parts, in the order they are shown.
 PARTS = (
     "os", "slots", "sealed", "units", "engine", "proxy", "startup", "verify", "preflight", "shm-check", "gpu", "shm", "disk", "tls",
-    "weights", "host",
+    "weights", "host", "remediation",
 )
 
 
@@ -55,6 +55,7 @@ def probe_table(config: Config, src: Sources) -> dict[str, Callable[[], Part]]:
         "tls": lambda: tls.probe_tls(config, paths.TLS_DIR),
         "weights": lambda: weights.probe_weights(config),
         "host": lambda: host.probe_host(config, src, paths.RUN_DIR / "host.json"),
+        "remediation": lambda: remediation.probe_remediation(config),
     }
     assert tuple(table) == PARTS
     return table
@@ -135,15 +136,17 @@ def summary(name: str, part: Mapping[str, Any]) -> str:
     if name == "engine":
         replicas = d.get("replicas") or []
         serving = f"replicas {sum(r.get('state') == OK for r in replicas)}/{len(replicas)} serving; " if replicas else ""
+        judge = d.get("judge") or {}  # the progress judge: its canary's load, or why it is not judging
+        judged = f"; {judge.get('note') or 'canary ' + _fmt(judge.get('canary_requests_last_hour')) + '/h'}" if judge else ""
         if d.get("models") is None and d.get("metrics") is None:
-            return serving.removesuffix("; ")
+            return serving.removesuffix("; ") + judged
         m = d.get("metrics") or {}
         models = ", ".join(d.get("models") or []) or "-"
         return serving + (
             f"models {models}; running {_fmt(m.get('requests_running'))}, waiting {_fmt(m.get('requests_waiting'))}, "
             f"KV {_pct(m.get('kv_cache_usage'))}, prefix hits {_pct(m.get('prefix_cache_hit_rate'))}, "
             f"spec accept {_pct(m.get('spec_decode_acceptance_rate'))}, TTFT {_fmt(m.get('mean_ttft_s'), 3)} s"
-        )
+        ) + judged
     if name == "startup":
         figs = d.get("figures") or {}
         shown = [f"{k} {_fmt(v.get('value'))}/{_fmt(v.get('expected'))}" for k, v in figs.items()]
@@ -231,7 +234,7 @@ def run(args: argparse.Namespace, src: Sources | None = None) -> int:
         from applianctl.status import exposition, gpu_metrics
 
         # the GPUs' own series (device-metrics-exporter's names) after the status document's
-        text = exposition.render(doc) + gpu_metrics.exposition(probes.run_command, probes.COMMAND_TIMEOUT_S * 5)
+        text = exposition.render(doc, config.metrics.refresh_s) + gpu_metrics.exposition(probes.run_command, probes.COMMAND_TIMEOUT_S * 5)
         if getattr(args, "output", None):
             # whole or not at all: node_exporter's textfile collector may read it at any moment
             from appliance.atomic import atomic_write

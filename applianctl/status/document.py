@@ -251,19 +251,55 @@ class EngineMetrics:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReplicaJudged:
+    """One replica as the progress judge (appliance-judge.service) saw it in its last round."""
+
+    state: str = field(metadata=doc('"starting"/"alive"/"stalled"/"restarting"/"held"'))
+    reason: str = field(metadata=doc('(one line, e.g. "stalled: no tokens for 95 s with 12 requests waiting"; "" when alive)'))
+    reason_class: str = field(metadata=doc(
+        '(the reason in one word, as the metrics label it: "none", "no_tokens", "metrics_silent", "canary_timeout", '
+        '"canary_failed", "engine_dead", "not_ready", "hive_fault", "needs_physical_action", "restart", "other")'))
+    since: str = field(metadata=doc("(when it entered this state, ISO 8601 UTC)"))
+    last_progress_at: str | None = field(metadata=doc(
+        "(the last time its token counters moved or a canary answered; null: not yet this boot)"))
+    waiting: int = field(metadata=doc("(requests waiting and running at the judge's last scrape)"))
+    restarts: int = field(metadata=doc("(restarts by the judge this boot)"))
+
+
+@dataclass(frozen=True, kw_only=True)
 class ReplicaStatus:
     replica: int = field(metadata=doc(""))
     url: str = field(metadata=doc("(its loopback port)"))
-    state: str = field(metadata=doc(""))
+    state: str = field(metadata=doc("(the judge's verdict wins: a replica judged stalled, restarting or held is down "
+                                    "whatever its /health answers)"))
     reason: str = field(metadata=doc(""))
     gpus: tuple[int, ...] = field(metadata=doc("[the GPU indexes it runs on]"))
+    judgement: ReplicaJudged | None = field(default=None, metadata=omitted("(absent when the judge has not judged it)"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class JudgeSummary:
+    """The progress judge's record (/run/appliance/judge.json) as status read it."""
+
+    state: str = field(metadata=doc('"judging"/"not run" (no record yet)/"damaged"/"stale" (its last round is older '
+                                    "than 5 minutes: its verdicts are not used)"))
+    note: str = field(metadata=doc('(why it is not "judging", one line; "" when it is)'))
+    checked_at: str | None = field(metadata=doc("(its last round, ISO 8601 UTC)"))
+    alive: int | None = field(metadata=doc("(replicas alive by the judge: the proxy's /health answers 200 while above 0)"))
+    canary_requests_last_hour: int | None = field(metadata=doc(
+        "(the canary's load: one-token completions the judge sent in the last hour, only to replicas whose counters "
+        "did not move)"))
+    hive: str = field(metadata=doc('(the verdict of the hive-wide fault ladder when it holds replicas down, e.g. "needs '
+                                   'physical action: ..."; "" otherwise)'))
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineDetails(Details):
     STATES = ("ok, degraded (/v1/models lacks the served model, /metrics unreadable, port refused while the startup "
-              "report says loading; with several replicas: some do not serve, the reason names each), down (refused, no "
-              "answer in 0.5 s, /health not 200; with several replicas: none serves)")
+              "report says loading; with several replicas: some do not serve, the reason names each; a replica the "
+              "progress judge finds stalled, restarting or held; the judge's record damaged or stale), down (refused, no "
+              "answer in 0.5 s, /health not 200, judged stalled, restarting or held although /health answers; with "
+              "several replicas: none serves)")
     LEAD = "the first replica's"
     url: str = field(metadata=doc(""))
     refused: bool | None = field(default=None, metadata=omitted(""))
@@ -271,6 +307,9 @@ class EngineDetails(Details):
     models: Absent | tuple[str, ...] | None = field(default=ABSENT, metadata=doc("[ids]"))
     metrics: Absent | EngineMetrics | None = field(default=ABSENT, metadata=doc(""))
     replicas: tuple[ReplicaStatus, ...] = field(metadata=doc("(every replica probed at once; the metrics' appliance_replica_state)"))
+    judge: JudgeSummary | None = field(default=None, metadata=omitted("(the progress judge: /health and the rest are "
+                                                                      "readiness, the judge says whether a replica makes "
+                                                                      "progress)"))
 
 
 # ----------------------------------------------------------------------------------- proxy
@@ -460,6 +499,21 @@ class HostDetails(Details):
     factory_reset: FactoryResetStatus = field(metadata=doc(""))
 
 
+@dataclass(frozen=True, kw_only=True)
+class RemediationDetails(Details):
+    STATES = ("ok (no hive-wide GPU fault counted), degraded (a fault counted: the replicas were restarted, or the "
+              "machine rebooted once; the ladder's record damaged, which counts as one fault), down (needs physical "
+              "action: the replicas are held down; the reason names the GPU and the evidence)")
+    step: str = field(metadata=doc('"none"/"restart"/"reboot"/"physical" (the ladder\'s step: applianctl/judge/hive.py)'))
+    faults: int = field(metadata=doc("(hive-wide faults since the ladder last started again)"))
+    last_fault_at: str | None = field(metadata=doc("(ISO 8601 UTC, null when none)"))
+    gpu: str | None = field(metadata=doc("(the GPU the evidence names: a PCI address or a KFD node, null when none does)"))
+    evidence: tuple[str, ...] = field(metadata=doc("[the kernel log lines or the replicas that died together, the first few]"))
+    resets_at: str | None = field(metadata=doc("(when the ladder starts again without another fault: engine.remediation."
+                                               "quiet_s after the last; null at none or physical)"))
+    damaged: bool = field(metadata=doc("(the record was damaged)"))
+
+
 # ----------------------------------------------------------------------------------- the document
 
 # Each part's details, in the order the parts are shown.
@@ -467,7 +521,7 @@ PART_DETAILS: Mapping[str, type[Details]] = {
     "os": OsDetails, "slots": SlotsDetails, "sealed": SealedDetails, "units": UnitsDetails, "engine": EngineDetails,
     "proxy": ProxyDetails, "startup": StartupDetails, "verify": CheckFileDetails, "preflight": CheckFileDetails,
     "shm-check": CheckFileDetails, "gpu": GpuDetails, "shm": ShmDetails, "disk": DiskDetails, "tls": TlsDetails,
-    "weights": WeightsDetails, "host": HostDetails,
+    "weights": WeightsDetails, "host": HostDetails, "remediation": RemediationDetails,
 }
 
 

@@ -13,10 +13,12 @@ import math
 from collections.abc import Iterator
 from typing import TypeVar
 
+from applianctl.records import LADDER_STEPS, REPLICA_STATES
 from applianctl.status.document import (
     Details,
     DiskDetails,
     EngineDetails,
+    RemediationDetails,
     SealedDetails,
     ShmDetails,
     SlotsDetails,
@@ -25,6 +27,7 @@ from applianctl.status.document import (
     TlsDetails,
     WeightsDetails,
 )
+from applianctl.status.engine import REASON_CLASSES
 
 D = TypeVar("D", bound=Details)
 
@@ -39,7 +42,12 @@ HELP = {
     "appliance_state": "the overall state: 1 for the current one, 0 for the others",
     "appliance_status_seconds": "how long collecting the status took",
     "appliance_part_state": "each part's state: 1 for the current one, 0 for the others",
-    "appliance_replica_state": "each engine replica's state (label gpus: the GPUs it runs on): 1 for the current one, 0 for the others",
+    "appliance_replica_state": "each engine replica's state (label gpus: the GPUs it runs on): 1 for the current one, 0 for the "
+                               "others; state ok, degraded or down as status says (the judge's verdict over /health), and "
+                               "starting, alive, stalled, restarting or held as the progress judge says, with reason the "
+                               "judge's reason in one word (none, no_tokens, canary_timeout, ...)",
+    "appliance_replica_restarts": "restarts of each engine replica by the progress judge this boot",
+    "appliance_canary_requests_last_hour": "one-token canary completions the progress judge sent in the last hour",
     "appliance_slot_info": "each /usr slot: its version, its state (good, on trial, bad, empty) and whether it is booted",
     "appliance_slot_tries_left": "boot tries left of the slot's version (absent when it is not counted)",
     "appliance_running_good": "1 when the running version is judged good",
@@ -53,6 +61,10 @@ HELP = {
     "appliance_shm_free_bytes": "free bytes in /dev/shm (the engine's CPU KV offload lives there)",
     "appliance_shm_stale_offload_files": "offload files in /dev/shm that no process holds",
     "appliance_tls_ca_days_left": "days until the appliance CA expires",
+    "appliance_metrics_refresh_seconds": "how often this text is rewritten (metrics.refresh_s): its staleness alert follows it",
+    "appliance_remediation_step": "the hive-wide GPU fault ladder's step (none, restart, reboot, physical): 1 for the current one",
+    "appliance_remediation_faults": "hive-wide GPU faults counted since the ladder last started again",
+    "appliance_needs_physical_action": "1 when the hive-wide fault ladder holds the replicas down: someone must look at the machine",
 }
 
 
@@ -94,6 +106,15 @@ def _samples(doc: StatusDocument) -> Iterator[tuple[str, dict[str, object], floa
             for state in PART_STATES[:3]:
                 labels = {"replica": replica.replica, "gpus": gpus, "state": state}
                 yield "appliance_replica_state", labels, int(replica.state == state)
+            if (judged := replica.judgement) is not None:
+                # the reason's class, never its text: a label value from a bounded set
+                reason = judged.reason_class if judged.reason_class in REASON_CLASSES else "other"
+                for state in REPLICA_STATES:
+                    labels = {"replica": replica.replica, "gpus": gpus, "state": state, "reason": reason}
+                    yield "appliance_replica_state", labels, int(judged.state == state)
+                yield "appliance_replica_restarts", {"replica": replica.replica, "gpus": gpus}, judged.restarts
+        if engine.judge is not None and (canaries := _number(engine.judge.canary_requests_last_hour)) is not None:
+            yield "appliance_canary_requests_last_hour", {}, canaries
     if (slots := _details(doc, "slots", SlotsDetails)) is not None:
         for slot in slots.slots:
             labels = {"slot": slot.slot, "version": slot.version or "", "state": slot.state or "", "booted": str(slot.booted).lower()}
@@ -125,12 +146,21 @@ def _samples(doc: StatusDocument) -> Iterator[tuple[str, dict[str, object], floa
         yield "appliance_shm_stale_offload_files", {}, len(shm.stale_offload_files)
     if (tls := _details(doc, "tls", TlsDetails)) is not None and (days := _number(tls.ca_days_left)) is not None:
         yield "appliance_tls_ca_days_left", {}, days
+    if (ladder := _details(doc, "remediation", RemediationDetails)) is not None:
+        for step in LADDER_STEPS:
+            yield "appliance_remediation_step", {"step": step}, int(ladder.step == step)
+        yield "appliance_remediation_faults", {}, ladder.faults
+        yield "appliance_needs_physical_action", {}, int(ladder.step == "physical")
 
 
-def render(doc: StatusDocument) -> str:
-    """The exposition text of DOC (a status document): HELP and TYPE once per metric, then its samples."""
+def render(doc: StatusDocument, refresh_s: int | None = None) -> str:
+    """The exposition text of DOC (a status document): HELP and TYPE once per metric, then its
+    samples; with REFRESH_S (metrics.refresh_s), how often the textfile holding it is rewritten."""
     by_name: dict[str, list[str]] = {}
-    for name, labels, value in _samples(doc):
+    found = list(_samples(doc))
+    if refresh_s is not None:
+        found.append(("appliance_metrics_refresh_seconds", {}, refresh_s))
+    for name, labels, value in found:
         by_name.setdefault(name, []).append(_sample(name, labels, value))
     lines = []
     for name, samples in by_name.items():

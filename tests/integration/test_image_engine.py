@@ -126,6 +126,39 @@ def test_hang_is_detected_and_restarted(faults_boot: dict[str, Any]) -> None:
     assert hang["restarted"], hang["engine_log"]
 
 
+def test_a_deadlocked_replica_is_judged_stalled_taken_out_and_restarted(faults_boot: dict[str, Any]) -> None:
+    """Replica 1's engine core deadlocked under four streaming clients (/health and /metrics stayed
+    200, nothing answered): the judge found no tokens with requests waiting within its bound, the
+    replica left the rotation, was restarted, warmed and judged alive again; replica 0 was never
+    restarted for it."""
+    deadlock = faults_boot["scenarios"]["deadlock"]
+    assert deadlock["judged"] and deadlock["gone"] and deadlock["restarted"] and deadlock["alive_again"], deadlock
+    # the bound: stall_after_s from the last token, one round late at most, and the slack of a loaded guest
+    assert deadlock["seconds_to_judged"] <= deadlock["stall_after_s"] + 2 * deadlock["interval_s"] + 30, deadlock
+    assert "stalled" in deadlock["judge_log"] and "replica 1" in deadlock["judge_log"], deadlock["judge_log"]
+    assert deadlock["seconds_to_judged"] >= deadlock["stall_after_s"] - deadlock["interval_s"], deadlock  # not before
+
+
+def test_the_deadlock_fails_only_the_requests_in_flight_on_the_replica(faults_boot: dict[str, Any]) -> None:
+    """Requests sent while replica 1 was deadlocked and not yet taken out may fail (each client has
+    at most one there, held until the kill); none sent once it was out, and traffic went on."""
+    stream = faults_boot["scenarios"]["deadlock"]["stream"]
+    assert stream["failed_after_kill"] == [], stream
+    assert len(stream["failed_until_removed"]) + len(stream["failed_before_kill"]) <= stream["clients"], stream
+    assert stream["sent_after_kill"] >= 10 and stream["ok_after_kill"] == stream["sent_after_kill"], stream
+
+
+def test_status_and_the_metrics_say_why_the_replica_was_restarted(faults_boot: dict[str, Any]) -> None:
+    deadlock = faults_boot["scenarios"]["deadlock"]
+    replicas = {r["replica"]: r for r in deadlock["engine_part"]["replicas"]}
+    judged = replicas[1]["judgement"]
+    assert judged["state"] in ("stalled", "restarting"), replicas[1]
+    assert replicas[1]["state"] == "down" and replicas[0]["judgement"]["state"] == "alive", replicas
+    assert "no tokens for" in judged["reason"] or judged["state"] == "restarting", judged
+    lines = [line for line in deadlock["replica_state_lines"] if 'replica="1"' in line and line.endswith(" 1")]
+    assert any('state="stalled"' in line or 'state="restarting"' in line for line in lines), deadlock["replica_state_lines"]
+
+
 def test_tampered_overlay_keeps_the_engine_stopped_and_is_named(tampered_boot: dict[str, Any]) -> None:
     assert not tampered_boot["engine_became_healthy"]
     verify = tampered_boot["status"]["parts"]["verify"]
