@@ -202,7 +202,7 @@ def bundles(demo_config: config.Config, demo_image: Path, https_root: tuple[Path
     release.make_bundle(demo_config, v1_out, root / "v1", key, [demo_config.engine.digest], with_install_image=True)
     channels = rollout_channels(root, key, tmp_path_factory.mktemp("channels"))
     return {**{name: f"{url}/{name}/" for name in ("v2", "v3", "flipped", "untrusted", "foreign-signed", "v1")},
-            **{name: f"{url}/{name}/sign_channel.json" for name in channels}}
+            **{name: f"{url}/{name}/channel.json" for name in channels}}
 
 
 def rollout_channels(root: Path, key: Path, work: Path) -> list[str]:
