@@ -46,6 +46,7 @@ COMMAND_MODULES = {
     "selftest": "applianctl.selftest.command",
     "stagger": "applianctl.engine.stagger",  # hidden: each replica's wait for the previous one
     "judge": "applianctl.judge.command",  # hidden: appliance-judge.service
+    "remediation": "applianctl.judge.clear",
 }
 
 

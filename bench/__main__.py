@@ -16,6 +16,7 @@ from bench.common import ROOT, measure
 from bench.engine import bench_engine_slot_write
 from bench.image import bench_boot, bench_preload, bench_rebuild, bench_sealed_boot
 from bench.install import bench_install
+from bench.judge import bench_judge_canaries, bench_judge_removal, bench_judge_rps
 from bench.metrics import bench_metrics_scrape
 from bench.proxy import bench_proxy_rps, bench_proxy_stream
 from bench.replicas import bench_replicas_rps
@@ -27,7 +28,7 @@ BENCHES: list[Callable[[config.Config], object]] = [
     bench_status, bench_preload, bench_bundle_bytes, bench_slot_write, bench_rebuild, bench_boot, bench_sealed_boot,
     bench_weights_fetch,
     bench_weights_check, bench_install, bench_engine_slot_write, bench_new_engine_bytes, bench_proxy_stream, bench_proxy_rps,
-    bench_metrics_scrape, bench_replicas_rps,
+    bench_metrics_scrape, bench_replicas_rps, bench_judge_removal, bench_judge_rps, bench_judge_canaries,
 ]
 
 

@@ -11,7 +11,9 @@ same fixed latencies. Every answer names the backend's port in X-Paced-Engine (w
 answered, for the balancing tests) and the SHA-256 of the body it received in X-Paced-Body.
 GET /metrics has vLLM's count of finished requests, which the balancer's check of replicas reads
 (a replica is admitted once it has answered one: `start` sends that warm-up request, as the
-engine's unit does, unless told not to).
+engine's unit does, unless told not to), and vLLM's token counters and request gauges, which the
+progress judge reads (prompt tokens counted as a request enters the batch, generated ones as they
+are sent). POST /v1/completions answers the judge's canary the way a chat answer is made.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ TOKEN_S = 0.02
 SERVICE_S = 0.25
 CONCURRENCY = 64
 TOKENS = 32
+PROMPT_TOKENS = 8  # each request's prompt, as counted
 
 
 def chunk(head: dict[str, Any], delta: dict[str, str], finish: str | None = None) -> bytes:
@@ -51,14 +54,53 @@ def make_app(token_s: float = TOKEN_S, service_s: float = SERVICE_S, concurrency
     batch = asyncio.Semaphore(concurrency)
     counter = iter(range(1 << 62))
     finished = [0]
+    # vLLM's token counters and request gauges (the progress judge's signal)
+    counts = {"prompt": 0, "generation": 0, "waiting": 0, "running": 0}
+
+    @contextlib.asynccontextmanager
+    async def in_batch() -> AsyncIterator[None]:
+        """A request's place in the batch: waiting for it, then running (its prompt counted)."""
+        counts["waiting"] += 1
+        try:
+            await batch.acquire()
+        finally:
+            counts["waiting"] -= 1
+        counts["running"] += 1
+        counts["prompt"] += PROMPT_TOKENS
+        try:
+            yield
+        finally:
+            counts["running"] -= 1
+            batch.release()
 
     async def health(request: Request) -> Response:
         return Response(b"")
 
     async def metrics(request: Request) -> Response:
+        labels = f'engine="0",model_name="{MODEL}"'
         text = ("# TYPE vllm:request_success_total counter\n"
-                f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{MODEL}"}} {finished[0]:.1f}\n')
+                f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{MODEL}"}} {finished[0]:.1f}\n'
+                "# TYPE vllm:prompt_tokens_total counter\n"
+                f"vllm:prompt_tokens_total{{{labels}}} {counts['prompt']:.1f}\n"
+                "# TYPE vllm:generation_tokens_total counter\n"
+                f"vllm:generation_tokens_total{{{labels}}} {counts['generation']:.1f}\n"
+                "# TYPE vllm:num_requests_running gauge\n"
+                f"vllm:num_requests_running{{{labels}}} {counts['running']:.1f}\n"
+                "# TYPE vllm:num_requests_waiting gauge\n"
+                f"vllm:num_requests_waiting{{{labels}}} {counts['waiting']:.1f}\n")
         return Response(text.encode(), media_type="text/plain; version=0.0.4")
+
+    async def completion(request: Request) -> Response:
+        """POST /v1/completions, not streamed: the judge's canary (one token) after SERVICE_S."""
+        body: dict[str, Any] = json.loads(await request.body())
+        n = int(body.get("max_tokens") or tokens)
+        async with in_batch():
+            await asyncio.sleep(service_s)
+        counts["generation"] += n
+        finished[0] += 1
+        return JSONResponse({"id": f"cmpl-{next(counter)}", "object": "text_completion", "created": int(time.time()),
+                             "model": MODEL, "choices": [{"index": 0, "text": " tok" * n, "logprobs": None, "finish_reason": "length"}],
+                             "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": n, "total_tokens": PROMPT_TOKENS + n}})
 
     async def chat(request: Request) -> Response:
         raw = await request.body()
@@ -68,23 +110,25 @@ def make_app(token_s: float = TOKEN_S, service_s: float = SERVICE_S, concurrency
         n = int(body.get("max_tokens") or tokens)
         head = {"id": f"chatcmpl-{next(counter)}", "object": "chat.completion.chunk", "created": int(time.time()), "model": MODEL}
         if not body.get("stream"):
-            async with batch:
+            async with in_batch():
                 await asyncio.sleep(service_s)
+            counts["generation"] += n
             finished[0] += 1
             message = {"role": "assistant", "content": " tok" * n}
-            usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}
+            usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": n, "total_tokens": PROMPT_TOKENS + n}
             return JSONResponse({**head, "object": "chat.completion",
                                  "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}],
                                  "usage": usage}, headers=sent)
 
         async def events() -> AsyncIterator[bytes]:
-            async with batch:
+            async with in_batch():
                 start = time.monotonic()
                 await asyncio.sleep(token_s)  # the prefill: one token time
                 yield chunk(head, {"role": "assistant", "content": ""})
                 for i in range(n):
                     # paced against the start, so a late wake-up does not push every later token
                     await asyncio.sleep(max(0.0, start + (i + 1) * token_s - time.monotonic()))
+                    counts["generation"] += 1
                     yield chunk(head, {"content": " tok"})
                 yield chunk(head, {"content": ""}, "stop")
                 yield b"data: [DONE]\n\n"
@@ -93,7 +137,8 @@ def make_app(token_s: float = TOKEN_S, service_s: float = SERVICE_S, concurrency
         return StreamingResponse(events(), media_type="text/event-stream", headers=sent)
 
     return Starlette(routes=[Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
-                             Route("/v1/chat/completions", chat, methods=["POST"])])
+                             Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/v1/completions", completion, methods=["POST"])])
 
 
 @contextlib.contextmanager

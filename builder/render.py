@@ -32,7 +32,7 @@ UNITS_DIR = ROOT / "units"
 # Test machinery: the demo profile only, and only testkit's guest half (the rest runs on the test host).
 TESTKIT_DIR = ROOT / "testkit"
 TESTKIT_GUEST = ("__init__.py", "bootcheck.py", "boot_facts.py", "boot_report.py", "boot_steps.py", "engine_scenarios.py",
-                 "guest_commands.py", "hive.py")
+                 "guest_commands.py", "hive.py", "hive_scenario.py")
 LIB = Path("usr/lib/appliance")
 SYSTEMD_DIR = Path("usr/lib/systemd/system")
 QUADLET_DIR = Path("usr/share/containers/systemd")

@@ -33,6 +33,11 @@ A test host passes the credential appliance.plan, JSON: {VERSION: [STEP, ...]}:
                                             appliance-bootcheck-trial.service, ordered before
                                             the assessment): `applianctl update URL` must be
                                             refused; both slots' write counters before and after
+  {"do": "hive-reset", "kernel_line": LINE} the whole hive reset three times, LINE (a recorded
+                                            amdgpu reset line) into the kernel log each time:
+                                            the ladder's restart, its reboot (the step resumes
+                                            on the next boot), needs physical action, then
+                                            `applianctl remediation --clear` (testkit/hive_scenario.py)
 The CA for https:// URLs comes in the credential appliance.update_ca (PEM). An update runs after
 the report is written, its output on the console, its outcome in the next report: a power cut in
 the middle leaves no marker, so the next boot runs it again.
@@ -58,7 +63,8 @@ from testkit.boot_facts import ETC_DROPIN
 from testkit.guest_commands import credential, run_json, run_text, tail, unit_property, wait_until
 
 MARKER_DIR = Path("/var/lib/appliance/bootcheck")
-STEPS = ("faults", "refusals", "update", "netprobe", "download-only", "apply", "rollback", "etc-dropin", "rollout-hold", "scrape")
+STEPS = ("faults", "refusals", "update", "netprobe", "download-only", "apply", "rollback", "etc-dropin", "rollout-hold", "scrape",
+         "hive-reset")
 UPDATES = ("update", "apply", "rollback")  # each run after the report, then a reboot
 TRIAL_STEPS = ("update-on-trial",)
 # A question to the test host on the report port: `APPLIANCE-ASK NAME JSON` (builder/qemu.py answers)
@@ -318,6 +324,13 @@ def run_step(version: str, step: dict[str, Any], engine_healthy: bool, port: str
         outcome = run_update_on_trial(str(step["url"]))
     elif step["do"] == "etc-dropin":
         outcome = run_etc_dropin()
+    elif step["do"] == "hive-reset":
+        from testkit import hive_scenario
+
+        # its progress beside the markers, not among them (step_outcomes reads every marker): the
+        # judge reboots the machine in the middle of this step
+        outcome = hive_scenario.run(MARKER_DIR / "in-progress" / marker.name, str(step.get("kernel_line", ""))) \
+            if engine_healthy else NOT_HEALTHY
     elif step["do"] == "download-only":
         outcome = run_download_only(str(step["url"]))
     elif step["do"] == "apply":

@@ -151,6 +151,55 @@ def test_bench_replicas_rps() -> None:
     _measured(bench_replicas_rps(DEMO, rounds=1, clients=2, each=1), 1)
 
 
+def test_the_judges_fake_systemd_restarts_a_replica_healthy(tmp_path: Path) -> None:
+    """A restart by the judge clears that replica's faults and is a new start at once (the judge
+    then judges it afresh); another replica's unit is left as it was."""
+    from bench.judge import FakeSystemd
+
+    lines: list[str] = []
+    units = FakeSystemd(["appliance-engine@0.service", "appliance-engine@1.service"], {1: tmp_path / "faults-1.json"}, lines.append)
+    (tmp_path / "faults-1.json").write_text('{"deadlock_after_s": 0}')
+    before = units.states(units.names)
+    units.restart("appliance-engine@1.service")
+    after = units.states(units.names)
+    assert (tmp_path / "faults-1.json").read_text() == "{}"
+    assert after["appliance-engine@1.service"].active_since != before["appliance-engine@1.service"].active_since
+    assert after["appliance-engine@0.service"] == before["appliance-engine@0.service"]
+    assert {s.active for s in after.values()} == {"active"} and lines == ["fake systemd: restarted appliance-engine@1.service"]
+
+
+@pytest.mark.programs
+def test_bench_judge_removal() -> None:
+    from bench.judge import BOUNDS, bench_judge_removal
+
+    figures = bench_judge_removal(DEMO, trials=1, clients=2)
+    _measured(figures, 1)
+    (figure,) = figures
+    assert figure.baseline == BOUNDS.stall_after_s and figure.goal == "<= 1.00x"
+    assert 0.5 * BOUNDS.stall_after_s < figure.ours < 3 * BOUNDS.stall_after_s + 30  # the stall bound decided, not the wait
+
+
+@pytest.mark.programs
+def test_bench_judge_rps() -> None:
+    _front_tools()
+    if not shutil.which("haproxy"):
+        pytest.skip("no haproxy (make setup installs it)")
+    from bench.judge import bench_judge_rps
+
+    figures = bench_judge_rps(DEMO, rounds=1, clients=(2, 2), each=(1, 1))
+    _measured(figures, 2)
+    assert [f.goal for f in figures] == [">= 0.98x", ">= 0.98x"]
+
+
+@pytest.mark.programs
+def test_bench_judge_canaries() -> None:
+    from bench.judge import bench_judge_canaries
+
+    idle, busy = bench_judge_canaries(DEMO, window_s=8, clients=2)
+    _measured([idle, busy], 2)
+    assert idle.ours > 0 and busy.ours == 0 and busy.baseline == idle.ours  # moving counters send no canary
+
+
 @pytest.mark.programs
 def test_bench_metrics_scrape() -> None:
     from bench import metrics

@@ -37,7 +37,7 @@ PROGRAMS = {
 # applianctl commands that report something, each with --json; and those that do not, with why.
 REPORTING = {
     "status", "verify", "tls", "tls show", "slots", "update", "model fetch", "model verify", "selftest", "smoke",
-    "preflight", "shm-clean", "startup-report", "judge",
+    "preflight", "shm-clean", "startup-report", "judge", "remediation",
 }
 NOT_REPORTING = {
     "logs": "the journal itself, as journalctl prints it (journalctl -o json for JSON)",

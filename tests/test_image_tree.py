@@ -119,7 +119,7 @@ def test_demo_tree_has_the_boot_check(demo_tree: Path) -> None:
     assert {n.split("/")[-1] for n in found} <= {"appliance-bootcheck.service", "appliance-bootcheck-trial.service",
                                                 "20-appliance-demo.preset", "bootcheck.py", "__init__.py",
                                                 "boot_facts.py", "boot_report.py", "boot_steps.py",
-                                                "engine_scenarios.py", "guest_commands.py", "hive.py",
+                                                "engine_scenarios.py", "guest_commands.py", "hive.py", "hive_scenario.py",
                                                 "appliance-demo-fault.service", "appliance-demo-panic.service",
                                                 "appliance-demo-freeze.service", "appliance-demo-crash.service",
                                                 "demo-source.conf"}

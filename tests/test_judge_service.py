@@ -191,11 +191,11 @@ def test_a_deadlocked_replica_is_taken_out_logged_killed_and_restarted(tmp_path:
         if units.actions:
             break
     assert units.actions == [("restart", "appliance-engine@1.service")]
-    assert lines == ["replica 1 stalled: no tokens for 180 s with 12 requests waiting"]
+    assert lines == ["replica 1 stalled: no tokens for 170 s with 12 requests waiting"]
     # the agent and /health counted it out before the restart was asked for
     (before,) = units.seen_at_restart
     assert before is not None and before.replicas[1].state == "stalled" and before.alive == 1
-    assert endpoints.agent_answer(before, "replica1") == "down #stalled: no tokens for 180 s with 12 requests waiting\n"
+    assert endpoints.agent_answer(before, "replica1") == "down #stalled: no tokens for 170 s with 12 requests waiting\n"
     assert [r.state for r in state.replicas] == ["alive", "restarting"]
     assert state.replicas[1].restarts == 1 and state.replicas[1].reason.startswith("restarted by the judge: no tokens")
     written = load_record(JudgeState, tmp_path / "judge.json", lenient=True)
@@ -255,8 +255,17 @@ def test_several_replicas_ending_together_go_to_the_hive_ladder_which_may_hold_t
                          reboot=lambda: reboots.append("reboot"))
     j, units, clock, lines = _judge(tmp_path, scrapes, ladder=ladder, kernel_log=lambda since: [])
     j.round()
-    for name in units.unit:  # a hive reset: every process holding /dev/kfd ended at once
-        units.unit[name] = UnitState("activating", "auto-restart")
+    for name in units.unit:  # an orderly stop of every replica (a shutdown, the operator): no fault
+        units.unit[name] = UnitState("inactive", "dead")
+    clock.now += 5
+    j.round()
+    assert reboots == [] and not (tmp_path / "remediation.json").exists()
+    for name in units.unit:
+        units.unit[name] = UnitState("active", "running", "2030-01-01T01:00:00+00:00")
+    clock.now += 5
+    j.round()
+    for name in units.unit:  # a hive reset: every process holding /dev/kfd ended at once, systemd restarts them
+        units.unit[name] = UnitState("activating", "auto-restart", restarts=1, result="exit-code")
     clock.now += 5
     j.round()
     assert reboots == ["reboot"] and any(line.startswith("hive: hive-wide fault 1") for line in lines)
@@ -267,7 +276,7 @@ def test_several_replicas_ending_together_go_to_the_hive_ladder_which_may_hold_t
     clock.now += 400
     j.round()
     for name in units.unit:
-        units.unit[name] = UnitState("failed", "failed")
+        units.unit[name] = UnitState("failed", "failed", restarts=1, result="signal")
     clock.now += 5
     state = j.round()
     assert [r.state for r in state.replicas] == ["held", "held"] and state.hive.startswith("needs physical action")

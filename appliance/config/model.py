@@ -186,8 +186,9 @@ class Progress:
         "Seconds between two rounds of the judge: each replica's /metrics read, its unit's state asked of systemd."))
     stall_after_s: int = field(default=180, metadata=_check(checks.between(10, 3600)) | _doc(
         "Seconds without a token (vLLM's generation and prompt token counters frozen, no canary answered) while "
-        "requests are waiting or running, after which a replica is stalled: taken out of the balancer, killed and "
-        "restarted. Longer than the longest prefill: with chunked prefill the other streams keep generating, and a "
+        "requests are waiting or running, by which a replica is stalled: taken out of the balancer, killed and "
+        "restarted (the judge sees a replica once a round, so it decides after stall_after_s - 2 x interval_s of "
+        "silence it saw). Longer than the longest prefill: with chunked prefill the other streams keep generating, and a "
         "prompt alone at --max-model-len (262144 tokens in 2048-token chunks, 128 steps) shows its tokens only "
         "once its prefill ends."))
     canary_after_s: int = field(default=60, metadata=_check(checks.between(5, 3600)) | _doc(

@@ -55,6 +55,10 @@ class UnitState:
     active: str
     sub: str = ""
     active_since: str | None = None
+    # NRestarts (systemd's automatic restarts after a failure) and Result: a unit stopped on purpose
+    # (a shutdown, an update's reboot, the operator) ends with neither, and is no fault
+    restarts: int = 0
+    result: str = "success"
 
 
 class Units(Protocol):
@@ -84,7 +88,8 @@ class SystemdUnits:
         except Exception:
             self._bus = None  # a bus that went away: connect again next round
             raise
-        return {u.name: UnitState(u.active_state, u.sub_state, u.active_since) for u in units}
+        return {u.name: UnitState(u.active_state, u.sub_state, u.active_since, u.restarts or 0, u.result or "success")
+                for u in units}
 
     def restart(self, name: str) -> None:
         from appliance.run import call
@@ -117,6 +122,7 @@ class Replica:
     restarted_from: str | None = None  # its unit's ActiveEnterTimestamp when the judge restarted it
     restarted_at: float = 0.0
     active_since: str | None = None
+    restarts_seen: int = 0  # its unit's NRestarts at the judge's last round
     was_active: bool = False
     canary: concurrent.futures.Future[CanaryResult] | None = None
 
@@ -320,8 +326,11 @@ class Judge:
         ended_now = []
         for r in self.replicas:
             unit = states.get(r.unit, UnitState("inactive"))
-            if r.was_active and not r.restarted_for and (unit.active != "active" or unit.active_since != r.active_since):
+            failed = unit.restarts > r.restarts_seen or unit.result != "success"
+            if (r.was_active and not r.restarted_for and failed
+                    and (unit.active != "active" or unit.active_since != r.active_since)):
                 ended_now.append(r.index)
+            r.restarts_seen = unit.restarts
         wall = self.wall().timestamp()
         for i in ended_now:
             self._exits[i] = wall
@@ -346,6 +355,7 @@ class Judge:
         self.hive = decision.reason
         for r in self.replicas:
             self._forget(r)
+            r.was_active = False  # ended by the hold: after `applianctl remediation --clear`, no new fault
             self._set(r, HELD, decision.reason)
             unit = states.get(r.unit, UnitState("inactive"))
             if self.act and unit.active in ("active", "activating", "reloading"):

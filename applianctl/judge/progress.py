@@ -21,6 +21,12 @@ behind a long prefill (chunked: the running prefill takes each step's token budg
 tokens are counted only once it ends), a new request waits. Only the stall bound decides there, and
 it must be longer than the longest prefill (engine.progress).
 
+The judge sees a replica once a round, so it decides two rounds early (`Bounds.decide_after_s`):
+the last token came between the scrape before the one that showed it and that scrape, and the next
+round may come a round late; deciding at `stall_after_s - 2 x interval_s` of observed silence takes
+a frozen replica out no later than `stall_after_s` after its last token, and never before
+`stall_after_s - 2 x interval_s` of real silence (the configuration keeps that at least one round).
+
 Times are seconds on one monotonic clock; `Track` is what the judge keeps of a replica between
 rounds, `judge` makes the next one.
 """
@@ -49,6 +55,11 @@ class Bounds:
     stall_after_s: float = 180
     canary_after_s: float = 60
     canary_timeout_s: float = 30
+
+    @property
+    def decide_after_s(self) -> float:
+        """The observed silence after which a replica is stalled (see the module's docstring)."""
+        return self.stall_after_s - 2 * self.interval_s
 
     @classmethod
     def of(cls, progress: object) -> Bounds:
@@ -162,11 +173,11 @@ def judge(track: Track, scrape: Scrape | None, now: float, bounds: Bounds, *,
                            + (f" ({canary.what})" if canary.what else ""), False, t)
     if scrape is not None and t.busy_since is not None:
         stuck_for = now - max(progress_at, t.busy_since)
-        if stuck_for >= bounds.stall_after_s:
+        if stuck_for >= bounds.decide_after_s:
             return Verdict(STALLED, f"no tokens for {stuck_for:.0f} s with {_requests(scrape.waiting, scrape.running)}", False, t)
     if scrape is None and t.silent_since is not None:
         silent_for = now - max(progress_at, t.silent_since)
-        if silent_for >= bounds.stall_after_s:
+        if silent_for >= bounds.decide_after_s:
             return Verdict(STALLED, f"no answer on /metrics for {now - t.silent_since:.0f} s and no canary answered", False, t)
     quiet_for = now - progress_at
     since_canary = None if t.canary_sent_at is None else now - t.canary_sent_at

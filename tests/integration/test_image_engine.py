@@ -136,7 +136,8 @@ def test_a_deadlocked_replica_is_judged_stalled_taken_out_and_restarted(faults_b
     # the bound: stall_after_s from the last token, one round late at most, and the slack of a loaded guest
     assert deadlock["seconds_to_judged"] <= deadlock["stall_after_s"] + 2 * deadlock["interval_s"] + 30, deadlock
     assert "stalled" in deadlock["judge_log"] and "replica 1" in deadlock["judge_log"], deadlock["judge_log"]
-    assert deadlock["seconds_to_judged"] >= deadlock["stall_after_s"] - deadlock["interval_s"], deadlock  # not before
+    # not before: the judge decides two rounds early (applianctl/judge/progress.py), never earlier
+    assert deadlock["seconds_to_judged"] >= deadlock["stall_after_s"] - 2 * deadlock["interval_s"] - 1, deadlock
 
 
 def test_the_deadlock_fails_only_the_requests_in_flight_on_the_replica(faults_boot: dict[str, Any]) -> None:
