@@ -371,3 +371,22 @@ def test_each_replica_is_asked_of_the_judges_agent_by_name_and_a_clients_metrics
     assert "\tuse_backend metrics if { path /metrics }\n" in cfg and "\tbalance first\n" in cfg
     assert balancer.agent_reply(True) == "up\n"
     assert balancer.agent_reply(False, "stalled: no tokens\nfor 95 s") == "down #stalled: no tokens for 95 s\n"
+
+
+@pytest.mark.programs
+def test_with_no_replica_serving_the_client_gets_an_openai_shaped_error_not_haproxys_page(two: Replicas) -> None:
+    """Both replicas gone: HAProxy's own 503 reaches the client through Caddy as JSON with
+    error.message (an OpenAI client parses it), not HAProxy's HTML page."""
+    for proc in two.procs.values():
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with _session(two) as s:
+        deadline = time.monotonic() + 3 * balancer.CHECK_INTERVAL_S + 5
+        resp = s.post(two.url + CHAT, json=BODY, timeout=30)
+        while resp.status_code != 503 and time.monotonic() < deadline:  # until the checks marked both down
+            time.sleep(0.5)
+            resp = s.post(two.url + CHAT, json=BODY, timeout=30)
+    assert resp.status_code in (502, 503), resp.text
+    assert resp.headers["Content-Type"].startswith("application/json"), resp.text
+    error = resp.json()["error"]
+    assert error["code"] == resp.status_code and error["message"], error

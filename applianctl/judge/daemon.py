@@ -6,7 +6,7 @@ what follows from it.
 - Not active (its unit activating: the start period, its warm-up; failed; restarting): "starting"
   or "restarting", never judged, its history dropped (a new process counts from zero).
 - Stalled: at once the agent answers "down" for it (HAProxy takes it out) and /health counts it
-  out, one line goes to the journal ("replica 1 stalled: no tokens for 185 s with 12 requests
+  out, one line goes to the journal ("replica 1 stalled: no tokens for 170 s with 12 requests
   waiting"), and its unit is killed (SIGKILL to every process: a deadlocked engine core may never
   finish a graceful stop) and restarted through systemd: the unit's own path then runs again, its
   Requires= (appliance-shm-clean: the dead engine's offload file cleaned) and its ExecStartPre

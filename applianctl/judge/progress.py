@@ -8,7 +8,7 @@ freeze. So a replica is alive while those counters move, or while a one-token co
 canary, sent only when they do not) answers; it is stalled when
 
 - requests are in flight (the gauges say waiting or running) and no token came for
-  `stall_after_s`: "no tokens for 185 s with 12 requests waiting";
+  `stall_after_s`: "no tokens for 170 s with 12 requests waiting";
 - or /metrics itself has not answered for `stall_after_s` and no canary answered meanwhile;
 - or a canary timed out while the replica had nothing else in flight (a core frozen while idle
   shows frozen idle gauges; a live idle engine answers one token at once): "canary timed out
