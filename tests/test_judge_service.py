@@ -284,6 +284,8 @@ def test_several_replicas_ending_together_go_to_the_hive_ladder_which_may_hold_t
     units.unit["appliance-engine@0.service"] = UnitState("activating", "start")
     j.round()
     assert ("stop", "appliance-engine@0.service") in units.actions  # held: not let back by systemd's own restart
+    j.round()
+    assert sum(line.startswith("hive: needs physical action") for line in lines) == 1, lines  # said once, not every round
 
 
 # ------------------------------------------------------------------------------------ against a real engine on loopback

@@ -347,7 +347,9 @@ class Judge:
             except Exception as e:  # journalctl failed: the replicas' exits still count
                 self.log(f"judge: cannot read the kernel log: {e}".splitlines()[0])
         decision = self.ladder.observe(wall, evidence, together)
-        if decision.reason and decision.action != hive.ACT_NONE:
+        # once per decision: a hold is decided again every round, and says the same each time
+        held_again = decision.action == hive.ACT_HOLD and decision.reason == self.hive
+        if decision.reason and decision.action != hive.ACT_NONE and not held_again:
             self.log(f"hive: {decision.reason}")
         if decision.action != hive.ACT_HOLD:
             self.hive = ""
