@@ -222,6 +222,14 @@ def cmd_installer(args: argparse.Namespace) -> int:
 
 
 def cmd_flash(args: argparse.Namespace) -> int:
+    if args.bmc:
+        from builder import flash_bmc
+
+        if args.device or args.image:
+            raise UserError("flash takes a DEVICE and --image, or --bmc FLEET.toml, not both", hint="python3 -m builder flash --help")
+        return flash_bmc.cmd_flash_bmc(args)
+    if not args.device or not args.image:
+        raise UserError("flash needs a DEVICE and --image (or --bmc FLEET.toml)", hint="python3 -m builder flash --help")
     return flash(Path(args.image), args.device, args.yes)
 
 
@@ -240,13 +248,18 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--output", help="where to write the media (default: out/installer/PROFILE-VERSION)")
     p.set_defaults(func=cmd_installer)
 
+    from builder import flash_bmc
+
     p = cli_help.verb_parser(
-        sub, "flash", "write an installer USB image to a stick with bmaptool (refuses mounted and system disks)",
-        examples=["python3 -m builder flash /dev/sdb --image out/installer/production-1.4.0/installer_1.4.0.raw"],
-        exit_codes=[(0, "the stick is written"),
+        sub, "flash", "write an installer USB image to a stick with bmaptool, or install a fleet through its BMCs (--bmc)",
+        examples=["python3 -m builder flash /dev/sdb --image out/installer/production-1.4.0/installer_1.4.0.raw",
+                  *flash_bmc.EXAMPLES],
+        exit_codes=[(0, "the stick is written; with --bmc: every host is installed (or was already)"),
+                    (1, "with --bmc: some host failed (its line says at which step, what the BMC answered and what to do)"),
                     (2, "bad input, a disk it refuses, not confirmed, or bmaptool failed (one line and a hint)")],
     )
-    p.add_argument("device", help="the whole stick, e.g. /dev/sdb")
-    p.add_argument("--image", required=True, help="installer_VERSION.raw (its .bmap beside it)")
+    p.add_argument("device", nargs="?", help="the whole stick, e.g. /dev/sdb")
+    p.add_argument("--image", help="installer_VERSION.raw (its .bmap beside it)")
     p.add_argument("--yes", action="store_true", help="do not ask before writing (the model and size are still shown)")
+    flash_bmc.add_arguments(p)
     p.set_defaults(func=cmd_flash)
