@@ -43,13 +43,14 @@ lint: setup-dev
 	$(PY) -m ruff check appliance builder applianctl installer standin testkit bench tests
 	$(PY) -m mypy
 
+# A test that hangs fails after ten minutes instead of holding the whole run.
 unit: setup
-	$(PY) -m pytest -q -m "not integration"
+	$(PY) -m pytest -q -m "not integration" --timeout=600
 
 # The fast tier: no root, nothing but the venv; a test that starts a real program is refused there
 # (tests/program_guard.py) and must be marked programs, which make unit runs.
 check: lint
-	APPLIANCE_FAST_TIER=1 $(PY) -m pytest -q -m "not integration and not programs"
+	APPLIANCE_FAST_TIER=1 $(PY) -m pytest -q -m "not integration and not programs" --timeout=600
 
 integration: setup
 	@tools/check-space 22 "the integration tests"

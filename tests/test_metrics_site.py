@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import http.client
 import http.server
 import os
 import shutil
+import socket
+import ssl
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -111,6 +114,23 @@ def _get(site: Site, path: str, source: str = SCRAPER, method: str = "GET", cert
                      headers={"Host": f"appliance.local:{site.port}"})
 
 
+def _status_as_sent(site: Site, path: str, source: str = SCRAPER) -> int:
+    """The status for a request line carrying `path` byte for byte: HTTP clients normalise some
+    paths (urllib3 2 turns `//metrics` into `/metrics`), the site must see them as written."""
+    ctx = ssl.create_default_context(cafile=str(site.ca))
+    conn = http.client.HTTPSConnection("127.0.0.1", site.port, timeout=10)
+    # connected by hand: from the scraper's address, and checked against the site's name
+    conn.sock = ctx.wrap_socket(socket.create_connection(("127.0.0.1", site.port), 10, (source, 0)),
+                                server_hostname="appliance.local")
+    try:
+        conn.putrequest("GET", path, skip_host=True, skip_accept_encoding=True)
+        conn.putheader("Host", f"appliance.local:{site.port}")
+        conn.endheaders()
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
 def _site(tmp: Path, client_ca: str = "") -> Iterator[Site]:
     node_seen: list[str] = []
     engine_seen: list[str] = []
@@ -186,7 +206,7 @@ def test_a_client_that_is_not_a_scraper_gets_403_and_reaches_nothing(site: Site)
                                   "/engine/v1/models", "/v1/models", "//metrics"])
 def test_only_the_two_targets_exactly(site: Site, path: str) -> None:
     before = len(site.node_seen), len(site.engine_seen)
-    assert _get(site, path).status_code in (400, 404)
+    assert _status_as_sent(site, path) in (400, 404)
     assert (len(site.node_seen), len(site.engine_seen)) == before
 
 
