@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from builder.https_server import HTTPSServer
+
 
 class Mirror(http.server.BaseHTTPRequestHandler):
     root: Path
@@ -73,10 +75,9 @@ class Mirror(http.server.BaseHTTPRequestHandler):
 def serve(root: Path, cert: Path, key: Path, host: str = "127.0.0.1", **switches: Any) -> Iterator[tuple[int, type[Mirror]]]:
     """Serve ROOT over HTTPS; yields (port, the handler class: its `log` and switches)."""
     handler = type("TestMirror", (Mirror,), {"root": root, "log": [], **switches})
-    server = http.server.ThreadingHTTPServer((host, 0), handler)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(cert, key)
-    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    server = HTTPSServer((host, 0), handler, ctx)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield server.server_address[1], handler

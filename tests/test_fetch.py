@@ -14,7 +14,6 @@ import ipaddress
 import os
 import ssl
 import stat
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +28,7 @@ from cryptography.x509.oid import NameOID
 
 from appliance import fetch
 from appliance.errors import Refused, UserError
+from builder.https_server import HTTPSServer
 
 LIMIT = 1 << 16
 
@@ -74,30 +74,6 @@ def make_server_cert(directory: Path, ca_key: ec.EllipticCurvePrivateKey, ca: x5
 Behaviour = Callable[[http.server.BaseHTTPRequestHandler], None]
 
 
-class _Listener(http.server.ThreadingHTTPServer):
-    """Accepts without ever blocking its loop: a listening socket wrapped in TLS shakes hands
-    inside accept(), so one client that connects and stalls (or is reset before the accept) would
-    hold serve_forever, and shutdown() with it, for ever. Here the handshake happens in the
-    connection's own thread, and accept() gives up after a while."""
-
-    daemon_threads = True
-    tls: ssl.SSLContext | None = None
-
-    def server_activate(self) -> None:
-        super().server_activate()
-        self.socket.settimeout(1.0)  # the accepted sockets block again (socket.accept)
-
-    def get_request(self) -> tuple[Any, Any]:
-        sock, addr = self.socket.accept()
-        if self.tls is not None:
-            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        return sock, addr
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        if not isinstance(sys.exc_info()[1], OSError):  # a refused handshake or a client that left is part of a test
-            super().handle_error(request, client_address)
-
-
 class Server:
     """HTTPS (or plain HTTP) on 127.0.0.1; each path answered by a behaviour; every request logged."""
 
@@ -121,8 +97,7 @@ class Server:
                 with contextlib.suppress(OSError):  # the client hung up, as it should
                     behaviour(self)
 
-        self.httpd = _Listener(("127.0.0.1", 0), Handler)
-        self.httpd.tls = tls
+        self.httpd = HTTPSServer(("127.0.0.1", 0), Handler, tls)
         self.port = self.httpd.server_address[1]
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}/"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()

@@ -36,6 +36,7 @@ from appliance.errors import UserError
 from appliance.signed import install_plan
 from builder import flash_bmc, keys
 from builder.flash_bmc import Answer, BmcError, Options
+from builder.https_server import HTTPSServer
 from tests.repository import ROOT
 
 FIXTURES = ROOT / "tests" / "fixtures" / "redfish"
@@ -547,10 +548,9 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    media = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(media_crt, media_key)
-    media.socket = ctx.wrap_socket(media.socket, server_side=True)
+    media = HTTPSServer(("127.0.0.1", 0), Quiet, ctx)
     threading.Thread(target=media.serve_forever, daemon=True).start()
     appliance_ca = make_ca(tmp_path, "appliance-ca")
     apps = {}

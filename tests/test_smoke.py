@@ -23,6 +23,7 @@ from standin_engine import MODEL, free_port, start_standin, stop
 import appliance.config
 from appliance import paths
 from applianctl.engine import smoke
+from builder.https_server import HTTPSServer
 
 ROOT = Path(__file__).parents[1]
 
@@ -174,8 +175,7 @@ def tls_proxy(configured: dict[str, Any], tmp_path: Path) -> Iterator[int]:
     ctx.load_cert_chain(crt, key)
     sni: list[str | None] = []
     ctx.sni_callback = lambda sock, name, _ctx: sni.append(name)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
-    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    server = HTTPSServer(("127.0.0.1", 0), _Proxy, ctx)
     configured["proxy"]["https_port"] = server.server_address[1]
     Path(os.environ["APPLIANCE_CONFIG"]).write_text(json.dumps(configured))
     t = threading.Thread(target=server.serve_forever, daemon=True)

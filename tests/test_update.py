@@ -52,6 +52,7 @@ from applianctl.slots import release, rollback
 from applianctl.slots.machine import EFI_LOADER_GUID, Host, boot_counting
 from applianctl.status import os_slots
 from applianctl.update import download
+from builder.https_server import HTTPSServer
 
 GIB = 1024**3
 TRANSFERS = Path(__file__).resolve().parents[1] / "image/mkosi.extra/usr/lib/sysupdate.d"
@@ -508,12 +509,11 @@ class _Server:
                     return
                 self.wfile.write(data[start:])
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         ca_key, ca, self.ca = make_ca(root, "update-test-ca")
         crt, key = make_server_cert(root, ca_key, ca)
         tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         tls.load_cert_chain(crt, key)
-        self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
+        self.httpd = HTTPSServer(("127.0.0.1", 0), Handler, tls)
         self.url = f"https://127.0.0.1:{self.httpd.server_address[1]}/bundle/"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
