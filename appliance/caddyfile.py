@@ -60,6 +60,8 @@ LOOPBACK = ("127.0.0.1/32", "::1/128")
 # timeout (uvicorn's timeout_keep_alive, 5 s in vLLM), so the proxy always closes first and never
 # sends a request on a connection the engine is closing at that moment.
 UPSTREAM_IDLE_S = 2
+# remote attestation's request bodies on the metrics site (applianctl/attest/service.py takes as much)
+ATTEST_MAX_BODY = 16 * 1024
 # The request body limit: the engine's context (--max-model-len) times BYTES_PER_TOKEN, at least
 # MIN_BODY. A token of prompt is ~4 bytes of JSON text, ~6-12 for escaped non-ASCII or token ids
 # ("prompt": [123, ...]); 32 leaves margin for chat structure. Without --max-model-len (the model's
@@ -97,8 +99,11 @@ REFUSALS = {
                              "permission_error", 403),
     "method": _error_json("Method not allowed: the engine's API takes GET and POST.", "invalid_request_error", 405),
     "too_large": _error_json("The request body is larger than the proxy admits.", "invalid_request_error", 413),
-    "not_found": _error_json("Not here: the metrics site serves GET /metrics, GET /engine/metrics and GET /engine/N/metrics "
-                             "(replica N).", "invalid_request_error", 404),
+    "not_found": _error_json("Not here: the metrics site serves GET /metrics, GET /engine/metrics, GET /engine/N/metrics "
+                             "(replica N), GET /attest/identity, POST /attest/quote and POST /attest/activate.",
+                             "invalid_request_error", 404),
+    "length_required": _error_json("A request body here needs a Content-Length (no chunked encoding).",
+                                   "invalid_request_error", 411),
     "error": _error_json("{http.error.status_text}", "proxy_error", "{http.error.status_code}"),
     # the proxy's own /health when the judge (appliance-judge.service) gives no answer: no verdict, no 200
     "judge_down": _error_json("The appliance's judge is not running: no replica is known to be serving.",
@@ -191,6 +196,7 @@ def template_values(
     metrics_client_ca: Path = paths.METRICS_CLIENT_CA,
     node_exporter: str = paths.NODE_EXPORTER,
     judge_health: str = paths.JUDGE_HEALTH,
+    attest: str = paths.ATTEST,
 ) -> dict[str, Any]:
     """Every value the template takes, each checked; ConfigError naming the first bad one.
     Without jinja2: host_settings.overlay checks a host's settings with it before any reader sees them."""
@@ -245,6 +251,10 @@ def template_values(
         "scraper_cidrs": _cidrs("metrics.allowed_cidrs", config.metrics.allowed_cidrs, allow_empty=True),
         "metrics_client_ca": _file("metrics.client_ca", metrics_client_ca) if config.metrics.client_ca else "",
         "node_exporter": _upstream("node_exporter", node_exporter),
+        # remote attestation on the metrics site (appliance-attest.service) and its bodies' bound
+        "attest": _upstream("attest", attest),
+        "attest_max_body": ATTEST_MAX_BODY,
+        "attest_too_large_re": greater_than_re(ATTEST_MAX_BODY),
         "cert_file": _file("tls_dir", tls_dir / "server.crt"),
         "key_file": _file("tls_dir", tls_dir / "server.key"),
         "admin": admin,
@@ -269,14 +279,15 @@ def render_caddyfile(
     metrics_client_ca: Path = paths.METRICS_CLIENT_CA,
     node_exporter: str = paths.NODE_EXPORTER,
     judge_health: str = paths.JUDGE_HEALTH,
+    attest: str = paths.ATTEST,
 ) -> str:
     """The Caddyfile for CONFIG; TLS_DIR holds server.crt/.key in mode "internal". HTTP_PORT and
-    ADMIN are for tests, which run Caddy unprivileged on loopback, as are NODE_EXPORTER and
-    JUDGE_HEALTH (their loopback addresses)."""
+    ADMIN are for tests, which run Caddy unprivileged on loopback, as are NODE_EXPORTER,
+    JUDGE_HEALTH and ATTEST (their loopback addresses)."""
     import jinja2  # only where a Caddyfile is written (the build, appliance-host.service)
 
     values = template_values(config, tls_dir=tls_dir, http_port=http_port, admin=admin, metrics_client_ca=metrics_client_ca,
-                             node_exporter=node_exporter, judge_health=judge_health)
+                             node_exporter=node_exporter, judge_health=judge_health, attest=attest)
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(template_dir())),
         autoescape=False,

@@ -45,6 +45,10 @@ JUDGE_STATE = RUN_DIR / "judge.json"
 # 503 with a reason), HAProxy's agent-check asks JUDGE_AGENT per server ("up" or "down")
 JUDGE_HEALTH = "127.0.0.1:8091"
 JUDGE_AGENT = "127.0.0.1:8092"
+# appliance-attest.service (applianctl/attest/): the fleet's verifier asks it through the metrics site
+ATTEST = "127.0.0.1:8093"
+# the firmware's TPM event log (TCG PC Client, crypto-agile), which a quote carries for PCR 7's replay
+TPM_EVENT_LOG = _path("TPM_EVENT_LOG", "/sys/kernel/security/tpm0/binary_bios_measurements")
 
 # Persistent state on /var
 VAR_DIR = _path("VAR_DIR", "/var")  # what a factory reset wipes (applianctl/factory_reset.py)

@@ -47,6 +47,8 @@ COMMAND_MODULES = {
     "stagger": "applianctl.engine.stagger",  # hidden: each replica's wait for the previous one
     "judge": "applianctl.judge.command",  # hidden: appliance-judge.service
     "remediation": "applianctl.judge.clear",
+    "attest": "applianctl.attest.command",
+    "attest-serve": "applianctl.attest.service",  # hidden: appliance-attest.service
 }
 
 

@@ -12,8 +12,10 @@ from pathlib import Path
 
 from appliance import config
 from bench import report
+from bench.attest import bench_attest
 from bench.common import ROOT, measure
 from bench.engine import bench_engine_slot_write
+from bench.flash import bench_flash_fleet, bench_flash_vs_direct
 from bench.image import bench_boot, bench_preload, bench_rebuild, bench_sealed_boot
 from bench.install import bench_install
 from bench.judge import bench_judge_canaries, bench_judge_removal, bench_judge_rps
@@ -29,6 +31,7 @@ BENCHES: list[Callable[[config.Config], object]] = [
     bench_weights_fetch,
     bench_weights_check, bench_install, bench_engine_slot_write, bench_new_engine_bytes, bench_proxy_stream, bench_proxy_rps,
     bench_metrics_scrape, bench_replicas_rps, bench_judge_removal, bench_judge_rps, bench_judge_canaries,
+    bench_flash_fleet, bench_flash_vs_direct, bench_attest,
 ]
 
 

@@ -262,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     installer_uki.add_parser(sub)
 
+    from builder import attest
+
+    attest.add_parser(sub)
+
     p = cli_help.verb_parser(
         sub, "keys", "make the release and timestamp key pairs (Ed25519), the Secure Boot and PCR policy keys (RSA)",
         examples=["python3 -m builder keys generate", "python3 -m builder keys generate --directory /secure/keys --timestamp"],

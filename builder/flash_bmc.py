@@ -8,6 +8,12 @@ will start the appliance's installer (Secure Boot already in setup mode, put int
 insert the host's installer ISO as virtual media, boot it once (`Cd`, `Once`, UEFI), power-cycle,
 wait until the appliance answers on its proxy as the plan's host, eject the medium and report.
 
+A host with `boot = "http"` is booted over UEFI HTTP instead: `BootSourceOverrideTarget` `UefiHttp`
+with `HttpBootUri` the installer's EFI file, `Once`, where its System allows UefiHttp and shows
+HttpBootUri (checked before anything is changed on it; else refused, with what the BMC shows); no
+medium is inserted or ejected. The EFI file carries no plan, and a server's firmware passes the
+installer none: that path installs only where the plan reaches the installer otherwise (docs/install.md).
+
 The medium is named, not served: `--media-url` (or the host's `media_url`) is an HTTPS URL of the
 host's ISO (`builder installer --plan hosts/NAME --form iso`: each ISO carries its host's plan) on a
 server the BMCs already reach and trust. A BMC pulls the image over its management network for as
@@ -64,14 +70,19 @@ STEP_SYSTEM = "checking the system"
 STEP_SECURE_BOOT = "preparing Secure Boot"
 STEP_INSERT = "inserting the medium"
 STEP_BOOT = "setting a one-time boot from the medium"
+STEP_HTTP_BOOT = "setting a one-time UEFI HTTP boot"
 STEP_RESET = "power-cycling"
 STEP_WAIT = "waiting for the appliance"
 STEP_EJECT = "ejecting the medium"
 STEP_REPORT = "reporting"
 # done in this order; the state file records which are done (STEP_BMC runs every time: it connects)
 STEPS = (STEP_SYSTEM, STEP_SECURE_BOOT, STEP_INSERT, STEP_BOOT, STEP_RESET, STEP_WAIT, STEP_EJECT)
+# boot = "http": no medium inserted or ejected, the firmware told the installer's URL
+HTTP_STEPS = (STEP_SYSTEM, STEP_SECURE_BOOT, STEP_HTTP_BOOT, STEP_RESET, STEP_WAIT)
 
 SECURE_BOOT_POLICIES = ("appliance", "as-is")
+BOOTS = ("cd", "http")  # virtual media (the host's ISO), or UEFI HTTP boot of the installer's EFI file
+USE_VIRTUAL_MEDIA = "use virtual media: leave out boot = \"http\" for this host and give it its ISO"
 
 
 # ------------------------------------------------------------------------------ input
@@ -99,6 +110,7 @@ class Host:
     system: str = ""                  # the ComputerSystem's path when the BMC has several
     media_url: str = ""
     secure_boot: str = "appliance"
+    boot: str = "cd"                  # "http": UefiHttp with HttpBootUri, no virtual media
 
 
 @dataclass(frozen=True)
@@ -135,7 +147,7 @@ def _hosts_of(doc: Any, where: str) -> list[dict[str, Any]]:
 
 
 HOST_KEYS = {"name", "plan", "bmc", "credentials", "bmc_ca", "bmc_tls_verify", "appliance_ca", "address", "system", "media_url",
-             "secure_boot"}
+             "secure_boot", "boot"}
 
 
 def _https(url: str, where: str, what: str) -> str:
@@ -179,6 +191,9 @@ def load_fleet(path: Path) -> list[Host]:
         policy = h.get("secure_boot", "appliance")
         if policy not in SECURE_BOOT_POLICIES:
             raise UserError(f"{where}: secure_boot {policy!r}", hint="one of: " + ", ".join(SECURE_BOOT_POLICIES))
+        boot = h.get("boot", "cd")
+        if boot not in BOOTS:
+            raise UserError(f"{where}: boot {boot!r}", hint="one of: " + ", ".join(BOOTS) + " (default cd: virtual media)")
 
         def rel(key: str, h: dict[str, Any] = h) -> Path | None:
             return (base / h[key]) if h.get(key) else None
@@ -187,7 +202,7 @@ def load_fleet(path: Path) -> list[Host]:
             name=name, plan_dir=base / h["plan"], bmc=_https(h["bmc"], where, "bmc").rstrip("/"),
             credentials=base / h["credentials"], bmc_ca=rel("bmc_ca"), bmc_tls_verify=verify,
             appliance_ca=rel("appliance_ca"), address=h.get("address", ""), system=h.get("system", ""),
-            media_url=_https(h["media_url"], where, "media_url") if h.get("media_url") else "", secure_boot=policy))
+            media_url=_https(h["media_url"], where, "media_url") if h.get("media_url") else "", secure_boot=policy, boot=boot))
     names = [h.name for h in hosts]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:
@@ -258,7 +273,12 @@ def media_url_for(host: Host, template: str) -> str:
     if not url:
         raise UserError(f"{host.name}: no installer medium",
                         hint="give --media-url https://.../{name}/installer_VERSION.iso or the host's media_url")
-    return _https(url, host.name, "the medium's URL")
+    url = _https(url, host.name, "the medium's URL")
+    if host.boot == "http" and not urlsplit(url).path.lower().endswith(".efi"):
+        # an ISO loaded over HTTP becomes a RAM disk, which the installer's kernel cannot read (docs/install.md)
+        raise UserError(f"{host.name}: boot = \"http\" boots the installer's EFI file, not {url}",
+                        hint="give the URL of installer_VERSION.efi as the host's media_url (made by: python3 -m builder installer --form efi)")
+    return url
 
 
 # ------------------------------------------------------------------------------ the BMC, through sushy
@@ -478,6 +498,16 @@ def _members(bmc: Redfish, path: str) -> list[str]:
     return [str(m["@odata.id"]) for m in bmc.get(path).get("Members", []) if isinstance(m, dict) and "@odata.id" in m]
 
 
+def http_boot_shown(system: dict[str, Any]) -> str:
+    """What the System shows against a UefiHttp boot with a URL, as the BMC shows it; "" when it allows one."""
+    listed = bmc_quirks.boot_targets(system)
+    if listed is not None and "UefiHttp" not in listed:
+        return f"Boot lists BootSourceOverrideTarget {', '.join(listed) or 'none'}, not UefiHttp"
+    if not bmc_quirks.http_boot_uri_supported(system):
+        return "Boot has no HttpBootUri (the firmware cannot be given the URL)"
+    return ""
+
+
 def _action(doc: dict[str, Any], name: str) -> dict[str, Any]:
     actions = doc.get("Actions")
     action = actions.get(name) if isinstance(actions, dict) else None
@@ -559,6 +589,8 @@ class Flash:
         if mode is not None and mode != "UEFI":
             raise Refusal(f"the system boots in {mode} mode, not UEFI",
                           "set the firmware to UEFI boot (the appliance boots UEFI only), then run this again")
+        if self.job.host.boot == "http":
+            self.check_http_boot()
         drives = self.drives()
         t = self.job.target
         if drives is None:
@@ -572,6 +604,15 @@ class Flash:
                 raise Refusal(f"the plan's disk ({want}) is not among the drives the BMC lists ({seen})",
                               "fix the plan's [target] and sign it again, or check the disk is in this server")
         self.mark(STEP_SYSTEM, power_before=power)
+
+    def check_http_boot(self) -> None:
+        """boot = "http": the System must allow a UefiHttp override (listed among its allowable
+        targets, or none listed) and show Boot.HttpBootUri, so that the firmware can be told the
+        installer's URL. Checked before anything is changed on the host."""
+        shown = http_boot_shown(self.system)
+        if shown:
+            raise Refusal("the BMC does not allow a one-time UEFI HTTP boot with the installer's URL (boot = \"http\")",
+                          USE_VIRTUAL_MEDIA, shown)
 
     def drives(self) -> list[dict[str, str]] | None:
         """The drives the BMC lists (Storage, else SimpleStorage), or None when it lists none."""
@@ -739,6 +780,9 @@ class Flash:
 
     def boot_once(self) -> None:
         assert self.profile is not None
+        if self.job.host.boot == "http":
+            self.http_boot_once()
+            return
         try:
             body = bmc_quirks.boot_override_body(self.profile, "Cd", system=self.system)
         except bmc_quirks.QuirkError as e:
@@ -746,6 +790,23 @@ class Flash:
         self.call("the BMC refused the one-time boot from the medium", "choose the virtual CD once in the BMC's boot menu",
                   lambda: self.bmc.patch(self.system_path, body))
         self.mark(STEP_BOOT)
+
+    def http_boot_once(self) -> None:
+        """UefiHttp once, in UEFI mode, with HttpBootUri the installer's EFI file: no medium is inserted."""
+        assert self.profile is not None
+        url = self.job.media_url
+        try:
+            body = bmc_quirks.boot_override_body(self.profile, "UefiHttp", url, system=self.system)
+        except bmc_quirks.QuirkError as e:
+            raise Refusal(str(e), USE_VIRTUAL_MEDIA, http_boot_shown(self.system)) from None
+        self.say(f"{self.name}: the installer's EFI file carries no plan and a server's firmware passes it none: it installs only "
+                 "where the plan reaches it otherwise (docs/install.md, \"A plain HTTPS boot server\")")
+        if self.options.media_ca:
+            self.say(f"{self.name}: --media-ca is given to virtual media only: the firmware must trust the server of {url} "
+                     "itself (its own setup)")
+        self.call(f"the BMC refused the one-time UEFI HTTP boot from {url}", USE_VIRTUAL_MEDIA,
+                  lambda: self.bmc.patch(self.system_path, body))
+        self.mark(STEP_HTTP_BOOT, http_boot_uri=url)
 
     def power_cycle(self) -> None:
         system = self.call("the BMC would not show the system", "check the BMC", lambda: self.bmc.get(self.system_path))
@@ -819,6 +880,9 @@ class Flash:
         steps: list[tuple[str, Callable[[], None]]] = [
             (STEP_SYSTEM, self.check_system), (STEP_SECURE_BOOT, self.secure_boot), (STEP_INSERT, self.insert),
             (STEP_BOOT, self.boot_once), (STEP_RESET, self.power_cycle), (STEP_WAIT, self.wait), (STEP_EJECT, self.eject)]
+        if self.job.host.boot == "http":
+            steps = [(STEP_HTTP_BOOT, self.boot_once) if step == STEP_BOOT else (step, fn) for step, fn in steps
+                     if step in HTTP_STEPS or step == STEP_BOOT]
         for step, fn in steps:
             if self.done(step):
                 continue
@@ -858,15 +922,17 @@ class Progress:
 def flash_host(job: Job, options: Options, say: Callable[[str], None], connect: Connect, probe: Probe) -> Outcome:
     name = job.host.name
     state = read_state(options.output, name)
-    if state and (state.get("plan_sha256") != job.target.sha256 or state.get("media_url") != job.media_url):
-        say(f"{name}: the plan or the medium changed since the last run: starting this host afresh")
+    if state and (state.get("plan_sha256") != job.target.sha256 or state.get("media_url") != job.media_url
+                  or state.get("boot", "cd") != job.host.boot):
+        say(f"{name}: the plan, the medium or the boot changed since the last run: starting this host afresh")
         state = {}
     if state.get("status") == "installed":
         line = f"already installed with this plan (state {state_path(options.output, name)}): nothing done"
         say(f"{name}: {line}")
         return Outcome(name, "already installed", line)
     if not state:
-        state = {"format": STATE_FORMAT, "host": name, "plan_sha256": job.target.sha256, "media_url": job.media_url, "done": []}
+        state = {"format": STATE_FORMAT, "host": name, "plan_sha256": job.target.sha256, "media_url": job.media_url,
+                 "boot": job.host.boot, "done": []}
     elif state.get("done"):
         say(f"{name}: resuming after {state['done'][-1]}")
     state.update(status="running", step=STEP_BMC)
@@ -980,7 +1046,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("through the BMCs (--bmc FLEET.toml; docs/install.md, \"Flashing through the BMCs\")")
     g.add_argument("--bmc", metavar="FLEET.toml", help="install every host of this fleet file through its BMC (Redfish)")
     g.add_argument("--media-url", metavar="URL",
-                   help="the installer ISO's https:// URL, {name} replaced by each host's name (a host's media_url wins)")
+                   help="the installer ISO's https:// URL (a boot = \"http\" host's: the EFI file's), {name} replaced by each "
+                        "host's name (a host's media_url wins)")
     g.add_argument("--media-ca", metavar="PEM", help="the medium's server's CA, given to each BMC's virtual media to verify it")
     g.add_argument("--secure-boot-cert", metavar="PEM",
                    help="the appliance's Secure Boot certificate, enrolled into db where a BMC allows that but not setup mode")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance import hashing, luks, paths, progress
+from appliance import hashing, luks, paths, progress, tpm_keys
 from appliance.atomic import atomic_write
 from appliance.config import checks
 from appliance.efivars import EFIVARS
@@ -298,10 +298,28 @@ def ssh_fingerprint(key_line: str) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
+def enroll_tpm(enroll: Callable[[], tpm_keys.Keys] | None = None) -> list[str]:
+    """Remote attestation's enrollment: the TPM's EK read (made persistent when it is not) and the
+    appliance's AK made and persisted (appliance/tpm_keys.py), for the summary: the EK's fingerprint
+    and the AK's name, which `builder attest enroll` then proves against the running appliance.
+    A TPM that fails here fails no install: one line says so, and the appliance makes both on the
+    first `applianctl attest identity` (or the first request of the fleet's verifier)."""
+    try:
+        keys = (enroll or tpm_keys.ensure_keys)()  # looked up at the call: the tests put a TPM of their own there
+    except Exception as e:  # whatever the TPM does, the install goes on
+        text = e.message if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+        why = (text.splitlines() or [type(e).__name__])[0][:200]
+        return [f" attestation NOT enrolled ({why}): enrollment will need `applianctl attest identity` on the appliance later"]
+    return [f" TPM EK      sha256:{keys.ek_fingerprint}"
+            + (" (with its maker's certificate)" if keys.ek_certificate else " (no EK certificate in the TPM)"),
+            f" TPM AK      {keys.ak_name.hex()}" + (" (made now)" if "AK" in keys.made else " (was there already)")]
+
+
 def summary(choice: select.Choice, payload: Payload, plan: install_plan.Plan, steps: list[str], seconds: float, signer: str,
-            secure_boot: str = "", recovery: str = "") -> str:
+            secure_boot: str = "", recovery: str = "", attestation: Sequence[str] = ()) -> str:
     """The page an operator reads after the install. PLAN is the one read back from the disk's /var,
-    so that every value shown is on the disk; SECURE_BOOT is secureboot.summary_line()."""
+    so that every value shown is on the disk; SECURE_BOOT is secureboot.summary_line(); ATTESTATION
+    is enroll_tpm()'s lines."""
     disk = choice.disk
     net = plan.network
     addresses = ", ".join(net.addresses) + (" + DHCP" if net.dhcp else "") if net else "DHCP on every Ethernet link (image default)"
@@ -328,6 +346,7 @@ def summary(choice: select.Choice, payload: Payload, plan: install_plan.Plan, st
         f" release key {signer} (signed the release and this plan)",
         f" /usr        {payload.usrhash[:32]}...",
         *([f" secure boot {secure_boot.removeprefix('secure boot ')}"] if secure_boot else []),
+        *attestation,
         *([" /var        LUKS2, opened by the TPM (PCR 7 + signed PCR 11 from the first sealed boot on)",
            f" RECOVERY    {recovery}",
            "             shown here once and stored nowhere: write it down. It opens /var at the",
@@ -347,10 +366,11 @@ def install(payload: Payload, plan: install_plan.Plan, plan_dir: Path, *, runner
             boot_partuuid: str | None = None, trusted_keys: Path | None = None,
             dry_run: bool = False, json_out: bool = False, signer: str = "", reboot: bool = True,
             out: Callable[[str], None] = print, efivars: Path | None = None, secureboot_keys: Path | None = None,
-            tpm: Path | None = None) -> int:
+            tpm: Path | None = None, enroll: Callable[[], tpm_keys.Keys] | None = None) -> int:
     """Choose, check the image, write, verify, record the plan, make the boot entry, enroll the Secure
-    Boot keys in setup mode, summarise; return the exit status. LISTING and SYS_ROOT stand in for
-    lsblk/udev and sysfs, EFIVARS for efivarfs (tests); a disk holding PAYLOAD's version already gets
+    Boot keys in setup mode, enroll the TPM's EK and AK for remote attestation, summarise; return the
+    exit status. LISTING and SYS_ROOT stand in for lsblk/udev and sysfs, EFIVARS for efivarfs, ENROLL
+    for the TPM (tests); a disk holding PAYLOAD's version already gets
     only the plan (its /usr and engine store verified as they are)."""
     if plan.target is None:
         raise UserError("the install plan has no [target]", hint="name the disk: target.serial, wwn, model or by_path")
@@ -407,7 +427,8 @@ def install(payload: Payload, plan: install_plan.Plan, plan_dir: Path, *, runner
         except UserError as e:
             # the disk is written and boots: say loudly that it boots unsealed, rather than stop half-way
             secure_boot = f"secure boot keys NOT enrolled: {e.message}; it boots unsealed until they are ({e.hint})"
-    out(summary(choice, payload, on_disk, steps, time.monotonic() - started, signer, secure_boot, recovery))
+    attestation = enroll_tpm(enroll)  # the EK and the AK: remote attestation's enrollment
+    out(summary(choice, payload, on_disk, steps, time.monotonic() - started, signer, secure_boot, recovery, attestation))
     if reboot:
         # stdout is block-buffered off a terminal: the summary must be out before the reboot
         sys.stdout.flush()

@@ -33,6 +33,9 @@ A test host passes the credential appliance.plan, JSON: {VERSION: [STEP, ...]}:
                                             appliance-bootcheck-trial.service, ordered before
                                             the assessment): `applianctl update URL` must be
                                             refused; both slots' write counters before and after
+  {"do": "attest"}                          the host proves, from the probe namespace, what this
+                                            appliance booted (`builder attest` through the metrics
+                                            site: a TPM quote over its nonce); the guest waits for it
   {"do": "hive-reset", "kernel_line": LINE} the whole hive reset three times, LINE (a recorded
                                             amdgpu reset line) into the kernel log each time:
                                             the ladder's restart, its reboot (the step resumes
@@ -64,7 +67,7 @@ from testkit.guest_commands import credential, run_json, run_text, tail, unit_pr
 
 MARKER_DIR = Path("/var/lib/appliance/bootcheck")
 STEPS = ("faults", "refusals", "update", "netprobe", "download-only", "apply", "rollback", "etc-dropin", "rollout-hold", "scrape",
-         "hive-reset")
+         "hive-reset", "attest")
 UPDATES = ("update", "apply", "rollback")  # each run after the report, then a reboot
 TRIAL_STEPS = ("update-on-trial",)
 # A question to the test host on the report port: `APPLIANCE-ASK NAME JSON` (builder/qemu.py answers)
@@ -235,6 +238,32 @@ def run_netprobe(port: str, wait_s: float = 120) -> dict[str, Any]:
     }
 
 
+ATTEST_DONE = "/appliance-attest-done"
+
+
+def run_attest(port: str, wait_s: float = 300) -> dict[str, Any]:
+    """Have the host attest this appliance through its metrics site (the host's namespace on the
+    second NIC is the scraper the plan allows); the guest waits (bounded) for the host's last
+    request, to ATTEST_DONE, in the proxy's log. The attestation unit's state and journal are
+    kept for a verdict that is not proven."""
+    config = load_device()
+    since = run_text(["date", "+%Y-%m-%d %H:%M:%S"]).strip()
+    question = {"metrics_port": config.metrics.port, "https_port": config.proxy.https_port, "done_path": ATTEST_DONE,
+                # the appliance CA the metrics site's certificate chains to, as an operator would have it
+                "ca": (paths.TLS_DIR / "ca.crt").read_text()}
+    _ask(port, "attest", question)
+    started = time.monotonic()
+    seen = wait_until(lambda: _proxy_saw(ATTEST_DONE, since), wait_s)
+    return {
+        **{k: v for k, v in question.items() if k != "ca"},
+        "host_done_seen": seen,
+        "waited_s": round(time.monotonic() - started, 1),
+        "unit": unit_property("appliance-attest.service", "ActiveState"),
+        "journal": tail(run_text(["journalctl", "-o", "cat", "-u", "appliance-attest.service", "--since", since,
+                                  "--no-pager"]), 3000),
+    }
+
+
 SCRAPE_DONE = "/appliance-scrape-done"
 
 
@@ -316,6 +345,8 @@ def run_step(version: str, step: dict[str, Any], engine_healthy: bool, port: str
         outcome = run_netprobe(port) if engine_healthy else NOT_HEALTHY
     elif step["do"] == "scrape":
         outcome = run_scrape(port) if engine_healthy else NOT_HEALTHY
+    elif step["do"] == "attest":
+        outcome = run_attest(port)
     elif step["do"] == "rollout-hold":
         check = subprocess.run(_update_command(str(step["url"]), "--check"), capture_output=True, text=True, timeout=600, check=False)
         outcome = {"check": {"exit": check.returncode, "stdout": tail(check.stdout, 2000), "stderr": tail(check.stderr, 2000)},

@@ -96,6 +96,7 @@ HOSTILE: dict[str, Any] = {
                "maintenance_windows": [{"start": "23:59", "duration_min": 1440, "days": ["sun", "mon"]}]},
     "metrics": {"allowed_cidrs": ["2001:db8:ffff:ffff:ffff:ffff:ffff:fff0/124", "0.0.0.0/0"], "client_ca": CA_PEM + CA_PEM},
     "logs": {"upload_url": "https://" + LONGEST_DNS + ":65535/" + "l._~-/" * 100, "upload_ca": CA_PEM},
+    "attestation": {"ek_ca": CA_PEM + CA_PEM, "accept_software_tpm": True},
     "weights": {"source": "https://" + LONGEST_DNS + ":443/" + "w._~-/" * 100},
     "target": {
         "serial": "S" + " ._:/+-" * 9,

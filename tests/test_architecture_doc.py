@@ -14,18 +14,22 @@ DOC = ROOT / "docs" / "architecture.md"
 NAMED = re.compile(r"`([a-z_]+)(?:\.py|/)?`")
 
 
-def rows() -> list[tuple[str, str]]:
-    """(first cell, whole row) of every table row in the doc."""
+def rows(package: str) -> list[tuple[str, str]]:
+    """(first cell, whole row) of every table row in the doc's section of PACKAGE ("## appliance/ ..."):
+    two packages may each have a subpackage of the same name."""
     found = []
+    section = ""
     for line in DOC.read_text().splitlines():
-        if line.startswith("| `"):
+        if line.startswith("## "):
+            section = line[3:].split()[0] if line[3:].strip() else ""
+        if line.startswith("| `") and section == f"{package}/":
             found.append((line.split("|")[1], line))
     return found
 
 
-def row_for(key: str) -> str:
-    """The row whose first cell names KEY (`status/` or `host.py`)."""
-    hits = [row for first, row in rows() if f"`{key}`" in first]
+def row_for(key: str, package: str) -> str:
+    """The row of PACKAGE's section whose first cell names KEY (`status/` or `host.py`)."""
+    hits = [row for first, row in rows(package) if f"`{key}`" in first]
     assert len(hits) == 1, f"docs/architecture.md: {len(hits)} rows name `{key}` in their first cell"
     return hits[0]
 
@@ -41,7 +45,7 @@ def test_every_module_is_in_its_packages_row(package: str) -> None:
     for path in modules(package):
         relative = path.relative_to(ROOT / package)
         key = f"{relative.parts[0]}/" if len(relative.parts) > 1 else relative.name
-        names = set(NAMED.findall(row_for(key)))
+        names = set(NAMED.findall(row_for(key, package)))
         if path.stem not in names:
             missing.append(str(path.relative_to(ROOT)))
     assert missing == []
@@ -50,7 +54,7 @@ def test_every_module_is_in_its_packages_row(package: str) -> None:
 @pytest.mark.parametrize("package", ["appliance", "applianctl"])
 def test_every_module_a_row_names_exists(package: str) -> None:
     ghosts = []
-    for first, row in rows():
+    for first, row in rows(package):
         sub = re.fullmatch(r"\s*`([a-z_]+)/`\s*", first)
         if sub and (ROOT / package / sub.group(1)).is_dir():
             directory = ROOT / package / sub.group(1)

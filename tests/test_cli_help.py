@@ -37,7 +37,7 @@ PROGRAMS = {
 # applianctl commands that report something, each with --json; and those that do not, with why.
 REPORTING = {
     "status", "verify", "tls", "tls show", "slots", "update", "model fetch", "model verify", "selftest", "smoke",
-    "preflight", "shm-clean", "startup-report", "judge", "remediation",
+    "preflight", "shm-clean", "startup-report", "judge", "remediation", "attest",
 }
 NOT_REPORTING = {
     "logs": "the journal itself, as journalctl prints it (journalctl -o json for JSON)",
@@ -49,6 +49,7 @@ NOT_REPORTING = {
     "support-bundle": "writes a tarball and prints its path, the only thing it has to say",
     "model": "takes an ACTION", "etc-reset": "the initrd's step", "crashloop": "a unit's step",
     "var-seal": "a unit's step; `status --json` shows its record", "stagger": "a unit's step",
+    "attest-serve": "a service (appliance-attest.service); its answers are JSON",
 }
 
 

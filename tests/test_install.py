@@ -18,7 +18,7 @@ from typing import Any
 import plan_values
 import pytest
 
-from appliance import host_settings
+from appliance import host_settings, tpm_keys
 from appliance.errors import UserError
 from appliance.signed import bundle_index, install_plan
 from builder import keys
@@ -29,6 +29,15 @@ USRHASH = "a" * 32 + "b" * 32
 GIB = 1 << 30
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIK0wmN/Cr3JXqmLW7u+g9pTh+wyqDHpSQEIQczXkVx9q ops@example.net"
 OLD_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE50UnEzKriRoz0D1nsw3cmLy+5ttE9+lpa4CiQoTVX1 old@example.net"
+
+
+@pytest.fixture(autouse=True)
+def no_host_tpm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build host's own TPM, if it has one, is never touched: an install here enrolls none."""
+    def absent() -> tpm_keys.Keys:
+        raise UserError("no TPM in the unit tests", hint="the enrollment's own tests give one")
+
+    monkeypatch.setattr(tpm_keys, "ensure_keys", absent)
 
 
 def _host_listing() -> dict[str, Any]:
@@ -166,6 +175,38 @@ def test_install_writes_verifies_records_the_plan_and_boots_first(tmp_path: Path
     assert "Appliance 1.0.0 installed" in page and "192.0.2.10/24" in page and "S64ANS0T512345" in page
     assert "SHA256:" in page and "ops@example.net" in page
     assert f" RECOVERY    {RECOVERY}" in page and "stored nowhere" in page
+
+
+def test_the_tpm_enrollment_is_in_the_summary_and_a_failing_tpm_fails_no_install(tmp_path: Path) -> None:
+    """Remote attestation's enrollment: the EK's fingerprint and the AK's name on the page; a TPM
+    that fails there is one line, and the install still succeeds."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from appliance import tpm_keys
+
+    ek = rsa.generate_private_key(public_exponent=65537, key_size=2048).public_key()
+    pem = ek.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+    keys = tpm_keys.Keys(pem, b"", b"public", bytes.fromhex("000b" + "ab" * 32), ("AK",))
+
+    def broken() -> tpm_keys.Keys:
+        raise UserError("listing the TPM's handles-persistent failed: no TPM", hint="")
+
+    for enroll, expected in ((lambda: keys, [f" TPM EK      sha256:{tpm_keys.ek_fingerprint(pem)} (no EK certificate in the TPM)",
+                                             f" TPM AK      000b{'ab' * 32} (made now)"]),
+                             (broken, [" attestation NOT enrolled (listing the TPM's handles-persistent failed: no TPM): "
+                                       "enrollment will need `applianctl attest identity` on the appliance later"])):
+        run = tmp_path / str(len(list(tmp_path.iterdir())))
+        run.mkdir()
+        written = _as_spare_disk(_host_listing(), WRITTEN)
+        rec = Recorder({"blockdevices": [next(n for n in written["blockdevices"] if n["name"] == "vda")]})
+        plan, plan_dir = _plan(run)
+        out: list[str] = []
+        status = install.install(_payload(run), plan, plan_dir, runner=rec, listing=(_as_spare_disk(_host_listing()), {}),
+                                 boot_partuuid="", trusted_keys=_trusted(run)[1], signer="0123456789abcdef",
+                                 out=out.append, enroll=enroll)
+        assert status == 0 and rec.tools[-1] == "systemctl"  # installed, and rebooted into it
+        assert all(line in out[-1].splitlines() for line in expected)
 
 
 def test_a_partition_udev_has_not_listed_yet_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -60,6 +60,31 @@ def _serve(text: str, seen: list[str]) -> tuple[http.server.ThreadingHTTPServer,
     return server, server.server_address[1]
 
 
+def _serve_attest(seen: list[tuple[str, str, bytes]]) -> tuple[http.server.ThreadingHTTPServer, int]:
+    """A stand-in for appliance-attest.service: every request it gets, answered 200 with JSON."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _any(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            seen.append((self.command, self.path, self.rfile.read(length)))
+            body = b'{"attested": true}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_PUT = do_DELETE = _any
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, server.server_address[1]
+
+
 def _ca(name: str, tmp: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
@@ -92,6 +117,7 @@ class Site:
     engine_seen: list[str]
     scraper_cert: tuple[str, str] | None = None
     stranger_cert: tuple[str, str] | None = None
+    attest_seen: list[tuple[str, str, bytes]] = dataclasses.field(default_factory=list)
 
 
 class _From(HTTPAdapter):
@@ -105,12 +131,13 @@ class _From(HTTPAdapter):
         super().init_poolmanager(*args, **kwargs)
 
 
-def _get(site: Site, path: str, source: str = SCRAPER, method: str = "GET", cert: tuple[str, str] | None = None) -> requests.Response:
+def _get(site: Site, path: str, source: str = SCRAPER, method: str = "GET", cert: tuple[str, str] | None = None,
+         data: bytes | None = None) -> requests.Response:
     s = requests.Session()
     s.trust_env = False
     s.verify = str(site.ca)
     s.mount("https://", _From(source))
-    return s.request(method, f"https://127.0.0.1:{site.port}{path}", timeout=10, cert=cert,
+    return s.request(method, f"https://127.0.0.1:{site.port}{path}", timeout=10, cert=cert, data=data,
                      headers={"Host": f"appliance.local:{site.port}"})
 
 
@@ -136,6 +163,8 @@ def _site(tmp: Path, client_ca: str = "") -> Iterator[Site]:
     engine_seen: list[str] = []
     node, node_port = _serve(NODE_TEXT, node_seen)
     engine, engine_port = _serve(ENGINE_TEXT, engine_seen)
+    attest_seen: list[tuple[str, str, bytes]] = []
+    attest, attest_port = _serve_attest(attest_seen)
     https_port, http_port, metrics_port = (free_port() for _ in range(3))
     config = appliance.config.load(ROOT / "appliance.toml", "demo")
     config = dataclasses.replace(
@@ -150,13 +179,15 @@ def _site(tmp: Path, client_ca: str = "") -> Iterator[Site]:
     sock_dir = Path(tempfile.mkdtemp(prefix="mx-"))  # a unix socket path stays short
     caddyfile = tmp / "Caddyfile"
     caddyfile.write_text(render_caddyfile(config, tls_dir=tls_dir, http_port=http_port, admin=f"unix/{sock_dir}/admin.sock",
-                                          metrics_client_ca=tmp / "client-ca.pem", node_exporter=f"127.0.0.1:{node_port}"))
+                                          metrics_client_ca=tmp / "client-ca.pem", node_exporter=f"127.0.0.1:{node_port}",
+                                          attest=f"127.0.0.1:{attest_port}"))
     try:
         with caddy.running(caddyfile, tmp, metrics_port, tmp / "caddy.log"):
-            yield Site(metrics_port, tls_dir / "ca.crt", node_seen, engine_seen)
+            yield Site(metrics_port, tls_dir / "ca.crt", node_seen, engine_seen, attest_seen=attest_seen)
     finally:
         node.shutdown()
         engine.shutdown()
+        attest.shutdown()
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
@@ -233,3 +264,62 @@ def test_with_a_client_ca_a_scraper_needs_a_certificate_it_signed(mtls_site: Sit
     for cert in (None, mtls_site.stranger_cert):
         with pytest.raises(requests.exceptions.SSLError):
             _get(mtls_site, "/metrics", cert=cert)
+
+
+# ------------------------------------------------------------------ remote attestation on the metrics site
+
+
+@pytest.mark.programs
+def test_a_scraper_reaches_the_attestation_service_on_its_three_routes(site: Site) -> None:
+    before = len(site.attest_seen)
+    assert _get(site, "/attest/identity").json() == {"attested": True}
+    nonce = b'{"nonce": "' + b"ab" * 32 + b'"}'
+    assert _get(site, "/attest/quote", method="POST", data=nonce).status_code == 200
+    assert _get(site, "/attest/activate", method="POST", data=b'{"credential": "AAAA"}').status_code == 200
+    assert site.attest_seen[before:] == [("GET", "/attest/identity", b""), ("POST", "/attest/quote", nonce),
+                                         ("POST", "/attest/activate", b'{"credential": "AAAA"}')]
+
+
+@pytest.mark.programs
+@pytest.mark.parametrize(("method", "path"), [
+    ("POST", "/attest/identity"), ("GET", "/attest/quote"), ("GET", "/attest/activate"), ("PUT", "/attest/quote"),
+    ("DELETE", "/attest/identity"), ("GET", "/attest/"), ("GET", "/attest/identity/"), ("GET", "/attest/identity?x=1"),
+    ("POST", "/attest/quote/"), ("POST", "/attest/seal"), ("GET", "/Attest/identity"), ("POST", "/attest/Quote"),
+])
+def test_other_methods_and_paths_under_attest_reach_nothing(site: Site, method: str, path: str) -> None:
+    before = len(site.attest_seen)
+    r = _get(site, path, method=method, data=b"{}" if method in ("POST", "PUT") else None)
+    assert r.status_code in (400, 404) and r.json()["error"]["type"] == "invalid_request_error"
+    assert "POST /attest/quote" in r.json()["error"]["message"] or r.status_code == 400
+    assert len(site.attest_seen) == before
+
+
+@pytest.mark.programs
+def test_an_attestation_body_over_the_bound_is_refused_before_the_service(site: Site) -> None:
+    from appliance.caddyfile import ATTEST_MAX_BODY
+
+    before = len(site.attest_seen)
+    r = _get(site, "/attest/quote", method="POST", data=b"x" * (ATTEST_MAX_BODY + 1))
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    for parts in ([b"y" * 8192] * 3, [b'{"credential": "AAAA"}']):  # chunked: no Content-Length, whatever its size
+        chunked = _get(site, "/attest/activate", method="POST", data=iter(parts))  # type: ignore[arg-type]
+        assert chunked.status_code == 411 and chunked.json()["error"]["code"] == 411
+    assert len(site.attest_seen) == before
+    assert _get(site, "/attest/quote", method="POST", data=b"z" * ATTEST_MAX_BODY).status_code == 200
+
+
+@pytest.mark.programs
+def test_a_client_outside_the_allowlist_gets_403_for_attestation(site: Site) -> None:
+    before = len(site.attest_seen)
+    for method, path in (("GET", "/attest/identity"), ("POST", "/attest/quote"), ("POST", "/attest/activate")):
+        r = _get(site, path, source=CLIENT, method=method, data=b"{}" if method == "POST" else None)
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    assert len(site.attest_seen) == before
+
+
+@pytest.mark.programs
+def test_with_a_client_ca_attestation_needs_the_scrapers_certificate(mtls_site: Site) -> None:
+    assert _get(mtls_site, "/attest/identity", cert=mtls_site.scraper_cert).status_code == 200
+    for cert in (None, mtls_site.stranger_cert):
+        with pytest.raises(requests.exceptions.SSLError):
+            _get(mtls_site, "/attest/identity", cert=cert)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import host_settings, schema
+from appliance.config import checks
 from appliance.config.checks import MAX_GIB
 from appliance.config.model import ConfigLoader
 from appliance.errors import ConfigError, UserError
@@ -62,10 +63,21 @@ class Target:
 
 
 @dataclass(frozen=True)
+class Attestation:
+    """What the fleet's verifier trusts of this host's TPM (`builder attest enroll --plan`; the
+    device does not read it): the CAs that sign its EK certificate, or a software TPM (tests)."""
+
+    ek_ca: str = field(default="", metadata=schema.multiline(lambda v: None if v == "" else checks.is_pem_certificates(v)))
+    accept_software_tpm: bool = False
+
+
+@dataclass(frozen=True)
 class Plan(host_settings.HostSettings):
-    """The host's settings (hostname, network, ssh, proxy, update, weights) and the target disk."""
+    """The host's settings (hostname, network, ssh, proxy, update, weights), the target disk and
+    what the verifier trusts of its TPM."""
 
     target: Target | None = None
+    attestation: Attestation | None = None
 
 
 def _cross_checks(where: str, plan: Plan) -> None:

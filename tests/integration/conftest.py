@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attest_host
 import netprobe
 import pytest
 from journey import V1, V2, V3, oopsed_before_userspace, reports_of
@@ -361,7 +362,7 @@ def journey_guest(demo_image: Path, installed: dict[str, Any]) -> qemu.Guest:
 
 def _plan_credentials(bundles: dict[str, str], ca: str) -> dict[str, str]:
     plan = {
-        V1: [{"do": "netprobe"}, {"do": "faults"}, {"do": "etc-dropin"}, {"do": "download-only", "url": bundles["v2"]},
+        V1: [{"do": "netprobe"}, {"do": "attest"}, {"do": "faults"}, {"do": "etc-dropin"}, {"do": "download-only", "url": bundles["v2"]},
              {"do": "apply"},
              # boot R: back on v1 by the operator's rollback, forward again to v2 (judged good, so --force)
              {"do": "rollback", "force": True}],
@@ -371,6 +372,7 @@ def _plan_credentials(bundles: dict[str, str], ca: str) -> dict[str, str]:
             {"do": "refusals", "bundles": {n: bundles[u] for n, u in (("flipped", "flipped"), ("untrusted", "untrusted"),
                                                                        ("foreign-signed", "foreign-signed"),
                                                                        ("downgrade", "v1"))}},
+            {"do": "attest"},  # the new release's PCR 11, proven from afar
             {"do": "rollback"},  # boot B: the operator goes back to v1 and its engine
             # a phased rollout of v3 that has not reached this appliance: nothing installed ...
             {"do": "rollout-hold", "url": bundles["channel-held"]},
@@ -382,21 +384,40 @@ def _plan_credentials(bundles: dict[str, str], ca: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def journey_run1(journey_guest: qemu.Guest, bundles: dict[str, str], https_root: tuple[Path, str, str]) -> dict[str, Any]:
+def attestation(demo_config: config.Config, bundles: dict[str, str], https_root: tuple[Path, str, str],
+                tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The fleet's verifier for the journey: its store (empty: boot A enrolls the appliance) and a
+    signed channel index of the journey's releases."""
+    work = tmp_path_factory.mktemp("attest")
+    channel = attest_host.attest_channel(https_root[0], build.signing_key_for(demo_config, None), work)
+    return {"store": work / "store", "channel": channel, "work": work}
+
+
+def _attest_answerer(net: qemu.ProbeNet, attestation: dict[str, Path]) -> qemu.Answerer:
+    return attest_host.answerer(net, JOURNEY_HOSTNAME, attestation["store"], attestation["channel"], attestation["work"])
+
+
+@pytest.fixture(scope="session")
+def journey_run1(journey_guest: qemu.Guest, bundles: dict[str, str], https_root: tuple[Path, str, str],
+                 attestation: dict[str, Path]) -> dict[str, Any]:
     """Boot A; the power is cut while it writes v2's engine into engine slot B. The guest has a
     second NIC on a network namespace of the host, routed to its container bridge, from which
-    the host probes it."""
+    the host probes it and attests it."""
     creds = _plan_credentials(bundles, https_root[2])
     with qemu.ProbeNet(f"appliance-journey-{os.getpid()}", routes=(CONTAINER_BRIDGE,)) as net:
         return journey_guest.boot(timeout=3600, credentials=creds, cut_power=(POWER_CUT_TEXT, POWER_CUT_DELAY_S),
-                                  answer={"netprobe": netprobe.answerer(net)}, probe_net=net)
+                                  answer={"netprobe": netprobe.answerer(net), "attest": _attest_answerer(net, attestation)},
+                                  probe_net=net)
 
 
 @pytest.fixture(scope="session")
 def journey_run2(journey_guest: qemu.Guest, journey_run1: dict[str, Any], bundles: dict[str, str],
-                 https_root: tuple[Path, str, str]) -> dict[str, Any]:
-    """Boots C, B, R, F, D and E, on the same disk after the power cut."""
-    return journey_guest.boot(timeout=3600, credentials=_plan_credentials(bundles, https_root[2]))
+                 https_root: tuple[Path, str, str], attestation: dict[str, Path]) -> dict[str, Any]:
+    """Boots C, B, R, F, D and E, on the same disk after the power cut; the probe network again,
+    from which the host attests v2."""
+    with qemu.ProbeNet(f"appliance-journey2-{os.getpid()}", routes=(CONTAINER_BRIDGE,)) as net:
+        return journey_guest.boot(timeout=3600, credentials=_plan_credentials(bundles, https_root[2]),
+                                  answer={"attest": _attest_answerer(net, attestation)}, probe_net=net)
 
 
 @pytest.fixture(scope="session")
