@@ -277,7 +277,8 @@ def media_url_for(host: Host, template: str) -> str:
     if host.boot == "http" and not urlsplit(url).path.lower().endswith(".efi"):
         # an ISO loaded over HTTP becomes a RAM disk, which the installer's kernel cannot read (docs/install.md)
         raise UserError(f"{host.name}: boot = \"http\" boots the installer's EFI file, not {url}",
-                        hint="give the URL of installer_VERSION.efi as the host's media_url (made by: python3 -m builder installer --form efi)")
+                        hint="give the URL of installer_VERSION.efi as the host's media_url "
+                             "(made by: python3 -m builder installer --form efi)")
     return url
 
 
