@@ -19,8 +19,10 @@ and after the TPM's state is lost.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -32,8 +34,9 @@ from typing import Any
 import pytest
 
 from appliance import config, luks
+from appliance.attest import evidence, verify
 from appliance.signed import bundle_index
-from builder import build, qemu
+from builder import attest, build, qemu, secureboot
 
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
@@ -42,10 +45,17 @@ RECOVERY_SHOWN = re.compile(r"/var recovery key \(shown once[^\n]*\n\s*\n\s*([a-
 PROMPT = re.compile(r"(passphrase|recovery key) for disk appliance-var")
 ATTACK_START, ATTACK_END = "SEALED-ATTACK-START", "SEALED-ATTACK-END"
 SHELL = re.compile(r"no job control in this shell|bash-[0-9.]+# |root@[^\s:]+:/# ")
+# The fleet's verifier's nonce for the quote the shell's TPM gives (the test host chose it)
+NONCE = secrets.token_hex(32)
+IDENTITY_MARK, QUOTE_MARK, ATTEST_END = "SEALED-ATTEST-IDENTITY", "SEALED-ATTEST-QUOTE", "SEALED-ATTEST-END"
 ATTACK = ("exec >/dev/ttyS1 2>&1; echo " + ATTACK_START + "; modprobe dm_crypt; "
           "/usr/lib/systemd/systemd-cryptsetup attach attack /dev/disk/by-partlabel/appliance-var none "
           "tpm2-device=auto,headless=1; echo SEALED-ATTACK-RC=$?; ls /dev/mapper; "
           "echo SEALED-ATTACK-SB=$(od -An -tu1 -j4 /sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c); "
+          # what this boot proves to the fleet's verifier: its TPM's quote, with the firmware's event log
+          "mount -t securityfs securityfs /sys/kernel/security; export TPM2TOOLS_TCTI=device:/dev/tpmrm0; "
+          f"echo {IDENTITY_MARK}; /usr/bin/applianctl attest identity --json; "
+          f"echo {QUOTE_MARK}; /usr/bin/applianctl attest --nonce {NONCE} --json; echo {ATTEST_END}; "
           "echo " + ATTACK_END + "; sync; echo o > /proc/sysrq-trigger")
 
 
@@ -152,6 +162,7 @@ def sealed_runs(demo_config: config.Config, demo_image: Path, tmp_path_factory: 
     pristine_esp = work / "esp-loader.conf"
     subprocess.run(["mcopy", "-o", "-i", _esp(guest.disk), "::/loader/loader.conf", str(pristine_esp)], check=True)
     runs["entry"] = _attack_entry(guest, work)
+    runs["uki_file"] = work / "uki.efi"  # the kernel image the attack boots, copied off the ESP
     _secure_boot_off(guest.vars)
     runs["attack"] = _boot_raw(guest, 900, type_at=(SHELL, ATTACK))
     # boot 3: the entry gone, Secure Boot on, the TPM's state lost
@@ -186,6 +197,28 @@ def test_with_secure_boot_off_a_shell_as_pid_1_cannot_open_var(sealed_runs: dict
     rc = re.search(r"SEALED-ATTACK-RC=([0-9]+)", body)
     assert rc is not None and rc.group(1) != "0", body
     assert "attack" not in body.split(rc.group(0), 1)[1], body  # no /dev/mapper/attack
+
+
+def test_with_secure_boot_off_the_quote_fails_verification_with_the_pcr_7_reason(sealed_runs: dict[str, Any],
+                                                                                 demo_config: config.Config) -> None:
+    """The same boot, asked by the fleet's verifier: the TPM's quote is genuine and PCR 11 is the
+    release's, but PCR 7, replayed from the firmware's event log, records Secure Boot off."""
+    text = sealed_runs["attack"]["report_text"]
+    assert QUOTE_MARK in text and ATTEST_END in text, text[-3000:]
+    identity_text = text.split(IDENTITY_MARK, 1)[1].split(QUOTE_MARK, 1)[0]
+    quote_text = text.split(QUOTE_MARK, 1)[1].split(ATTEST_END, 1)[0]
+    identity = evidence.load_identity(json.loads(identity_text))
+    quoted = evidence.load_evidence(json.loads(quote_text))
+    uki = sealed_runs["uki_file"]
+    policies, _ = attest.policies_from_uki(uki)
+    releases = [verify.ReleasePolicy(demo_config.appliance.version, frozenset(bytes.fromhex(p) for p in policies))]
+    certs = [secureboot.der(build.secure_boot_certificate(demo_config))]
+    if demo_config.os.secure_boot_microsoft_ca:
+        certs.extend(der for _, der in secureboot.microsoft_certificates())
+    verdict = verify.check(quoted, nonce=bytes.fromhex(NONCE), ak_public=base64.b64decode(identity.ak_public),
+                           releases=releases, secure_boot=verify.SecureBootTrust(db_certificates=tuple(certs)))
+    assert not verdict.proven and verdict.code == "secure-boot-off", verdict
+    assert verdict.secure_boot == "off" and verdict.release == demo_config.appliance.version, verdict
 
 
 def test_with_the_tpm_state_lost_the_recovery_key_typed_at_the_serial_console_opens_var(sealed_runs: dict[str, Any]) -> None:
