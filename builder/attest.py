@@ -375,6 +375,19 @@ def pe_sections(path: Path, wanted: Sequence[str]) -> dict[str, list[bytes]]:
     return out
 
 
+def pcr_key_fingerprint(key: Any) -> str:
+    """A PCR policy key's fingerprint as systemd-measure writes it in each .pcrsig entry (`pkfp`):
+    the SHA-256 of OpenSSL's i2d_PublicKey form, PKCS#1 for RSA, the uncompressed point for EC
+    (not of the SubjectPublicKeyInfo)."""
+    if isinstance(key, rsa.RSAPublicKey):
+        data = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.PKCS1)
+    elif isinstance(key, ec.EllipticCurvePublicKey):
+        data = key.public_bytes(serialization.Encoding.X962, serialization.PublicFormat.UncompressedPoint)
+    else:
+        raise TypeError("a PCR policy key is RSA or EC")
+    return hashlib.sha256(data).hexdigest()
+
+
 def policies_from_uki(path: Path) -> tuple[frozenset[str], str]:
     """(the sha256 bank's PCR 11 `pol` values of every .pcrsig section, SHA-256 of .pcrpkey or "")."""
     try:
@@ -388,9 +401,7 @@ def policies_from_uki(path: Path) -> tuple[frozenset[str], str]:
     pcrpkey_fp = ""
     if pcrpkey:
         try:
-            key = serialization.load_pem_public_key(pcrpkey.rstrip(b"\0"))
-            pcrpkey_fp = hashlib.sha256(key.public_bytes(serialization.Encoding.DER,
-                                                         serialization.PublicFormat.SubjectPublicKeyInfo)).hexdigest()
+            pcrpkey_fp = pcr_key_fingerprint(serialization.load_pem_public_key(pcrpkey.rstrip(b"\0")))
         except (ValueError, TypeError):
             raise UserError(f"{path.name}: its .pcrpkey is not a PEM public key", hint="the bundle is damaged: release it again") from None
     out: set[str] = set()

@@ -224,11 +224,10 @@ def _uki_sections(version: str, pcr11: bytes, policy_key: Path) -> dict[str, byt
     from appliance.attest import tpm_wire
 
     pubkey = secureboot.public_key_pem(policy_key)
-    spki = serialization.load_pem_public_key(pubkey).public_bytes(serialization.Encoding.DER,
-                                                                   serialization.PublicFormat.SubjectPublicKeyInfo)
+    pkfp = attest.pcr_key_fingerprint(serialization.load_pem_public_key(pubkey))
     pol = tpm_wire.pcr_policy_digest(11, pcr11).hex()
     other = hashlib.sha256(b"another boot phase").hexdigest()
-    pcrsig = {"sha256": [{"pcrs": [11], "pkfp": hashlib.sha256(spki).hexdigest(), "pol": p, "sig": "AAAA"} for p in (other, pol)]}
+    pcrsig = {"sha256": [{"pcrs": [11], "pkfp": pkfp, "pol": p, "sig": "AAAA"} for p in (other, pol)]}
     return {
         ".osrel": f'ID=debian\nIMAGE_ID="appliance"\nIMAGE_VERSION="{version}"\n'.encode(),
         ".cmdline": f"usrhash={fake_release.usrhash_for(version)} rw".encode(),
@@ -640,3 +639,13 @@ def test_ek_trust_needs_the_ca_s_signature_not_its_name() -> None:
     with pytest.raises(Refused, match="not signed by a trusted EK CA"):
         attest.ek_trust(identity, [forged_ca], accept_software_tpm=False)
     assert attest.ek_trust(identity, [forged_ca], accept_software_tpm=True)[0] == "software-tpm"
+
+
+def test_the_policy_keys_fingerprint_is_the_one_systemd_measure_writes() -> None:
+    """pkfp in a real .pcrsig (recorded from systemd-measure sign, tests/fixtures/attest/) is the
+    SHA-256 of the key's PKCS#1 form, not of its SubjectPublicKeyInfo: a kernel image built by mkosi
+    must read as its own key's."""
+    fixtures = Path(__file__).resolve().parent / "fixtures" / "attest"
+    recorded = json.loads((fixtures / "pcrsig.json").read_text())
+    key = serialization.load_pem_public_key((fixtures / "pcr-public.pem").read_bytes())
+    assert {e["pkfp"] for e in recorded["sha256"]} == {attest.pcr_key_fingerprint(key)}
