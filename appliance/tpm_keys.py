@@ -85,11 +85,12 @@ def flush() -> None:
         run.call(["tpm2_flushcontext", "-t", "-l", "-s"], TIMEOUT_S)
 
 
-def flush_session(session: Path) -> None:
-    """Flush the session a tool saved to SESSION (best effort: it may be gone already)."""
+def flush_session(session: Path, tcti: str | None = None) -> None:
+    """Flush the session a tool saved to SESSION (best effort: it may be gone already), through
+    TCTI when the session was made through one of its own."""
     if session.exists():
         with contextlib.suppress(OSError, run.SubprocessError):
-            run.call(["tpm2_flushcontext", session], TIMEOUT_S)
+            run.call(["tpm2_flushcontext", *(["-T", tcti] if tcti else []), session], TIMEOUT_S)
 
 
 def _handles(kind: str) -> frozenset[int]:

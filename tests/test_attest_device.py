@@ -413,3 +413,38 @@ def test_pcr_values_the_quote_does_not_cover_are_never_sent(tcti: str, monkeypat
     with pytest.raises(UserError, match=f"the PCRs moved during each of {tpm.QUOTE_TRIES} quotes"):
         tpm.quote(os.urandom(32))
     assert len(quotes) == tpm.QUOTE_TRIES
+
+
+@pytest.mark.parametrize(("configured", "direct"), [(None, "device:/dev/tpm0"), ("device:/dev/tpmrm0", "device:/dev/tpm0"),
+                                                     ("device:/dev/tpmrm1", "device:/dev/tpm1"),
+                                                     ("swtpm:host=127.0.0.1,port=2321", None), ("device:/dev/tpm0", None)])
+def test_activations_session_goes_around_the_kernels_resource_manager(configured: str | None, direct: str | None) -> None:
+    from applianctl.attest import tpm
+
+    assert tpm.session_tcti(configured) == direct
+
+
+def test_every_tool_of_one_activation_talks_to_the_tpm_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy session is made, satisfied, used and flushed through /dev/tpm0: through /dev/tpmrm0
+    the kernel would flush it when each tool exits, and the activation would fail on the device."""
+    from applianctl.attest import tpm
+
+    seen: list[list[str]] = []
+    monkeypatch.setenv("TPM2TOOLS_TCTI", "device:/dev/tpmrm0")
+    monkeypatch.setattr(tpm, "_ensure_ak", lambda: None)
+    monkeypatch.setattr(tpm_keys, "flush", lambda: None)
+
+    def tool(argv: list[Any], what: str, **kw: Any) -> None:
+        seen.append([str(a) for a in argv])
+        if argv[0] == "tpm2_activatecredential":
+            (Path(str(argv[argv.index("-o") + 1]))).write_bytes(b"s" * 32)
+        elif argv[0] == "tpm2_startauthsession":
+            Path(str(argv[argv.index("-S") + 1])).write_bytes(b"session")
+
+    flushed: list[tuple[Path, str | None]] = []
+    monkeypatch.setattr(tpm_keys, "tool", tool)
+    monkeypatch.setattr(tpm_keys, "flush_session", lambda session, tcti=None: flushed.append((session, tcti)))
+    assert tpm.activate(b"credential") == b"s" * 32
+    assert [argv[0] for argv in seen] == ["tpm2_startauthsession", "tpm2_policysecret", "tpm2_activatecredential"]
+    assert all(argv[1:3] == ["-T", "device:/dev/tpm0"] for argv in seen), seen
+    assert [tcti for _, tcti in flushed] == ["device:/dev/tpm0"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -101,6 +102,17 @@ def quote(nonce: bytes, event_log: Path | None = None) -> Evidence:
                     ak_name=tpm_keys.ak_name().hex(), event_log=_b64(read_event_log(event_log)))
 
 
+def session_tcti(configured: str | None) -> str | None:
+    """The TCTI for activation's policy session, which spans three tools: the kernel's resource
+    manager (/dev/tpmrm0) flushes a client's sessions when its process exits (the session tests of
+    tpm2-tools run with tpm2-abrmd only: tpm2-software/tpm2-tools#2700), so these tools talk to the
+    TPM itself (/dev/tpm0, where a saved session outlives its tool); None: the configured TCTI
+    keeps sessions (a swtpm, the tests)."""
+    tcti = configured or "device:/dev/tpmrm0"
+    found = re.fullmatch(r"device:/dev/tpmrm([0-9]+)", tcti)
+    return f"device:/dev/tpm{found.group(1)}" if found else None
+
+
 def activate(credential: bytes) -> bytes:
     """The secret sealed in CREDENTIAL (the file tpm2_makecredential -o writes) for this TPM's EK
     and the AK's name. Refused when it does not open with them (made for another AK or EK, or damaged)."""
@@ -108,15 +120,18 @@ def activate(credential: bytes) -> bytes:
         raise Refused(f"a credential of {len(credential)} bytes (at most {MAX_CREDENTIAL_BYTES})",
                       hint="send the file tpm2_makecredential -o wrote, base64")
     _ensure_ak()
+    tcti = session_tcti(os.environ.get("TPM2TOOLS_TCTI"))
+    direct = ["-T", tcti] if tcti else []
     with tpm_keys.workdir() as d:
         (d / "credential").write_bytes(credential)
         session = d / "session.ctx"
         # the EK's policy: PolicySecret of the endorsement hierarchy (TCG's default EK template)
-        tpm_keys.tool(["tpm2_startauthsession", "--policy-session", "-S", session], "starting a policy session for the EK")
+        tpm_keys.tool(["tpm2_startauthsession", *direct, "--policy-session", "-S", session],
+                      "starting a policy session for the EK")
         try:
-            tpm_keys.tool(["tpm2_policysecret", "-S", session, "-c", "e"], "satisfying the EK's policy")
+            tpm_keys.tool(["tpm2_policysecret", *direct, "-S", session, "-c", "e"], "satisfying the EK's policy")
             try:
-                tpm_keys.tool(["tpm2_activatecredential", "-c", tpm_keys.hex_handle(tpm_keys.AK_HANDLE),
+                tpm_keys.tool(["tpm2_activatecredential", *direct, "-c", tpm_keys.hex_handle(tpm_keys.AK_HANDLE),
                                "-C", tpm_keys.hex_handle(tpm_keys.EK_HANDLE), "-i", d / "credential", "-o", d / "secret",
                                "-P", f"session:{session}"], "activating the credential")
             except UserError as e:
@@ -124,7 +139,7 @@ def activate(credential: bytes) -> bytes:
                               hint="make it with tpm2_makecredential for this TPM's EK and this AK's name "
                                    "(`applianctl attest identity`)") from None
         finally:
-            tpm_keys.flush_session(session)
+            tpm_keys.flush_session(session, tcti)
         secret = read_capped(d / "secret", MAX_SECRET_BYTES, what="the activated secret") or b""
     if not secret:
         raise UserError("tpm2_activatecredential wrote no secret", hint=tpm_keys.HINT)
