@@ -249,6 +249,7 @@ def run_attest(port: str, wait_s: float = 300) -> dict[str, Any]:
     config = load_device()
     since = run_text(["date", "+%Y-%m-%d %H:%M:%S"]).strip()
     question = {"metrics_port": config.metrics.port, "https_port": config.proxy.https_port, "done_path": ATTEST_DONE,
+                "hostname": config.proxy.hostname,  # the name the site's certificate gives: the verifier's name for it
                 # the appliance CA the metrics site's certificate chains to, as an operator would have it
                 "ca": (paths.TLS_DIR / "ca.crt").read_text()}
     _ask(port, "attest", question)

@@ -39,19 +39,20 @@ def _builder(net: qemu.ProbeNet, args: list[str], timeout: float = 600) -> dict[
     return {"exit": proc.returncode, "stdout": proc.stdout[-6000:], "stderr": proc.stderr[-3000:]}
 
 
-def answerer(net: qemu.ProbeNet, hostname: str, store: Path, channel: Path, work: Path) -> qemu.Answerer:
+def answerer(net: qemu.ProbeNet, store: Path, channel: Path, work: Path) -> qemu.Answerer:
     def attest(question: dict[str, Any]) -> dict[str, Any]:
         port = int(question["metrics_port"])
+        hostname = str(question["hostname"])  # the proxy's name, which its certificate gives
         ca = work / "appliance-ca.pem"
         ca.write_text(str(question.get("ca", "")))
-        # the plan's hostname for the guest's address inside the namespace (ip netns exec binds
+        # that name for the guest's address inside the namespace (ip netns exec binds
         # /etc/netns/NAME/hosts over /etc/hosts): the site's certificate names the hostname
         hosts = Path("/etc/netns") / net.name
         hosts.mkdir(parents=True, exist_ok=True)
         (hosts / "hosts").write_text(f"127.0.0.1 localhost\n{net.guest_address} {hostname}\n")
         try:
             tls = ["--store", str(store), "--ca", str(ca)]
-            answer: dict[str, Any] = {}
+            answer: dict[str, Any] = {"host": hostname}
             if not (store / "hosts" / f"{hostname}.json").exists():
                 answer["enroll"] = _builder(net, ["attest", "enroll", hostname, "--url", f"https://{hostname}:{port}/",
                                                   "--accept-software-tpm", *tls])

@@ -394,7 +394,7 @@ def attestation(demo_config: config.Config, bundles: dict[str, str], https_root:
 
 
 def _attest_answerer(net: qemu.ProbeNet, attestation: dict[str, Path]) -> qemu.Answerer:
-    return attest_host.answerer(net, JOURNEY_HOSTNAME, attestation["store"], attestation["channel"], attestation["work"])
+    return attest_host.answerer(net, attestation["store"], attestation["channel"], attestation["work"])
 
 
 @pytest.fixture(scope="session")
