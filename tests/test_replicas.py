@@ -30,7 +30,7 @@ import requests
 from repository import FIXTURES
 from test_proxy import _adapt
 
-from appliance import balancer, config
+from appliance import balancer, config, paths
 from appliance.caddyfile import render_caddyfile
 from appliance.errors import ConfigError
 from bench import paced_engine
@@ -55,12 +55,14 @@ def _layout(replicas: int, affinity_header: str = "") -> config.Config:
 
 def _engine_proxies(adapted: dict[str, Any]) -> list[dict[str, Any]]:
     """Every reverse_proxy handler of the clients' site that forwards to the engine (or its balancer):
-    the ones that buffer request bodies (the judge's /health and the metrics site's do not)."""
+    the ones that buffer request bodies (the judge's /health and the metrics site's do not), but for
+    the metrics site's attestation service (paths.ATTEST), which buffers its small bodies too."""
     found = []
 
     def walk(node: Any) -> None:
         if isinstance(node, dict):
-            if node.get("handler") == "reverse_proxy" and node.get("buffer_requests"):
+            if node.get("handler") == "reverse_proxy" and node.get("buffer_requests") \
+                    and [u.get("dial") for u in node.get("upstreams", [])] != [paths.ATTEST]:
                 found.append(node)
             for value in node.values():
                 walk(value)
