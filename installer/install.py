@@ -298,6 +298,10 @@ def ssh_fingerprint(key_line: str) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
+# the TPM's enrollment (the tests put a TPM of their own here: never the build host's)
+ENROLL: Callable[[], tpm_keys.Keys] = tpm_keys.ensure_keys
+
+
 def enroll_tpm(enroll: Callable[[], tpm_keys.Keys] | None = None) -> list[str]:
     """Remote attestation's enrollment: the TPM's EK read (made persistent when it is not) and the
     appliance's AK made and persisted (appliance/tpm_keys.py), for the summary: the EK's fingerprint
@@ -305,7 +309,7 @@ def enroll_tpm(enroll: Callable[[], tpm_keys.Keys] | None = None) -> list[str]:
     A TPM that fails here fails no install: one line says so, and the appliance makes both on the
     first `applianctl attest identity` (or the first request of the fleet's verifier)."""
     try:
-        keys = (enroll or tpm_keys.ensure_keys)()  # looked up at the call: the tests put a TPM of their own there
+        keys = (enroll or ENROLL)()
     except Exception as e:  # whatever the TPM does, the install goes on
         text = e.message if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
         why = (text.splitlines() or [type(e).__name__])[0][:200]

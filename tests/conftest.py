@@ -63,6 +63,20 @@ def no_host_efivars(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 @pytest.fixture(autouse=True)
+def no_host_tpm_enrollment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """install() enrolls the TPM's EK and AK by default: a test that gives no enrollment of its own
+    sees a TPM that answers nothing, never the build host's TPM (and starts no tpm2-tools)."""
+    from appliance import tpm_keys
+    from appliance.errors import UserError
+    from installer import install
+
+    def absent() -> tpm_keys.Keys:
+        raise UserError("no TPM in the unit tests", hint="the enrollment's own tests give one")
+
+    monkeypatch.setattr(install, "ENROLL", absent)
+
+
+@pytest.fixture(autouse=True)
 def installer_sees_a_tpm(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """install() seals /var to the TPM and refuses a machine without one: a test's machine has a
     TPM 2.0 (a sysfs directory of its own) and the install's key file goes to its own directory

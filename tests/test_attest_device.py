@@ -373,7 +373,7 @@ def test_the_installer_enrolls_the_ek_and_ak_into_its_summary(tcti: str) -> None
     from installer import install
 
     keys = tpm_keys.ensure_keys()
-    lines = install.enroll_tpm()
+    lines = install.enroll_tpm(tpm_keys.ensure_keys)  # this test's swtpm, not conftest's absent TPM
     assert lines == [f" TPM EK      sha256:{tpm_keys.ek_fingerprint(keys.ek_pem)} (with its maker's certificate)",
                      f" TPM AK      {keys.ak_name.hex()} (was there already)"]
     assert _transients() == []
@@ -383,7 +383,7 @@ def test_a_tpm_that_fails_at_install_is_one_line_and_no_failed_install(monkeypat
     from installer import install
 
     monkeypatch.setenv("TPM2TOOLS_TCTI", "swtpm:host=127.0.0.1,port=1")  # nobody there
-    (line,) = install.enroll_tpm()
+    (line,) = install.enroll_tpm(tpm_keys.ensure_keys)
     assert line.startswith(" attestation NOT enrolled (listing the TPM's handles-persistent failed: ")
     assert line.endswith("enrollment will need `applianctl attest identity` on the appliance later")
 

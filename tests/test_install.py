@@ -31,15 +31,6 @@ KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIK0wmN/Cr3JXqmLW7u+g9pTh+wyqDHpSQEIQc
 OLD_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE50UnEzKriRoz0D1nsw3cmLy+5ttE9+lpa4CiQoTVX1 old@example.net"
 
 
-@pytest.fixture(autouse=True)
-def no_host_tpm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The build host's own TPM, if it has one, is never touched: an install here enrolls none."""
-    def absent() -> tpm_keys.Keys:
-        raise UserError("no TPM in the unit tests", hint="the enrollment's own tests give one")
-
-    monkeypatch.setattr(tpm_keys, "ensure_keys", absent)
-
-
 def _host_listing() -> dict[str, Any]:
     return json.loads((FIXTURES / "build-host.json").read_text())["lsblk"]  # type: ignore[no-any-return]
 
