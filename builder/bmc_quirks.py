@@ -428,7 +428,10 @@ def boot_override_body(profile: BmcProfile, target: str, uri: str | None = None,
                        system: Json | None = None) -> dict[str, Any]:
     """The PATCH body for the System: boot TARGET once, in UEFI mode. Target, Enabled and Mode go
     in one body (some Supermicro firmware refuses a Mode set on its own). With SYSTEM, a target
-    it does not list, or a URI it cannot take, is refused here, before the BMC is asked."""
+    it does not list, or a URI it cannot take, is refused here, before the BMC is asked; a System
+    already in UEFI mode is not sent the Mode again, as Ironic's redfish driver sets a mode only
+    when it differs: a BMC may rebuild the firmware's settings on any Mode (sushy-tools' libvirt
+    driver writes a new loader and variable store, without Secure Boot)."""
     if target == "UefiHttp" and uri is None:
         raise QuirkError("a UefiHttp boot needs the installer's URL")
     if uri is not None and target != "UefiHttp":
@@ -444,8 +447,10 @@ def boot_override_body(profile: BmcProfile, target: str, uri: str | None = None,
     boot: dict[str, Any] = {
         "BootSourceOverrideTarget": target,
         "BootSourceOverrideEnabled": "Once",
-        "BootSourceOverrideMode": "UEFI",
     }
+    shown = system.get("Boot") if system is not None else None
+    if not (isinstance(shown, Mapping) and shown.get("BootSourceOverrideMode") == "UEFI"):
+        boot["BootSourceOverrideMode"] = "UEFI"
     if uri is not None:
         boot["HttpBootUri"] = uri
     return {"Boot": boot}

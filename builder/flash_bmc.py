@@ -38,13 +38,12 @@ import logging
 import os
 import socket
 import ssl
-import stat
 import threading
 import time
 import tomllib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -57,7 +56,7 @@ from appliance.config import checks
 from appliance.errors import UserError
 from appliance.safe_read import loads_bounded, read_capped
 from appliance.signed import install_plan
-from builder import bmc_quirks
+from builder import bmc_quirks, flash_report
 
 T = TypeVar("T")
 STATE_FORMAT = 1
@@ -123,6 +122,7 @@ class Target:
     model: str
     min_gib: int
     max_gib: int
+    report_url: str = ""  # the plan's [report] url: where its installer reports ("" without one)
 
 
 @dataclass(frozen=True)
@@ -214,21 +214,8 @@ def read_credentials(path: Path, host: str) -> Credentials:
     """USERNAME and PASSWORD from PATH: a regular file of ours that nobody else may read (0600 or 0400),
     not reached through a link. No error shows any of its content."""
     hint = f"write it as TOML (username = \"...\", password = \"...\") and chmod 600 {path}"
+    fd = flash_report.open_secret(path, f"{host}: credentials file {path}", hint, MAX_CREDENTIALS_BYTES)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as e:
-        raise UserError(f"{host}: credentials file {path}: {e.strerror}", hint=hint) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UserError(f"{host}: credentials file {path} is not a regular file", hint=hint)
-        if st.st_mode & 0o077:
-            raise UserError(f"{host}: credentials file {path} can be read by others (mode {stat.S_IMODE(st.st_mode):04o})",
-                            hint=f"chmod 600 {path}")
-        if st.st_uid != os.geteuid():
-            raise UserError(f"{host}: credentials file {path} belongs to another user", hint=f"chown {os.geteuid()} {path}")
-        if st.st_size > MAX_CREDENTIALS_BYTES:
-            raise UserError(f"{host}: credentials file {path} is larger than {MAX_CREDENTIALS_BYTES} bytes", hint=hint)
         data = os.read(fd, MAX_CREDENTIALS_BYTES + 1)
     finally:
         os.close(fd)
@@ -265,7 +252,8 @@ def read_target(plan_dir: Path, host: str) -> Target:
     if plan.target is None:
         raise UserError(f"{host}: the plan has no [target]", hint="name the disk in the plan (docs/install.md) and sign it again")
     t = plan.target
-    return Target(hashlib.sha256(data).hexdigest(), name, t.serial, t.model, t.min_size_gib, t.max_size_gib)
+    return Target(hashlib.sha256(data).hexdigest(), name, t.serial, t.model, t.min_size_gib, t.max_size_gib,
+                  plan.report.url if plan.report else "")
 
 
 def media_url_for(host: Host, template: str) -> str:
@@ -488,6 +476,10 @@ class Options:
     install_timeout: float = 3600.0
     media_ca: str = ""          # PEM text: the medium's server's CA, given to the BMC's virtual media
     secure_boot_cert: str = ""  # PEM text: the appliance's Secure Boot certificate (enrolled into db where allowed)
+    report_listen: tuple[str, int] | None = None  # where the installers' reports are collected (builder/flash_report.py)
+    report_cert: Path | None = None
+    report_key: Path | None = None
+    report_wait: float = 120.0  # after the proxy answers: the installer sent its report before its reboot
 
 
 def _link(doc: dict[str, Any], key: str) -> str:
@@ -837,13 +829,46 @@ class Flash:
                     raise Refusal(f"the appliance answers, but {answer.problem}",
                                   "a wiped disk makes a new CA at first boot: read its fingerprint on the console (tty1) "
                                   "and update appliance_ca")
-                self.mark(STEP_WAIT, proxy={"health": answer.status, "verified": answer.verified, "names": list(answer.names)})
+                report = self.collect_report()
+                self.mark(STEP_WAIT, proxy={"health": answer.status, "verified": answer.verified, "names": list(answer.names)},
+                          report=report)
                 return
             if self.clock() - started > self.options.install_timeout:
                 raise Refusal(f"the appliance did not answer on its proxy as {self.job.target.proxy_name} within "
                               f"{self.options.install_timeout:.0f} s", "look at the server's console through the BMC; "
                               "run this again to keep waiting (the host goes on from here)")
             self.sleep(self.options.poll_interval)
+
+    def collect_report(self) -> str:
+        """The path of the installer's report for this host's plan ("" when none arrived), looked for
+        up to report_wait when this run collects reports (else once: a stopped run may have one).
+        Refusal when it contradicts the plan: another disk than the plan's serial, or another plan."""
+        t = self.job.target
+        if not t.report_url:
+            return ""
+        path = flash_report.report_path(self.options.output, self.name)
+        deadline = self.clock() + (self.options.report_wait if self.options.report_listen is not None else 0.0)
+        while True:
+            try:
+                doc = flash_report.read_report(self.options.output, self.name)
+            except UserError as e:
+                raise Refusal(e.message, e.hint) from None
+            if doc is not None and doc["plan_sha256"] == t.sha256:
+                break
+            if self.clock() >= deadline:
+                if doc is None:
+                    return ""
+                raise Refusal(f"the installer's report {path} is for another plan (SHA-256 {doc['plan_sha256'][:16]}..., "
+                              f"this host's is {t.sha256[:16]}...)",
+                              f"move {path} away if it is an older install's, then run this again")
+            self.sleep(min(max(self.options.poll_interval, 0.05), 2.0))
+        serial = doc["disk"]["serial"].strip()
+        if t.serial and serial != t.serial:
+            raise Refusal(f"its installer reports it wrote {doc['disk']['path']} serial {serial or '(none)'}, "
+                          f"not the plan's disk (serial {t.serial})",
+                          f"look at the server's console and at {path}; if the plan names the wrong disk, fix its [target] "
+                          "and sign it again")
+        return str(path)
 
     def eject(self) -> None:
         assert self.profile is not None
@@ -871,10 +896,27 @@ class Flash:
             except BmcError as e:
                 sb_after = f"not shown ({e.answer})"
         line = (f"installed: answers on its proxy as {self.job.target.proxy_name} (/health {proxy.get('health')}, {trust}); "
-                f"Secure Boot at the BMC: {sb_after}; the installer's own summary is on its console only (docs/install.md)")
+                f"Secure Boot at the BMC: {sb_after}; {self.installer_said()}")
         self.state.update(status="installed", summary=line, secure_boot_after=sb_after)
         self.save()
         return line
+
+    def installer_said(self) -> str:
+        """What the installer wrote, from its report; else where its summary is."""
+        doc = None
+        if self.state.get("report"):
+            with suppress(UserError):
+                doc = flash_report.read_report(self.options.output, self.name)
+        if doc is not None:
+            disk = doc["disk"]
+            ek = flash_report.ek_fingerprint(doc)
+            return (f"the installer wrote appliance {doc['version']} on {disk['path']} ({disk['model'] or '-'}, serial "
+                    f"{disk['serial'] or '-'}, {disk['size_bytes'] / (1 << 30):.1f} GiB), /usr {doc['usr_hash'][:16]}..., "
+                    f"{doc['secure_boot'] or 'secure boot not said'}, " + (f"TPM EK {ek}" if ek else "TPM EK not enrolled")
+                    + f" (its report: {flash_report.report_path(self.options.output, self.name)})")
+        if self.job.target.report_url:
+            return f"no report from its installer arrived at {self.job.target.report_url} (its console shows its summary)"
+        return "the installer's own summary is on its console only (docs/install.md)"
 
     def run(self) -> str:
         """Every step not done yet; the host's summary line. Raises Refusal."""
@@ -931,6 +973,9 @@ def flash_host(job: Job, options: Options, say: Callable[[str], None], connect: 
         line = f"already installed with this plan (state {state_path(options.output, name)}): nothing done"
         say(f"{name}: {line}")
         return Outcome(name, "already installed", line)
+    if job.target.report_url and options.report_listen is None:
+        say(f"{name}: its installer's report will not be collected (give --report-listen, --report-cert and --report-key "
+            f"for its plan's report.url {job.target.report_url})")
     if not state:
         state = {"format": STATE_FORMAT, "host": name, "plan_sha256": job.target.sha256, "media_url": job.media_url,
                  "boot": job.host.boot, "done": []}
@@ -1001,6 +1046,20 @@ def sushy_log(path: Path) -> Iterator[None]:
         handler.close()
 
 
+def collector(jobs: list[Job], options: Options, say: Callable[[str], None]) -> AbstractContextManager[object]:
+    """The installers' reports collected for the hosts whose plan has [report] (--report-listen), else nothing."""
+    if options.report_listen is None or options.report_cert is None or options.report_key is None:
+        return nullcontext()
+    reporting = [j for j in jobs if j.target.report_url]
+    shared = next((j for j in reporting if [k.target.sha256 for k in reporting].count(j.target.sha256) > 1), None)
+    if shared is not None:
+        raise UserError(f"{shared.host.name}: its plan is another host's too, so their installers' reports cannot be told apart",
+                        hint="give each host its own plan (builder plan), as the installer needs anyway")
+    return flash_report.Collector(options.report_listen, options.report_cert, options.report_key,
+                                  {j.target.sha256: j.host.name for j in reporting}, options.output, say,
+                                  hosts={j.host.name: j.target.proxy_name for j in reporting})
+
+
 def flash_fleet(fleet: Path, media_url: str, options: Options, parallel: int = 4, connect: Connect | None = None,
                 probe: Probe = probe_proxy, echo: Callable[[str], None] = print) -> int:
     """Flash every host of FLEET; exit status 0 all installed, 1 a host failed (UserError: 2)."""
@@ -1011,7 +1070,8 @@ def flash_fleet(fleet: Path, media_url: str, options: Options, parallel: int = 4
     os.chmod(options.output, 0o700)
     say = Progress(options.output / "flash.log", echo)
     connect = connect or sushy_connect()
-    with sushy_log(options.output / "sushy.log"), ThreadPoolExecutor(max_workers=min(parallel, len(jobs))) as pool:
+    with sushy_log(options.output / "sushy.log"), collector(jobs, options, say), \
+            ThreadPoolExecutor(max_workers=min(parallel, len(jobs))) as pool:
         outcomes = list(pool.map(lambda j: flash_host(j, options, say, connect, probe), jobs))
     width = max(len(o.name) for o in outcomes)
     say("summary:")
@@ -1030,6 +1090,27 @@ def _read_pem(path: str, what: str) -> str:
     return raw.decode("ascii", "replace")
 
 
+def listen_address(text: str) -> tuple[str, int]:
+    """HOST:PORT (or [IPv6]:PORT) as --report-listen takes it."""
+    host, sep, port = (text[1:].partition("]:") if text.startswith("[") else text.rpartition(":"))
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or (":" in host and not text.startswith("[")):
+        raise UserError(f"--report-listen {text!r} is not HOST:PORT",
+                        hint="give the address and port the plans' report.url name, e.g. --report-listen 10.0.0.5:8443")
+    return host, int(port)
+
+
+def report_options(args: argparse.Namespace) -> dict[str, Any]:
+    """--report-listen, --report-cert and --report-key: all three or none."""
+    given = [args.report_listen, args.report_cert, args.report_key]
+    if not any(given):
+        return {}
+    if not all(given):
+        raise UserError("--report-listen, --report-cert and --report-key go together",
+                        hint="give all three to collect the installers' reports (docs/install.md), or none")
+    return {"report_listen": listen_address(args.report_listen), "report_cert": Path(args.report_cert),
+            "report_key": Path(args.report_key)}
+
+
 def cmd_flash_bmc(args: argparse.Namespace) -> int:
     from builder import build
 
@@ -1038,7 +1119,7 @@ def cmd_flash_bmc(args: argparse.Namespace) -> int:
     options = Options(output=output, poll_interval=args.poll_interval, install_timeout=args.install_timeout,
                       media_ca=_read_pem(args.media_ca, "the medium's CA") if args.media_ca else "",
                       secure_boot_cert=(_read_pem(args.secure_boot_cert, "the appliance's Secure Boot certificate")
-                                        if args.secure_boot_cert else ""))
+                                        if args.secure_boot_cert else ""), **report_options(args))
     return flash_fleet(fleet, args.media_url or "", options, args.parallel)
 
 
@@ -1057,6 +1138,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--poll-interval", type=float, default=10.0, metavar="S", help="seconds between looks at the appliance (default 10)")
     g.add_argument("--install-timeout", type=float, default=3600.0, metavar="S",
                    help="how long to wait for each appliance after its reset (default 3600)")
+    g.add_argument("--report-listen", metavar="HOST:PORT",
+                   help="collect each installer's report (its plan's [report]) over HTTPS on this address, which the plans' "
+                        "report.url names; with --report-cert and --report-key")
+    g.add_argument("--report-cert", metavar="PEM", help="the collector's certificate, signed by the plans' report.ca (or that CA itself)")
+    g.add_argument("--report-key", metavar="PEM", help="the collector's private key: a file of yours, mode 0600")
 
 
 EXAMPLES = ["python3 -m builder flash --bmc fleet.toml --media-url 'https://media.example.net/{name}/installer_1.4.0.iso'"]

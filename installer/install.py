@@ -41,7 +41,7 @@ from appliance.errors import UserError
 from appliance.run import run
 from appliance.safe_read import read_capped
 from appliance.signed import bundle_index, install_plan, release_manifest
-from installer import disks, secureboot, select
+from installer import disks, report, secureboot, select
 
 # put there by builder/installer_uki.py; not /usr/lib/repart.d, which the installer's own boot would apply
 REPART_DEFINITIONS = Path("/usr/lib/appliance-installer/repart.d")
@@ -370,12 +370,14 @@ def install(payload: Payload, plan: install_plan.Plan, plan_dir: Path, *, runner
             boot_partuuid: str | None = None, trusted_keys: Path | None = None,
             dry_run: bool = False, json_out: bool = False, signer: str = "", reboot: bool = True,
             out: Callable[[str], None] = print, efivars: Path | None = None, secureboot_keys: Path | None = None,
-            tpm: Path | None = None, enroll: Callable[[], tpm_keys.Keys] | None = None) -> int:
+            tpm: Path | None = None, enroll: Callable[[], tpm_keys.Keys] | None = None,
+            report_sender: Callable[[install_plan.Report, dict[str, Any]], str] = report.send) -> int:
     """Choose, check the image, write, verify, record the plan, make the boot entry, enroll the Secure
     Boot keys in setup mode, enroll the TPM's EK and AK for remote attestation, summarise; return the
     exit status. LISTING and SYS_ROOT stand in for lsblk/udev and sysfs, EFIVARS for efivarfs, ENROLL
-    for the TPM (tests); a disk holding PAYLOAD's version already gets
-    only the plan (its /usr and engine store verified as they are)."""
+    for the TPM, REPORT_SENDER for installer.report.send (tests); a disk holding PAYLOAD's version
+    already gets only the plan (its /usr and engine store verified as they are). With the plan's
+    [report], what it wrote (without the recovery key) goes to the flash run's collector before the reboot."""
     if plan.target is None:
         raise UserError("the install plan has no [target]", hint="name the disk: target.serial, wwn, model or by_path")
     started = time.monotonic()
@@ -432,7 +434,15 @@ def install(payload: Payload, plan: install_plan.Plan, plan_dir: Path, *, runner
             # the disk is written and boots: say loudly that it boots unsealed, rather than stop half-way
             secure_boot = f"secure boot keys NOT enrolled: {e.message}; it boots unsealed until they are ({e.hint})"
     attestation = enroll_tpm(enroll)  # the EK and the AK: remote attestation's enrollment
-    out(summary(choice, payload, on_disk, steps, time.monotonic() - started, signer, secure_boot, recovery, attestation))
+    took = time.monotonic() - started
+    out(summary(choice, payload, on_disk, steps, took, signer, secure_boot, recovery, attestation))
+    if plan.report is not None:
+        # what it wrote, to the flash run's collector; the recovery key stays on this console
+        plan_json = read_capped(plan_dir / install_plan.PLAN_JSON, install_plan.MAX_PLAN_BYTES, what="an install plan",
+                                hint="sign the plan again: python3 -m builder plan PLAN.toml") or b""
+        doc = report.document(choice, payload, on_disk, plan_json, steps, took, secure_boot, attestation,
+                              summary(choice, payload, on_disk, steps, took, signer, secure_boot, "", attestation))
+        out(report_sender(plan.report, doc))
     if reboot:
         # stdout is block-buffered off a terminal: the summary must be out before the reboot
         sys.stdout.flush()

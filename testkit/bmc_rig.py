@@ -378,26 +378,33 @@ def running(tmp: Path, names: Sequence[str] = ("gpu-07", "gpu-08"), install_s: f
         stack.callback(media.shutdown)
         port = free_port()
         config = emulator_config(tmp, port, bmc_crt, bmc_key, systems, notify)
-        log = stack.enter_context(open(tmp / "emulator.log", "wb"))
-        emulator = subprocess.Popen([str(EMULATOR), "--config", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, cwd=tmp)
-
-        def stop() -> None:
-            emulator.terminate()
-            try:
-                emulator.wait(10)
-            except subprocess.TimeoutExpired:
-                emulator.kill()
-                emulator.wait()
-        stack.callback(stop)
-        deadline = time.monotonic() + START_S
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if emulator.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("sushy-emulator did not start: " + (tmp / "emulator.log").read_text()[-2000:]) from None
-                time.sleep(0.2)
+        emulator = stack.enter_context(emulator_process(tmp, config, port))
         yield Rig(tmp, f"https://127.0.0.1:{port}", ca.pem, f"https://127.0.0.1:{media.server_address[1]}/{{name}}/installer.iso",
                   ca.pem, emulator, apps, systems)
+
+
+@contextlib.contextmanager
+def emulator_process(tmp: Path, config: Path, port: int, log_name: str = "emulator.log") -> Iterator[subprocess.Popen[bytes]]:
+    """sushy-emulator with CONFIG, once it listens on PORT; stopped on leaving (its log: TMP/LOG_NAME).
+    RuntimeError with the log's end when it does not start."""
+    with open(tmp / log_name, "wb") as log:
+        proc = subprocess.Popen([str(EMULATOR), "--config", str(config)], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=tmp)
+        try:
+            deadline = time.monotonic() + START_S
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("sushy-emulator did not start: " + (tmp / log_name).read_text()[-2000:]) from None
+                    time.sleep(0.2)
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -97,6 +97,7 @@ HOSTILE: dict[str, Any] = {
     "metrics": {"allowed_cidrs": ["2001:db8:ffff:ffff:ffff:ffff:ffff:fff0/124", "0.0.0.0/0"], "client_ca": CA_PEM + CA_PEM},
     "logs": {"upload_url": "https://" + LONGEST_DNS + ":65535/" + "l._~-/" * 100, "upload_ca": CA_PEM},
     "attestation": {"ek_ca": CA_PEM + CA_PEM, "accept_software_tpm": True},
+    "report": {"url": "https://" + LONGEST_DNS + ":65535/" + "r._~-/" * 100, "ca": CA_PEM + CA_PEM},
     "weights": {"source": "https://" + LONGEST_DNS + ":443/" + "w._~-/" * 100},
     "target": {
         "serial": "S" + " ._:/+-" * 9,

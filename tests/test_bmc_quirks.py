@@ -316,9 +316,14 @@ def test_no_secure_boot_resource() -> None:
 
 
 def test_boot_override_cd_once_in_uefi() -> None:
+    # already in UEFI mode: the Mode is not sent again (a BMC may rebuild the firmware's settings on it)
     assert boot_override_body(STANDARD, "Cd", system=load("idrac9-3.34-system-r640.json")) == {
+        "Boot": {"BootSourceOverrideTarget": "Cd", "BootSourceOverrideEnabled": "Once"}}
+    legacy = {"Boot": load("supermicro-x10-system-boot.json")}
+    assert boot_override_body(STANDARD, "Cd", system=legacy) == {
         "Boot": {"BootSourceOverrideTarget": "Cd", "BootSourceOverrideEnabled": "Once",
                  "BootSourceOverrideMode": "UEFI"}}
+    assert boot_override_body(STANDARD, "Cd")["Boot"]["BootSourceOverrideMode"] == "UEFI"  # nothing shown: sent
 
 
 def test_recorded_targets() -> None:

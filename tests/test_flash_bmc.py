@@ -14,6 +14,7 @@ import copy
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -21,10 +22,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import plan_values
 import pytest
 
+import installer.report
 from appliance.errors import UserError
-from builder import flash_bmc
+from appliance.signed import install_plan
+from builder import flash_bmc, flash_report
 from builder.flash_bmc import Answer, BmcError, Options
 from testkit import bmc_rig
 from testkit.bmc_rig import PASSWORD, SERIAL, USER, Appliance, Rig, make_ca, sign_plan, write_credentials, write_fleet
@@ -146,16 +150,26 @@ def rackmount() -> dict[str, dict[str, Any]]:
     return docs
 
 
-def recorded_job(tmp_path: Path, **host: Any) -> flash_bmc.Job:
+def sign_report_plan(tmp_path: Path, report: dict[str, str]) -> Path:
+    """bmc_rig's plan for gpu-07 with REPORT as its [report], signed with the same key."""
     plan = sign_plan(tmp_path, "gpu-07")
+    doc = {"hostname": "gpu-07", "proxy": {"hostname": "gpu-07.example.net"}, "target": {"serial": SERIAL}, "report": report}
+    data, sig = install_plan.sign(install_plan.from_plain(doc, "gpu-07"), tmp_path / "keys" / "release.key")
+    (plan / install_plan.PLAN_JSON).write_bytes(data)
+    (plan / install_plan.PLAN_SIG).write_bytes(sig)
+    return plan
+
+
+def recorded_job(tmp_path: Path, report: dict[str, str] | None = None, **host: Any) -> flash_bmc.Job:
+    plan = sign_report_plan(tmp_path, report) if report else sign_plan(tmp_path, "gpu-07")
     target = flash_bmc.read_target(plan, "gpu-07")
     h = flash_bmc.Host(name="gpu-07", plan_dir=plan, bmc="https://bmc.example.net", credentials=tmp_path / "bmc", **host)
     return flash_bmc.Job(h, target, "https://media.example.net/gpu-07/installer.iso", flash_bmc.Credentials(USER, PASSWORD))
 
 
-def run_recorded(tmp_path: Path, bmc: Recorded, probe: Any = None, options: Options | None = None,
+def run_recorded(tmp_path: Path, bmc: Recorded, probe: Any = None, options: Options | None = None, report: dict[str, str] | None = None,
                  **host: Any) -> tuple[flash_bmc.Outcome, list[str]]:
-    job = recorded_job(tmp_path, **host)
+    job = recorded_job(tmp_path, report, **host)
     lines: list[str] = []
     options = options or Options(output=tmp_path / "out", poll_interval=0, install_timeout=5)
     (tmp_path / "out").mkdir(exist_ok=True)
@@ -176,7 +190,7 @@ def test_recorded_rackmount_whole_sequence(tmp_path: Path) -> None:
         ("PATCH", "/SecureBoot", {"SecureBootEnable": True}),  # recorded disabled
         ("POST", "/VirtualMedia/CD1/Actions/VirtualMedia.InsertMedia",
          {"Image": "https://media.example.net/gpu-07/installer.iso", "Inserted": True, "WriteProtected": True}),
-        ("PATCH", "", {"Boot": {"BootSourceOverrideTarget": "Cd", "BootSourceOverrideEnabled": "Once", "BootSourceOverrideMode": "UEFI"}}),
+        ("PATCH", "", {"Boot": {"BootSourceOverrideTarget": "Cd", "BootSourceOverrideEnabled": "Once"}}),
         ("POST", "/Actions/ComputerSystem.Reset", {"ResetType": "ForceRestart"}),  # recorded On
         ("POST", "/VirtualMedia/CD1/Actions/VirtualMedia.EjectMedia", {}),
     ]
@@ -335,7 +349,7 @@ def test_recorded_http_boot_sequence_inserts_no_medium(tmp_path: Path) -> None:
         ("POST", "/SecureBoot/Actions/SecureBoot.ResetKeys", {"ResetKeysType": "DeletePK"}),
         ("PATCH", "/SecureBoot", {"SecureBootEnable": True}),
         ("PATCH", "", {"Boot": {"BootSourceOverrideTarget": "UefiHttp", "BootSourceOverrideEnabled": "Once",
-                                "BootSourceOverrideMode": "UEFI", "HttpBootUri": EFI_URL}}),
+                                "HttpBootUri": EFI_URL}}),
         ("POST", "/Actions/ComputerSystem.Reset", {"ResetType": "ForceRestart"}),
     ]
     steps = [line.removeprefix("gpu-07: ") for line in lines]
@@ -350,7 +364,7 @@ def test_recorded_http_boot_sequence_inserts_no_medium(tmp_path: Path) -> None:
     outcome, _ = run_http(tmp_path / "b", bmc)
     assert outcome.status == "installed"
     assert ("PATCH", SYSTEM, {"Boot": {"BootSourceOverrideTarget": "UefiHttp", "BootSourceOverrideEnabled": "Once",
-                                       "BootSourceOverrideMode": "UEFI", "HttpBootUri": EFI_URL}}) in bmc.sent
+                                       "HttpBootUri": EFI_URL}}) in bmc.sent
 
 
 def _without_uri(docs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -430,6 +444,107 @@ def test_probe_checks_the_chain_and_the_name(tmp_path: Path) -> None:
         assert elsewhere is not None and "not chained" in elsewhere.problem
     finally:
         app.close()
+
+
+# ------------------------------------------------------------------------------ the installer's report
+
+
+def _report(sha256: str, **change: Any) -> dict[str, Any]:
+    """What gpu-07's installer reports (installer/report.py's document())."""
+    doc: dict[str, Any] = {
+        "format": 1, "host": "gpu-07.example.net", "plan_sha256": sha256, "version": "1.4.0", "reinstalled": False,
+        "disk": {"path": "/dev/nvme1n1", "model": "C123", "serial": SERIAL, "size_bytes": 960 << 30}, "usr_hash": "ab" * 32,
+        "secure_boot": "secure boot keys enrolled (PK, KEK, db): the next boot enforces",
+        "attestation": ["TPM EK      sha256:" + "e" * 64 + " (no EK certificate in the TPM)"], "steps": [], "seconds": 300,
+        "summary": " Appliance 1.4.0 installed"}
+    doc.update(change)
+    return doc
+
+
+def test_the_installers_report_is_collected_checked_and_said(tmp_path: Path) -> None:
+    """The whole way: the collector of flash_fleet (--report-listen) takes the report the installer
+    sends before its reboot (installer/report.py's send, here while the host is down), the wait
+    finds it, and the host's line says what the installer wrote. A second run adds nothing."""
+    ca = make_ca(tmp_path, "report-ca")
+    crt, key = ca.server(tmp_path, "collector", ips=("127.0.0.1",))
+    key.chmod(0o600)
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = install_plan.Report(url=f"https://127.0.0.1:{port}/", ca=ca.pem.read_text())
+    plan = sign_report_plan(tmp_path, {"url": settings.url, "ca": settings.ca})
+    fleet = write_fleet(tmp_path / "fleet.toml", [{"name": "gpu-07", "plan": str(plan), "bmc": "https://bmc.example.net",
+                                                    "credentials": str(write_credentials(tmp_path / "bmc"))}])
+    sha = flash_bmc.read_target(plan, "gpu-07").sha256
+    sent: list[str] = []
+
+    def probe(h: Any, t: Any) -> Answer | None:
+        if not sent:  # the installer, before its reboot; then the appliance answers
+            sent.append(installer.report.send(settings, _report(sha), wait_online=lambda s: None, timeout=5))
+            return None
+        return Answer(200, True, ("gpu-07.example.net",))
+
+    options = Options(output=tmp_path / "out", poll_interval=0, install_timeout=5, report_listen=("127.0.0.1", port),
+                      report_cert=crt, report_key=key, report_wait=5)
+    lines: list[str] = []
+    status = flash_bmc.flash_fleet(fleet, "https://media.example.net/{name}.iso", options, connect=lambda h, c: Recorded(rackmount()),
+                                   probe=probe, echo=lines.append)
+    assert status == 0, lines
+    assert sent == [f"report sent to {settings.url} (HTTP 204)"]
+    assert "gpu-07: the installer reported: appliance 1.4.0 on /dev/nvme1n1 (serial 1234570)" in lines
+    [last] = [line for line in lines if line.startswith("gpu-07: installed: ")]
+    stored = flash_report.report_path(tmp_path / "out", "gpu-07")
+    assert last.endswith(f"the installer wrote appliance 1.4.0 on /dev/nvme1n1 (C123, serial {SERIAL}, 960.0 GiB), "
+                         f"/usr abababababababab..., secure boot keys enrolled (PK, KEK, db): the next boot enforces, "
+                         f"TPM EK sha256:{'e' * 64} (its report: {stored})"), last
+    state = json.loads(flash_bmc.state_path(tmp_path / "out", "gpu-07").read_text())
+    assert state["report"] == str(stored) and stored.stat().st_mode & 0o077 == 0
+    # the same fleet again: already installed, nothing new about its report
+    lines.clear()
+
+    def never(h: Any, c: Any) -> Any:
+        raise AssertionError("an installed host's BMC was asked again")
+    assert flash_bmc.flash_fleet(fleet, "https://media.example.net/{name}.iso", options, connect=never, echo=lines.append) == 0
+    assert [line for line in lines if line.startswith("gpu-07: ")] == [
+        f"gpu-07: already installed with this plan (state {flash_bmc.state_path(tmp_path / 'out', 'gpu-07')}): nothing done"]
+
+
+REPORT = {"url": "https://10.0.0.5:8443/", "ca": plan_values.CA_PEM}
+
+
+def test_without_a_collector_a_plans_report_is_looked_for_once_and_its_absence_said(tmp_path: Path) -> None:
+    outcome, lines = run_recorded(tmp_path, Recorded(rackmount()), report=REPORT)
+    assert outcome.status == "installed", lines
+    assert lines[0] == ("gpu-07: its installer's report will not be collected (give --report-listen, --report-cert and "
+                        "--report-key for its plan's report.url https://10.0.0.5:8443/)")
+    assert outcome.line.endswith("no report from its installer arrived at https://10.0.0.5:8443/ (its console shows its summary)")
+    assert json.loads(flash_bmc.state_path(tmp_path / "out", "gpu-07").read_text())["report"] == ""
+    # a plan without [report]: as before
+    shutil.rmtree(tmp_path / "out")
+    outcome, lines = run_recorded(tmp_path, Recorded(rackmount()))
+    assert outcome.line.endswith("the installer's own summary is on its console only (docs/install.md)")
+    assert not any("report" in line for line in lines)
+
+
+def test_a_report_that_contradicts_the_plan_stops_the_host(tmp_path: Path) -> None:
+    sha = flash_bmc.read_target(sign_report_plan(tmp_path, REPORT), "gpu-07").sha256
+    stored = flash_report.report_path(tmp_path / "out", "gpu-07")
+    stored.parent.mkdir(parents=True)
+    stored.write_text(json.dumps(_report(sha, disk={"path": "/dev/sda", "model": "", "serial": "OTHER", "size_bytes": 1})))
+    outcome, _ = run_recorded(tmp_path, Recorded(rackmount()), report=REPORT)
+    assert _line(outcome).startswith(f"gpu-07: refused at {flash_bmc.STEP_WAIT}: its installer reports it wrote /dev/sda serial OTHER, "
+                                     f"not the plan's disk (serial {SERIAL}); do: ")
+    # a report of another plan: waited for up to report_wait, then refused
+    stored.write_text(json.dumps(_report("0" * 64)))
+    shutil.rmtree(tmp_path / "out" / "state")
+    options = Options(output=tmp_path / "out", poll_interval=0, install_timeout=5, report_listen=("127.0.0.1", 0), report_wait=0.2)
+    outcome, _ = run_recorded(tmp_path, Recorded(rackmount()), options=options, report=REPORT)
+    assert f"the installer's report {stored} is for another plan (SHA-256 0000000000000000..." in _line(outcome)
+    # the right one: installed, and said
+    stored.write_text(json.dumps(_report(sha)))
+    shutil.rmtree(tmp_path / "out" / "state")
+    outcome, _ = run_recorded(tmp_path, Recorded(rackmount()), options=options, report=REPORT)
+    assert outcome.status == "installed" and "the installer wrote appliance 1.4.0 on /dev/nvme1n1" in outcome.line
 
 
 # ------------------------------------------------------------------------------ sushy-tools' emulator

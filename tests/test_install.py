@@ -20,9 +20,9 @@ import pytest
 
 from appliance import host_settings, tpm_keys
 from appliance.errors import UserError
-from appliance.signed import bundle_index, install_plan
-from builder import keys
-from installer import disks, install, select
+from appliance.signed import bundle_index, install_plan, release_manifest
+from builder import flash_report, keys
+from installer import disks, install, report, select
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "disks"
 USRHASH = "a" * 32 + "b" * 32
@@ -200,6 +200,55 @@ def test_the_tpm_enrollment_is_in_the_summary_and_a_failing_tpm_fails_no_install
         assert all(line in out[-1].splitlines() for line in expected)
 
 
+EK_PEM = """-----BEGIN PUBLIC KEY-----
+MFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEHXB0NPEBb5GB0/MPog0XSF6pqVcO
+gh7e+1ttcHLzuYzsGr82G83thX++z4gy7JfAtA4t6Ob3symbVcblV9KRig==
+-----END PUBLIC KEY-----
+"""
+
+
+def test_the_report_goes_to_the_plans_collector_before_the_reboot_and_never_holds_the_recovery_key(tmp_path: Path) -> None:
+    """With the plan's [report], the installer sends what it wrote after the summary and before the
+    reboot: its facts and the summary's text, without the recovery key the console shows once."""
+    written = _as_spare_disk(_host_listing(), WRITTEN)
+    rec = Recorder({"blockdevices": [next(n for n in written["blockdevices"] if n["name"] == "vda")]})
+    plan = install_plan.Plan(hostname="gpu-07", proxy=host_settings.Proxy(hostname="gpu-07.example.net"),
+                             target=install_plan.Target(serial="S64ANS0T512345"),
+                             report=install_plan.Report(url="https://10.0.0.5:8443/", ca=plan_values.CA_PEM))
+    plan_dir = _sign(tmp_path, plan)
+    out: list[str] = []
+    sent: list[tuple[install_plan.Report, bytes]] = []
+
+    def sender(settings: install_plan.Report, doc: dict[str, Any]) -> str:
+        sent.append((settings, release_manifest.canonical(doc)))  # the bytes send() posts
+        assert rec.tools[-1] != "systemctl"  # before the reboot
+        return "report sent to https://10.0.0.5:8443/ (HTTP 204)"
+
+    status = install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(_as_spare_disk(_host_listing()), {}),
+                             boot_partuuid="", trusted_keys=_trusted(tmp_path)[1], signer="0123456789abcdef",
+                             out=out.append, enroll=lambda: tpm_keys.Keys(EK_PEM, b"", b"p", b"\0\x0b" + b"\xab" * 32, ()),
+                             report_sender=sender)
+    assert status == 0 and rec.tools[-1] == "systemctl"
+    [(settings, body)] = sent
+    assert settings == plan.report
+    assert f" RECOVERY    {RECOVERY}" in out[-2] and out[-1].startswith("report sent to")
+    assert RECOVERY.encode() not in body and RECOVERY.replace("-", "").encode() not in body
+    doc = json.loads(body)
+    assert doc["plan_sha256"] == hashlib.sha256((plan_dir / install_plan.PLAN_JSON).read_bytes()).hexdigest()
+    assert doc["host"] == "gpu-07.example.net" and doc["version"] == "1.0.0" and doc["reinstalled"] is False
+    assert doc["disk"]["path"] == "/dev/vda" and doc["disk"]["serial"] == "S64ANS0T512345" and doc["usr_hash"] == USRHASH
+    assert doc["attestation"][0].startswith("TPM EK      sha256:") and flash_report.ek_fingerprint(doc).startswith("sha256:")
+    assert "Appliance 1.0.0 installed" in doc["summary"] and "RECOVERY" not in doc["summary"]
+    assert flash_report.problem(doc) == ""
+    # without [report], nothing is sent
+    sent.clear()
+    plain, plain_dir = _plan(tmp_path, name="plain")
+    rec = Recorder({"blockdevices": [next(n for n in written["blockdevices"] if n["name"] == "vda")]})
+    install.install(_payload(tmp_path), plain, plain_dir, runner=rec, listing=(_as_spare_disk(_host_listing()), {}),
+                    boot_partuuid="", trusted_keys=_trusted(tmp_path)[1], out=out.append, report_sender=sender)
+    assert sent == []
+
+
 def test_a_partition_udev_has_not_listed_yet_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
     """lsblk may still list the table bmaptool wrote right after systemd-repart wrote its own."""
     monkeypatch.setattr(install.time, "sleep", lambda _: None)
@@ -270,10 +319,16 @@ def test_every_plan_field_at_its_most_hostile_goes_through_the_install_and_its_s
     listing = _as_spare_disk(_host_listing())
     spare = next(n for n in listing["blockdevices"] if n["name"] == "vda")
     spare.update(serial=target.serial, model=target.model, wwn=target.wwn)
+    sent: list[dict[str, Any]] = []
     status = install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(listing, udev), boot_partuuid="",
-                             trusted_keys=_trusted(tmp_path)[1], signer="0123456789abcdef", reboot=False, out=out.append)
+                             trusted_keys=_trusted(tmp_path)[1], signer="0123456789abcdef", reboot=False, out=out.append,
+                             report_sender=lambda settings, doc: sent.append(doc) or "report line")
     assert status == 0 and rec.calls[0][0] == "bmaptool"
-    page = out[-1]
+    # its report too: canonical JSON within the collector's bound, every value as the collector takes it
+    assert out[-1] == "report line" and len(sent) == 1
+    assert len(release_manifest.canonical(sent[0])) <= report.MAX_REPORT_BYTES
+    assert flash_report.problem(sent[0]) == "" and sent[0]["host"] == plan_values.LONGEST_DNS
+    page = out[-2]
     page.encode("utf-8")  # printable on the console as it is
     assert not [c for c in page if c != "\n" and (ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f)]
     assert plan.hostname in page and plan.network is not None and all(a in page for a in plan.network.addresses)

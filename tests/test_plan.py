@@ -98,6 +98,10 @@ def _config() -> appliance.config.Config:
         ('[target]\nserial = "S1"\nmin_size_gib = 10\nmax_size_gib = 5', "min_size_gib is larger"),
         ('[target]\nserial = "S1"\nwipe_existing_data = "yes"', "target.wipe_existing_data = 'yes': invalid"),
         ('[proxy]\nallowed_cidrs = ["10.0.0.1/8"]', "proxy.allowed_cidrs[0]"),
+        ('[report]\nurl = "https://10.0.0.5:8443/"', "missing key 'report.ca'"),
+        ('[report]\nurl = "http://10.0.0.5:8443/"\nca = ""', "report.url = 'http://10.0.0.5:8443/': invalid"),
+        ('[report]\nurl = ""\nca = ""', "report.url = '': invalid"),
+        ('[report]\nurl = "https://10.0.0.5:8443/"\nca = "not a certificate"', "report.ca = 'not a certificate': invalid"),
     ],
 )
 def test_bad_plans_are_one_line_with_a_hint(tmp_path: Path, text: str, message: str) -> None:

@@ -72,12 +72,27 @@ class Attestation:
 
 
 @dataclass(frozen=True)
+class Report:
+    """Where the installer sends what it wrote (its summary without the recovery key) for the
+    operator who runs `builder flash --bmc` (the device does not read it): the URL of that run's
+    collector, and the PEM certificate (or CA) the collector's certificate must chain to, the only
+    trust the installer gives that connection."""
+
+    url: str = field(metadata=_when(lambda v: v and checks.is_https_url(v) is None,
+                                    "an https:// URL where `builder flash --bmc --report-listen` listens, e.g. https://10.0.0.5:8443/"))
+    ca: str = field(metadata=schema.multiline(
+        lambda v: None if v and checks.is_pem_certificates(v) is None else
+        "the collector's certificate or its CA, in PEM (-----BEGIN CERTIFICATE----- ...), nothing else"))
+
+
+@dataclass(frozen=True)
 class Plan(host_settings.HostSettings):
-    """The host's settings (hostname, network, ssh, proxy, update, weights), the target disk and
-    what the verifier trusts of its TPM."""
+    """The host's settings (hostname, network, ssh, proxy, update, weights), the target disk,
+    what the verifier trusts of its TPM and where the installer reports."""
 
     target: Target | None = None
     attestation: Attestation | None = None
+    report: Report | None = None
 
 
 def _cross_checks(where: str, plan: Plan) -> None:
