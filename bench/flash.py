@@ -12,23 +12,26 @@
   one then HOSTS, HOSTS then one, after one flash not timed (sushy's first login), each host a
   blank host again; the medians are the figure. A second figure, without a goal, is that BMC path
   alone (the wall time less INSTALL_S).
-- `bench_flash_vs_direct`: `builder flash --bmc` to a serving appliance against the journey's
-  direct install of the same image. It needs a QEMU machine behind sushy-tools' libvirt driver (the
-  fake driver boots nothing), which is not built: it is not measured, and says why.
+- `bench_flash_vs_direct`: `flash_fleet` to a serving appliance against the journey's direct
+  install of the same ISO, each on a blank libvirt QEMU machine (testkit/libvirt_rig.py): the BMC
+  path (sushy-tools' libvirt driver downloads the ISO, attaches it, powers the machine on; the
+  flash polls the proxy and ejects) against the ISO attached by hand and the machine powered on,
+  both until the appliance answers on its proxy as the plan's host, polled alike.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
-from appliance import config
+from appliance import config, paths
 from bench.common import Figure, elapsed, measured
 from builder import flash_bmc
-from testkit import bmc_rig
+from testkit import bmc_rig, libvirt_rig
+from testkit.standin import free_port
 
 GOAL = 1.5  # HOSTS at once / one, at most
 HOSTS = 4
@@ -79,18 +82,75 @@ def bench_flash_fleet(demo: config.Config, hosts: int = HOSTS, install_s: float 
                      note=f"the wall time less the {install_s:g} s install; {where}")]
 
 
-def libvirt_here() -> list[str]:
-    """What sushy-tools' libvirt driver needs that this host lacks: a libvirt daemon, its Python binding."""
-    missing = []
-    if not any(shutil.which(d) for d in ("libvirtd", "virtqemud")):
-        missing.append("libvirtd (libvirt-daemon-system)")
-    if importlib.util.find_spec("libvirt") is None:
-        missing.append("the libvirt Python binding (libvirt-python)")
-    return missing
+NAME = "gpu-21"
+SERIAL = "TARGET-0001"
+DIRECT_GOAL = 1.2  # through the BMC / direct, at most
+FLASH_POLL_S = 2.0  # how often both sides look at the proxy
+SERVE_TIMEOUT_S = 3600.0
+
+
+def _release_iso(demo: config.Config, work: Path) -> tuple[Path, Path]:
+    """The demo's installer ISO with a plan for NAME (proxy NAME.example.net, the disk SERIAL): (ISO, plan directory).
+    The demo's image must be built (make build-demo); the installer kernel image is built here."""
+    from builder import build, installer_media, installer_uki, release, sign_plan
+
+    out = build.output_dir(demo)
+    if not (out / f"{demo.appliance.name}_{demo.appliance.version}.raw").exists():
+        raise FileNotFoundError(f"{out}: build the demo first (make build-demo)")
+    key = build.signing_key_for(demo, None)
+    uki = installer_uki.build_uki(demo, output=work / "installer" / installer_uki.UKI_NAME)
+    toml = work / f"{NAME}.toml"
+    toml.write_text(f'hostname = "{NAME}"\n[proxy]\nhostname = "{NAME}.example.net"\n[target]\nserial = "{SERIAL}"\n')
+    plan = work / "hosts" / NAME
+    sign_plan.write(toml, key, plan, demo)
+    release.make_bundle(demo, out, work / "bundle", key, None, None, with_install_image=True)
+    iso = installer_media.make(out, demo.appliance.version, uki, plan, work / "media", ["iso"], work / "bundle")["iso"]
+    return iso, plan
+
+
+def _until_answers(host: flash_bmc.Host, target: flash_bmc.Target, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while flash_bmc.probe_proxy(host, target) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the directly installed appliance did not answer on its proxy within {timeout:.0f} s")
+        time.sleep(FLASH_POLL_S)
 
 
 def bench_flash_vs_direct(demo: config.Config) -> list[Figure]:
-    missing = libvirt_here()
-    here = f"this host lacks {' and '.join(missing)}; " if missing else ""
-    raise RuntimeError("builder flash --bmc to a serving appliance vs the journey's direct install needs a QEMU machine behind "
-                       f"sushy-tools' libvirt driver: {here}that run is not built (the fake driver boots nothing)")
+    """One blank libvirt QEMU machine installed from the ISO attached by hand and powered on (the
+    journey's direct install), then another flashed by `flash_fleet` through sushy-tools' libvirt
+    driver: each until the appliance answers on its proxy as the plan's host (the flash also ejects)."""
+    lacks = libvirt_rig.missing()
+    if lacks:
+        raise RuntimeError("this host lacks " + ", ".join(lacks) + ": run `make setup`")
+    from builder import weights_mirror
+
+    work = Path(tempfile.mkdtemp(prefix="bench-flash-direct-"))
+    try:
+        iso, plan = _release_iso(demo, work)
+        target = flash_bmc.read_target(plan, NAME)
+        with weights_mirror.demo() as (url, ca):
+            creds = {paths.MODEL_SOURCE_CREDENTIAL: url, paths.MODEL_SOURCE_CA_CREDENTIAL: ca}
+            port = free_port()
+            with libvirt_rig.server_with_medium(work / "direct", NAME, SERIAL, iso, port, creds) as machine:
+                host = flash_bmc.Host(NAME, plan, "https://unused.invalid", Path("/dev/null"), address=f"127.0.0.1:{port}")
+
+                def direct() -> None:
+                    machine.power_on()
+                    _until_answers(host, target, SERVE_TIMEOUT_S)
+
+                direct_s = elapsed(direct)
+            lines: list[str] = []
+            status: list[int] = []
+            with libvirt_rig.server_behind_bmc(work / "bmc", NAME, SERIAL, plan, iso, free_port(), creds) as server:
+                options = flash_bmc.Options(output=work / "flash", poll_interval=FLASH_POLL_S, install_timeout=SERVE_TIMEOUT_S,
+                                            media_ca=server.ca.read_text())
+                flash_s = elapsed(lambda: status.append(
+                    flash_bmc.flash_fleet(server.fleet, server.media_url, options, parallel=1, echo=lines.append)))
+            if status != [0]:
+                raise RuntimeError("the flash failed: " + " | ".join(lines[-4:]))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return [measured("builder flash --bmc to a serving appliance vs direct", flash_s, direct_s, "s", at_most=DIRECT_GOAL,
+                     note="one blank libvirt QEMU machine each (TCG, Secure Boot firmware, swtpm): the ISO through "
+                          "sushy-tools' libvirt driver vs attached by hand; until the proxy answers as the plan's host")]

@@ -245,10 +245,12 @@ def read_target(plan_dir: Path, host: str) -> Target:
         raise UserError(f"{host}: {plan_dir / install_plan.PLAN_JSON} is not an install plan", hint=hint)
     doc.pop("signer", None)
     plan = install_plan.from_plain(doc, str(plan_dir / install_plan.PLAN_JSON))
-    name = (plan.proxy.hostname if plan.proxy and plan.proxy.hostname else None) or plan.hostname
+    # the proxy's certificate names proxy.hostname, the image's when the plan has none (not the host name)
+    name = plan.proxy.hostname if plan.proxy and plan.proxy.hostname else None
     if not name:
-        raise UserError(f"{host}: the plan names no host name, so the appliance cannot be recognised on its proxy",
-                        hint="set hostname (or proxy.hostname) in the plan and sign it again")
+        raise UserError(f"{host}: the plan names no proxy.hostname, so the appliance cannot be recognised on its proxy "
+                        "(it would answer as the image's proxy name)",
+                        hint="set proxy.hostname in the plan (the name clients use) and sign it again")
     if plan.target is None:
         raise UserError(f"{host}: the plan has no [target]", hint="name the disk in the plan (docs/install.md) and sign it again")
     t = plan.target

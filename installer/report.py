@@ -31,7 +31,8 @@ CONTENT_TYPE = "application/json"
 
 
 def host_name(plan: install_plan.Plan) -> str:
-    """The name the appliance answers as on its proxy, as `builder flash --bmc` reads it from the plan."""
+    """The name the appliance answers as on its proxy, as `builder flash --bmc` reads it from the plan
+    (which it refuses without proxy.hostname); else the host name, for the record."""
     return (plan.proxy.hostname if plan.proxy and plan.proxy.hostname else "") or plan.hostname or ""
 
 

@@ -128,6 +128,14 @@ def write_credentials(path: Path, password: str = PASSWORD, mode: int = 0o600) -
     return path
 
 
+def write_htpasswd(path: Path) -> Path:
+    """The emulator's account USER/PASSWORD, bcrypt in an htpasswd file."""
+    import bcrypt
+
+    path.write_text(f"{USER}:{bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()}\n")
+    return path
+
+
 def write_fleet(path: Path, hosts: list[dict[str, Any]]) -> Path:
     lines = []
     for h in hosts:
@@ -221,10 +229,7 @@ def emulator_config(tmp: Path, port: int, crt: Path, key: Path, systems: dict[st
     with one drive of serial SERIAL, HTTPS with CRT and KEY, the account USER/PASSWORD (bcrypt in an
     htpasswd file), its state under TMP; NOTIFY: the URL its external notifier PUTs each changed
     system's record to (none when empty)."""
-    import bcrypt
-
-    htpasswd = tmp / "htpasswd"
-    htpasswd.write_text(f"{USER}:{bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()}\n")
+    htpasswd = write_htpasswd(tmp / "htpasswd")
     fake = [{"uuid": u, "name": n, "power_state": "On", "nics": [{"mac": "00:5c:52:31:3a:9c", "ip": "172.22.0.100"}],
              **({"external_notifier": True} if notify else {})} for n, u in systems.items()]
     storage = {u: [{"Id": "1", "Name": "Local Storage Controller",

@@ -27,20 +27,26 @@ Nothing here is the product's: `builder/` never imports `testkit/`.
 from __future__ import annotations
 
 import contextlib
+import http.server
 import importlib.util
 import os
 import shutil
 import signal
+import ssl
 import subprocess
+import threading
 import time
 import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from builder import qemu
+from builder.https_server import HTTPSServer
 from testkit import bmc_rig
+from testkit.standin import free_port
 
 URI = "qemu:///system"
 POOL = "appliance-flash-media"
@@ -129,12 +135,13 @@ def media_pool(path: Path) -> Iterator[str]:
 
 
 def domain_xml(name: str, machine_uuid: str, work: Path, disk: Path, serial: str, tpm_args: list[str],
-               forwards: tuple[tuple[int, int], ...], credentials: dict[str, str]) -> str:
+               forwards: tuple[tuple[int, int], ...], credentials: dict[str, str], cdrom: Path | None = None) -> str:
     """The machine: q35 with SMM, OVMF's Secure Boot code and a blank variable store (setup mode),
     2 vCPUs and 4 GiB under TCG, DISK as a virtio disk of SERIAL, a SATA bus for the CD the
     emulator attaches, the console and the boot check's report on two serial ports (WORK/console.log,
     WORK/report.log), QEMU run as root (the test's files are root's), user networking with FORWARDS
-    (host port, guest port) on 127.0.0.1, the TPM by TPM_ARGS (qemu.Tpm's), CREDENTIALS as SMBIOS strings."""
+    (host port, guest port) on 127.0.0.1, the TPM by TPM_ARGS (qemu.Tpm's), CREDENTIALS as SMBIOS strings;
+    CDROM: a medium attached by hand (the direct install, no BMC)."""
     ET.register_namespace("qemu", QEMU_NS)
     dom = ET.Element("domain", {"type": "qemu"})
     ET.SubElement(dom, "name").text = name
@@ -145,6 +152,10 @@ def domain_xml(name: str, machine_uuid: str, work: Path, disk: Path, serial: str
     ET.SubElement(os_el, "type", {"arch": "x86_64", "machine": "q35"}).text = "hvm"
     ET.SubElement(os_el, "loader", {"readonly": "yes", "secure": "yes", "type": "pflash"}).text = str(qemu.OVMF_CODE)
     ET.SubElement(os_el, "nvram", {"template": str(qemu.OVMF_VARS)}).text = str(work / "OVMF_VARS.fd")
+    # No device gets a boot index: without a <boot>, libvirt gives the first disk one and starts QEMU
+    # with `-boot strict=on`, which hides every other device (the CD) from the firmware. `fd` names
+    # none here, as the emulator's override leaves it: the firmware's own BootOrder decides.
+    ET.SubElement(os_el, "boot", {"dev": "fd"})
     features = ET.SubElement(dom, "features")
     ET.SubElement(features, "acpi")
     ET.SubElement(features, "smm", {"state": "on"})
@@ -159,12 +170,18 @@ def domain_xml(name: str, machine_uuid: str, work: Path, disk: Path, serial: str
     ET.SubElement(d, "target", {"dev": "vda", "bus": "virtio"})
     ET.SubElement(d, "serial").text = serial
     ET.SubElement(devices, "controller", {"type": "sata", "index": "0"})
+    if cdrom is not None:
+        cd = ET.SubElement(devices, "disk", {"type": "file", "device": "cdrom"})
+        ET.SubElement(cd, "driver", {"name": "qemu", "type": "raw"})
+        ET.SubElement(cd, "source", {"file": str(cdrom)})
+        ET.SubElement(cd, "target", {"dev": "sda", "bus": "sata"})  # controller 0, unit 0: where the firmware looks
+        ET.SubElement(cd, "readonly")
     for port, log in enumerate(("console.log", "report.log")):
         s = ET.SubElement(devices, "serial", {"type": "file"})
         ET.SubElement(s, "source", {"path": str(work / log)})
         ET.SubElement(s, "target", {"port": str(port)})
     video = ET.SubElement(devices, "video")
-    ET.SubElement(video, "model", {"type": "none"})
+    ET.SubElement(video, "model", {"type": "vga"})  # a console on tty1, as a server has (its BMC shows it): the installer writes there
     ET.SubElement(devices, "memballoon", {"model": "none"})
     label = ET.SubElement(dom, "seclabel", {"type": "static", "model": "dac", "relabel": "no"})
     ET.SubElement(label, "label").text = "+0:+0"
@@ -203,13 +220,23 @@ class Machine:
         finally:
             conn.close()
 
+    def power_on(self) -> None:
+        """Start it by hand (the direct install: nobody's BMC)."""
+        import libvirt
+
+        conn = libvirt.open(URI)
+        try:
+            conn.lookupByUUIDString(self.uuid).create()
+        finally:
+            conn.close()
+
 
 @contextlib.contextmanager
 def machine(name: str, work: Path, serial: str, size_gib: int, forwards: tuple[tuple[int, int], ...],
-            credentials: dict[str, str]) -> Iterator[Machine]:
+            credentials: dict[str, str], cdrom: Path | None = None) -> Iterator[Machine]:
     """A blank machine NAME defined in libvirt (powered off, as a server in a rack before its first
     install), its TPM's swtpm listening for it; destroyed and undefined on leaving (its disk, console
-    and report stay in WORK)."""
+    and report stay in WORK). CDROM: a medium attached by hand."""
     import libvirt
 
     work.mkdir(parents=True, exist_ok=True)
@@ -224,7 +251,7 @@ def machine(name: str, work: Path, serial: str, size_gib: int, forwards: tuple[t
         stack.callback(conn.close)
         with contextlib.suppress(libvirt.libvirtError):
             _remove(conn.lookupByUUIDString(machine_uuid))
-        dom = conn.defineXML(domain_xml(name, machine_uuid, work, disk, serial, tpm.qemu_args(), forwards, credentials))
+        dom = conn.defineXML(domain_xml(name, machine_uuid, work, disk, serial, tpm.qemu_args(), forwards, credentials, cdrom))
         stack.callback(_remove, dom)
         yield Machine(name, machine_uuid, work, disk)
 
@@ -266,3 +293,72 @@ def emulator(tmp: Path, config: Path, port: int) -> Iterator[subprocess.Popen[by
     """sushy-emulator with CONFIG, listening on PORT; stopped on leaving (its log: TMP/libvirt-emulator.log)."""
     with bmc_rig.emulator_process(tmp, config, port, "libvirt-emulator.log") as proc:
         yield proc
+
+
+@contextlib.contextmanager
+def media_server(root: Path, crt: Path, key: Path) -> Iterator[str]:
+    """ROOT's files over HTTPS on loopback with CRT and KEY: the server's URL."""
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, directory=str(root), **kw)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(crt, key)
+    server = HTTPSServer(("127.0.0.1", 0), Quiet, ctx)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@dataclass
+class Server:
+    """One blank server behind its BMC, as `builder flash --bmc` meets it."""
+
+    machine: Machine
+    bmc: str
+    ca: Path         # the test CA of the BMC's and the media server's certificates
+    media_url: str   # the host's ISO, {name} for its name
+    fleet: Path      # the fleet file of this one host: its plan, BMC, credentials, system and proxy address
+    emulator_log: Path
+
+
+@contextlib.contextmanager
+def server_behind_bmc(work: Path, name: str, serial: str, plan: Path, iso: Path, proxy_port: int,
+                      credentials: dict[str, str]) -> Iterator[Server]:
+    """A blank machine NAME (disk SERIAL, 16 GiB) behind sushy-tools' libvirt driver, ISO on an HTTPS
+    media server, and a fleet file naming PLAN, the BMC and the proxy at 127.0.0.1:PROXY_PORT, with
+    Secure Boot as it is (the emulator cannot reset its keys: the module's note)."""
+    ca = bmc_rig.make_ca(work, "rig-ca")
+    bmc_crt, bmc_key = ca.server(work, "bmc", dns=("localhost",), ips=("127.0.0.1",))
+    media_crt, media_key = ca.server(work, "media", dns=("localhost",), ips=("127.0.0.1",))
+    (work / "www" / name).mkdir(parents=True, exist_ok=True)
+    (work / "www" / name / "installer.iso").unlink(missing_ok=True)
+    (work / "www" / name / "installer.iso").symlink_to(iso)
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(daemon(work))
+        pool = stack.enter_context(media_pool(work / "pool"))
+        m = stack.enter_context(machine(name, work / "machine", serial, 16, ((proxy_port, 443),), credentials))
+        media = stack.enter_context(media_server(work / "www", media_crt, media_key))
+        config = emulator_config(work, port, bmc_crt, bmc_key, bmc_rig.write_htpasswd(work / "htpasswd"), m.uuid, pool)
+        stack.enter_context(emulator(work, config, port))
+        fleet = bmc_rig.write_fleet(work / "fleet.toml", [{
+            "name": name, "plan": str(plan), "bmc": f"https://127.0.0.1:{port}",
+            "credentials": str(bmc_rig.write_credentials(work / "bmc-credentials")), "bmc_ca": str(ca.pem),
+            "system": f"/redfish/v1/Systems/{m.uuid}", "address": f"127.0.0.1:{proxy_port}", "secure_boot": "as-is"}])
+        yield Server(m, f"https://127.0.0.1:{port}", ca.pem, f"{media}/{{name}}/installer.iso", fleet, work / "libvirt-emulator.log")
+
+
+@contextlib.contextmanager
+def server_with_medium(work: Path, name: str, serial: str, iso: Path, proxy_port: int,
+                       credentials: dict[str, str]) -> Iterator[Machine]:
+    """The same blank machine with ISO attached as its CD by hand, powered off (`power_on` starts
+    it): the direct install, as the journey's, that `builder flash --bmc` is measured against."""
+    with daemon(work), machine(name, work / "machine", serial, 16, ((proxy_port, 443),), credentials, cdrom=iso) as m:
+        yield m

@@ -94,6 +94,18 @@ def test_fleet_refusals_are_bad_input(tmp_path: Path) -> None:
     assert job.target.proxy_name == "gpu-07.example.net" and job.target.serial == SERIAL
 
 
+def test_a_plan_without_a_proxy_name_is_refused_before_any_bmc(tmp_path: Path) -> None:
+    # the proxy's certificate names proxy.hostname (the image's when the plan has none), never the host name
+    plan = sign_plan(tmp_path, "gpu-07")
+    doc = {"hostname": "gpu-07", "target": {"serial": SERIAL}}
+    data, sig = install_plan.sign(install_plan.from_plain(doc, "gpu-07"), tmp_path / "keys" / "release.key")
+    (plan / install_plan.PLAN_JSON).write_bytes(data)
+    (plan / install_plan.PLAN_SIG).write_bytes(sig)
+    with pytest.raises(UserError, match=r"names no proxy\.hostname") as e:
+        flash_bmc.read_target(plan, "gpu-07")
+    assert "set proxy.hostname" in e.value.hint
+
+
 # ------------------------------------------------------------------------------ recorded responses
 
 

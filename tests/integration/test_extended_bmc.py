@@ -19,16 +19,13 @@ The machine's boot check (demo images) reports on its second serial port and lea
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import re
-import shutil
 import socket
 import ssl
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,9 +33,8 @@ from typing import Any
 
 import pytest
 
-from appliance import config
+from appliance import config, paths
 from builder import build, installer_media, installer_uki, qemu, release, sign_plan, weights_mirror
-from builder.https_server import HTTPSServer
 from testkit import bmc_rig, libvirt_rig
 from testkit.standin import free_port
 
@@ -50,21 +46,6 @@ PROXY_NAME = "gpu-11.example.net"
 SERIAL = "TARGET-0001"
 GUEST_SEES_HOST = "10.0.2.2"  # QEMU's user networking
 INSTALL_TIMEOUT_S = 2400
-
-
-def _media_server(root: Path, crt: Path, key: Path) -> HTTPSServer:
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def __init__(self, *a: Any, **kw: Any) -> None:
-            super().__init__(*a, directory=str(root), **kw)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(crt, key)
-    server = HTTPSServer(("127.0.0.1", 0), Quiet, ctx)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
 
 
 def _flash(argv: list[str], log: Path) -> subprocess.CompletedProcess[str]:
@@ -94,7 +75,7 @@ def _through_proxy(port: int, method: str, path: str, body: bytes = b"") -> tupl
 def _boot_report(machine: libvirt_rig.Machine, timeout: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        reports = [r for r in qemu.parse_reports(machine.report_log) if "status" in r]
+        reports = [r for r in qemu.parse_reports(machine.report_log + machine.console) if "status" in r]
         if reports:
             return reports[-1]
         time.sleep(10)
@@ -112,64 +93,42 @@ def flash_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
     uki = installer_uki.build_uki(demo, output=work / "installer" / installer_uki.UKI_NAME)
     key = build.signing_key_for(demo, None)
 
-    ca = bmc_rig.make_ca(work, "test-ca")
-    bmc_crt, bmc_key = ca.server(work, "bmc", dns=("localhost",), ips=("127.0.0.1",))
-    media_crt, media_key = ca.server(work, "media", dns=("localhost",), ips=("127.0.0.1",))
-    report_crt, report_key = ca.server(work, "collector", ips=(GUEST_SEES_HOST, "127.0.0.1"))
+    # the run's collector: its certificate for the address the guest sees the host at, from a CA the plan names
+    collector_ca = bmc_rig.make_ca(work, "collector-ca")
+    report_crt, report_key = collector_ca.server(work, "collector", ips=(GUEST_SEES_HOST, "127.0.0.1"))
     report_key.chmod(0o600)
     report_port = free_port()
-
     plan_toml = work / f"{NAME}.toml"
     plan_toml.write_text(f'hostname = "{NAME}"\n[proxy]\nhostname = "{PROXY_NAME}"\n[target]\nserial = "{SERIAL}"\n'
-                         f'[report]\nurl = "https://{GUEST_SEES_HOST}:{report_port}/"\nca = """{ca.pem.read_text()}"""\n')
+                         f'[report]\nurl = "https://{GUEST_SEES_HOST}:{report_port}/"\nca = """{collector_ca.pem.read_text()}"""\n')
     plan = work / "hosts" / NAME
     sign_plan.write(plan_toml, key, plan, demo)
     bundle = work / "bundle"
     release.make_bundle(demo, result.disk_image.parent, bundle, key, None, None, with_install_image=True)
-    iso = installer_media.make(result.disk_image.parent, demo.appliance.version, uki, plan, work / "media-out", ["iso"], bundle)["iso"]
-    (work / "www" / NAME).mkdir(parents=True)
-    shutil.move(iso, work / "www" / NAME / "installer.iso")
-    shutil.rmtree(work / "media-out")
+    iso = installer_media.make(result.disk_image.parent, demo.appliance.version, uki, plan, work / "media", ["iso"], bundle)["iso"]
 
     proxy_port = free_port()
-    bmc_port = free_port()
-    htpasswd = work / "htpasswd"
-    import bcrypt
-
-    htpasswd.write_text(f"{bmc_rig.USER}:{bcrypt.hashpw(bmc_rig.PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()}\n")
-    credentials = bmc_rig.write_credentials(work / "bmc-credentials")
-
-    with weights_mirror.demo() as (weights_url, weights_ca), libvirt_rig.daemon(work), \
-            libvirt_rig.media_pool(work / "pool") as pool, \
-            libvirt_rig.machine(NAME, work / "machine", SERIAL, 16, ((proxy_port, 443),),
-                                {qemu.MODEL_SOURCE: weights_url, qemu.MODEL_SOURCE_CA: weights_ca}) as machine:
-        media = _media_server(work / "www", media_crt, media_key)
-        try:
-            emulator_conf = libvirt_rig.emulator_config(work, bmc_port, bmc_crt, bmc_key, htpasswd, machine.uuid, pool)
-            with libvirt_rig.emulator(work, emulator_conf, bmc_port):
-                fleet = bmc_rig.write_fleet(work / "fleet.toml", [{
-                    "name": NAME, "plan": str(plan), "bmc": f"https://127.0.0.1:{bmc_port}", "credentials": str(credentials),
-                    "bmc_ca": str(ca.pem), "system": f"/redfish/v1/Systems/{machine.uuid}",
-                    "address": f"127.0.0.1:{proxy_port}", "secure_boot": "as-is"}])
-                argv = ["--bmc", str(fleet), "--media-url", f"https://127.0.0.1:{media.server_address[1]}/{{name}}/installer.iso",
-                        "--media-ca", str(ca.pem), "--output", str(work / "flash"), "--poll-interval", "10",
-                        "--install-timeout", str(INSTALL_TIMEOUT_S), "--report-listen", f"127.0.0.1:{report_port}",
-                        "--report-cert", str(report_crt), "--report-key", str(report_key)]
-                first = _flash(argv, work / "flash-first.log")
-                state_after_first = (work / "flash" / "state" / f"{NAME}.json").read_bytes() if first.returncode == 0 else b""
-                report = _boot_report(machine, 1800) if first.returncode == 0 else {}
-                served = _through_proxy(proxy_port, "POST", "/v1/completions",
-                                        json.dumps({"model": "standin/tiny-demo", "prompt": "Hello", "max_tokens": 8}).encode()) \
-                    if first.returncode == 0 else (0, b"")
-                emulator_log_before = (work / "libvirt-emulator.log").read_text()
-                second = _flash(argv, work / "flash-second.log")
-                emulator_log_after = (work / "libvirt-emulator.log").read_text()
-                yield {"first": first, "second": second, "report": report, "served": served, "machine": machine, "work": work,
-                       "state_after_first": state_after_first,
-                       "second_requests": emulator_log_after[len(emulator_log_before):], "running": machine.running()}
-        finally:
-            media.shutdown()
-            media.server_close()
+    with weights_mirror.demo() as (weights_url, weights_ca), libvirt_rig.server_behind_bmc(
+            work / "rig", NAME, SERIAL, plan, iso, proxy_port,
+            {paths.MODEL_SOURCE_CREDENTIAL: weights_url, paths.MODEL_SOURCE_CA_CREDENTIAL: weights_ca,
+             # the installer's summary on the serial console too, for the failure's explanation
+             "systemd.unit-dropin.appliance-installer.service":
+                 "[Service]\nStandardOutput=journal+console\nStandardError=journal+console\n"}) as server:
+        argv = ["--bmc", str(server.fleet), "--media-url", server.media_url, "--media-ca", str(server.ca),
+                "--output", str(work / "flash"), "--poll-interval", "10", "--install-timeout", str(INSTALL_TIMEOUT_S),
+                "--report-listen", f"127.0.0.1:{report_port}", "--report-cert", str(report_crt), "--report-key", str(report_key)]
+        first = _flash(argv, work / "flash-first.log")
+        ok = first.returncode == 0
+        state_after_first = (work / "flash" / "state" / f"{NAME}.json").read_bytes() if ok else b""
+        report = _boot_report(server.machine, 1800) if ok else {}
+        served = _through_proxy(proxy_port, "POST", "/v1/completions",
+                                json.dumps({"model": "standin/tiny-demo", "prompt": "Hello", "max_tokens": 8}).encode()) \
+            if ok else (0, b"")
+        before = server.emulator_log.read_text()
+        second = _flash(argv, work / "flash-second.log")
+        yield {"first": first, "second": second, "report": report, "served": served, "machine": server.machine, "work": work,
+               "state_after_first": state_after_first, "second_requests": server.emulator_log.read_text()[len(before):],
+               "running": server.machine.running()}
 
 
 def _explain(run: dict[str, Any]) -> str:
