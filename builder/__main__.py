@@ -266,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     attest.add_parser(sub)
 
+    from builder import recovery_key
+
+    recovery_key.add_parser(sub)
+
     p = cli_help.verb_parser(
         sub, "keys", "make the release and timestamp key pairs (Ed25519), the Secure Boot and PCR policy keys (RSA)",
         examples=["python3 -m builder keys generate", "python3 -m builder keys generate --directory /secure/keys --timestamp"],

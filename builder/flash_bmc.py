@@ -123,6 +123,7 @@ class Target:
     min_gib: int
     max_gib: int
     report_url: str = ""  # the plan's [report] url: where its installer reports ("" without one)
+    recovery_recipient: bool = False  # the plan's [report] names a recovery_recipient: a fresh install's key comes sealed
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,7 @@ def read_target(plan_dir: Path, host: str) -> Target:
         raise UserError(f"{host}: the plan has no [target]", hint="name the disk in the plan (docs/install.md) and sign it again")
     t = plan.target
     return Target(hashlib.sha256(data).hexdigest(), name, t.serial, t.model, t.min_size_gib, t.max_size_gib,
-                  plan.report.url if plan.report else "")
+                  plan.report.url if plan.report else "", bool(plan.report and plan.report.recovery_recipient))
 
 
 def media_url_for(host: Host, template: str) -> str:
@@ -912,13 +913,25 @@ class Flash:
         if doc is not None:
             disk = doc["disk"]
             ek = flash_report.ek_fingerprint(doc)
+            path = flash_report.report_path(self.options.output, self.name)
             return (f"the installer wrote appliance {doc['version']} on {disk['path']} ({disk['model'] or '-'}, serial "
                     f"{disk['serial'] or '-'}, {disk['size_bytes'] / (1 << 30):.1f} GiB), /usr {doc['usr_hash'][:16]}..., "
                     f"{doc['secure_boot'] or 'secure boot not said'}, " + (f"TPM EK {ek}" if ek else "TPM EK not enrolled")
-                    + f" (its report: {flash_report.report_path(self.options.output, self.name)})")
+                    + f" (its report: {path})" + self.recovery_said(doc, path))
         if self.job.target.report_url:
             return f"no report from its installer arrived at {self.job.target.report_url} (its console shows its summary)"
         return "the installer's own summary is on its console only (docs/install.md)"
+
+    def recovery_said(self, doc: dict[str, Any], path: Path) -> str:
+        """Where /var's recovery key is, after the report's own words ("" when its plan seals none)."""
+        if flash_report.SEALED_KEY in doc:
+            return (f"; recovery key sealed to the plan's recipient in {path} "
+                    f"(python3 -m builder recovery-key open --key RECOVERY.key {path})")
+        if not self.job.target.recovery_recipient:
+            return ""
+        if doc["reinstalled"]:
+            return "; no recovery key in its report: a re-install makes none (the first install's key still opens /var)"
+        return "; no recovery key in its report although its plan names a recipient: read it on its console (tty1)"
 
     def run(self) -> str:
         """Every step not done yet; the host's summary line. Raises Refusal."""

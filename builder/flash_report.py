@@ -6,7 +6,8 @@ An HTTPS server (builder/https_server.py) in a thread, with the certificate and 
 gives (the key a regular file of theirs that nobody else may read, not a link). The installer
 sends only to a server that proves itself with the CA its signed plan names (`[report] ca`); here a
 report is taken only for a host of this fleet whose signed plan's SHA-256 it names, with that
-plan's host name, and the first one of a host is kept (OUTPUT/reports/NAME.json, 0600): a second
+plan's host name, and the first one of a host is kept (OUTPUT/reports/NAME.json, 0600, with the
+recovery key sealed to the plan's report.recovery_recipient when the installer made one): a second
 identical one is answered as the first, a different one refused (409). What it says is then
 checked by the flash against the plan (the disk's serial) and against the appliance that answers
 on its proxy. Whoever holds a host's plan could send a false report before its installer does:
@@ -31,6 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from appliance import recovery_seal
 from appliance.atomic import atomic_write
 from appliance.errors import UserError
 from appliance.safe_read import loads_bounded, read_capped
@@ -48,6 +50,7 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
 KEYS = {"format", "host", "plan_sha256", "version", "reinstalled", "disk", "usr_hash", "secure_boot", "attestation", "steps",
         "seconds", "summary"}
 DISK_KEYS = {"path", "model", "serial", "size_bytes"}
+SEALED_KEY = "recovery_key_sealed"  # optional: /var's recovery key sealed to the plan's report.recovery_recipient
 
 
 def _text(value: Any, what: str, limit: int = MAX_TEXT, lines: bool = False) -> str:
@@ -72,9 +75,11 @@ def problem(doc: Any) -> str:
         return "not a JSON object"
     if doc.get("format") != REPORT_FORMAT or isinstance(doc.get("format"), bool):
         return f"format {doc.get('format')!r}, not {REPORT_FORMAT}"
-    if set(doc) != KEYS:
-        wrong = sorted(set(doc) ^ KEYS)[0]
+    if set(doc) - {SEALED_KEY} != KEYS:
+        wrong = sorted((set(doc) - {SEALED_KEY}) ^ KEYS)[0]
         return f"{'unknown' if wrong in doc else 'missing'} key {wrong[:40]!r}"
+    if SEALED_KEY in doc and (wrong := recovery_seal.problem(doc[SEALED_KEY])):
+        return f"{SEALED_KEY}: {wrong}"
     if not isinstance(doc["plan_sha256"], str) or not _SHA256.fullmatch(doc["plan_sha256"]):
         return "plan_sha256 is not 64 hexadecimal digits"
     disk = doc["disk"]

@@ -377,7 +377,8 @@ def install(payload: Payload, plan: install_plan.Plan, plan_dir: Path, *, runner
     exit status. LISTING and SYS_ROOT stand in for lsblk/udev and sysfs, EFIVARS for efivarfs, ENROLL
     for the TPM, REPORT_SENDER for installer.report.send (tests); a disk holding PAYLOAD's version
     already gets only the plan (its /usr and engine store verified as they are). With the plan's
-    [report], what it wrote (without the recovery key) goes to the flash run's collector before the reboot."""
+    [report], what it wrote (without the recovery key, unless sealed to the plan's report.recovery_recipient)
+    goes to the flash run's collector before the reboot."""
     if plan.target is None:
         raise UserError("the install plan has no [target]", hint="name the disk: target.serial, wwn, model or by_path")
     started = time.monotonic()
@@ -437,11 +438,15 @@ def install(payload: Payload, plan: install_plan.Plan, plan_dir: Path, *, runner
     took = time.monotonic() - started
     out(summary(choice, payload, on_disk, steps, took, signer, secure_boot, recovery, attestation))
     if plan.report is not None:
-        # what it wrote, to the flash run's collector; the recovery key stays on this console
+        # what it wrote, to the flash run's collector; the recovery key in the clear stays on this console
         plan_json = read_capped(plan_dir / install_plan.PLAN_JSON, install_plan.MAX_PLAN_BYTES, what="an install plan",
                                 hint="sign the plan again: python3 -m builder plan PLAN.toml") or b""
         doc = report.document(choice, payload, on_disk, plan_json, steps, took, secure_boot, attestation,
                               summary(choice, payload, on_disk, steps, took, signer, secure_boot, "", attestation))
+        # a fresh install's key, sealed to the plan's recipient only (a re-install makes none)
+        if recovery and plan.report.recovery_recipient and (
+                unsealed := report.seal_recovery_key(doc, plan.report.recovery_recipient, recovery)):
+            out(unsealed)
         out(report_sender(plan.report, doc))
     if reboot:
         # stdout is block-buffered off a terminal: the summary must be out before the reboot

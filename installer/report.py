@@ -3,7 +3,10 @@
 signed plan has a [report] section, so that the summary reaches an operator nobody put at the console.
 
 The report is the summary's facts as JSON and the summary's text, both without the recovery key
-(shown on the console once, it travels nowhere). It goes by one HTTPS POST to the plan's
+(shown on the console once, it travels nowhere in the clear). When the plan's report names a
+`recovery_recipient` and the install made a recovery key, the report carries that key sealed to the
+recipient (appliance/recovery_seal.py, bound to the report's host and plan), which only the holder of
+the matching private key opens (`builder recovery-key open`). It goes by one HTTPS POST to the plan's
 `report.url`, to a server that proves itself with the certificate or CA of the plan's `report.ca`:
 that CA is the connection's only trust, so the summary goes to the operator's collector and nowhere
 else. A report that cannot be sent fails no install: one line on the console says so.
@@ -20,6 +23,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from appliance import recovery_seal
 from appliance.signed import install_plan, release_manifest
 from installer import remote, select
 
@@ -55,6 +59,18 @@ def document(choice: select.Choice, payload: Any, plan: install_plan.Plan, plan_
         "seconds": int(seconds),
         "summary": summary,
     }
+
+
+def seal_recovery_key(doc: dict[str, Any], recipient: str, recovery: str) -> str:
+    """DOC with the recovery key RECOVERY sealed to RECIPIENT (PEM) as `recovery_key_sealed`, bound to
+    DOC's host and plan_sha256: "" then, else the console's line saying why it is not (a report
+    without it still goes: the console shows the key)."""
+    try:
+        doc["recovery_key_sealed"] = recovery_seal.seal(recipient, recovery.encode("ascii"),
+                                                        recovery_seal.report_context(doc["host"], doc["plan_sha256"]))
+    except (ValueError, UnicodeEncodeError) as e:
+        return f"recovery key NOT sealed into the report ({str(e)[:200]}): write it down from the summary above"
+    return ""
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):

@@ -334,6 +334,7 @@ def server_behind_bmc(work: Path, name: str, serial: str, plan: Path, iso: Path,
     """A blank machine NAME (disk SERIAL, 16 GiB) behind sushy-tools' libvirt driver, ISO on an HTTPS
     media server, and a fleet file naming PLAN, the BMC and the proxy at 127.0.0.1:PROXY_PORT, with
     Secure Boot as it is (the emulator cannot reset its keys: the module's note)."""
+    work.mkdir(parents=True, exist_ok=True)
     ca = bmc_rig.make_ca(work, "rig-ca")
     bmc_crt, bmc_key = ca.server(work, "bmc", dns=("localhost",), ips=("127.0.0.1",))
     media_crt, media_key = ca.server(work, "media", dns=("localhost",), ips=("127.0.0.1",))
@@ -360,5 +361,6 @@ def server_with_medium(work: Path, name: str, serial: str, iso: Path, proxy_port
                        credentials: dict[str, str]) -> Iterator[Machine]:
     """The same blank machine with ISO attached as its CD by hand, powered off (`power_on` starts
     it): the direct install, as the journey's, that `builder flash --bmc` is measured against."""
+    work.mkdir(parents=True, exist_ok=True)
     with daemon(work), machine(name, work / "machine", serial, 16, ((proxy_port, 443),), credentials, cdrom=iso) as m:
         yield m

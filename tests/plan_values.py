@@ -13,6 +13,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
+from appliance import recovery_seal
 from appliance.signed import install_plan
 
 
@@ -62,6 +63,9 @@ def _ca_pem(name: str) -> str:
 
 
 CA_PEM = _ca_pem("scrapers' CA")
+# the operator's key pair that a report's recovery key is sealed to (`builder recovery-key new`)
+RECIPIENT_KEY, _RECIPIENT_PUB = recovery_seal.new_keypair()
+RECIPIENT_PEM = _RECIPIENT_PUB.decode()
 
 COMMENTS = [
     "jürgen@ßtraße 🚀",
@@ -97,7 +101,8 @@ HOSTILE: dict[str, Any] = {
     "metrics": {"allowed_cidrs": ["2001:db8:ffff:ffff:ffff:ffff:ffff:fff0/124", "0.0.0.0/0"], "client_ca": CA_PEM + CA_PEM},
     "logs": {"upload_url": "https://" + LONGEST_DNS + ":65535/" + "l._~-/" * 100, "upload_ca": CA_PEM},
     "attestation": {"ek_ca": CA_PEM + CA_PEM, "accept_software_tpm": True},
-    "report": {"url": "https://" + LONGEST_DNS + ":65535/" + "r._~-/" * 100, "ca": CA_PEM + CA_PEM},
+    "report": {"url": "https://" + LONGEST_DNS + ":65535/" + "r._~-/" * 100, "ca": CA_PEM + CA_PEM,
+               "recovery_recipient": RECIPIENT_PEM},
     "weights": {"source": "https://" + LONGEST_DNS + ":443/" + "w._~-/" * 100},
     "target": {
         "serial": "S" + " ._:/+-" * 9,

@@ -26,6 +26,7 @@ import plan_values
 import pytest
 
 import installer.report
+from appliance import recovery_seal
 from appliance.errors import UserError
 from appliance.signed import install_plan
 from builder import flash_bmc, flash_report
@@ -557,6 +558,36 @@ def test_a_report_that_contradicts_the_plan_stops_the_host(tmp_path: Path) -> No
     shutil.rmtree(tmp_path / "out" / "state")
     outcome, _ = run_recorded(tmp_path, Recorded(rackmount()), options=options, report=REPORT)
     assert outcome.status == "installed" and "the installer wrote appliance 1.4.0 on /dev/nvme1n1" in outcome.line
+
+
+def test_the_hosts_line_says_where_its_sealed_recovery_key_is(tmp_path: Path) -> None:
+    """A plan whose [report] names a recovery_recipient: the host's line names the report that holds
+    the sealed key and the command that opens it; a report without one says why."""
+    sealed_plan = {**REPORT, "recovery_recipient": plan_values.RECIPIENT_PEM}
+    target = flash_bmc.read_target(sign_report_plan(tmp_path, sealed_plan), "gpu-07")
+    assert target.recovery_recipient and not flash_bmc.read_target(sign_report_plan(tmp_path, REPORT), "gpu-07").recovery_recipient
+    stored = flash_report.report_path(tmp_path / "out", "gpu-07")
+    stored.parent.mkdir(parents=True)
+    context = recovery_seal.report_context("gpu-07.example.net", target.sha256)
+    sealed = recovery_seal.seal(plan_values.RECIPIENT_PEM, b"cbdefghi-" * 7 + b"cbdefghi", context)
+
+    def run(doc: dict[str, Any], plan: dict[str, str]) -> str:
+        stored.write_text(json.dumps(doc))
+        shutil.rmtree(tmp_path / "out" / "state", ignore_errors=True)
+        outcome, lines = run_recorded(tmp_path, Recorded(rackmount()), report=plan)
+        assert outcome.status == "installed", lines
+        return outcome.line
+
+    line = run(_report(target.sha256, recovery_key_sealed=sealed), sealed_plan)
+    assert line.endswith(f"(its report: {stored}); recovery key sealed to the plan's recipient in {stored} "
+                         f"(python3 -m builder recovery-key open --key RECOVERY.key {stored})"), line
+    line = run(_report(target.sha256, reinstalled=True), sealed_plan)
+    assert line.endswith("; no recovery key in its report: a re-install makes none (the first install's key still opens /var)")
+    line = run(_report(target.sha256), sealed_plan)
+    assert line.endswith("; no recovery key in its report although its plan names a recipient: read it on its console (tty1)")
+    # a plan without a recipient: the line as before
+    plain_sha = flash_bmc.read_target(sign_report_plan(tmp_path, REPORT), "gpu-07").sha256
+    assert run(_report(plain_sha), REPORT).endswith(f"(its report: {stored})")
 
 
 # ------------------------------------------------------------------------------ sushy-tools' emulator

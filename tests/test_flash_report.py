@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import plan_values
 import pytest
 
+from appliance import recovery_seal
 from appliance.errors import UserError
 from appliance.signed import install_plan
 from builder import flash_bmc, flash_report
@@ -96,6 +98,22 @@ def test_a_report_reaches_the_collector_and_the_first_one_is_kept(running: tuple
     assert rig.lines[-1].startswith("gpu-07: a different report from 127.0.0.1 refused: the first one is kept")
 
 
+SEALED = recovery_seal.seal(plan_values.RECIPIENT_PEM, b"recovery key", recovery_seal.report_context(HOST, SHA))
+
+
+def test_a_report_with_its_sealed_recovery_key_is_kept_with_it(running: tuple[Rig, flash_report.Collector]) -> None:
+    rig, collector = running
+    doc = report_doc(recovery_key_sealed=SEALED)
+    assert flash_report.problem(doc) == ""
+    assert _send(rig.settings(collector.port), doc).startswith("report sent")
+    stored = flash_report.report_path(rig.output, "gpu-07")
+    assert json.loads(stored.read_text()) == doc and stored.stat().st_mode & 0o777 == 0o600
+    kept = flash_report.read_report(rig.output, "gpu-07")
+    assert kept is not None
+    context = recovery_seal.report_context(kept["host"], kept["plan_sha256"])
+    assert recovery_seal.open_sealed(plan_values.RECIPIENT_KEY, kept["recovery_key_sealed"], context) == b"recovery key"
+
+
 def test_a_stopped_runs_report_is_still_the_first(rig: Rig) -> None:
     with rig.collector() as c:
         assert _send(rig.settings(c.port), report_doc()).startswith("report sent")
@@ -167,7 +185,10 @@ def test_the_collector_refuses_every_other_request(running: tuple[Rig, flash_rep
     for bad in (report_doc(format=2), report_doc(format=True), report_doc(plan_sha256="A" * 64), report_doc(extra=1),
                 report_doc(disk={"path": "/dev/sda"}), report_doc(seconds=-1), report_doc(version="1.4.0\x1b[2J"),
                 report_doc(steps=["ok", "\x85"]), report_doc(summary="ok\nthen\x07"), report_doc(attestation="TPM"),
-                report_doc(secure_boot="x" * (flash_report.MAX_TEXT + 1)), report_doc(reinstalled="no")):
+                report_doc(secure_boot="x" * (flash_report.MAX_TEXT + 1)), report_doc(reinstalled="no"),
+                *(report_doc(recovery_key_sealed=sealed) for sealed in (
+                    "sealed", {**SEALED, "nonce": "!"}, {**SEALED, "ciphertext": "A" * 2000}, {**SEALED, "scheme": "rsa"},
+                    {**SEALED, "extra": ""}, {k: v for k, v in SEALED.items() if k != "ephemeral"}))):
         assert flash_report.problem(bad), bad
         assert _post(port, ca, bad) == 400
     assert collector.reports() == {} and rig.lines == []

@@ -18,7 +18,7 @@ from typing import Any
 import plan_values
 import pytest
 
-from appliance import host_settings, tpm_keys
+from appliance import host_settings, recovery_seal, tpm_keys
 from appliance.errors import UserError
 from appliance.signed import bundle_index, install_plan, release_manifest
 from builder import flash_report, keys
@@ -247,6 +247,49 @@ def test_the_report_goes_to_the_plans_collector_before_the_reboot_and_never_hold
     install.install(_payload(tmp_path), plain, plain_dir, runner=rec, listing=(_as_spare_disk(_host_listing()), {}),
                     boot_partuuid="", trusted_keys=_trusted(tmp_path)[1], out=out.append, report_sender=sender)
     assert sent == []
+
+
+def test_with_a_recipient_the_report_carries_the_recovery_key_sealed_to_it_only(tmp_path: Path) -> None:
+    """A plan whose [report] names a recovery_recipient: a fresh install's report carries the key the
+    console shows, sealed to that public key and bound to the report's host and plan; never in the
+    clear. A re-install makes no key, and its report carries none."""
+    reported = install_plan.Report(url="https://10.0.0.5:8443/", ca=plan_values.CA_PEM, recovery_recipient=plan_values.RECIPIENT_PEM)
+    plan = install_plan.Plan(hostname="gpu-07", proxy=host_settings.Proxy(hostname="gpu-07.example.net"),
+                             target=install_plan.Target(serial="S64ANS0T512345"), report=reported)
+    plan_dir = _sign(tmp_path, plan)
+    written = _as_spare_disk(_host_listing(), WRITTEN)
+    rec = Recorder({"blockdevices": [next(n for n in written["blockdevices"] if n["name"] == "vda")]})
+    out: list[str] = []
+    sent: list[bytes] = []
+
+    def sender(settings: install_plan.Report, doc: dict[str, Any]) -> str:
+        sent.append(release_manifest.canonical(doc))
+        return "report sent"
+
+    assert install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(_as_spare_disk(_host_listing()), {}),
+                           boot_partuuid="", trusted_keys=_trusted(tmp_path)[1], out=out.append, report_sender=sender) == 0
+    [body] = sent
+    assert f" RECOVERY    {RECOVERY}" in out[-2] and out[-1] == "report sent"
+    assert RECOVERY.encode() not in body and RECOVERY.replace("-", "").encode() not in body
+    doc = json.loads(body)
+    assert flash_report.problem(doc) == "" and doc["reinstalled"] is False
+    context = recovery_seal.report_context(doc["host"], doc["plan_sha256"])
+    assert recovery_seal.open_sealed(plan_values.RECIPIENT_KEY, doc["recovery_key_sealed"], context) == RECOVERY.encode()
+    other_key, _ = recovery_seal.new_keypair()
+    with pytest.raises(ValueError, match="does not open"):
+        recovery_seal.open_sealed(other_key, doc["recovery_key_sealed"], context)
+    # a re-install: no new key, none in its report
+    sent.clear()
+    installed, rec = _installed(tmp_path)
+    assert install.install(_payload(tmp_path), plan, plan_dir, runner=rec, listing=(installed, {}), boot_partuuid="",
+                           trusted_keys=_trusted(tmp_path)[1], out=out.append, report_sender=sender) == 0
+    [body] = sent
+    doc = json.loads(body)
+    assert doc["reinstalled"] is True and "recovery_key_sealed" not in doc and flash_report.problem(doc) == ""
+    # a seal that fails (it cannot for a recipient the plan's check took) says so and the report still goes
+    doc = {"host": "h", "plan_sha256": "0" * 64}
+    assert report.seal_recovery_key(doc, "not a key", RECOVERY).startswith("recovery key NOT sealed into the report (")
+    assert "recovery_key_sealed" not in doc
 
 
 def test_a_partition_udev_has_not_listed_yet_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from plan_values import HOSTILE, string_fields, string_leaves
+from plan_values import CA_PEM, HOSTILE, string_fields, string_leaves
 
 import appliance.config
 from appliance import host_settings
@@ -102,6 +102,10 @@ def _config() -> appliance.config.Config:
         ('[report]\nurl = "http://10.0.0.5:8443/"\nca = ""', "report.url = 'http://10.0.0.5:8443/': invalid"),
         ('[report]\nurl = ""\nca = ""', "report.url = '': invalid"),
         ('[report]\nurl = "https://10.0.0.5:8443/"\nca = "not a certificate"', "report.ca = 'not a certificate': invalid"),
+        (f'[report]\nurl = "https://10.0.0.5:8443/"\nca = """{CA_PEM}"""\nrecovery_recipient = "not a key"',
+         "report.recovery_recipient = 'not a key': invalid"),
+        (f'[report]\nurl = "https://10.0.0.5:8443/"\nca = """{CA_PEM}"""\nrecovery_recipient = """{CA_PEM}"""',
+         "report.recovery_recipient = '-----BEGIN CERTIFICATE-----"),
     ],
 )
 def test_bad_plans_are_one_line_with_a_hint(tmp_path: Path, text: str, message: str) -> None:

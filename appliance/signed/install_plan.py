@@ -71,18 +71,28 @@ class Attestation:
     accept_software_tpm: bool = False
 
 
+def _recipient_hint(pem: str) -> str | None:
+    from appliance import recovery_seal  # only where a plan names a recipient
+
+    return recovery_seal.check_recipient(pem)
+
+
 @dataclass(frozen=True)
 class Report:
     """Where the installer sends what it wrote (its summary without the recovery key) for the
     operator who runs `builder flash --bmc` (the device does not read it): the URL of that run's
     collector, and the PEM certificate (or CA) the collector's certificate must chain to, the only
-    trust the installer gives that connection."""
+    trust the installer gives that connection; and optionally the operator's X25519 public key, to
+    which a fresh install's recovery key is sealed in the report (`builder recovery-key`)."""
 
     url: str = field(metadata=_when(lambda v: v and checks.is_https_url(v) is None,
                                     "an https:// URL where `builder flash --bmc --report-listen` listens, e.g. https://10.0.0.5:8443/"))
     ca: str = field(metadata=schema.multiline(
         lambda v: None if v and checks.is_pem_certificates(v) is None else
         "the collector's certificate or its CA, in PEM (-----BEGIN CERTIFICATE----- ...), nothing else"))
+    # the public key /var's recovery key is sealed to in the report (appliance/recovery_seal.py); "": not sent
+    recovery_recipient: str = field(default="", metadata=schema.multiline(
+        lambda v: None if v == "" else _recipient_hint(v)))
 
 
 @dataclass(frozen=True)

@@ -98,9 +98,13 @@ def flash_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
     report_crt, report_key = collector_ca.server(work, "collector", ips=(GUEST_SEES_HOST, "127.0.0.1"))
     report_key.chmod(0o600)
     report_port = free_port()
+    # the operator's recovery key pair: the installer seals /var's recovery key to its public half
+    keygen = subprocess.run([sys.executable, "-m", "builder", "recovery-key", "new", "--out", str(work / "recovery")], cwd=ROOT,
+                            capture_output=True, text=True, check=True)
     plan_toml = work / f"{NAME}.toml"
     plan_toml.write_text(f'hostname = "{NAME}"\n[proxy]\nhostname = "{PROXY_NAME}"\n[target]\nserial = "{SERIAL}"\n'
-                         f'[report]\nurl = "https://{GUEST_SEES_HOST}:{report_port}/"\nca = """{collector_ca.pem.read_text()}"""\n')
+                         f'[report]\nurl = "https://{GUEST_SEES_HOST}:{report_port}/"\nca = """{collector_ca.pem.read_text()}"""\n'
+                         + keygen.stdout.strip() + "\n")
     plan = work / "hosts" / NAME
     sign_plan.write(plan_toml, key, plan, demo)
     bundle = work / "bundle"
@@ -121,12 +125,15 @@ def flash_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         ok = first.returncode == 0
         state_after_first = (work / "flash" / "state" / f"{NAME}.json").read_bytes() if ok else b""
         report = _boot_report(server.machine, 1800) if ok else {}
+        opened = subprocess.run([sys.executable, "-m", "builder", "recovery-key", "open", "--key", str(work / "recovery" / "recovery.key"),
+                                 str(work / "flash" / "reports" / f"{NAME}.json")], cwd=ROOT, capture_output=True, text=True, check=False)
         served = _through_proxy(proxy_port, "POST", "/v1/completions",
                                 json.dumps({"model": "standin/tiny-demo", "prompt": "Hello", "max_tokens": 8}).encode()) \
             if ok else (0, b"")
         before = server.emulator_log.read_text()
         second = _flash(argv, work / "flash-second.log")
         yield {"first": first, "second": second, "report": report, "served": served, "machine": server.machine, "work": work,
+               "opened": opened,
                "state_after_first": state_after_first, "second_requests": server.emulator_log.read_text()[len(before):],
                "running": server.machine.running()}
 
@@ -144,7 +151,8 @@ def test_a_blank_machine_is_flashed_through_its_bmc_alone(flash_run: dict[str, A
         assert f"{NAME}: {step}" in out, out
     assert re.search(rf"{NAME}\s+installed\s", out), out
     state = json.loads(flash_run["state_after_first"])
-    assert state["status"] == "installed" and state["proxy"]["health"] == 200 and PROXY_NAME in state["proxy"]["names"], state
+    # installed once its proxy answers as the plan's host: 503 while the engine still starts (it serves below)
+    assert state["status"] == "installed" and state["proxy"]["health"] in (200, 503) and PROXY_NAME in state["proxy"]["names"], state
 
 
 def test_the_installers_report_came_back_over_the_plans_channel(flash_run: dict[str, Any]) -> None:
@@ -155,6 +163,16 @@ def test_the_installers_report_came_back_over_the_plans_channel(flash_run: dict[
     assert "RECOVERY" not in stored["summary"], stored["summary"]
     # the summary line says what the installer wrote, from its report
     assert SERIAL in flash_run["first"].stdout and "the installer's own summary is on its console only" not in flash_run["first"].stdout
+
+
+def test_the_recovery_key_sealed_to_the_operator_is_the_one_the_console_showed(flash_run: dict[str, Any]) -> None:
+    assert flash_run["first"].returncode == 0, _explain(flash_run)
+    shown = re.findall(r" RECOVERY    (\S+)", flash_run["machine"].console)  # the installer's summary, on the serial console too
+    opened = flash_run["opened"]
+    assert opened.returncode == 0, opened.stderr
+    assert shown and opened.stdout.strip() == shown[-1], (opened.stdout, shown)
+    stored = (flash_run["work"] / "flash" / "reports" / f"{NAME}.json").read_text()
+    assert shown[-1] not in stored  # sealed, never in the clear
 
 
 def test_the_flashed_appliance_is_sealed_and_serves_through_its_proxy(flash_run: dict[str, Any]) -> None:
