@@ -95,7 +95,7 @@ def _release_iso(demo: config.Config, work: Path) -> tuple[Path, Path]:
     from builder import build, installer_media, installer_uki, release, sign_plan
 
     out = build.output_dir(demo)
-    if not (out / f"{demo.appliance.name}_{demo.appliance.version}.raw").exists():
+    if not (out / f"appliance_{demo.appliance.version}.raw").is_file():
         raise FileNotFoundError(f"{out}: build the demo first (make build-demo)")
     key = build.signing_key_for(demo, None)
     uki = installer_uki.build_uki(demo, output=work / "installer" / installer_uki.UKI_NAME)
