@@ -153,6 +153,13 @@ def test_the_summary_goes_to_tty1_only_as_the_page_says() -> None:
     assert "goes to tty1 only" in _section()
 
 
+def test_the_login_prompt_on_that_console_waits_for_the_install() -> None:
+    # a getty started beside the installer takes its terminal over, and the install stops silently
+    unit = _unit()
+    tty = unit["TTYPath"][0].removeprefix("/dev/")
+    assert f"getty@{tty}.service" in " ".join(unit.get("Before", [])).split(), unit.get("Before")
+
+
 def test_the_nics_named_are_the_ones_the_installer_has_drivers_for() -> None:
     section = _section()
     named = re.search(r"drivers for ([\w, ]+) NICs", section.replace("\n", " "))
