@@ -49,8 +49,9 @@ unit: setup
 
 # The fast tier: no root, nothing but the venv; a test that starts a real program is refused there
 # (tests/program_guard.py) and must be marked programs, which make unit runs.
+# Its tests share no state, so they run on every core (pytest-xdist).
 check: lint
-	APPLIANCE_FAST_TIER=1 $(PY) -m pytest -q -m "not integration and not programs" --timeout=600
+	APPLIANCE_FAST_TIER=1 $(PY) -m pytest -q -n auto -m "not integration and not programs" --timeout=600
 
 integration: setup
 	@tools/check-space 22 "the integration tests"
