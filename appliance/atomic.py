@@ -7,10 +7,13 @@ too): a temporary file beside the target, synced, renamed over it, then the dire
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,20 @@ def write_json_atomic(path: Path, data: Any) -> None:
 def write_record(path: Path, record: Any) -> None:
     """PATH holds RECORD (an appliance.schema.Record dataclass) as JSON, with write_json_atomic."""
     write_json_atomic(path, dump_record(record))
+
+
+@contextmanager
+def record_lock(path: Path) -> Iterator[None]:
+    """Held around a read-check-write of the record at PATH (an exclusive flock on PATH.lock, made
+    0600 and never through a link): two writers at once would otherwise both read the old record,
+    and the one that writes last wins, whatever it read."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
 
 
 def replace_dir(new: Path, final: Path) -> None:

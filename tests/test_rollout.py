@@ -355,6 +355,27 @@ def test_an_index_that_installs_nothing_is_recorded_and_the_older_one_it_superse
         server.resolve(T0 + DAY)
 
 
+def test_the_check_and_the_record_of_a_sequence_wait_for_whoever_holds_the_record(server: _Server) -> None:
+    """`update --check` beside the timer's update: each reads the record, checks, writes; without
+    the lock both read the old record and the one that writes last wins, a lower sequence too."""
+    import threading
+
+    from appliance.atomic import record_lock
+    from applianctl.update import channel
+
+    server.sign(server.index(OPEN, sequence=3))
+    outcome: list[Any] = []
+    with record_lock(paths.channel_path()):  # another update holds it
+        other = threading.Thread(target=lambda: outcome.append(server.resolve(T0 + DAY)))
+        other.start()
+        other.join(timeout=1.0)
+        assert other.is_alive() and not outcome, "resolved while another writer held the record"
+        assert not paths.channel_path().exists()
+    other.join(timeout=30)
+    assert outcome and channel.accepted_sequence("stable") == 3
+    assert not paths.channel_path().with_name("channel.json.lock").is_symlink()
+
+
 def test_check_records_the_index_it_accepted(server: _Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """`update --check` takes the verified path too: what it saw supersedes every older index."""
     import argparse

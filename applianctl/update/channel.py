@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance import paths, rollout, schema
-from appliance.atomic import write_json_atomic
+from appliance.atomic import record_lock, write_json_atomic
 from appliance.errors import UserError
 from appliance.fetch import Deadline, open_source
 from appliance.safe_read import MAX_RECORD_BYTES, loads_bounded, read_capped
@@ -85,7 +85,8 @@ def accepted_sequence(channel: str) -> int | None:
 
 
 def accept(channel: rollout.Channel) -> None:
-    """Record CHANNEL's sequence as accepted; the record only goes up."""
+    """Record CHANNEL's sequence as accepted; the record only goes up (the caller holds
+    appliance.atomic.record_lock around its check and this)."""
     record = accepted_sequences()
     last = record.get(channel.channel)
     if last is not None and last >= channel.sequence:
@@ -130,8 +131,9 @@ def resolve(spec: str, *, ca: str | None, deadline: Deadline, keys_dir: Path, ru
         raise UserError(f"{keys_dir}: no trusted keys (*.pub)", hint="the image is damaged")
     channel = rollout.verify(data, sig, keys)
     rollout.check_clock(channel, now)
-    rollout.check_sequence(channel, accepted_sequence(channel.channel))
-    accept(channel)
+    with record_lock(paths.channel_path()):  # a --check beside the timer's update: the record only goes up
+        rollout.check_sequence(channel, accepted_sequence(channel.channel))
+        accept(channel)
     decision = rollout.decide(channel, running_version, machine, now)
     bundle = (base + decision.target.path) if decision.target is not None else None
     return Resolution(channel, decision, bundle, rollout.when(decision, windows, now), rollout.in_window(windows, now))
