@@ -10,6 +10,7 @@ handshake happens in the connection's own thread."""
 from __future__ import annotations
 
 import http.server
+import socket
 import ssl
 import sys
 from typing import Any
@@ -22,6 +23,8 @@ class HTTPSServer(http.server.ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], handler: Any, tls: ssl.SSLContext | None) -> None:
         self.tls = tls  # None: plain HTTP, for the tests that need it
+        if ":" in address[0]:  # an IPv6 address ("::1", "2001:db8::5"): the class's AF_INET cannot bind it
+            self.address_family = socket.AF_INET6
         super().__init__(address, handler)
 
     def server_activate(self) -> None:

@@ -114,6 +114,19 @@ def test_a_report_with_its_sealed_recovery_key_is_kept_with_it(running: tuple[Ri
     assert recovery_seal.open_sealed(plan_values.RECIPIENT_KEY, kept["recovery_key_sealed"], context) == b"recovery key"
 
 
+def test_a_collector_on_an_ipv6_address_takes_the_report(rig: Rig) -> None:
+    """--report-listen [2001:db8::5]:8443, as a rack on IPv6 names it in the plans' report.url."""
+    if not socket.has_ipv6:
+        pytest.skip("this Python has no IPv6")
+    cert, key = rig.ca.server(rig.tmp, "collector6", ips=("::1",))
+    key.chmod(0o600)
+    with flash_report.Collector(("::1", 0), cert, key, {SHA: "gpu-07"}, rig.output, rig.lines.append,
+                                hosts={"gpu-07": HOST}) as c:
+        settings = install_plan.Report(url=f"https://[::1]:{c.port}/", ca=rig.ca.pem.read_text())
+        assert _send(settings, report_doc()) == f"report sent to {settings.url} (HTTP 204)"
+        assert c.report_for("gpu-07") == report_doc()
+
+
 def test_a_stopped_runs_report_is_still_the_first(rig: Rig) -> None:
     with rig.collector() as c:
         assert _send(rig.settings(c.port), report_doc()).startswith("report sent")
